@@ -1,0 +1,98 @@
+"""Argument checks shared by the functional API and the layers.
+
+Every user error is raised here, before any work, as ValueError/TypeError naming the argument, the
+expected and the received value. The checks are cheap (attribute reads, no tensor ops) because
+they run on every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def tensor(x: object, name: str, where: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{where}: expected `{name}` to be a torch.Tensor, got {type(x).__name__}")
+    if not (x.is_floating_point() or x.is_complex()):
+        raise TypeError(f"{where}: expected `{name}` to be a floating-point tensor, got dtype {x.dtype}")
+    return x
+
+
+def ndim(x: Tensor, allowed: Sequence[int], name: str, where: str) -> None:
+    if x.dim() not in allowed:
+        want = " or ".join(f"{d}D" for d in allowed)
+        raise ValueError(f"{where}: expected `{name}` to be {want}, got {x.dim()}D input of shape {tuple(x.shape)}")
+
+
+def param(p: Tensor | None, name: str, shape: Sequence[int], x: Tensor, where: str) -> None:
+    """An optional weight/bias/running buffer: right type, shape and device for input ``x``."""
+    if p is None:
+        return
+    if not isinstance(p, Tensor):
+        raise TypeError(f"{where}: expected `{name}` to be a torch.Tensor or None, got {type(p).__name__}")
+    if p.shape != shape:
+        raise ValueError(
+            f"{where}: expected `{name}` of shape {tuple(shape)} to match input of shape "
+            f"{tuple(x.shape)}, got shape {tuple(p.shape)}"
+        )
+    if p.device != x.device:
+        raise ValueError(f"{where}: expected `{name}` on the input's device {x.device}, got {p.device}")
+
+
+def mask(m: Tensor | None, x: Tensor, channel_dim: int | None, where: str) -> Tensor | None:
+    """A bool mask with the input's shape minus the channel axis; returned broadcastable to x."""
+    if m is None:
+        return None
+    if not isinstance(m, Tensor):
+        raise TypeError(f"{where}: expected `mask` to be a bool torch.Tensor or None, got {type(m).__name__}")
+    if m.dtype != torch.bool:
+        raise TypeError(f"{where}: expected `mask` of dtype torch.bool (True = valid), got {m.dtype}")
+    if channel_dim is None:
+        want = tuple(x.shape)
+    else:
+        cd = channel_dim % x.dim()
+        want = tuple(x.shape[:cd]) + tuple(x.shape[cd + 1 :])
+    if tuple(m.shape) != want:
+        extra = "" if channel_dim is None else f" (the input's shape {tuple(x.shape)} without channel axis {channel_dim})"
+        raise ValueError(f"{where}: expected `mask` of shape {want}{extra}, got {tuple(m.shape)}")
+    if m.device != x.device:
+        raise ValueError(f"{where}: expected `mask` on the input's device {x.device}, got {m.device}")
+    return m if channel_dim is None else m.unsqueeze(channel_dim % x.dim())
+
+
+def positive_eps(eps: float, where: str) -> None:
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise ValueError(f"{where}: expected `eps` to be a non-negative number, got {eps!r}")
+
+
+def normalized_shape(shape: int | Sequence[int] | torch.Size, where: str) -> tuple[int, ...]:
+    """LayerNorm/RMSNorm's ``normalized_shape``: an int or a sequence of positive ints."""
+    if type(shape) is tuple and shape in _VALID_SHAPES:  # the layers' hot path
+        return shape
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        out = tuple(int(s) for s in shape)
+    except TypeError:
+        raise TypeError(f"{where}: expected `normalized_shape` to be an int or a sequence of ints, got {shape!r}") from None
+    if not out or any(s < 1 for s in out):
+        raise ValueError(f"{where}: expected `normalized_shape` to be non-empty with positive sizes, got {out}")
+    if len(_VALID_SHAPES) < 1024:
+        _VALID_SHAPES.add(out)
+    return out
+
+
+_VALID_SHAPES: set[tuple[int, ...]] = set()
+
+
+def trailing(x: Tensor, shape: tuple[int, ...], where: str) -> None:
+    """The input ends with ``shape`` (LayerNorm/RMSNorm)."""
+    k = len(shape)
+    if x.dim() < k or x.shape[-k:] != shape:
+        raise ValueError(
+            f"{where}: expected input whose last {k} dimension(s) are normalized_shape={list(shape)}, "
+            f"got input of shape {tuple(x.shape)}"
+        )

@@ -1,0 +1,385 @@
+"""The engine: one entry point that normalizes over a scope, and the backends that can run it.
+
+``norm(x, scope, ...)`` resolves the scope on ``x``'s shape and hands a :class:`Call` to a
+backend. Three kinds exist:
+
+* ``"aten"``  -- PyTorch's own fused ops (``layer_norm``, ``rms_norm``, ``batch_norm``,
+  ``instance_norm``, ``group_norm``), used when the scope matches one of them *exactly*;
+* ``"triton"`` -- fused kernels for CUDA tensors (:mod:`normscope.kernels`, when Triton is
+  installed; registered on import of that package);
+* ``"reference"`` -- :mod:`normscope.reference`, plain PyTorch ops, any scope, any device.
+
+Per call the first backend of the automatic order that supports the call runs. A user can force
+one: the ``backend=`` argument, else :func:`use_backend` (a context manager), else the
+``NORMSCOPE_BACKEND`` environment variable. A forced backend that cannot run a call raises
+ValueError saying why -- it never silently falls back. :func:`last_backend` says which one ran.
+
+Running statistics live here too, between the two steps: with ``running=Running(...)`` the batch
+statistics update the running estimates (``use_input_stats=True``) or the running estimates
+replace them (``False``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import reference as ref
+from .scope import Resolved, Scope
+
+__all__ = [
+    "Running",
+    "Call",
+    "Backend",
+    "norm",
+    "register_backend",
+    "backends",
+    "use_backend",
+    "last_backend",
+]
+
+ENV_VAR = "NORMSCOPE_BACKEND"
+
+
+class Running(NamedTuple):
+    """Running statistics of a BatchNorm/InstanceNorm-style layer (1-d tensors over the affine
+    axis, or None when the layer tracks none).
+
+    ``momentum`` is the update factor actually used this step (the layer resolves torch's
+    ``momentum=None`` cumulative average into ``1 / num_batches_tracked``).
+    ``use_input_stats``: normalize with this batch's statistics (and update the running ones if
+    present), or with the running ones (evaluation).
+    """
+
+    mean: Tensor | None
+    var: Tensor | None
+    momentum: float
+    use_input_stats: bool
+
+
+class Call(NamedTuple):
+    """Everything a backend needs for one normalization."""
+
+    x: Tensor
+    scope: Resolved
+    weight: Tensor | None
+    bias: Tensor | None
+    eps: float
+    mask: Tensor | None
+    running: Running | None
+
+
+class Backend(NamedTuple):
+    """A way to run calls.
+
+    ``why_not(call)`` returns None when the backend can run ``call``, else a short reason;
+    ``prepare(call)`` returns the function that runs it. Both may look only at the call's
+    *signature* -- the resolved scope (shape included), dtype, device type, and which of mask,
+    running statistics, weight and bias are present -- because their answers are cached per
+    signature (:func:`signature`). Strides are not in it: a backend handles any layout itself.
+    """
+
+    name: str
+    why_not: Callable[[Call], str | None]
+    prepare: Callable[[Call], Callable[[Call], Tensor]]
+
+
+# ----------------------------------------------------------------------------------------------
+# reference backend: moments -> (running statistics) -> rstd -> apply
+
+
+def _update_running(call: Call, m: ref.Moments) -> None:
+    run, s = call.running, call.scope
+    if run.mean is None or run.var is None or run.momentum == 0.0:
+        return
+    # statistics may be finer than the buffers (InstanceNorm: one per sample and channel); the
+    # buffers hold their average over the extra kept axes, as torch's instance_norm does
+    extra = tuple(d for d in range(len(s.shape)) if d not in s.reduce and d not in s.affine)
+    count = m.count
+    with torch.no_grad():
+        mean, var = m.mean.detach(), m.var.detach()
+        if isinstance(count, Tensor):
+            n = count.detach()
+            unbiased = var * n / (n - 1).clamp_min(1)
+        else:
+            unbiased = var * (count / (count - 1)) if count > 1 else var
+        if extra:
+            mean, unbiased = mean.mean(extra, keepdim=True), unbiased.mean(extra, keepdim=True)
+        f = run.momentum
+        run.mean.mul_(1 - f).add_(mean.reshape(run.mean.shape).to(run.mean.dtype), alpha=f)
+        run.var.mul_(1 - f).add_(unbiased.reshape(run.var.shape).to(run.var.dtype), alpha=f)
+
+
+def _running_as_stats(call: Call) -> tuple[Tensor, Tensor]:
+    s, run = call.scope, call.running
+    shape = [s.shape[d] if d in s.affine else 1 for d in range(len(s.shape))]
+    dt = ref.acc_dtype(call.x.dtype)
+    mean = run.mean.to(dt).reshape(shape)
+    return mean, ref.rstd(run.var.to(dt).reshape(shape), call.eps)
+
+
+def _reference_run(call: Call) -> Tensor:
+    run = call.running
+    if run is not None and not run.use_input_stats:
+        mean, rstd = _running_as_stats(call)
+    else:
+        m = ref.moments(call.x, call.scope, call.mask)
+        if run is not None:
+            _update_running(call, m)
+        mean, rstd = m.mean, ref.rstd(m.var, call.eps, m.count)
+    return ref.apply(call.x, mean, rstd, call.scope, call.weight, call.bias)
+
+
+def _reference_why_not(call: Call) -> str | None:
+    if call.running is not None and not call.running.use_input_stats:
+        if call.running.mean is None or call.running.var is None:
+            return "evaluation with running statistics needs running mean and var"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# aten backend: only scopes that are exactly one of torch's fused ops
+
+
+def _aten_kind(call: Call) -> str | None:
+    """Which ATen op computes this call exactly, or None."""
+    s, ndim = call.scope, len(call.scope.shape)
+    if call.mask is not None or not s.centered and call.running is not None:
+        return None
+    reduce, affine = s.reduce, s.affine
+    every_but = lambda *kept: reduce == tuple(d for d in range(ndim) if d not in kept)  # noqa: E731
+    if s.groups == 1 and s.centered:
+        if ndim >= 2 and every_but(1) and affine in ((1,), ()):
+            return "batch_norm"
+        if ndim >= 2 and every_but(ndim - 1) and affine in ((ndim - 1,), ()):
+            return "batch_norm_last"
+        if ndim >= 3 and every_but(0, 1) and affine in ((1,), ()):
+            return "instance_norm"
+    if call.running is not None:
+        return None
+    if s.groups == 1 and reduce and affine in (reduce, ()):
+        if s.centered:
+            return "layer_norm"
+        if call.bias is None:
+            return "rms_norm"
+    if s.centered and ndim >= 2 and every_but(0) and affine in ((1,), ()):
+        return "group_norm"  # groups of channels (also one group: LayerNorm with per-channel affine)
+    return None
+
+
+def _aten_why_not(call: Call) -> str | None:
+    if _aten_kind(call) is None:
+        if call.mask is not None:
+            return "ATen has no masked normalization"
+        return "no ATen op computes this scope exactly"
+    return None
+
+
+def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
+    kind, s = _aten_kind(call), call.scope
+
+    def running(c: Call) -> tuple:
+        r = c.running
+        return (None, None, True, 0.0) if r is None else (r.mean, r.var, r.use_input_stats, r.momentum)
+
+    if kind == "batch_norm":
+        def run(c: Call) -> Tensor:
+            rm, rv, training, mom = running(c)
+            return torch.batch_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn)
+    elif kind == "batch_norm_last":  # (..., C): channels last, e.g. (B, S, D)
+        def run(c: Call) -> Tensor:
+            rm, rv, training, mom = running(c)
+            x2 = c.x.reshape(-1, c.x.shape[-1])
+            return torch.batch_norm(x2, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn).reshape(c.x.shape)
+    elif kind == "instance_norm":
+        def run(c: Call) -> Tensor:
+            rm, rv, training, mom = running(c)
+            return torch.instance_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn)
+    elif kind == "group_norm":
+        def run(c: Call) -> Tensor:
+            return torch.group_norm(c.x, s.groups, c.weight, c.bias, c.eps, _cudnn)
+    else:
+        # layer_norm / rms_norm over any axes: move the reduced axes to the end (a view; free when
+        # they already are the last ones)
+        k = len(s.reduce)
+        ndim = len(s.shape)
+        tail = tuple(range(ndim - k, ndim))
+        shape = [s.shape[d] for d in s.reduce]
+        op = torch.layer_norm if kind == "layer_norm" else None
+        if s.reduce == tail:
+            if op is not None:
+                def run(c: Call) -> Tensor:
+                    return op(c.x, shape, c.weight, c.bias, c.eps, _cudnn)
+            else:
+                def run(c: Call) -> Tensor:
+                    return torch.rms_norm(c.x, shape, c.weight, c.eps)
+        else:
+            def run(c: Call) -> Tensor:
+                xm = c.x.movedim(s.reduce, tail)
+                if op is not None:
+                    y = op(xm, shape, c.weight, c.bias, c.eps, _cudnn)
+                else:
+                    y = torch.rms_norm(xm, shape, c.weight, c.eps)
+                return y.movedim(tail, s.reduce)
+    return run
+
+
+_cudnn = torch.backends.cudnn.enabled
+
+
+# ----------------------------------------------------------------------------------------------
+# registry and dispatch
+
+_BACKENDS: dict[str, Backend] = {}
+_AUTO: list[str] = []
+_forced: list[str] = []  # stack of use_backend() names
+_last: list[str | None] = [None]
+_PLANS: dict[tuple, tuple[str, Callable[[Call], Tensor]]] = {}
+_MAX_PLANS = 4096
+
+
+def register_backend(backend: Backend, *, auto_first: bool = False) -> None:
+    """Add a backend. ``auto_first`` puts it ahead of the others in the automatic order (fast
+    kernels that decline, through ``why_not``, what they cannot do better than ATen)."""
+    _BACKENDS[backend.name] = backend
+    if backend.name in _AUTO:
+        _AUTO.remove(backend.name)
+    _AUTO.insert(0 if auto_first else len(_AUTO), backend.name)
+    _PLANS.clear()
+
+
+def backends() -> list[str]:
+    """Names of the registered backends, in automatic order."""
+    return list(_AUTO)
+
+
+def _reference_prepare(call: Call) -> Callable[[Call], Tensor]:
+    return _reference_run
+
+
+register_backend(Backend("aten", _aten_why_not, _aten_prepare))
+register_backend(Backend("reference", _reference_why_not, _reference_prepare))
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Force a backend inside a ``with`` block (``None`` restores automatic choice)."""
+    if name is not None:
+        _check_backend_name(name, "use_backend(name)")
+    _forced.append(name or "auto")
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def last_backend() -> str | None:
+    """Name of the backend that ran the most recent normalization (None before any)."""
+    return _last[0]
+
+
+def _check_backend_name(name: str, where: str) -> None:
+    if name != "auto" and name not in _BACKENDS:
+        valid = ", ".join(["auto", *_BACKENDS])
+        raise ValueError(f"{where}: unknown backend {name!r}; expected one of: {valid}")
+
+
+def _requested(backend: str | None) -> str:
+    if backend is not None:
+        _check_backend_name(backend, "backend")
+        return backend
+    if _forced:
+        return _forced[-1]
+    env = os.environ.get(ENV_VAR)
+    if env:
+        _check_backend_name(env, f"environment variable {ENV_VAR}")
+        return env
+    return "auto"
+
+
+def signature(call: Call) -> tuple:
+    """What a backend's choice may depend on (see :class:`Backend`)."""
+    r = call.running
+    return (
+        call.scope,
+        call.x.dtype,
+        call.x.device.type,
+        call.mask is None,
+        None if r is None else (r.use_input_stats, r.mean is None, r.var is None),
+        call.weight is None,
+        call.bias is None,
+    )
+
+
+def _plan(call: Call, name: str) -> tuple[str, Callable[[Call], Tensor]]:
+    if name == "auto":
+        for name in _AUTO:
+            if _BACKENDS[name].why_not(call) is None:
+                break
+        else:  # pragma: no cover - the reference runs every call it is given
+            raise ValueError(_BACKENDS["reference"].why_not(call))
+    else:
+        reason = _BACKENDS[name].why_not(call)
+        if reason is not None:
+            raise ValueError(f"backend {name!r} cannot run this normalization: {reason}")
+    return name, _BACKENDS[name].prepare(call)
+
+
+def dispatch(call: Call, backend: str | None = None) -> Tensor:
+    """Run ``call`` on the requested backend, or on the first automatic one that supports it."""
+    requested = _requested(backend)
+    key = (signature(call), requested)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(call, requested)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    _last[0] = plan[0]
+    return plan[1](call)
+
+
+def norm(
+    x: Tensor,
+    scope: Scope | Resolved,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    mask: Tensor | None = None,
+    running: Running | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """Normalize ``x`` over ``scope``: the one engine behind every layer.
+
+    Inputs are assumed valid (layers and :func:`normscope.normalize` check them first); this is
+    the hot path.
+    """
+    resolved = scope if isinstance(scope, Resolved) else scope.resolve(x.shape)
+    return dispatch(Call(x, resolved, weight, bias, eps, mask, running), backend)
+
+
+def stats(x: Tensor, scope: Scope | Resolved, mask: Tensor | None = None, eps: float = 0.0) -> tuple[Tensor, Tensor]:
+    """``(mean, rstd)`` of every scope of ``x`` in fp32 (fp64 for fp64 input), shaped to broadcast
+    against ``x`` (one value per group on a grouped axis)."""
+    resolved = scope if isinstance(scope, Resolved) else scope.resolve(tuple(x.shape))
+    m = ref.moments(x, resolved, mask)
+    return m.mean, ref.rstd(m.var, eps, m.count)
+
+
+def apply(
+    x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    scope: Scope | Resolved,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """Normalize ``x`` with given statistics and apply the affine (the second pure step)."""
+    resolved = scope if isinstance(scope, Resolved) else scope.resolve(tuple(x.shape))
+    return ref.apply(x, mean, rstd, resolved, weight, bias)

@@ -1,0 +1,26 @@
+"""Drop-in replacements for the ``torch.nn`` normalization layers.
+
+Each class *subclasses* its ``torch.nn`` namesake and replaces only ``forward``: constructor
+signature, defaults, parameter and buffer names, ``state_dict`` layout, ``_version`` upgrades,
+``reset_parameters`` and ``repr`` are torch's own, so checkpoints move both ways and
+``isinstance(layer, torch.nn.LayerNorm)`` -- which optimizers' weight-decay filters and
+conv-bn fusers rely on -- stays true. ``forward`` goes through :mod:`normscope.functional`, i.e.
+the one engine, with clearer errors than torch's.
+"""
+
+from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
+from .instancenorm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
+from .normalization import GroupNorm, LayerNorm, LocalResponseNorm, RMSNorm
+
+__all__ = [
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "GroupNorm",
+    "LayerNorm",
+    "LocalResponseNorm",
+    "RMSNorm",
+]

@@ -1,0 +1,81 @@
+"""InstanceNorm1d/2d/3d: statistics per sample and channel over the positions.
+
+Paper: Ulyanov et al. 2016, "Instance Normalization: The Missing Ingredient for Fast Stylization".
+Scope: :meth:`normscope.Scope.instance`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import Tensor, nn
+
+from .. import functional as F
+
+
+class _InstanceNormMixin:
+    """torch's ``_InstanceNorm.forward`` (unbatched input included), routed through the engine."""
+
+    _spatial: int
+
+    def forward(self, input: Tensor) -> Tensor:
+        name = type(self).__name__
+        if not isinstance(input, Tensor):
+            raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
+        unbatched = self._spatial + 1
+        if input.dim() not in (unbatched, unbatched + 1):
+            raise ValueError(
+                f"{name}: expected {unbatched}D (unbatched) or {unbatched + 1}D (batched) input, "
+                f"got {input.dim()}D input of shape {tuple(input.shape)}"
+            )
+        feature_dim = input.dim() - unbatched
+        if input.shape[feature_dim] != self.num_features:
+            if self.affine or self.track_running_stats:
+                raise ValueError(
+                    f"{name}({self.num_features}): expected input with {self.num_features} channels at "
+                    f"dim {feature_dim}, got {input.shape[feature_dim]} (input shape {tuple(input.shape)})"
+                )
+            warnings.warn(
+                f"{name}: input's size at dim={feature_dim} ({input.shape[feature_dim]}) does not match "
+                f"num_features ({self.num_features}); num_features is unused because affine=False",
+                stacklevel=2,
+            )
+        x = input.unsqueeze(0) if feature_dim == 0 else input
+        y = F.instance_norm(
+            x,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            self.training or not self.track_running_stats,
+            self.momentum if self.momentum is not None else 0.0,
+            self.eps,
+        )
+        return y.squeeze(0) if feature_dim == 0 else y
+
+
+class InstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
+    r"""Instance Normalization over a (N, C, L) or unbatched (C, L) input.
+
+    .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \gamma + \beta
+
+    with mean and biased variance over L, separately for each sample and channel. Same arguments
+    and defaults as :class:`torch.nn.InstanceNorm1d` (``affine=False``,
+    ``track_running_stats=False``).
+    """
+
+    _spatial = 1
+
+
+class InstanceNorm2d(_InstanceNormMixin, nn.InstanceNorm2d):
+    r"""Instance Normalization over a (N, C, H, W) or unbatched (C, H, W) input; see
+    :class:`InstanceNorm1d`. Same arguments and defaults as :class:`torch.nn.InstanceNorm2d`."""
+
+    _spatial = 2
+
+
+class InstanceNorm3d(_InstanceNormMixin, nn.InstanceNorm3d):
+    r"""Instance Normalization over a (N, C, D, H, W) or unbatched (C, D, H, W) input; see
+    :class:`InstanceNorm1d`. Same arguments and defaults as :class:`torch.nn.InstanceNorm3d`."""
+
+    _spatial = 3

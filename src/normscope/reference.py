@@ -1,0 +1,136 @@
+"""The reference: every normalization in plain PyTorch ops, written to be read.
+
+This is the oracle every fast path is tested against, the fallback on any device, and the code a
+learner should read. The four steps are split into two pure functions:
+
+    moments(x, scope, mask)  -> Moments(mean, var, count)     steps 1-2: mean and variance
+    apply(x, mean, rstd, ...) -> y                            steps 3-4: normalize and affine
+
+with :func:`rstd` in between. Running statistics (BatchNorm), synchronized statistics
+(SyncBatchNorm) and another tensor's statistics (AdaIN) plug in between the two steps.
+
+Numerics (DESIGN.md): statistics are accumulated in fp32 (fp64 for fp64 input); the variance is
+two-pass -- the mean first, then the mean of squared deviations -- so an input with mean 1e4 and
+std 1e-2 still normalizes to unit variance, which E[x^2] - E[x]^2 in fp32 would not.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .scope import Resolved
+
+__all__ = ["Moments", "acc_dtype", "moments", "rstd", "apply", "normalize"]
+
+
+class Moments(NamedTuple):
+    """First two moments of each scope, in the accumulation dtype, shaped ``scope.stat_shape``.
+
+    ``mean`` is zeros for an uncentered scope and ``var`` is then the mean square. ``count`` is the
+    number of elements in each scope: an int without a mask, a tensor (shaped like ``mean``) with
+    one. ``var`` is the biased (population) variance; BatchNorm's running estimate rescales it by
+    ``count / (count - 1)``.
+    """
+
+    mean: Tensor
+    var: Tensor
+    count: int | Tensor
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics are accumulated in: fp64 for fp64, fp32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _grouped(t: Tensor, scope: Resolved) -> Tensor:
+    return t.reshape(scope.grouped_shape()) if scope.groups > 1 else t
+
+
+def _ungrouped_stat(t: Tensor, scope: Resolved) -> Tensor:
+    # (.., G, 1, ..) in grouped coordinates -> (.., G, ..) in input coordinates
+    return t.squeeze(scope.group_dim + 1) if scope.groups > 1 else t
+
+
+def moments(x: Tensor, scope: Resolved, mask: Tensor | None = None) -> Moments:
+    """Mean and biased variance of every scope of ``x``.
+
+    ``mask``, if given, is a bool tensor broadcastable to ``x``; only True elements count. A scope
+    with no valid element gets mean 0, variance 0 and count 0 (see :func:`rstd`).
+    """
+    xf = _grouped(x.to(acc_dtype(x.dtype)), scope)
+    dims = scope.grouped_reduce() if scope.groups > 1 else scope.reduce
+    if mask is None:
+        if scope.centered:
+            var, mean = torch.var_mean(xf, dim=dims, correction=0, keepdim=True)
+        else:
+            var = xf.square().mean(dim=dims, keepdim=True)
+            mean = torch.zeros_like(var)
+        count: int | Tensor = scope.count
+    else:
+        m = _grouped(mask.expand(x.shape), scope).to(xf.dtype)
+        count = m.sum(dim=dims, keepdim=True)
+        denom = count.clamp_min(1)
+        if scope.centered:
+            mean = (xf * m).sum(dim=dims, keepdim=True) / denom
+            var = ((xf - mean).square() * m).sum(dim=dims, keepdim=True) / denom
+        else:
+            var = (xf.square() * m).sum(dim=dims, keepdim=True) / denom
+            mean = torch.zeros_like(var)
+        count = _ungrouped_stat(count, scope)
+    return Moments(_ungrouped_stat(mean, scope), _ungrouped_stat(var, scope), count)
+
+
+def rstd(var: Tensor, eps: float, count: int | Tensor | None = None) -> Tensor:
+    """``1 / sqrt(var + eps)``; 0 where a scope has no valid element, so its output is the bias."""
+    r = torch.rsqrt(var + eps)
+    if isinstance(count, Tensor):
+        r = torch.where(count > 0, r, torch.zeros_like(r))
+    return r
+
+
+def _affine_view(p: Tensor, scope: Resolved) -> Tensor:
+    # weight/bias cover scope.affine; give them singleton axes everywhere else
+    shape = [scope.shape[d] if d in scope.affine else 1 for d in range(len(scope.shape))]
+    return p.reshape(shape)
+
+
+def apply(
+    x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    scope: Resolved,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
+    """``(x - mean) * rstd * weight + bias``, computed in the statistics' dtype, returned in x's.
+
+    ``mean`` and ``rstd`` are shaped ``scope.stat_shape`` (one value per group on a grouped axis).
+    """
+    xf = x.to(mean.dtype)
+    if scope.groups > 1:
+        g = scope.group_dim + 1
+        y = (_grouped(xf, scope) - mean.unsqueeze(g)) * rstd.unsqueeze(g)
+        y = y.reshape(x.shape)
+    else:
+        y = (xf - mean) * rstd if scope.centered else xf * rstd
+    if weight is not None:
+        y = y * _affine_view(weight, scope).to(y.dtype)
+    if bias is not None:
+        y = y + _affine_view(bias, scope).to(y.dtype)
+    return y.to(x.dtype)
+
+
+def normalize(
+    x: Tensor,
+    scope: Resolved,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    mask: Tensor | None = None,
+) -> Tensor:
+    """The four steps, end to end."""
+    m = moments(x, scope, mask)
+    return apply(x, m.mean, rstd(m.var, eps, m.count), scope, weight, bias)
