@@ -190,19 +190,19 @@ def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
     if kind == "batch_norm":
         def run(c: Call) -> Tensor:
             rm, rv, training, mom = running(c)
-            return torch.batch_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn)
+            return torch.batch_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
     elif kind == "batch_norm_last":  # (..., C): channels last, e.g. (B, S, D)
         def run(c: Call) -> Tensor:
             rm, rv, training, mom = running(c)
             x2 = c.x.reshape(-1, c.x.shape[-1])
-            return torch.batch_norm(x2, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn).reshape(c.x.shape)
+            return torch.batch_norm(x2, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn()).reshape(c.x.shape)
     elif kind == "instance_norm":
         def run(c: Call) -> Tensor:
             rm, rv, training, mom = running(c)
-            return torch.instance_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn)
+            return torch.instance_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
     elif kind == "group_norm":
         def run(c: Call) -> Tensor:
-            return torch.group_norm(c.x, s.groups, c.weight, c.bias, c.eps, _cudnn)
+            return torch.group_norm(c.x, s.groups, c.weight, c.bias, c.eps, _cudnn())
     else:
         # layer_norm / rms_norm over any axes: move the reduced axes to the end (a view; free when
         # they already are the last ones)
@@ -214,7 +214,7 @@ def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
         if s.reduce == tail:
             if op is not None:
                 def run(c: Call) -> Tensor:
-                    return op(c.x, shape, c.weight, c.bias, c.eps, _cudnn)
+                    return op(c.x, shape, c.weight, c.bias, c.eps, _cudnn())
             else:
                 def run(c: Call) -> Tensor:
                     return torch.rms_norm(c.x, shape, c.weight, c.eps)
@@ -222,14 +222,16 @@ def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
             def run(c: Call) -> Tensor:
                 xm = c.x.movedim(s.reduce, tail)
                 if op is not None:
-                    y = op(xm, shape, c.weight, c.bias, c.eps, _cudnn)
+                    y = op(xm, shape, c.weight, c.bias, c.eps, _cudnn())
                 else:
                     y = torch.rms_norm(xm, shape, c.weight, c.eps)
                 return y.movedim(tail, s.reduce)
     return run
 
 
-_cudnn = torch.backends.cudnn.enabled
+def _cudnn() -> bool:
+    # read per call, as torch.nn.functional does: users toggle cuDNN at run time
+    return torch.backends.cudnn.enabled
 
 
 # ----------------------------------------------------------------------------------------------
