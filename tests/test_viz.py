@@ -173,6 +173,10 @@ def test_draw_accepts_torch_and_normscope_layers():
     b = draw(normscope.GroupNorm(3, 6), shape=(2, 6, 4), view="slices")
     assert _highlighted(a) == _highlighted(b) == 2 * 4
     assert "G=3" in a.get_title()
+    # LayerNorm's normalized_shape decides the scope: last axis only -> one scope per (n, c)
+    ln = draw(nn.LayerNorm(4), shape=(2, 6, 4), view="slices")
+    assert _highlighted(ln) == 4 and "LayerNorm((4,))" in ln.get_title()
+    assert _highlighted(draw(nn.LayerNorm((6, 4)), shape=(2, 6, 4), view="slices")) == 24
     with pytest.raises(TypeError, match="norm layer"):
         draw(nn.Linear(2, 2))
 

@@ -56,11 +56,15 @@ def _module_scope(m: nn.Module, layout: str) -> tuple[Scope, str]:
     """The picture scope of a torch/normscope norm layer (by type; torch's own classes work too)."""
     if isinstance(m, nn.GroupNorm):
         return layer_scope("group", layout, m.num_groups), f"GroupNorm (G={m.num_groups})"
+    if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+        # the layer's own normalized_shape decides how many trailing axes share statistics
+        k = len(m.normalized_shape)
+        centered = isinstance(m, nn.LayerNorm)
+        scope = Scope.layer(k) if centered else Scope.rms(k)
+        return scope, f"{type(m).__name__}({tuple(m.normalized_shape)})"
     for cls, name in (
         (nn.modules.batchnorm._BatchNorm, "batch"),
         (nn.modules.instancenorm._InstanceNorm, "instance"),
-        (nn.LayerNorm, "layer"),
-        (nn.RMSNorm, "rms"),
     ):
         if isinstance(m, cls):
             return layer_scope(name, layout), LAYERS[name].title
