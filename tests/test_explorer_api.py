@@ -141,6 +141,7 @@ def test_bad_input_over_http_is_4xx_json(url):
         (b"\xff\xfe", 400, "JSON"),
         (json.dumps({"groups": 4}).encode(), 400, "divisible"),
         (json.dumps({"shape": [64, 64, 2]}).encode(), 413, "4096"),
+        (b"[" * 15000, 400, "nested too deeply"),
     ]:
         s, data = _post(url, body)
         assert s == status and msg in json.loads(data)["error"]

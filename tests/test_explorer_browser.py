@@ -112,11 +112,16 @@ def test_groupnorm_hover_highlights_scope_and_numbers_match_torch(server, browse
 
     browser.get(server)
     _wait(browser, lambda: browser.execute_script("return document.body.dataset.state") == "ready", "first render")
+    from selenium.webdriver.support.ui import Select
+
     _set(browser, "layout", "nchw")
-    _set(browser, "layer", "group")
     _set(browser, "shape", "3,6,4")
-    _set(browser, "groups", "2")
     _set(browser, "seed", "7")
+    # choose GroupNorm with 2 groups the way a user does: the drop-down, then typing
+    Select(browser.find_element("id", "layer")).select_by_visible_text("GroupNorm")
+    groups = browser.find_element("id", "groups")
+    groups.clear()
+    groups.send_keys("2")
     _set(browser, "celltext", "x")
     _settled(browser, "DATA.layer === 'group' && DATA.groups === 2 && DATA.seed === 7")
 

@@ -190,16 +190,18 @@ def _torch_equivalent(layer: str, layout: str, x: Tensor, groups: int, eps: floa
 
 
 def _per_scope_float64(x: Tensor, ids: Tensor, centered: bool, eps: float) -> Tensor:
-    # the definition, one scope at a time: mean and biased variance of the valid members only
-    x64 = x.double().flatten()
-    flat = ids.flatten()
+    # the definition, by scope id: mean and biased variance of each scope's valid members only
+    x64, flat = x.double().flatten(), ids.flatten()
+    valid = flat >= 0
+    k, v = flat[valid], x64[valid]
+    n = max(int(flat.max()) + 1, 1)
+    count = torch.bincount(k, minlength=n).double().clamp_min(1)
+    mean = torch.zeros(n, dtype=torch.float64).index_add_(0, k, v) / count
+    if not centered:
+        mean.zero_()
+    var = torch.zeros(n, dtype=torch.float64).index_add_(0, k, (v - mean[k]).square()) / count
     y = torch.zeros_like(x64)
-    for k in flat[flat >= 0].unique().tolist():
-        sel = flat == k
-        v = x64[sel]
-        mean = v.mean() if centered else torch.zeros((), dtype=torch.float64)
-        var = (v - mean).square().mean()
-        y[sel] = (v - mean) / torch.sqrt(var + eps)
+    y[valid] = (v - mean[k]) / torch.sqrt(var[k] + eps)
     return y.reshape(x.shape)
 
 

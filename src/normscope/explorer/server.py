@@ -140,6 +140,8 @@ class Handler(BaseHTTPRequestHandler):
             req = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             return self._error(HTTPStatus.BAD_REQUEST, f"expected a JSON body: {e}")
+        except RecursionError:  # "[[[[..." within the size limit still nests too deep for json
+            return self._error(HTTPStatus.BAD_REQUEST, "expected a JSON body: nested too deeply")
         try:
             return self._json(200, scope_example(req))
         except ApiError as e:
