@@ -197,3 +197,15 @@ def test_main_reports_a_busy_port(capsys):
         assert explore_main(["--port", str(port), "--no-browser"]) == 2
     assert "cannot listen" in capsys.readouterr().err
     assert explore_main(["--port", "70000", "--no-browser"]) == 2
+
+
+def test_page_needs_no_network():
+    """Everything the page loads comes from this server: no CDN, no absolute URL."""
+    import re
+    from importlib import resources
+
+    static = resources.files("normscope.explorer").joinpath("static")
+    for name in ("index.html", "app.js", "style.css"):
+        text = static.joinpath(name).read_text()
+        urls = set(re.findall(r"(?:https?:)?//[\w.-]+\.[a-z]{2,}[^\s\"')]*", text))
+        assert urls <= {"http://www.w3.org/2000/svg"}, (name, urls)

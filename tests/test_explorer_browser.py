@@ -69,6 +69,7 @@ def browser():
         f"--user-data-dir={profile}",
     ):
         opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # to fail on script errors and CSP violations
     driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=opts)
     driver.set_page_load_timeout(20)
     driver.set_script_timeout(20)
@@ -159,6 +160,14 @@ def test_groupnorm_hover_highlights_scope_and_numbers_match_torch(server, browse
     assert _num(browser, "info-var") == pytest.approx(float(block.var(unbiased=False)), abs=1e-4)
     assert _num(browser, "info-y") == pytest.approx(float(y), abs=1e-4)
     assert "✓" in browser.find_element("id", "check-diff").text
+
+    # no script error or blocked (CSP) resource; answered 4xx requests (while typing) are expected
+    errors = [
+        e["message"]
+        for e in browser.get_log("browser")
+        if e["level"] == "SEVERE" and "Failed to load resource" not in e["message"]
+    ]
+    assert errors == []
 
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "explorer-groupnorm.png"

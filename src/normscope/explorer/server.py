@@ -89,6 +89,11 @@ class Handler(BaseHTTPRequestHandler):
             name = path[len("/static/") :]
             if name in _STATIC:  # a fixed list: no path ever reaches the file system from the URL
                 return self._send(200, _static(name), _STATIC[name])
+        if path == "/favicon.ico":  # browsers ask; answering "nothing" keeps their consoles clean
+            self.send_response(HTTPStatus.NO_CONTENT)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
         if path == "/api/layers":
             return self._json(200, layers_info())
         return self._error(HTTPStatus.NOT_FOUND, f"no such page: {path}")
