@@ -122,8 +122,11 @@ def _colors(ids: Tensor, hl: int) -> dict[int, str]:
 def _face_style(i: int, hl: int, colors: dict[int, str], face: str) -> dict:
     if i < 0:
         return {"facecolor": _shade(PADDING, _SHADE[face]), "hatch": "////", "edgecolor": "#8a8a8a"}
-    base = colors[i]
-    return {"facecolor": _shade(base, _SHADE[face]), "edgecolor": EDGE if i == hl else "#6f6f6f"}
+    if i == hl:
+        return {"facecolor": _shade(colors[i], _SHADE[face]), "edgecolor": EDGE}
+    # the other scopes recede: their colour a third of the way to white, so the shaded scope reads first
+    r, g, b = _shade(colors[i], _SHADE[face])
+    return {"facecolor": tuple(c + (1 - c) * 0.35 for c in (r, g, b)), "edgecolor": "#7a7a7a"}
 
 
 def _pick_highlight(ids: Tensor, highlight: int | None) -> int:
