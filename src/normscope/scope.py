@@ -125,10 +125,12 @@ class Resolved:
     @property
     def count(self) -> int:
         """Elements in one scope (without a mask)."""
-        n = math.prod(self.shape[d] for d in self.reduce)
         if self.groups > 1:
-            n *= self.shape[self.group_dim] // self.groups
-        return n
+            # the grouped axis is in `reduce`, but one scope holds only C/G of its channels
+            return math.prod(
+                self.shape[d] // self.groups if d == self.group_dim else self.shape[d] for d in self.reduce
+            )
+        return math.prod(self.shape[d] for d in self.reduce)
 
     @property
     def stat_shape(self) -> tuple[int, ...]:
