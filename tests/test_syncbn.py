@@ -265,7 +265,8 @@ def test_outside_a_process_group_is_batchnorm():
 
 def test_convert_sync_batchnorm_carries_state():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4), torch.nn.Sequential(normscope.BatchNorm1d(5)))
+    inner = torch.nn.Sequential(normscope.BatchNorm1d(5))
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4), inner)
     model[1](torch.randn(8, 4, 2, 2))  # non-trivial running statistics
     model.eval()
     sd = {k: v.clone() for k, v in model.state_dict().items()}

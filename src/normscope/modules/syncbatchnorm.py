@@ -188,7 +188,9 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         name = type(self).__name__
         check.tensor(input, "input", name)
         if input.dim() < 2:
-            raise ValueError(f"{name}: expected input of shape (N, C, *) with at least 2 dims, got shape {tuple(input.shape)}")
+            raise ValueError(
+                f"{name}: expected input of shape (N, C, *) with at least 2 dims, got shape {tuple(input.shape)}"
+            )
         if input.shape[1] != self.num_features:
             raise ValueError(
                 f"{name}({self.num_features}): expected input with {self.num_features} channels at dim 1, "
