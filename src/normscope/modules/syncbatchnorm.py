@@ -77,43 +77,83 @@ def _local_moments(x: Tensor, s: Resolved, mask: Tensor | None) -> tuple[Tensor,
     return count, mean, var * count
 
 
+def _gather_combine(local: Tensor, world: int, group, name: str, x: Tensor, masked: bool) -> tuple[Tensor, ...]:
+    """All-gather every rank's (count, mean, M2) and combine them (Chan et al.): global n, mean, var (fp64, (C,))."""
+    c = local.shape[1]
+    gathered = torch.empty((world, 3, c), dtype=local.dtype, device=local.device)
+    try:
+        dist.all_gather(list(gathered.unbind(0)), local, group=group)
+    except Exception as err:  # noqa: BLE001 - any backend error means a peer is gone
+        raise _collective_failed(f"all_gather of batch statistics in {name}.forward", group, err) from err
+    n_r, mean_r, m2_r = gathered.unbind(1)  # (world, C) each
+    n = n_r.sum(0)
+    if not masked and bool((n <= 1).any()):
+        # the same global count on every rank, so every rank raises here: no one is left waiting
+        raise ValueError(
+            f"{name}: expected more than 1 value per channel in the global batch when training, got "
+            f"{int(n.min())} (local input shape {tuple(x.shape)}, world size {world})"
+        )
+    mean = (n_r * mean_r).sum(0) / n.clamp_min(1)
+    m2 = m2_r.sum(0) + (n_r * (mean_r - mean).square()).sum(0)
+    return n, mean, m2 / n.clamp_min(1)
+
+
+def _all_reduce(sums: Tensor, group, name: str) -> None:
+    try:
+        dist.all_reduce(sums, group=group)
+    except Exception as err:  # noqa: BLE001
+        raise _collective_failed(f"all_reduce of gradient sums in {name}.backward", group, err) from err
+
+
+def _fast(x: Tensor, mask: Tensor | None, weight: Tensor | None) -> bool:
+    """The common case runs on ATen's fused BatchNorm kernels (see _SyncBatchNormFn)."""
+    return mask is None and x.dtype in (torch.float32, torch.float64) and (weight is None or weight.dtype == x.dtype)
+
+
 class _SyncBatchNormFn(torch.autograd.Function):
-    """BatchNorm over the union of every rank's batch: forward and its exact backward."""
+    """BatchNorm over the union of every rank's batch: forward and its exact backward.
+
+    Two implementations of the same math. The readable one (masks, half precision) is the
+    reference's ``moments`` and ``apply`` with the global statistics in between. The fast one
+    (no mask, fp32/fp64) uses ATen's fused kernels the same way: ``batch_norm_update_stats`` for
+    the local moments, and BatchNorm in *evaluation* mode, whose "running" statistics are the
+    global ones, for the apply; in the backward, eval-mode ``native_batch_norm_backward`` gives
+    ``dy * w * rstd`` and the local sums in one pass, and the global-statistics correction
+    ``c1 * x_hat + c2`` is one more eval-mode BatchNorm (it subtracts the mean before scaling, so
+    it keeps the reference's robustness to a large mean).
+    """
 
     @staticmethod
     def forward(ctx, x, mask, weight, bias, eps, group, world, running, name):
         s = _BATCH.resolve(tuple(x.shape))
-        c = x.shape[1]
-        count, mean, m2 = _local_moments(x, s, mask)
-        local = torch.stack((count, mean, m2))  # (3, C): the one payload of the forward
-        gathered = torch.empty((world, 3, c), dtype=local.dtype, device=local.device)
-        try:
-            dist.all_gather(list(gathered.unbind(0)), local, group=group)
-        except Exception as err:  # noqa: BLE001 - any backend error means a peer is gone
-            raise _collective_failed(f"all_gather of batch statistics in {name}.forward", group, err) from err
-        n_r, mean_r, m2_r = gathered.unbind(1)  # (world, C) each
-        n = n_r.sum(0)
-        if mask is None and bool((n <= 1).any()):
-            # the same global count on every rank, so every rank raises here: no one is left waiting
-            raise ValueError(
-                f"{name}: expected more than 1 value per channel in the global batch when training, got "
-                f"{int(n.min())} (local input shape {tuple(x.shape)}, world size {world})"
-            )
-        gmean = (n_r * mean_r).sum(0) / n.clamp_min(1)
-        gm2 = m2_r.sum(0) + (n_r * (mean_r - gmean).square()).sum(0)
-        gvar = gm2 / n.clamp_min(1)
+        c, shape = x.shape[1], s.stat_shape
+        fast = _fast(x, mask, weight)
+        if fast:
+            if x.numel():
+                mean_l, var_l = (t.double() for t in torch.batch_norm_update_stats(x, None, None, 0.0))
+            else:  # an empty local batch contributes nothing
+                mean_l = var_l = torch.zeros(c, dtype=torch.float64, device=x.device)
+            count = torch.full_like(mean_l, x.numel() // max(c, 1))
+            local = torch.stack((count, mean_l, var_l * count))
+        else:
+            local = torch.stack(_local_moments(x, s, mask))  # (3, C): the one payload of the forward
+        n, gmean, gvar = _gather_combine(local, world, group, name, x, mask is not None)
 
-        acc = ref.acc_dtype(x.dtype)
-        shape = s.stat_shape
+        acc = x.dtype if fast else ref.acc_dtype(x.dtype)
         n_b, mean_b, var_b = (t.to(acc).reshape(shape) for t in (n, gmean, gvar))
         if running is not None:
             _update_running(Call(x, s, None, None, eps, mask, running), ref.Moments(mean_b, var_b, n_b))
+        ctx.group, ctx.name, ctx.has_bias, ctx.fast, ctx.eps = group, name, bias is not None, fast, eps
+        if fast:
+            mean, var = mean_b.reshape(c), var_b.reshape(c)
+            y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, _cudnn()) if x.numel() else x.clone()
+            ctx.save_for_backward(x, weight, mean, var, n_b.reshape(c))
+            return y
         rstd = ref.rstd(var_b, eps, n_b)
         # weight folded into rstd: one multiply fewer on the big tensor, same affine map
         scale = rstd if weight is None else rstd * weight.to(acc).reshape(shape)
         y = ref.apply(x, mean_b, scale, s, None, bias)
         ctx.save_for_backward(x, mask, weight, mean_b, rstd, n_b)
-        ctx.group, ctx.name, ctx.has_bias = group, name, bias is not None
         return y
 
     @staticmethod
@@ -122,28 +162,51 @@ class _SyncBatchNormFn(torch.autograd.Function):
         # come from the valid positions of every rank. Differentiating through mean and rstd:
         #   dx = rstd * w * (dy - valid / n * (sum dy + x_hat * sum dy * x_hat))
         # where both sums run over all positions of all ranks: the backward's one all_reduce.
+        # The local sums are this rank's bias/weight gradients; DDP then averages them across
+        # ranks as for every other parameter (torch.nn.SyncBatchNorm does the same).
+        if ctx.fast:
+            return _SyncBatchNormFn._backward_fast(ctx, dy)
         x, mask, weight, mean, rstd, n = ctx.saved_tensors
         s = _BATCH.resolve(tuple(x.shape))
-        c, dims = x.shape[1], s.reduce
+        c, dims, shape = x.shape[1], s.reduce, s.stat_shape
         acc = mean.dtype
         dyf, xhat = dy.to(acc), (x.to(acc) - mean) * rstd
         sum_dy = dyf.sum(dims)
         sum_dy_xhat = (dyf * xhat).sum(dims)
         sums = torch.cat((sum_dy, sum_dy_xhat))
-        # the local sums are this rank's weight/bias gradients: DDP then averages them across
-        # ranks as for every other parameter (torch.nn.SyncBatchNorm does the same)
         grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
         grad_bias = sum_dy.to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        try:
-            dist.all_reduce(sums, group=ctx.group)
-        except Exception as err:  # noqa: BLE001
-            raise _collective_failed(f"all_reduce of gradient sums in {ctx.name}.backward", ctx.group, err) from err
-        shape = s.stat_shape
+        _all_reduce(sums, ctx.group, ctx.name)
         g_dy, g_dyx = sums[:c].reshape(shape), sums[c:].reshape(shape)
         valid = 1.0 if mask is None else mask.to(acc)
         scale = rstd if weight is None else rstd * weight.to(acc).reshape(shape)
         dx = scale * (dyf - valid / n.clamp_min(1) * (g_dy + xhat * g_dyx))
         return dx.to(x.dtype), None, grad_weight, grad_bias, None, None, None, None, None
+
+    @staticmethod
+    def _backward_fast(ctx, dy):
+        x, weight, mean, var, n = ctx.saved_tensors
+        c, eps = x.shape[1], ctx.eps
+        if x.numel():
+            dx, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                dy.contiguous(), x, weight, mean, var, None, None, False, eps, [True, True, True]
+            )
+        else:  # ATen's kernel does not accept an empty batch; this rank still joins the all_reduce
+            dx = torch.zeros_like(x)
+            sum_dy = sum_dy_xhat = torch.zeros(c, dtype=x.dtype, device=x.device)
+        sums = torch.cat((sum_dy, sum_dy_xhat))
+        grad_weight = sum_dy_xhat.clone() if weight is not None and ctx.needs_input_grad[2] else None
+        grad_bias = sum_dy.clone() if ctx.has_bias and ctx.needs_input_grad[3] else None
+        _all_reduce(sums, ctx.group, ctx.name)
+        if x.numel():
+            w_rstd = torch.rsqrt(var + eps) if weight is None else weight * torch.rsqrt(var + eps)
+            c1, c2 = -w_rstd * sums[c:] / n, -w_rstd * sums[:c] / n
+            dx.add_(torch.batch_norm(x, c1, c2, mean, var, False, 0.0, eps, _cudnn()))
+        return dx, None, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _cudnn() -> bool:
+    return torch.backends.cudnn.enabled
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
