@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, store: str, cases: dict, out_dir: str, fail_r
     try:
         counts = _count_collectives()
         for name, case in cases.items():
-            bn = normscope.SyncBatchNorm(C, momentum=MOMENTUM, dtype=case["dtype"])
+            bn = normscope.SyncBatchNorm(C, momentum=MOMENTUM, dtype=case.get("param_dtype", case["dtype"]))
             with torch.no_grad():
                 bn.weight.copy_(case["weight"])
                 bn.bias.copy_(case["bias"])
@@ -214,6 +214,8 @@ def test_three_ranks_unequal_empty_masked(tmp_path):
         "fp32": _data(sizes, torch.float32, masked=False, seed=2),
         "masked": _data([2, 4, 0], torch.float64, masked=True, seed=3),
         "masked_all_ranks": _data([2, 1, 3], torch.float64, masked=True, seed=4),
+        # bf16 activations with fp32 parameters (autocast-style): the reference path, fp32 statistics
+        "bf16": {**_data([3, 2, 0], torch.bfloat16, masked=False, seed=7), "param_dtype": torch.float32},
         # mean 1e4, std 0.1: E[x^2] - E[x]^2 in fp32 would lose the whole variance (ulp(1e8) = 8)
         "offset": _data([4, 2, 3], torch.float32, masked=False, steps=1, offset=1e4, scale=1e-1, seed=5),
     }
@@ -222,6 +224,8 @@ def test_three_ranks_unequal_empty_masked(tmp_path):
     _compare("fp32", got, _reference(cases["fp32"], masked=False), atol=2e-5)
     _compare("masked", got, _reference(cases["masked"], masked=True), atol=1e-10)
     _compare("masked_all_ranks", got, _reference(cases["masked_all_ranks"], masked=True), atol=1e-10)
+    # bf16 output: one rounding of values of magnitude ~3 is ~1.6e-2
+    _compare("bf16", got, _reference(cases["bf16"], masked=False), atol=3e-2)
     # the offset case: the output's global per-channel variance is var / (var + eps), var being
     # the float64 variance of the fp32 inputs. Compare the statistic: fp32 statistics at 1e4 carry
     # ~ulp(1e4) = 1e-3 of rounding against a std of 0.1 (measured error ~1e-3), whereas the
