@@ -233,15 +233,15 @@ def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
 _cudnn = torch.backends.cudnn.enabled
 
 
-def _static(sizes: list) -> list[int]:
+def _static(sizes: list) -> list:
     """Sizes as Python ints. Under the TorchScript tracer (legacy ONNX export) ``x.shape`` holds
     0-d tensors, and a traced ``normalized_shape`` cannot be exported with a dynamic axis; the
     normalized axes are fixed by the layer's weight anyway, so freeze them (once, at prepare)."""
-    if all(type(n) is int for n in sizes):
-        return sizes
+    if not any(isinstance(n, Tensor) for n in sizes):
+        return sizes  # ints, or SymInts under torch.export (left symbolic)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        return [int(n) for n in sizes]
+        return [int(n) if isinstance(n, Tensor) else n for n in sizes]
 
 
 # ----------------------------------------------------------------------------------------------
