@@ -9,7 +9,8 @@ gives each rank its local per-channel ``(count, mean, M2)``, one ``all_gather`` 
 Chan et al.'s parallel formula combines them, and :func:`normscope.reference.apply` normalizes.
 The backward needs two global per-channel sums (``sum dy`` and ``sum dy * x_hat``), exchanged in
 one ``all_reduce``. So: exactly one collective per forward and one per backward, on any backend
-(gloo on CPU, NCCL on GPU).
+(gloo on CPU, NCCL on GPU). Unmasked fp32/fp64 inputs run the same steps on ATen's fused
+BatchNorm kernels instead of the reference (see :class:`_SyncBatchNormFn`).
 
 Why gather ``(count, mean, M2)`` instead of all-reducing ``(count, sum x, sum x^2)`` as torch's
 CUDA kernels do: ``E[x^2] - E[x]^2`` cancels catastrophically when ``|mean| >> std`` (an input with
