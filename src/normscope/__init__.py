@@ -20,6 +20,7 @@ from .modules import (
     LayerNorm,
     LocalResponseNorm,
     RMSNorm,
+    SyncBatchNorm,
 )
 from .scope import Scope
 
@@ -42,4 +43,5 @@ __all__ = [
     "LayerNorm",
     "LocalResponseNorm",
     "RMSNorm",
+    "SyncBatchNorm",
 ]

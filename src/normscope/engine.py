@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -209,7 +210,7 @@ def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
         k = len(s.reduce)
         ndim = len(s.shape)
         tail = tuple(range(ndim - k, ndim))
-        shape = [s.shape[d] for d in s.reduce]
+        shape = _static([s.shape[d] for d in s.reduce])
         op = torch.layer_norm if kind == "layer_norm" else None
         if s.reduce == tail:
             if op is not None:
@@ -232,6 +233,17 @@ def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
 def _cudnn() -> bool:
     # read per call, as torch.nn.functional does: users toggle cuDNN at run time
     return torch.backends.cudnn.enabled
+
+
+def _static(sizes: list) -> list:
+    """Sizes as Python ints. Under the TorchScript tracer (legacy ONNX export) ``x.shape`` holds
+    0-d tensors, and a traced ``normalized_shape`` cannot be exported with a dynamic axis; the
+    normalized axes are fixed by the layer's weight anyway, so freeze them (once, at prepare)."""
+    if not any(isinstance(n, Tensor) for n in sizes):
+        return sizes  # ints, or SymInts under torch.export (left symbolic)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return [int(n) if isinstance(n, Tensor) else n for n in sizes]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -336,7 +348,14 @@ def dispatch(call: Call, backend: str | None = None) -> Tensor:
     """Run ``call`` on the requested backend, or on the first automatic one that supports it."""
     requested = _requested(backend)
     key = (signature(call), requested)
-    plan = _PLANS.get(key)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:
+        # symbolic sizes (torch.export / torch.compile with dynamic dims, e.g. ONNX export with a
+        # dynamic batch) are unhashable: choose afresh, uncached -- this runs once, at trace time
+        plan = _plan(call, requested)
+        _last[0] = plan[0]
+        return plan[1](call)
     if plan is None:
         plan = _plan(call, requested)
         if len(_PLANS) >= _MAX_PLANS:

@@ -107,7 +107,12 @@ class Scope:
         Raises ValueError (naming the axis and the rank) when an axis does not exist, or when the
         grouped axis does not split evenly.
         """
-        return _resolve(self, shape)
+        try:
+            return _resolve(self, shape)
+        except TypeError:
+            # symbolic sizes (torch.export / torch.compile with dynamic dims) are unhashable, so
+            # they cannot key the cache; resolving them uncached keeps those dims dynamic
+            return _resolve.__wrapped__(self, shape)
 
 
 @dataclass(frozen=True)

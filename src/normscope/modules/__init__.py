@@ -11,6 +11,7 @@ the one engine, with clearer errors than torch's.
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .instancenorm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from .normalization import GroupNorm, LayerNorm, LocalResponseNorm, RMSNorm
+from .syncbatchnorm import SyncBatchNorm
 
 __all__ = [
     "BatchNorm1d",
@@ -23,4 +24,5 @@ __all__ = [
     "LayerNorm",
     "LocalResponseNorm",
     "RMSNorm",
+    "SyncBatchNorm",
 ]
