@@ -119,13 +119,15 @@ class GroupNorm(nn.GroupNorm):
             )
         super().__init__(num_groups, num_channels, eps, affine, device, dtype)
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Normalize ``input``; ``mask`` (optional, bool, ``(N, *)``, True = valid) restricts each
+        group's statistics to valid positions."""
         if isinstance(input, Tensor) and input.dim() >= 2 and input.shape[1] != self.num_channels:
             raise ValueError(
                 f"GroupNorm({self.num_groups}, {self.num_channels}): expected input with "
                 f"{self.num_channels} channels at dim 1, got {input.shape[1]} (input shape {tuple(input.shape)})"
             )
-        return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+        return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps, mask=mask)
 
 
 class LocalResponseNorm(nn.LocalResponseNorm):
