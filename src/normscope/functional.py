@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from . import _checks as check
-from .engine import Running, norm
+from .engine import Running, norm, stats
+from .engine import apply as _apply
 from .scope import Scope
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "group_norm",
     "local_response_norm",
     "normalize",
+    "adain",
 ]
 
 _LAYER_SCOPES = {k: Scope.layer(k) for k in range(1, 9)}
@@ -308,3 +310,60 @@ def normalize(
         if mask.device != x.device:
             raise ValueError(f"{where}: expected `mask` on the input's device {x.device}, got {mask.device}")
     return norm(x, resolved, weight, bias, eps, mask=mask, backend=backend)
+
+
+def adain(content: Tensor, style: Tensor | tuple[Tensor, Tensor], eps: float = 1e-5) -> Tensor:
+    r"""Adaptive Instance Normalization (Huang & Belongie 2017, "Arbitrary Style Transfer in
+    Real-time with Adaptive Instance Normalization").
+
+    .. math:: \mathrm{AdaIN}(x, s) = \sigma(s) \frac{x - \mu(x)}{\sigma(x)} + \mu(s)
+
+    :math:`\mu, \sigma`: per sample and channel over the spatial axes, biased variance with eps
+    inside the square root (InstanceNorm's statistics; the paper's reference code uses the
+    unbiased variance). On the engine: the content's instance statistics, then ``apply`` with
+    the style's std folded into ``rstd`` and its mean added -- the affine is per (sample, channel)
+    here, which the per-channel ``weight``/``bias`` of ``apply`` cannot express.
+
+    Args:
+        content: (N, C, *) with at least one spatial axis.
+        style: a tensor (N or 1, C, *') with its own spatial size, or a tuple ``(style_mean,
+            style_std)`` of tensors shaped (N, C), (1, C) or (C,).
+        eps: added to the variances. Default: 1e-5.
+
+    Example::
+
+        >>> y = normscope.functional.adain(torch.randn(2, 8, 16, 16), torch.randn(2, 8, 9, 9))
+    """
+    where = "adain"
+    check.tensor(content, "content", where)
+    check.positive_eps(eps, where)
+    if content.dim() < 3:
+        raise ValueError(f"{where}: expected `content` of shape (N, C, *) with at least 3 dims, got {tuple(content.shape)}")
+    n, c = content.shape[:2]
+    spatial = (1,) * (content.dim() - 2)
+    if isinstance(style, tuple):
+        if len(style) != 2:
+            raise ValueError(f"{where}: expected `style` as a (mean, std) tuple, got a tuple of {len(style)}")
+        for name, t in zip(("style_mean", "style_std"), style):
+            check.tensor(t, name, where)
+            if t.shape not in ((n, c), (1, c), (c,)):
+                raise ValueError(f"{where}: expected `{name}` of shape {(n, c)}, {(1, c)} or {(c,)}, got {tuple(t.shape)}")
+            if t.device != content.device:
+                raise ValueError(f"{where}: expected `{name}` on {content.device}, got {t.device}")
+        s_mean, s_std = (t.reshape(-1, c, *spatial) for t in style)
+    else:
+        check.tensor(style, "style", where)
+        if style.dim() < 3 or style.shape[1] != c or style.shape[0] not in (1, n):
+            raise ValueError(
+                f"{where}: expected `style` of shape ({n} or 1, {c}, *) to match content {tuple(content.shape)}, "
+                f"got {tuple(style.shape)}"
+            )
+        if style.device != content.device:
+            raise ValueError(f"{where}: expected `style` on {content.device}, got {style.device}")
+        s_mean, s_rstd = stats(style, _INSTANCE, eps=eps)
+        s_std = s_rstd.reciprocal()
+        s_mean, s_std = s_mean.reshape(-1, c, *spatial), s_std.reshape(-1, c, *spatial)
+    mean, rstd = stats(content, _INSTANCE, eps=eps)
+    dt = mean.dtype
+    y = _apply(content, mean, rstd * s_std.to(dt), _INSTANCE)
+    return (y.to(dt) + s_mean.to(dt)).to(content.dtype)

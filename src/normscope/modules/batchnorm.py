@@ -101,9 +101,12 @@ class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
         track_running_stats: bool = True,
         device=None,
         dtype=None,
+        *,
         channel_dim: int = 1,
+        **kw,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        # **kw: torch's keyword-only arguments of the running version (``bias=`` since 2.13)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **kw)
         if channel_dim not in (1, -1):
             raise ValueError(f"BatchNorm1d: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
         if channel_dim != 1:
