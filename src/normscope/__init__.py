@@ -7,7 +7,6 @@ configurations of it.
 """
 
 from . import functional
-
 from .convert import convert
 from .engine import backends, last_backend, use_backend
 from .functional import normalize

@@ -97,6 +97,7 @@ def _frozen_from(bn: nn.Module) -> FrozenBatchNorm2d:
         if bn.bias is not None:
             frozen.bias.copy_(bn.bias)
     frozen.source_cls = type(bn)
+    frozen.train(bn.training)  # no effect on a frozen layer, but restored by unfreeze_batchnorm
     return frozen
 
 
