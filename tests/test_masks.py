@@ -101,17 +101,19 @@ def test_per_sample_masked_equals_valid_only(kind):
 
 
 def test_padding_has_no_influence():
-    x = torch.randn(4, 5, 8)
+    x = torch.randn(4, 6, 8)
     mask = _mask(4, 8)
-    x2 = x.clone()
-    x2.transpose(1, 2)[~mask] = 1e6  # garbage in the padding
-    for layer in (normscope.BatchNorm1d(5), normscope.InstanceNorm1d(5), normscope.GroupNorm(5, 5)):
-        y1, y2 = layer(x, mask), layer(x2, mask)
-        m = mask.unsqueeze(1).expand_as(y1)
-        torch.testing.assert_close(y1[m], y2[m])
+    for garbage in (1e6, float("inf"), float("nan")):
+        x2 = x.clone()
+        x2.transpose(1, 2)[~mask] = garbage  # garbage in the padding
+        for layer in (normscope.BatchNorm1d(6), normscope.InstanceNorm1d(6), normscope.GroupNorm(3, 6),
+                      normscope.GroupNorm(1, 6)):
+            y1, y2 = layer(x, mask), layer(x2, mask)
+            m = mask.unsqueeze(1).expand_as(y1)
+            torch.testing.assert_close(y1[m], y2[m])
     # padded inputs receive no gradient through the statistics
     xg = x.clone().requires_grad_()
-    y = normscope.BatchNorm1d(5)(xg, mask)
+    y = normscope.BatchNorm1d(6)(xg, mask)
     (y * mask.unsqueeze(1)).square().sum().backward()
     assert torch.count_nonzero(xg.grad.transpose(1, 2)[~mask]) == 0
 
@@ -169,3 +171,21 @@ def test_channels_last_batchnorm1d():
     torch.testing.assert_close(bn(x), ref(x.transpose(1, 2)).transpose(1, 2), **TOL)
     with pytest.raises(ValueError, match="channels at dim -1"):
         bn(torch.randn(4, 6, 9))
+
+
+def test_masked_large_offset_and_broadcast_mask():
+    # two-pass variance on valid elements: mean 1e4, std 1e-2 in fp32 still normalizes to unit variance
+    x = torch.randn(6, 3, 50) * 1e-2 + 1e4
+    mask = _mask(6, 50)
+    y = normscope.BatchNorm1d(3, eps=1e-12)(x, mask)
+    yv = y.transpose(1, 2)[mask]
+    torch.testing.assert_close(yv.var(0, unbiased=False), torch.ones(3), atol=1e-3, rtol=1e-3)
+    # a mask broadcast over a reduced axis counts that axis' elements (same as the expanded mask)
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    m = _mask(2, 1, 5)
+    torch.testing.assert_close(
+        normscope.normalize(x, dims=(1, 2), mask=m), normscope.normalize(x, dims=(1, 2), mask=m.expand(2, 3, 5))
+    )
+    xv = x[0][:, m[0, 0]]
+    want = (xv - xv.mean()) / torch.sqrt(xv.var(unbiased=False) + 1e-5)
+    torch.testing.assert_close(normscope.normalize(x, dims=(1, 2), mask=m)[0][:, m[0, 0]], want)
