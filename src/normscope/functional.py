@@ -93,6 +93,8 @@ def batch_norm(
             )
     elif running_mean is None or running_var is None:
         raise ValueError(f"{where}: evaluation (training=False) needs `running_mean` and `running_var`, got None")
+    if not training:
+        mask = None  # the running statistics normalize every position alike: ATen's fused path
     running = None
     if running_mean is not None or running_var is not None or not training:
         running = Running(running_mean, running_var, 0.0 if momentum is None else float(momentum), training)

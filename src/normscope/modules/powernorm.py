@@ -13,14 +13,16 @@ Where the paper and the reference code differ, and what we do (see also ``docs/b
   features (``GroupScaling1D``, ``group_num=1``: an RMSNorm without weight, eps 1e-5); the paper
   does not mention it. ``group_scaling=None`` (default) follows the paper; ``group_scaling=1``
   (or G groups) reproduces the reference, computed as an engine RMS scope over the channel axis.
-* **Which variance divides the gradient.** The paper's Algorithm 1 divides the backward by the
-  same running :math:`\psi` as the forward; the reference divides by the *batch* quadratic mean
-  in the backward also after warm-up, while its forward then uses the running one. We follow the
-  reference (it is what produced the paper's numbers): forward ``x / sqrt(running_phi + eps)``
-  after warm-up, backward always ``/ sqrt(batch_phi + eps)``.
-* **Backward running state** (:math:`\nu`, ``ema_gz``): as the reference,
+* **Which quadratic mean divides the gradient.** After warm-up the reference's forward divides
+  by the running ``running_phi`` but its backward still divides by the *batch* quadratic mean;
+  the paper's Algorithm 1, as we read it, uses the running :math:`\psi` in both passes (we could
+  not re-check the PDF while writing this). We follow the reference, the code behind the
+  paper's numbers: forward ``x / sqrt(running_phi + eps)`` after warm-up, backward always
+  ``/ sqrt(phi_B + eps)``.
+* **Backward running state** (:math:`\nu`, ``ema_gz``): exactly the reference's update,
   ``g' = g - (1 - alpha_bkw) * ema_gz * z``, ``ema_gz += mean(g' * z)``, ``dx = g' / sqrt(phi_B + eps)``,
-  where ``g = dL/dz`` (z: the normalized input before the affine).
+  with ``g = dL/dz`` (z: the normalized input before the affine). It is an accumulation rather
+  than an exponential average in the usual ``alpha * old + (1 - alpha) * new`` form.
 * **Which tokens the means run over.** The reference's forward statistic uses valid tokens only
   but its ``ema_gz`` update averages over *every* position, padding included. We use valid
   tokens in both (padding then has no influence on any state).
