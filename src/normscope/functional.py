@@ -340,7 +340,9 @@ def adain(content: Tensor, style: Tensor | tuple[Tensor, Tensor], eps: float = 1
     check.tensor(content, "content", where)
     check.positive_eps(eps, where)
     if content.dim() < 3:
-        raise ValueError(f"{where}: expected `content` of shape (N, C, *) with at least 3 dims, got {tuple(content.shape)}")
+        raise ValueError(
+            f"{where}: expected `content` of shape (N, C, *) with at least 3 dims, got {tuple(content.shape)}"
+        )
     n, c = content.shape[:2]
     spatial = (1,) * (content.dim() - 2)
     if isinstance(style, tuple):
@@ -349,7 +351,9 @@ def adain(content: Tensor, style: Tensor | tuple[Tensor, Tensor], eps: float = 1
         for name, t in zip(("style_mean", "style_std"), style):
             check.tensor(t, name, where)
             if t.shape not in ((n, c), (1, c), (c,)):
-                raise ValueError(f"{where}: expected `{name}` of shape {(n, c)}, {(1, c)} or {(c,)}, got {tuple(t.shape)}")
+                raise ValueError(
+                    f"{where}: expected `{name}` of shape {(n, c)}, {(1, c)} or {(c,)}, got {tuple(t.shape)}"
+                )
             if t.device != content.device:
                 raise ValueError(f"{where}: expected `{name}` on {content.device}, got {t.device}")
         s_mean, s_std = (t.reshape(-1, c, *spatial) for t in style)
