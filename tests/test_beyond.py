@@ -483,3 +483,56 @@ def test_convert_to_other_norms_carries_what_fits():
         normscope.convert(_cnn(), to="nonsense")
     with pytest.raises(TypeError, match="where"):
         normscope.convert(_cnn(), where=3)
+
+
+# -- gradcheck, dtypes, serialization ----------------------------------------------------------------
+
+
+def test_gradcheck_float64():
+    torch.manual_seed(5)
+    x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(3, 5) > 0.3
+    mask[0, 0] = True
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: F.batch_norm(x, None, None, w, b, True, mask=mask), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w, b: F.group_norm(x, 2, w, b, mask=mask), (x, w, b))
+    # (BatchRenorm is deliberately not differentiable in r and d -- the paper's stop-gradient --
+    # so gradcheck does not apply; its gradient is checked against the direct formula above)
+    style = torch.randn(3, 4, 2, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda c, s: F.adain(c, s), (x, style))
+    ln2d = normscope.LayerNorm2d(4).double()
+    assert torch.autograd.gradcheck(lambda x: ln2d(x), (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_masked_and_new_layers(dtype):
+    x = torch.randn(4, 6, 8)
+    mask = torch.rand(4, 8) > 0.3
+    mask[0, 0] = True
+    y = normscope.BatchNorm1d(6).to(dtype)(x.to(dtype), mask)
+    want = normscope.BatchNorm1d(6)(x, mask)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+    for layer, inp in ((normscope.LayerNorm2d(6), x[..., None]), (normscope.PowerNorm(6, channel_dim=1), x),
+                       (normscope.FrozenBatchNorm2d(6), x[..., None])):
+        out = layer.to(dtype)(inp.to(dtype))
+        assert out.dtype == dtype and torch.isfinite(out.float()).all()
+
+
+def test_state_dict_and_pickle_round_trips():
+    import pickle
+
+    brn = normscope.BatchRenorm2d(3)
+    brn(torch.randn(4, 3, 2, 2))
+    bn = nn.BatchNorm2d(3)
+    bn.load_state_dict(brn.state_dict())  # a BatchRenorm checkpoint is a BatchNorm checkpoint
+    assert torch.equal(bn.running_var, brn.running_var)
+    for m in (normscope.BatchNorm1d(3, channel_dim=-1), brn, normscope.PowerNorm(3), normscope.LayerNorm2d(3),
+              normscope.FrozenBatchNorm2d(3), normscope.DyT(3), normscope.AdaIN()):
+        m2 = pickle.loads(pickle.dumps(m))
+        assert repr(m2) == repr(m)
+        for (k, v), (k2, v2) in zip(m.state_dict().items(), m2.state_dict().items()):
+            assert k == k2 and torch.equal(v, v2)
+    pn = normscope.PowerNorm(3)
+    assert set(pn.state_dict()) == {"weight", "bias", "running_phi", "ema_gz", "num_batches_tracked"}
