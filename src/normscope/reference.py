@@ -90,7 +90,9 @@ def moments(x: Tensor, scope: Resolved, mask: Tensor | None = None) -> Moments:
             # rounding of a large sum; the mean of the deviations removes it from both moments
             mean = torch.where(valid, xf, 0).sum(dim=dims, keepdim=True) / denom
             dev = torch.where(valid, xf - mean, 0)  # deviations of valid elements, 0 elsewhere
-            shift = dev.sum(dim=dims, keepdim=True) / denom
+            # sum(dev) is identically 0 as a function of x (only its rounding is not), so the
+            # correction carries no gradient of any order: detach it and save autograd the work
+            shift = (dev.sum(dim=dims, keepdim=True) / denom).detach()
             mean = mean + shift
             var = ((dev * dev).sum(dim=dims, keepdim=True) / denom - shift * shift).clamp_min(0)
         else:
