@@ -189,3 +189,15 @@ def test_masked_large_offset_and_broadcast_mask():
     xv = x[0][:, m[0, 0]]
     want = (xv - xv.mean()) / torch.sqrt(xv.var(unbiased=False) + 1e-5)
     torch.testing.assert_close(normscope.normalize(x, dims=(1, 2), mask=m)[0][:, m[0, 0]], want)
+
+
+def test_unbatched_instance_norm_mask_and_eval_batchnorm_on_aten():
+    x = torch.randn(3, 7)
+    mask = _mask(7)
+    y = normscope.InstanceNorm1d(3)(x, mask)
+    xv = x[:, mask]
+    want = (xv - xv.mean(1, keepdim=True)) / torch.sqrt(xv.var(1, unbiased=False, keepdim=True) + 1e-5)
+    torch.testing.assert_close(y[:, mask], want)
+    bn = normscope.BatchNorm1d(3).eval()
+    bn(torch.randn(2, 3, 7), _mask(2, 7))
+    assert normscope.last_backend() == "aten"  # running statistics: the mask changes nothing
