@@ -43,3 +43,6 @@ __all__ = [
     "LocalResponseNorm",
     "RMSNorm",
 ]
+
+# the "triton" backend registers itself when Triton is installed (the package imports without it)
+from . import kernels  # noqa: E402,F401

@@ -275,3 +275,8 @@ def normalize(
         if mask.device != x.device:
             raise ValueError(f"{where}: expected `mask` on the input's device {x.device}, got {mask.device}")
     return norm(x, resolved, weight, bias, eps, mask=mask, backend=backend)
+
+
+from .kernels.fused import fused_add_rms_norm  # noqa: E402  (re-exported: the fused residual + RMSNorm op)
+
+__all__ += ["fused_add_rms_norm"]

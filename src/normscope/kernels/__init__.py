@@ -1,0 +1,32 @@
+"""Fused Triton kernels and the ``"triton"`` engine backend.
+
+Importing this package never fails: when Triton is installed it registers the ``"triton"``
+backend with the engine (first in the automatic order; it declines, with a reason, whatever it
+cannot run), and :data:`AVAILABLE` is True. Triton itself is imported only when a kernel is first
+prepared, so ``import normscope`` stays cheap.
+
+What exists (see ``docs/kernels.md``):
+
+* :mod:`.rows` -- LayerNorm / RMSNorm over the last axes, forward and backward, with optional
+  weight, ``(weight + offset)``, bias and fused residual add; any row length.
+* :func:`fused_add_rms_norm` -- ``(rms_norm(x + residual), x + residual)`` in one pass.
+
+BatchNorm (channels) and GroupNorm (groups) kernels do not exist yet: those scopes run on ATen or
+the reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from .fused import fused_add_rms_norm, fused_add_rms_norm_ref
+
+#: Whether Triton is importable (the kernels can run on CUDA, or on CPU with TRITON_INTERPRET=1).
+AVAILABLE: bool = importlib.util.find_spec("triton") is not None
+
+if AVAILABLE:
+    from .backend import register as _register
+
+    _register()
+
+__all__ = ["AVAILABLE", "fused_add_rms_norm", "fused_add_rms_norm_ref"]

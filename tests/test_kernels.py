@@ -1,0 +1,258 @@
+"""The Triton row kernels (LayerNorm / RMSNorm, fused residual add), run on CPU in Triton's interpreter.
+
+TRITON_INTERPRET=1 must be set before Triton compiles (decorates) a kernel, so it is set here, at
+import, before normscope.kernels.rows is imported. Shapes are tiny: the interpreter is slow.
+Tolerances follow flash-attention's rule: the kernel's error against a float64 reference may be at
+most twice the error of the same-dtype PyTorch computation, plus a small atol.
+"""
+
+import itertools
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
+
+import normscope  # noqa: E402
+from normscope import functional as nf  # noqa: E402
+from normscope.kernels import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
+from normscope.kernels import rows as R  # noqa: E402
+
+# eps=0 makes the (masked, never stored) padding rows of a block compute 1/sqrt(0) in numpy
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(params=["block", "looped"])
+def path(request, monkeypatch):
+    """Run a test on the single-block path and, with an 8-element limit, on the looped one."""
+    if request.param == "looped":
+        monkeypatch.setattr(R, "MAX_FUSED_N", 8)
+    return request.param
+
+
+def _ref64(x, w, b, r, centered, offset, eps=1e-5):
+    """Independent float64 oracle: torch's own layer_norm / rms_norm on (x + r)."""
+    h = x.double() + (r.double() if r is not None else 0)
+    n = x.shape[-1]
+    wd = w.double() + offset if w is not None else None
+    if centered:
+        return F.layer_norm(h, (n,), wd, b.double() if b is not None else None, eps)
+    y = F.rms_norm(h, (n,), wd, eps)
+    return y + b.double() if b is not None else y
+
+
+def _grads(outputs, inputs, cotangents):
+    inputs = [t for t in inputs if t is not None]
+    return torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)
+
+
+FLAGS = list(itertools.product([True, False], repeat=4))  # centered, weight, bias, residual
+
+
+@pytest.mark.parametrize("centered,has_w,has_b,has_r", FLAGS)
+@pytest.mark.parametrize("n", [1, 7, 33])
+def test_rows_forward_and_gradients_match_float64(path, centered, has_w, has_b, has_r, n):
+    g = torch.Generator().manual_seed(n)
+    m = 5
+    x = torch.randn(m, n, generator=g, requires_grad=True)
+    w = (torch.rand(n, generator=g) + 0.5).requires_grad_() if has_w else None
+    b = torch.randn(n, generator=g, requires_grad=True) if has_b else None
+    r = torch.randn(m, n, generator=g, requires_grad=True) if has_r else None
+    offset = 0.5 if has_w else 0.0
+    y, s = R.rows_norm(x, w, b, 1e-5, centered, residual=r, weight_offset=offset)
+    y64 = _ref64(x, w, b, r, centered, offset)
+    torch.testing.assert_close(y.double(), y64, atol=2e-5, rtol=1e-5)
+    dy = torch.randn(m, n, generator=g)
+    if has_r:
+        torch.testing.assert_close(s, x + r)
+        ds = torch.randn(m, n, generator=g)
+        got = _grads((y, s), (x, w, b, r), (dy, ds))
+        want = _grads((y64, x.double() + r.double()), (x, w, b, r), (dy.double(), ds.double()))
+    else:
+        assert s is None
+        got = _grads(y, (x, w, b), dy)
+        want = _grads(y64, (x, w, b), dy.double())
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a.double(), e.double(), atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("centered", [True, False])
+def test_low_precision_error_at_most_twice_torch(path, dtype, centered):
+    g = torch.Generator().manual_seed(1)
+    m, n = 6, 40
+    x = (torch.randn(m, n, generator=g) * 3 + 1).to(dtype).requires_grad_()
+    w = (torch.rand(n, generator=g) + 0.5).to(dtype).requires_grad_()
+    b = torch.randn(n, generator=g).to(dtype).requires_grad_() if centered else None
+    dy = torch.randn(m, n, generator=g).to(dtype)
+
+    def torch_same_dtype():
+        return F.layer_norm(x, (n,), w, b, 1e-5) if centered else F.rms_norm(x, (n,), w, 1e-5)
+
+    y64 = _ref64(x, w, b, None, centered, 0.0)
+    y_k, _ = R.rows_norm(x, w, b, 1e-5, centered)
+    y_t = torch_same_dtype()
+    assert y_k.dtype == dtype
+    g64 = _grads(y64, (x, w, b), dy.double())
+    g_k = _grads(y_k, (x, w, b), dy)
+    g_t = _grads(y_t, (x, w, b), dy)
+    atol = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}[dtype]
+    for got, torch_, want in zip((y_k, *g_k), (y_t, *g_t), (y64, *g64)):
+        assert got.dtype == dtype
+        err_k = (got.double() - want).abs().max().item()
+        err_t = (torch_.double() - want).abs().max().item()
+        assert err_k <= 2 * err_t + atol * want.abs().max().item() + atol, (err_k, err_t)
+
+
+def test_long_rows_with_default_knobs():
+    # N = 1000 fits one 1024 block; N = 20000 > MAX_FUSED_N takes the looped path at full chunk size
+    for n in (1000, 20000):
+        x = torch.randn(2, n) * 2 + 3
+        w, b = torch.randn(n), torch.randn(n)
+        y, _ = R.rows_norm(x, w, b, 1e-5, True)
+        torch.testing.assert_close(y, F.layer_norm(x, (n,), w, b, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def test_large_offset_small_spread_normalizes_to_unit_variance(path):
+    # mean 1e4, std 1e-2 in fp32: E[x^2] - E[x]^2 would lose every digit
+    g = torch.Generator().manual_seed(3)
+    x = 1e4 + 1e-2 * torch.randn(4, 33, generator=g)
+    y, _ = R.rows_norm(x, None, None, 0.0, True)
+    var = y.double().var(-1, unbiased=False)
+    torch.testing.assert_close(var, torch.ones_like(var), atol=1e-3, rtol=0)  # torch CPU: ~4e-2
+
+
+def test_weight_gradient_is_deterministic(path, monkeypatch):
+    monkeypatch.setattr(R, "TILE", 64)  # one row per block, so that several programs share the rows
+    g = torch.Generator().manual_seed(4)
+    m, n = 12, 33  # 4 programs (the interpreter's cap), each with its own partial row of dW
+    x = torch.randn(m, n, generator=g)
+    w = torch.randn(n, generator=g, requires_grad=True)
+    b = torch.randn(n, generator=g, requires_grad=True)
+    dy = torch.randn(m, n, generator=g)
+    runs = []
+    for _ in range(2):
+        xx = x.clone().requires_grad_()
+        y, _ = R.rows_norm(xx, w, b, 1e-5, True)
+        runs.append(torch.autograd.grad(y, (w, b), dy))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    want = _grads(_ref64(x.requires_grad_(), w, b, None, True, 0.0), (w, b), dy.double())
+    torch.testing.assert_close(runs[0][0].double(), want[0].double(), atol=1e-4, rtol=1e-4)
+
+
+def test_strided_inputs():
+    base = torch.randn(6, 48)
+    x = base[:, 5:38]  # rows with a stride of 48: used in place
+    y, _ = R.rows_norm(x, None, None, 1e-5, True)
+    torch.testing.assert_close(y, F.layer_norm(x, (33,)), atol=1e-5, rtol=1e-5)
+    xt = torch.randn(33, 6).t()  # last axis not unit-stride: copied once
+    y, _ = R.rows_norm(xt, None, None, 1e-5, False)
+    torch.testing.assert_close(y, F.rms_norm(xt, (33,), eps=1e-5), atol=1e-5, rtol=1e-5)
+
+
+def test_engine_runs_the_triton_backend_when_forced():
+    x = torch.randn(2, 3, 5, 7, requires_grad=True)
+    w, b = torch.randn(5, 7, requires_grad=True), torch.randn(5, 7, requires_grad=True)
+    with normscope.use_backend("triton"):
+        y = nf.layer_norm(x, (5, 7), w, b)
+        assert normscope.last_backend() == "triton"
+        z = nf.rms_norm(x, (7,), w[0])
+        assert normscope.last_backend() == "triton"
+        layer = normscope.RMSNorm(7)
+        layer(x)
+        assert normscope.last_backend() == "triton"
+    torch.testing.assert_close(y, F.layer_norm(x, (5, 7), w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(z, F.rms_norm(x, (7,), w[0]), atol=1e-5, rtol=1e-5)
+    got = torch.autograd.grad(y.sum() + z.square().sum(), (x, w, b))
+    ref = F.layer_norm(x, (5, 7), w, b).sum() + F.rms_norm(x, (7,), w[0]).square().sum()
+    for a, e in zip(got, torch.autograd.grad(ref, (x, w, b))):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+
+
+def test_triton_backend_declines_what_it_cannot_run():
+    x = torch.randn(4, 3, 5)
+    nf.layer_norm(x, (5,))
+    assert normscope.last_backend() != "triton"  # automatic mode: CUDA tensors only
+    with normscope.use_backend("triton"):
+        with pytest.raises(ValueError, match="last axes"):
+            nf.batch_norm(x, None, None, training=True)
+        with pytest.raises(ValueError, match="float32/float16/bfloat16"):
+            nf.layer_norm(x.double(), (5,))
+        with pytest.raises(ValueError, match="mask"):
+            nf.normalize(x, dims=(-1,), mask=torch.ones(4, 3, 5, dtype=torch.bool))
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        with normscope.use_backend("triton"), pytest.raises(ValueError, match="CUDA"):
+            nf.layer_norm(torch.randn(2, 9), (9,))
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.mark.parametrize("residual_fp32", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_equals_add_then_norm(residual_fp32, dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 24, generator=g).to(dtype).requires_grad_()
+    r = torch.randn(3, 4, 24, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(24, generator=g).to(dtype).requires_grad_()
+    y, h = fused_add_rms_norm(x, r, w, 1e-6, residual_fp32=residual_fp32, backend="triton")
+    y0, h0 = fused_add_rms_norm_ref(x, r, w, 1e-6, residual_fp32=residual_fp32)
+    assert h.dtype == (torch.float32 if residual_fp32 else dtype) and y.dtype == dtype
+    # the same rounding of the same sum -- except that Triton's CPU interpreter casts fp32 to bf16
+    # by truncation (the GPU rounds to nearest even), so bf16 may differ by one ulp here
+    ulp = 0 if h.dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(h.float(), h0.float(), atol=0, rtol=ulp)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y, y0, atol=tol, rtol=tol)
+    if not residual_fp32:  # unfused torch: add, then rms_norm
+        torch.testing.assert_close(y, F.rms_norm(x + r, (24,), w, 1e-6), atol=tol, rtol=tol)
+    dy, dh = torch.randn_like(y), torch.randn_like(h)
+    got = torch.autograd.grad((y, h), (x, r, w), (dy, dh))
+    want = torch.autograd.grad((y0, h0), (x, r, w), (dy, dh))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=tol * 10, rtol=tol)
+    # automatic mode on CPU runs the reference, with the same result
+    y2, h2 = fused_add_rms_norm(x, r, w, 1e-6, residual_fp32=residual_fp32)
+    torch.testing.assert_close(h2, h0, atol=0, rtol=0)
+
+
+def test_fused_add_rms_norm_rejects_bad_input():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rms_norm(x, torch.randn(2, 9))
+    with pytest.raises(ValueError, match=r"weight.*\(8,\)"):
+        fused_add_rms_norm(x, x, torch.ones(9))
+    with pytest.raises(TypeError, match="x"):
+        fused_add_rms_norm(x.long(), x)
+
+
+def test_custom_op_registrations():
+    x = torch.randn(3, 9, requires_grad=True)
+    w, b = torch.randn(9, requires_grad=True), torch.randn(9, requires_grad=True)
+    r = torch.randn(3, 9, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.normscope.rows_fwd.default, (x, w, b, r, 1e-5, True, 0.0, False),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )  # fmt: skip
+
+
+def test_compiles_without_graph_breaks():
+    def block(x, r, w, b):
+        y, h = fused_add_rms_norm(x, r, w, 1e-6, backend="triton")
+        z, _ = R.rows_norm(h * 2, w, b, 1e-5, True)
+        return (y * z).sum()
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(6)
+    args = [torch.randn(4, 16, generator=g, requires_grad=True) for _ in range(2)]
+    args += [torch.randn(16, generator=g, requires_grad=True) for _ in range(2)]
+    out = compiled(*args)
+    got = torch.autograd.grad(out, args)
+    eager = block(*args)
+    torch.testing.assert_close(out, eager)
+    for a, e in zip(got, torch.autograd.grad(eager, args)):
+        torch.testing.assert_close(a, e)
