@@ -252,6 +252,15 @@ def _measure(fn: Callable[[], object], device, quick: bool) -> tuple[float | Non
 
 def run(cases, dtypes, quick: bool, device: torch.device, log=print) -> dict:
     compile_ok = device.type == "cuda"  # inductor on CPU needs a C++ toolchain and minutes: GPU only
+    if compile_ok:
+        # every (case, N, dtype) recompiles the same lambdas' code objects: past dynamo's default
+        # limit of 8 it would silently run them eagerly and the "compile" column would lie
+        import torch._dynamo
+
+        for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                     "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, 4096)
     copy_gbs = copy_bandwidth(device, quick)
     log(f"device: {_device_name(device)}   copy bandwidth: {copy_gbs:.1f} GB/s")
     results = []
