@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 
 import normscope  # noqa: E402
 from normscope import functional as nf  # noqa: E402
 from normscope.kernels import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
+from normscope.kernels import groups as G  # noqa: E402
 from normscope.kernels import rows as R  # noqa: E402
 
 # eps=0 makes the (masked, never stored) padding rows of a block compute 1/sqrt(0) in numpy
@@ -178,8 +179,10 @@ def test_triton_backend_declines_what_it_cannot_run():
     nf.layer_norm(x, (5,))
     assert normscope.last_backend() != "triton"  # automatic mode: CUDA tensors only
     with normscope.use_backend("triton"):
-        with pytest.raises(ValueError, match="last axes"):
+        with pytest.raises(ValueError, match="no kernel for this scope"):
             nf.batch_norm(x, None, None, training=True)
+        with pytest.raises(ValueError, match="running statistics"):
+            nf.instance_norm(x, torch.zeros(3), torch.ones(3), use_input_stats=True)
         with pytest.raises(ValueError, match="float32/float16/bfloat16"):
             nf.layer_norm(x.double(), (5,))
         with pytest.raises(ValueError, match="mask"):
@@ -256,3 +259,117 @@ def test_compiles_without_graph_breaks():
     torch.testing.assert_close(out, eager)
     for a, e in zip(got, torch.autograd.grad(eager, args)):
         torch.testing.assert_close(a, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# groups: GroupNorm / InstanceNorm on (N, C, *)
+
+
+@pytest.fixture(params=["one-tile", "tiles"])
+def tiles(request, monkeypatch):
+    """Whole groups in one tile, and (TILE = 8) groups walked in many partial tiles."""
+    if request.param == "tiles":
+        monkeypatch.setattr(G, "TILE", 8)
+    return request.param
+
+
+def _group64(x, groups, w, b, centered, eps=1e-5):
+    """float64 oracle: torch's group_norm, or the RMS variant written out."""
+    if centered:
+        return F.group_norm(x.double(), groups, w.double() if w is not None else None,
+                            b.double() if b is not None else None, eps)
+    xg = x.double().reshape(x.shape[0], groups, -1)
+    y = (xg * torch.rsqrt(xg.square().mean(-1, keepdim=True) + eps)).reshape(x.shape)
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    y = y * w.double().reshape(shape) if w is not None else y
+    return y + b.double().reshape(shape) if b is not None else y
+
+
+@pytest.mark.parametrize("shape,groups", [((2, 6, 5, 3), 3), ((3, 4, 7), 4), ((2, 4, 3, 3), 1), ((2, 6, 1, 5), 6)])
+@pytest.mark.parametrize("centered,affine", [(True, True), (True, False), (False, True)])
+def test_groups_forward_and_gradients_match_float64(tiles, shape, groups, centered, affine):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 2 + 5).requires_grad_()
+    w = torch.randn(shape[1], generator=g, requires_grad=True) if affine else None
+    b = torch.randn(shape[1], generator=g, requires_grad=True) if affine else None
+    y = G.group_norm(x, groups, w, b, 1e-5, centered)
+    y64 = _group64(x, groups, w, b, centered)
+    torch.testing.assert_close(y.double(), y64, atol=2e-5, rtol=1e-5)
+    dy = torch.randn(shape, generator=g)
+    got = _grads(y, (x, w, b), dy)
+    want = _grads(y64, (x, w, b), dy.double())
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a.double(), e.double(), atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_groups_low_precision_error_at_most_twice_torch(dtype):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(2, 8, 4, 5, generator=g) * 3 + 1).to(dtype).requires_grad_()
+    w = (torch.rand(8, generator=g) + 0.5).to(dtype).requires_grad_()
+    b = torch.randn(8, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(2, 8, 4, 5, generator=g).to(dtype)
+    y64 = _group64(x, 4, w, b, True)
+    y_k, y_t = G.group_norm(x, 4, w, b), F.group_norm(x, 4, w, b)
+    atol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    triples = zip((y_k, *_grads(y_k, (x, w, b), dy)), (y_t, *_grads(y_t, (x, w, b), dy)),
+                  (y64, *_grads(y64, (x, w, b), dy.double())))
+    for got, torch_, want in triples:
+        assert got.dtype == dtype
+        err_k = (got.double() - want).abs().max().item()
+        err_t = (torch_.double() - want).abs().max().item()
+        assert err_k <= 2 * err_t + atol * want.abs().max().item() + atol, (err_k, err_t)
+
+
+def test_groups_channels_last_and_determinism():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 8, 3, 5, generator=g).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, generator=g, requires_grad=True)
+    y = G.group_norm(x, 4, w)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, F.group_norm(x, 4, w), atol=1e-5, rtol=1e-5)
+    dy = torch.randn(2, 8, 3, 5, generator=g)
+    first, second = (torch.autograd.grad(G.group_norm(x, 4, w), w, dy)[0] for _ in range(2))
+    assert torch.equal(first, second)
+
+
+def test_engine_runs_group_and_instance_norm_on_the_triton_backend():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 6, 4, 3, generator=g, requires_grad=True)
+    gn, inn = normscope.GroupNorm(3, 6), normscope.InstanceNorm2d(6, affine=True)
+    with torch.no_grad():
+        gn.weight.normal_(generator=g), gn.bias.normal_(generator=g)
+        inn.weight.normal_(generator=g), inn.bias.normal_(generator=g)
+    with normscope.use_backend("triton"):
+        y1 = gn(x)
+        assert normscope.last_backend() == "triton"
+        y2 = inn(x)
+        assert normscope.last_backend() == "triton"
+        y3 = nf.group_norm(x, 1, gn.weight, gn.bias)  # GroupNorm(1, C): LayerNorm over (C, H, W)
+        assert normscope.last_backend() == "triton"
+    ref1 = F.group_norm(x, 3, gn.weight, gn.bias, gn.eps)
+    ref2 = F.instance_norm(x, weight=inn.weight, bias=inn.bias, eps=inn.eps)
+    ref3 = F.group_norm(x, 1, gn.weight, gn.bias)
+    for got, ref in ((y1, ref1), (y2, ref2), (y3, ref3)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    params = (x, gn.weight, gn.bias, inn.weight, inn.bias)
+    got = _grads(y1.sum() + y2.square().sum() + y3.pow(3).sum(), params, None)
+    want = _grads(ref1.sum() + ref2.square().sum() + ref3.pow(3).sum(), params, None)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+
+
+def test_groups_op_registrations_and_compile():
+    x = torch.randn(2, 4, 3, requires_grad=True)
+    w, b = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.normscope.groups_fwd.default, (x, w, b, 2, 1e-5, True),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )  # fmt: skip
+    f = torch.compile(lambda x, w, b: G.group_norm(x, 2, w, b).square().sum(), fullgraph=True, backend="aot_eager")
+    out = f(x, w, b)
+    torch.testing.assert_close(out, F.group_norm(x, 2, w, b).square().sum(), atol=1e-4, rtol=1e-5)
+    got = torch.autograd.grad(out, (x, w, b))
+    want = torch.autograd.grad(F.group_norm(x, 2, w, b).square().sum(), (x, w, b))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)

@@ -48,20 +48,42 @@ def why_not(call: Call) -> str | None:
     if call.running is not None:
         return "running statistics (BatchNorm) have no kernel yet"
     s = call.scope
-    ndim, k = len(s.shape), len(s.reduce)
-    if s.groups != 1 or k == 0 or s.reduce != tuple(range(ndim - k, ndim)):
-        return "only scopes over the last axes (LayerNorm/RMSNorm rows) have a kernel yet"
-    if s.affine not in ((), s.reduce):
-        return "the affine must span the reduced axes (per-element weight and bias)"
     if s.count == 0:
-        return "rows of zero elements"
+        return "scopes of zero elements"
+    if _kind(s) is None:
+        return (
+            "no kernel for this scope: kernels exist for the last axes with a per-element affine "
+            "(LayerNorm/RMSNorm) and for (N, C, *) groups with a per-channel affine (GroupNorm/InstanceNorm)"
+        )
+    return None
+
+
+def _kind(s) -> tuple[str, int] | None:
+    """("rows", 0), ("groups", G) or None: which canonical view a resolved scope maps onto."""
+    ndim, k = len(s.shape), len(s.reduce)
+    if s.groups == 1 and k and s.reduce == tuple(range(ndim - k, ndim)) and s.affine in ((), s.reduce):
+        return "rows", 0
+    if ndim >= 2 and s.affine in ((1,), ()):
+        if s.reduce == tuple(range(1, ndim)) and (s.groups == 1 or s.group_dim == 1):
+            return "groups", s.groups  # GroupNorm(G, C); G = 1: LayerNorm over (C, *), per-channel affine
+        if ndim >= 3 and s.groups == 1 and s.reduce == tuple(range(2, ndim)):
+            return "groups", s.shape[1]  # InstanceNorm: one group per channel
     return None
 
 
 def prepare(call: Call) -> Callable[[Call], Tensor]:
-    from . import rows  # imports Triton (reads TRITON_INTERPRET) on first use
+    kind, groups = _kind(call.scope)
+    centered = call.scope.centered
+    if kind == "groups":
+        from . import groups as grp  # imports Triton (reads TRITON_INTERPRET) on first use
 
-    centered, n = call.scope.centered, call.scope.count
+        def run_groups(c: Call) -> Tensor:
+            return grp.group_norm(c.x, groups, c.weight, c.bias, c.eps, centered)
+
+        return run_groups
+    from . import rows
+
+    n = call.scope.count
 
     def run(c: Call) -> Tensor:
         return rows.rows_norm(c.x, c.weight, c.bias, c.eps, centered, n=n)[0]
