@@ -19,9 +19,10 @@ masked_batch_norm      2 numel e       5 numel e  (the (B, S) mask is not counte
 =====================  ==============  ===============================================
 
 Weights, statistics and the second read of long rows are not counted: an implementation that
-needs them shows up as lower GB/s. ``normscope`` is the Triton kernel where one exists (rows,
-add_rms_norm) and the engine's automatic choice otherwise (ATen or the reference) -- the table
-labels which.
+needs them shows up as lower GB/s. ``normscope`` is the public API (``normscope.functional``),
+so it runs whatever the engine picks: on CUDA the Triton kernels for LayerNorm, RMSNorm,
+add_rms_norm and GroupNorm; ATen for BatchNorm; the reference for masked BatchNorm. The JSON
+records which (``normscope_impl``).
 
 Usage::
 
@@ -149,10 +150,17 @@ def _rows_case(case: str, m: int, n: int, dtype, device, compile_ok: bool):
     liger = _liger() if device.type == "cuda" else None
     if liger is not None and case != "add_rms_norm":
         LigerLayerNorm, LigerRMSNorm = liger
-        mod = (LigerLayerNorm(n, eps=EPS) if case == "layer_norm" else LigerRMSNorm(n, eps=EPS)).to(device, dtype)
+        if case == "layer_norm":
+            mod = LigerLayerNorm(n, eps=EPS)
+        else:
+            try:  # in-place backward would overwrite our reused cotangent between timed calls
+                mod = LigerRMSNorm(n, eps=EPS, in_place=False)
+            except TypeError:  # older Liger: no in_place argument (and not in place)
+                mod = LigerRMSNorm(n, eps=EPS)
+        mod = mod.to(device, dtype)
         with torch.no_grad():
             mod.weight.copy_(w)
-            if case == "layer_norm":
+            if case == "layer_norm" and getattr(mod, "bias", None) is not None:
                 mod.bias.copy_(b)
         impls["liger"] = lambda x, *params: mod(x)
     return inputs, impls, nbytes, (m, n), ns_label
@@ -250,17 +258,18 @@ def _measure(fn: Callable[[], object], device, quick: bool) -> tuple[float | Non
         return None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 
 
-def run(cases, dtypes, quick: bool, device: torch.device, log=print) -> dict:
-    compile_ok = device.type == "cuda"  # inductor on CPU needs a C++ toolchain and minutes: GPU only
+def run(cases, dtypes, quick: bool, device: torch.device, log=print, compile_peers: bool | None = None) -> dict:
+    # inductor on CPU needs a C++ toolchain and minutes: by default the compile peer runs on GPU only
+    compile_ok = device.type == "cuda" if compile_peers is None else compile_peers
     if compile_ok:
         # every (case, N, dtype) recompiles the same lambdas' code objects: past dynamo's default
         # limit of 8 it would silently run them eagerly and the "compile" column would lie
-        import torch._dynamo
+        from torch._dynamo import config as dynamo_config
 
         for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
                      "accumulated_recompile_limit"):
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, 4096)
+            if hasattr(dynamo_config, knob):
+                setattr(dynamo_config, knob, 4096)
     copy_gbs = copy_bandwidth(device, quick)
     log(f"device: {_device_name(device)}   copy bandwidth: {copy_gbs:.1f} GB/s")
     results = []

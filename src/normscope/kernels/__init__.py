@@ -9,10 +9,12 @@ What exists (see ``docs/kernels.md``):
 
 * :mod:`.rows` -- LayerNorm / RMSNorm over the last axes, forward and backward, with optional
   weight, ``(weight + offset)``, bias and fused residual add; any row length.
+* :mod:`.groups` -- GroupNorm / InstanceNorm (and GroupNorm(1, C)) on (N, C, *), forward and
+  backward, per-channel affine; channels_last input is copied to NCHW first.
 * :func:`fused_add_rms_norm` -- ``(rms_norm(x + residual), x + residual)`` in one pass.
 
-BatchNorm (channels) and GroupNorm (groups) kernels do not exist yet: those scopes run on ATen or
-the reference.
+BatchNorm (channels), masked and running-statistics kernels do not exist yet: those scopes run on
+ATen or the reference.
 """
 
 from __future__ import annotations

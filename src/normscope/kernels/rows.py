@@ -38,6 +38,7 @@ Every kernel has a plain-PyTorch reference next to it (:func:`rows_ref`); on a C
 ``TRITON_INTERPRET=1`` the registered ops run that reference.
 """
 
+import functools
 import os
 from typing import Optional  # noqa: F401  (custom_op schemas are read from these annotations)
 
@@ -329,11 +330,15 @@ def _config(N: int) -> tuple[int, int, bool, int]:
     return 1, chunk, True, min(16, max(1, chunk // 512))
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _programs(x: Tensor, work: int, per_sm: int) -> int:
     """How many persistent programs the backward uses (deterministic for a given device)."""
     if x.is_cuda:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return max(1, min(work, sms * per_sm))
+        return max(1, min(work, _sm_count(x.device.index or 0) * per_sm))
     return max(1, min(work, 4))  # the interpreter runs programs one after the other
 
 
