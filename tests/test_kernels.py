@@ -9,6 +9,7 @@ most twice the error of the same-dtype PyTorch computation, plus a small atol.
 import itertools
 import os
 
+_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
@@ -25,6 +26,18 @@ from normscope.kernels import rows as R  # noqa: E402
 
 # eps=0 makes the (masked, never stored) padding rows of a block compute 1/sqrt(0) in numpy
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_env():
+    """Keep TRITON_INTERPRET=1 while these tests run (the backend reads it per call), then put back
+    whatever the session had, so later test modules see the environment they expect."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if _PREVIOUS_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
 
 
 @pytest.fixture(params=["block", "looped"])

@@ -19,12 +19,10 @@ ATen or the reference.
 
 from __future__ import annotations
 
-import importlib.util
-
-from .fused import fused_add_rms_norm, fused_add_rms_norm_ref
+from .fused import fused_add_rms_norm, fused_add_rms_norm_ref, triton_available
 
 #: Whether Triton is importable (the kernels can run on CUDA, or on CPU with TRITON_INTERPRET=1).
-AVAILABLE: bool = importlib.util.find_spec("triton") is not None
+AVAILABLE: bool = triton_available()
 
 if AVAILABLE:
     from .backend import register as _register

@@ -16,7 +16,16 @@ from torch import Tensor
 
 from .. import _checks as check
 
-_TRITON = importlib.util.find_spec("triton") is not None
+
+def triton_available() -> bool:
+    """Whether Triton can be imported (without importing it: ``import normscope`` stays cheap)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or blocked installation counts as absent
+        return False
+
+
+_TRITON = triton_available()
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
