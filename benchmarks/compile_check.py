@@ -14,6 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from normscope.kernels import channels as CH
 from normscope.kernels import groups as G
 from normscope.kernels import rows as R
 
@@ -64,6 +65,23 @@ for dt in ("fp32", "bf16"):
         sig = {"DY": p, "X": p, "W": p, "MEAN": "*fp32", "RSTD": "*fp32", "DX": p, "DWP": "*fp32", "DBP": "*fp32",
                "G": "i32", "Cg": "i32", "HW": "i32", **csig}
         check(G._groups_bwd_kernel, sig, cval, f"groups bwd {dt} {cval}")
+
+    csig, cval = const(("BLOCK_P", "BLOCK_C"), (256, 32))
+    sig = {"X": p, "PMEAN": "*fp32", "PM2": "*fp32", "C": "i32", "inner": "i32", "P": "i32", "chunk": "i32", **csig}
+    check(CH._stats_kernel, sig, cval, f"channels stats {dt}")
+    sig = {"DY": p, "X": p, "MEAN": "*fp32", "RSTD": "*fp32", "PSDY": "*fp32", "PSDYX": "*fp32",
+           "C": "i32", "inner": "i32", "P": "i32", "chunk": "i32", **csig}
+    check(CH._bwd_sums_kernel, sig, cval, f"channels bwd sums {dt}")
+    for has_w, has_b in itertools.product([False, True], repeat=2):
+        csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_WEIGHT", "HAS_BIAS"), (256, 32, has_w, has_b))
+        sig = {"X": p, "Y": p, "MEAN": "*fp32", "RSTD": "*fp32", "W": "*fp32", "B": "*fp32",
+               "C": "i32", "inner": "i32", "P": "i32", **csig}
+        check(CH._apply_kernel, sig, cval, f"channels apply {dt} {cval}")
+    for has_w, training in itertools.product([False, True], repeat=2):
+        csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_WEIGHT", "TRAINING"), (256, 32, has_w, training))
+        sig = {"DY": p, "X": p, "MEAN": "*fp32", "RSTD": "*fp32", "W": "*fp32", "SDY": "*fp32", "SDYX": "*fp32",
+               "DX": p, "C": "i32", "inner": "i32", "P": "i32", **csig}
+        check(CH._bwd_dx_kernel, sig, cval, f"channels bwd dx {dt} {cval}")
 
 print(f"triton {triton.__version__}: {failures} failures")
 sys.exit(1 if failures else 0)

@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 
 
 import normscope  # noqa: E402
 from normscope import functional as nf  # noqa: E402
+from normscope.kernels import channels as CH  # noqa: E402
 from normscope.kernels import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
 from normscope.kernels import groups as G  # noqa: E402
 from normscope.kernels import rows as R  # noqa: E402
@@ -193,7 +194,7 @@ def test_triton_backend_declines_what_it_cannot_run():
     assert normscope.last_backend() != "triton"  # automatic mode: CUDA tensors only
     with normscope.use_backend("triton"):
         with pytest.raises(ValueError, match="no kernel for this scope"):
-            nf.batch_norm(x, None, None, training=True)
+            nf.normalize(x, dims=0)  # statistics over the batch axis only, per (position, channel)
         with pytest.raises(ValueError, match="running statistics"):
             nf.instance_norm(x, torch.zeros(3), torch.ones(3), use_input_stats=True)
         with pytest.raises(ValueError, match="float32/float16/bfloat16"):
@@ -386,3 +387,83 @@ def test_groups_op_registrations_and_compile():
     want = torch.autograd.grad(F.group_norm(x, 2, w, b).square().sum(), (x, w, b))
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# channels: BatchNorm (training, evaluation, running statistics)
+
+
+@pytest.mark.parametrize("shape", [(6, 5), (4, 3, 7), (3, 4, 5, 2)])
+def test_batch_norm_training_eval_and_running_stats_match_torch(shape, monkeypatch):
+    monkeypatch.setattr(CH, "BLOCK_P", 4)  # several position chunks: the two-stage reduction
+    g = torch.Generator().manual_seed(len(shape))
+    c = shape[1]
+    x = (torch.randn(shape, generator=g) * 2 + 100).requires_grad_()  # a large offset too
+    w = torch.randn(c, generator=g, requires_grad=True)
+    b = torch.randn(c, generator=g, requires_grad=True)
+    rm, rv = torch.randn(c, generator=g), torch.rand(c, generator=g) + 0.5
+    rm_t, rv_t = rm.clone(), rv.clone()
+    with normscope.use_backend("triton"):
+        y = nf.batch_norm(x, rm, rv, w, b, training=True, momentum=0.2)
+        assert normscope.last_backend() == "triton"
+    F.batch_norm(x, rm_t, rv_t, w, b, True, 0.2)  # updates rm_t, rv_t
+    y64 = F.batch_norm(x.double(), None, None, w.double(), b.double(), True)
+    torch.testing.assert_close(y.double(), y64, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(rm, rm_t, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rv, rv_t, atol=1e-5, rtol=1e-5)
+    dy = torch.randn(shape, generator=g)
+    got = _grads(y, (x, w, b), dy)
+    want = _grads(y64, (x, w, b), dy.double())
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a.double(), e.double(), atol=1e-4, rtol=1e-4)
+    with normscope.use_backend("triton"):
+        ye = nf.batch_norm(x, rm, rv, w, b, training=False)
+    ye_t = F.batch_norm(x, rm, rv, w, b, False)
+    torch.testing.assert_close(ye, ye_t, atol=1e-4, rtol=1e-5)
+    for a, e in zip(_grads(ye, (x, w, b), dy), _grads(ye_t, (x, w, b), dy)):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-5)
+
+
+def test_batch_norm_channels_last_layouts():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 5, 6, generator=g, requires_grad=True)  # (B, S, D): statistics per feature
+    w, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    with normscope.use_backend("triton"):
+        y = nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1)
+        assert normscope.last_backend() == "triton"
+    y_t = F.batch_norm(x.reshape(-1, 6), None, None, w, b, True).reshape(2, 5, 6)
+    torch.testing.assert_close(y, y_t, atol=1e-5, rtol=1e-5)
+    xc = torch.randn(2, 4, 3, 3, generator=g).contiguous(memory_format=torch.channels_last)
+    with normscope.use_backend("triton"):
+        yc = normscope.BatchNorm2d(4)(xc)
+    assert yc.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(yc, F.batch_norm(xc, None, None, training=True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_batch_norm_low_precision_error_at_most_twice_torch(dtype):
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(4, 6, 5, generator=g) * 3 + 1).to(dtype).requires_grad_()
+    w = (torch.rand(6, generator=g) + 0.5).requires_grad_()
+    b = torch.randn(6, generator=g).requires_grad_()
+    dy = torch.randn(4, 6, 5, generator=g).to(dtype)
+    with normscope.use_backend("triton"):
+        y_k = nf.batch_norm(x, None, None, w, b, training=True)
+    y_t = F.batch_norm(x, None, None, w, b, True)
+    y64 = F.batch_norm(x.double(), None, None, w.double(), b.double(), True)
+    atol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    triples = zip((y_k, *_grads(y_k, (x, w, b), dy)), (y_t, *_grads(y_t, (x, w, b), dy)),
+                  (y64, *_grads(y64, (x, w, b), dy.double())))
+    for got, torch_, want in triples:
+        err_k = (got.double() - want).abs().max().item()
+        err_t = (torch_.double() - want).abs().max().item()
+        assert err_k <= 2 * err_t + atol * want.abs().max().item() + atol, (err_k, err_t)
+
+
+def test_channels_op_registrations():
+    x = torch.randn(3, 4, 5, requires_grad=True)
+    w, b = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.normscope.channels_fwd.default, (x, w, b, None, None, 1e-5),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )  # fmt: skip

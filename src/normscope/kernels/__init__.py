@@ -13,8 +13,10 @@ What exists (see ``docs/kernels.md``):
   backward, per-channel affine; channels_last input is copied to NCHW first.
 * :func:`fused_add_rms_norm` -- ``(rms_norm(x + residual), x + residual)`` in one pass.
 
-BatchNorm (channels), masked and running-statistics kernels do not exist yet: those scopes run on
-ATen or the reference.
+* :mod:`.channels` -- BatchNorm on any channel axis, training (two-stage deterministic
+  reduction; the engine updates running statistics) and evaluation, forward and backward.
+
+Masked kernels do not exist yet: masked scopes run on the reference.
 """
 
 from __future__ import annotations

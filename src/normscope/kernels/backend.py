@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import engine
+from .. import reference as ref
 from ..engine import Backend, Call
 
 NAME = "triton"
@@ -45,16 +46,21 @@ def why_not(call: Call) -> str | None:
         return f"the kernels take float32/float16/bfloat16 input, got {call.x.dtype} (they accumulate in fp32)"
     if call.mask is not None:
         return "masked normalization has no kernel yet"
-    if call.running is not None:
-        return "running statistics (BatchNorm) have no kernel yet"
     s = call.scope
     if s.count == 0:
         return "scopes of zero elements"
-    if _kind(s) is None:
+    kind = _kind(s)
+    if kind is None:
         return (
             "no kernel for this scope: kernels exist for the last axes with a per-element affine "
-            "(LayerNorm/RMSNorm) and for (N, C, *) groups with a per-channel affine (GroupNorm/InstanceNorm)"
+            "(LayerNorm/RMSNorm), for (N, C, *) groups with a per-channel affine (GroupNorm/InstanceNorm) "
+            "and for per-channel statistics over every other axis (BatchNorm)"
         )
+    if call.running is not None and kind[0] != "channels":
+        return "running statistics have a kernel only for BatchNorm scopes"
+    if call.running is not None and not call.running.use_input_stats:
+        if call.running.mean is None or call.running.var is None:
+            return "evaluation with running statistics needs running mean and var"
     return None
 
 
@@ -63,6 +69,10 @@ def _kind(s) -> tuple[str, int] | None:
     ndim, k = len(s.shape), len(s.reduce)
     if s.groups == 1 and k and s.reduce == tuple(range(ndim - k, ndim)) and s.affine in ((), s.reduce):
         return "rows", 0
+    if ndim >= 2 and s.groups == 1 and s.centered and len(s.reduce) == ndim - 1:
+        (d,) = set(range(ndim)) - set(s.reduce)
+        if s.affine in ((d,), ()):
+            return "channels", d  # BatchNorm: statistics per index of axis d over every other axis
     if ndim >= 2 and s.affine in ((1,), ()):
         if s.reduce == tuple(range(1, ndim)) and (s.groups == 1 or s.group_dim == 1):
             return "groups", s.groups  # GroupNorm(G, C); G = 1: LayerNorm over (C, *), per-channel affine
@@ -74,6 +84,23 @@ def _kind(s) -> tuple[str, int] | None:
 def prepare(call: Call) -> Callable[[Call], Tensor]:
     kind, groups = _kind(call.scope)
     centered = call.scope.centered
+    if kind == "channels":
+        from . import channels as chn
+
+        d = groups
+
+        def run_channels(c: Call) -> Tensor:
+            r = c.running
+            if r is not None and not r.use_input_stats:
+                y, _, _ = chn.batch_norm_channels(c.x, d, c.weight, c.bias, c.eps, r.mean, r.var)
+                return y
+            y, mean, var = chn.batch_norm_channels(c.x, d, c.weight, c.bias, c.eps)
+            if r is not None:  # the engine's own update rule (unbiased variance, momentum)
+                shape = c.scope.stat_shape
+                engine._update_running(c, ref.Moments(mean.reshape(shape), var.reshape(shape), c.scope.count))
+            return y
+
+        return run_channels
     if kind == "groups":
         from . import groups as grp  # imports Triton (reads TRITON_INTERPRET) on first use
 
