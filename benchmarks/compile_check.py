@@ -66,9 +66,12 @@ for dt in ("fp32", "bf16"):
                "G": "i32", "Cg": "i32", "HW": "i32", **csig}
         check(G._groups_bwd_kernel, sig, cval, f"groups bwd {dt} {cval}")
 
+    for has_m in (False, True):
+        csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_MASK"), (256, 32, has_m))
+        sig = {"X": p, "MASK": "*u8", "PMEAN": "*fp32", "PM2": "*fp32", "PCNT": "*fp32", "C": "i32", "inner": "i32",
+               "P": "i32", "chunk": "i32", **csig}
+        check(CH._stats_kernel, sig, cval, f"channels stats {dt} {cval}")
     csig, cval = const(("BLOCK_P", "BLOCK_C"), (256, 32))
-    sig = {"X": p, "PMEAN": "*fp32", "PM2": "*fp32", "C": "i32", "inner": "i32", "P": "i32", "chunk": "i32", **csig}
-    check(CH._stats_kernel, sig, cval, f"channels stats {dt}")
     sig = {"DY": p, "X": p, "MEAN": "*fp32", "RSTD": "*fp32", "PSDY": "*fp32", "PSDYX": "*fp32",
            "C": "i32", "inner": "i32", "P": "i32", "chunk": "i32", **csig}
     check(CH._bwd_sums_kernel, sig, cval, f"channels bwd sums {dt}")
@@ -77,10 +80,11 @@ for dt in ("fp32", "bf16"):
         sig = {"X": p, "Y": p, "MEAN": "*fp32", "RSTD": "*fp32", "W": "*fp32", "B": "*fp32",
                "C": "i32", "inner": "i32", "P": "i32", **csig}
         check(CH._apply_kernel, sig, cval, f"channels apply {dt} {cval}")
-    for has_w, training in itertools.product([False, True], repeat=2):
-        csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_WEIGHT", "TRAINING"), (256, 32, has_w, training))
-        sig = {"DY": p, "X": p, "MEAN": "*fp32", "RSTD": "*fp32", "W": "*fp32", "SDY": "*fp32", "SDYX": "*fp32",
-               "DX": p, "C": "i32", "inner": "i32", "P": "i32", **csig}
+    for has_w, training, has_m in itertools.product([False, True], repeat=3):
+        names = ("BLOCK_P", "BLOCK_C", "HAS_WEIGHT", "TRAINING", "HAS_MASK")
+        csig, cval = const(names, (256, 32, has_w, training, has_m))
+        sig = {"DY": p, "X": p, "MASK": "*u8", "MEAN": "*fp32", "RSTD": "*fp32", "W": "*fp32", "SDY": "*fp32",
+               "SDYX": "*fp32", "DX": p, "COUNT": "*fp32", "C": "i32", "inner": "i32", "P": "i32", **csig}
         check(CH._bwd_dx_kernel, sig, cval, f"channels bwd dx {dt} {cval}")
 
 print(f"triton {triton.__version__}: {failures} failures")

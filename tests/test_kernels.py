@@ -68,8 +68,9 @@ def _grads(outputs, inputs, cotangents):
 FLAGS = list(itertools.product([True, False], repeat=4))  # centered, weight, bias, residual
 
 
+# rows of 1 and 7 fit one block even with the 8-element limit, so only 33 exercises the looped path
 @pytest.mark.parametrize("centered,has_w,has_b,has_r", FLAGS)
-@pytest.mark.parametrize("n", [1, 7, 33])
+@pytest.mark.parametrize("path,n", [("block", 1), ("block", 7), ("block", 33), ("looped", 33)], indirect=["path"])
 def test_rows_forward_and_gradients_match_float64(path, centered, has_w, has_b, has_r, n):
     g = torch.Generator().manual_seed(n)
     m = 5
@@ -200,7 +201,7 @@ def test_triton_backend_declines_what_it_cannot_run():
         with pytest.raises(ValueError, match="float32/float16/bfloat16"):
             nf.layer_norm(x.double(), (5,))
         with pytest.raises(ValueError, match="mask"):
-            nf.normalize(x, dims=(-1,), mask=torch.ones(4, 3, 5, dtype=torch.bool))
+            nf.normalize(x, dims=(-1,), mask=torch.ones(4, 3, 5, dtype=torch.bool))  # masked LayerNorm
     os.environ["TRITON_INTERPRET"] = "0"
     try:
         with normscope.use_backend("triton"), pytest.raises(ValueError, match="CUDA"):
@@ -464,6 +465,50 @@ def test_channels_op_registrations():
     x = torch.randn(3, 4, 5, requires_grad=True)
     w, b = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
     torch.library.opcheck(
-        torch.ops.normscope.channels_fwd.default, (x, w, b, None, None, 1e-5),
+        torch.ops.normscope.channels_fwd.default, (x, w, b, None, None, None, 1e-5),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_batch_norm_matches_the_reference(dtype, monkeypatch):
+    monkeypatch.setattr(CH, "BLOCK_P", 4)
+    g = torch.Generator().manual_seed(13)
+    b_, s_, d_ = 3, 7, 5
+    x = (torch.randn(b_, s_, d_, generator=g) + 50).requires_grad_()
+    lengths = torch.tensor([7, 3, 0])  # one sequence entirely padding
+    mask = (torch.arange(s_)[None, :] < lengths[:, None])[..., None]  # (B, S, 1): shared by features
+    w = torch.randn(d_, generator=g, requires_grad=True)
+    b = torch.randn(d_, generator=g, requires_grad=True)
+    dy = torch.randn(b_, s_, d_, generator=g)
+    run_stats = {}
+    outs = {}
+    for backend in ("triton", "reference"):
+        rm, rv = torch.zeros(d_), torch.ones(d_)
+        xin = x if backend == "triton" else x.to(dtype)  # the oracle may run in float64
+        with normscope.use_backend(backend):
+            y = normscope.engine.norm(xin, normscope.Scope.batch(-1), w.to(dtype) if backend != "triton" else w,
+                                      b.to(dtype) if backend != "triton" else b, 1e-5, mask=mask,
+                                      running=normscope.engine.Running(rm, rv, 0.3, True))
+            assert normscope.last_backend() == backend
+        outs[backend] = (y, *torch.autograd.grad(y, (x, w, b), dy.to(y.dtype)))
+        run_stats[backend] = (rm, rv)
+    for a, e in zip(outs["triton"], outs["reference"]):
+        torch.testing.assert_close(a.double(), e.double(), atol=1e-4, rtol=1e-4)
+    for a, e in zip(run_stats["triton"], run_stats["reference"]):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+
+
+def test_masked_batch_norm_edge_cases():
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(2, 4, 3, generator=g)
+    w, b = torch.randn(3, generator=g), torch.randn(3, generator=g)
+    with normscope.use_backend("triton"):
+        y = nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=torch.zeros(2, 4, 1, dtype=torch.bool))
+    torch.testing.assert_close(y, b.expand(2, 4, 3))  # no valid position: the bias, not NaN
+    per_element = torch.rand(2, 4, 3, generator=g) > 0.3  # varies along the channel axis
+    with normscope.use_backend("triton"):
+        y = nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=per_element)
+    with normscope.use_backend("reference"):
+        want = nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=per_element)
+    torch.testing.assert_close(y, want)

@@ -21,7 +21,7 @@ masked_batch_norm      2 numel e       5 numel e  (the (B, S) mask is not counte
 Weights, statistics and the second read of long rows are not counted: an implementation that
 needs them shows up as lower GB/s. ``normscope`` is the public API (``normscope.functional``),
 so it runs whatever the engine picks: on CUDA the Triton kernels for LayerNorm, RMSNorm,
-add_rms_norm, GroupNorm and BatchNorm; the reference for masked BatchNorm. The JSON
+add_rms_norm, GroupNorm, BatchNorm and masked BatchNorm. The JSON
 records which (``normscope_impl``).
 
 Usage::

@@ -14,9 +14,10 @@ What exists (see ``docs/kernels.md``):
 * :func:`fused_add_rms_norm` -- ``(rms_norm(x + residual), x + residual)`` in one pass.
 
 * :mod:`.channels` -- BatchNorm on any channel axis, training (two-stage deterministic
-  reduction; the engine updates running statistics) and evaluation, forward and backward.
+  reduction; the engine updates running statistics) and evaluation, forward and backward, with
+  an optional per-position mask (masked BatchNorm1d on (B, S, D)).
 
-Masked kernels do not exist yet: masked scopes run on the reference.
+Other masked scopes run on the reference.
 """
 
 from __future__ import annotations

@@ -44,8 +44,6 @@ def why_not(call: Call) -> str | None:
         return reason
     if call.x.dtype not in _DTYPES:
         return f"the kernels take float32/float16/bfloat16 input, got {call.x.dtype} (they accumulate in fp32)"
-    if call.mask is not None:
-        return "masked normalization has no kernel yet"
     s = call.scope
     if s.count == 0:
         return "scopes of zero elements"
@@ -56,6 +54,8 @@ def why_not(call: Call) -> str | None:
             "(LayerNorm/RMSNorm), for (N, C, *) groups with a per-channel affine (GroupNorm/InstanceNorm) "
             "and for per-channel statistics over every other axis (BatchNorm)"
         )
+    if call.mask is not None and kind[0] != "channels":
+        return "masked normalization has a kernel only for BatchNorm scopes (per-channel statistics)"
     if call.running is not None and kind[0] != "channels":
         return "running statistics have a kernel only for BatchNorm scopes"
     if call.running is not None and not call.running.use_input_stats:
@@ -92,12 +92,17 @@ def prepare(call: Call) -> Callable[[Call], Tensor]:
         def run_channels(c: Call) -> Tensor:
             r = c.running
             if r is not None and not r.use_input_stats:
-                y, _, _ = chn.batch_norm_channels(c.x, d, c.weight, c.bias, c.eps, r.mean, r.var)
-                return y
-            y, mean, var = chn.batch_norm_channels(c.x, d, c.weight, c.bias, c.eps)
+                return chn.batch_norm_channels(c.x, d, c.weight, c.bias, c.eps, r.mean, r.var)[0]
+            pos_mask = None
+            if c.mask is not None:
+                pos_mask = _position_mask(c.mask, c.x, d)
+                if pos_mask is None:  # the mask varies along the channel axis: no kernel for that
+                    return engine._reference_run(c)
+            y, mean, var, count = chn.batch_norm_channels(c.x, d, c.weight, c.bias, c.eps, mask=pos_mask)
             if r is not None:  # the engine's own update rule (unbiased variance, momentum)
                 shape = c.scope.stat_shape
-                engine._update_running(c, ref.Moments(mean.reshape(shape), var.reshape(shape), c.scope.count))
+                n = count if pos_mask is not None else c.scope.count
+                engine._update_running(c, ref.Moments(mean.reshape(shape), var.reshape(shape), n))
             return y
 
         return run_channels
@@ -116,6 +121,14 @@ def prepare(call: Call) -> Callable[[Call], Tensor]:
         return rows.rows_norm(c.x, c.weight, c.bias, c.eps, centered, n=n)[0]
 
     return run
+
+
+def _position_mask(mask: Tensor, x: Tensor, d: int) -> Tensor | None:
+    """The mask as one flag per position (x's shape without axis d), or None when it varies along d."""
+    k = d - (x.dim() - mask.dim())  # the mask's axis that broadcasts against x's axis d
+    if k >= 0 and mask.shape[k] != 1:
+        return None
+    return torch.broadcast_to(mask, x.shape).select(d, 0).contiguous()
 
 
 def register() -> None:
