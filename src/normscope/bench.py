@@ -187,7 +187,15 @@ def _spatial_case(case: str, quick: bool, dtype, device, compile_ok: bool):
         w32, b32 = w.float(), b.float()  # cuDNN batch norm wants fp32 parameters with half input
         inputs = [x, w32, b32]
         eager = lambda x, w, b: F.batch_norm(x, None, None, w, b, True, 0.1, EPS)  # noqa: E731
-        impls["normscope"] = lambda x, w, b: nf.batch_norm(x, None, None, w, b, True, 0.1, EPS)
+        if _triton_ok(device):  # the automatic order keeps unmasked BatchNorm on cuDNN: force the kernel
+
+            def ns_bn(x, w, b):
+                with normscope.use_backend("triton"):
+                    return nf.batch_norm(x, None, None, w, b, True, 0.1, EPS)
+
+            impls["normscope"] = ns_bn
+        else:
+            impls["normscope"] = lambda x, w, b: nf.batch_norm(x, None, None, w, b, True, 0.1, EPS)
         label = None
     else:  # masked BatchNorm1d on (B, S, D): statistics per feature over the valid tokens
         bsz, s, d = (4, 64, 128) if quick else (64, 1024, 1024)

@@ -19,6 +19,9 @@ from .. import reference as ref
 from ..engine import Backend, Call
 
 NAME = "triton"
+#: Let the automatic order pick the (correct, not yet tuned) BatchNorm kernel over ATen/cuDNN.
+#: Masked BatchNorm always takes the kernel: its only alternative is the unfused reference.
+AUTO_BATCH_NORM = False
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -53,6 +56,11 @@ def why_not(call: Call) -> str | None:
             "no kernel for this scope: kernels exist for the last axes with a per-element affine "
             "(LayerNorm/RMSNorm), for (N, C, *) groups with a per-channel affine (GroupNorm/InstanceNorm) "
             "and for per-channel statistics over every other axis (BatchNorm)"
+        )
+    if kind[0] == "channels" and call.mask is None and not AUTO_BATCH_NORM and engine._requested(None) != NAME:
+        return (
+            "unmasked BatchNorm stays on ATen/cuDNN in automatic mode until the channels kernel is tuned "
+            "(force it with use_backend('triton') or NORMSCOPE_BACKEND=triton)"
         )
     if call.mask is not None and kind[0] != "channels":
         return "masked normalization has a kernel only for BatchNorm scopes (per-channel statistics)"
