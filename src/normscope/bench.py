@@ -395,7 +395,7 @@ def plot(report: dict, path: Path) -> bool:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle(f"normscope bench -- {report['device']}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))  # room for the suptitle
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
