@@ -71,3 +71,6 @@ __all__ = [
     "register_norm",
     "convert",
 ]
+
+# the "triton" backend registers itself when Triton is installed (the package imports without it)
+from . import kernels  # noqa: E402,F401

@@ -373,3 +373,8 @@ def adain(content: Tensor, style: Tensor | tuple[Tensor, Tensor], eps: float = 1
     dt = mean.dtype
     y = _apply(content, mean, rstd * s_std.to(dt), _INSTANCE)
     return (y.to(dt) + s_mean.to(dt)).to(content.dtype)
+
+
+from .kernels.fused import fused_add_rms_norm  # noqa: E402  (re-exported: the fused residual + RMSNorm op)
+
+__all__ += ["fused_add_rms_norm"]

@@ -1,0 +1,91 @@
+"""Lower every Triton kernel specialisation to an sm_90 cubin with Triton's own compiler -- no GPU needed.
+
+The CPU tests run the kernels in Triton's interpreter, which is more lenient than the compiler
+(loop-carried types, scalar stores, constexpr branches); this catches what only compiling would.
+
+    PYTHONPATH=src python benchmarks/compile_check.py          # about a minute or two
+"""
+
+import itertools
+import sys
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from normscope.kernels import channels as CH
+from normscope.kernels import groups as G
+from normscope.kernels import rows as R
+
+TARGET = GPUTarget("cuda", 90, 32)
+failures = 0
+
+
+def check(fn, sig, consts, label):
+    global failures
+    t = time.time()
+    try:
+        triton.compile(ASTSource(fn, sig, consts), target=TARGET, options={"num_warps": 4})
+        print(f"ok   {label} ({time.time() - t:.1f}s)")
+    except Exception as exc:  # noqa: BLE001
+        failures += 1
+        print(f"FAIL {label}: {type(exc).__name__}: {str(exc)[:2000]}")
+
+
+def const(names, values):
+    return {n: "constexpr" for n in names}, dict(zip(names, values))
+
+
+for dt in ("fp32", "bf16"):
+    p = "*" + dt
+    for looped, centered, has_w, has_b, has_r in itertools.product([False, True], repeat=5):
+        bm, bn = (1, 1024) if looped else (4, 1024)
+        names = ("BLOCK_M", "BLOCK_N", "LOOPED", "CENTERED", "HAS_WEIGHT", "HAS_BIAS", "HAS_RESIDUAL")
+        csig, cval = const(names, (bm, bn, looped, centered, has_w, has_b, has_r))
+        sig = {"X": p, "R": p, "W": p, "B": p, "Y": p, "RES": p, "MEAN": "*fp32", "RSTD": "*fp32",
+               "stride_x": "i32", "stride_r": "i32", "stride_y": "i32", "stride_res": "i32",
+               "M": "i32", "N": "i32", "eps": "fp32", "w_offset": "fp32", **csig}
+        check(R._rows_fwd_kernel, sig, cval, f"rows fwd {dt} {cval}")
+        if has_r:
+            continue
+        for has_d in (False, True):
+            names = ("BLOCK_M", "BLOCK_N", "LOOPED", "CENTERED", "HAS_WEIGHT", "HAS_BIAS", "HAS_DRES")
+            csig, cval = const(names, (bm, bn, looped, centered, has_w, has_b, has_d))
+            sig = {"DY": p, "DRES": p, "X": p, "W": p, "MEAN": "*fp32", "RSTD": "*fp32", "DX": p,
+                   "DW": "*fp32", "DB": "*fp32", "stride_dy": "i32", "stride_dres": "i32", "stride_x": "i32",
+                   "stride_dx": "i32", "M": "i32", "N": "i32", "w_offset": "fp32", "rows_per_prog": "i32", **csig}
+            check(R._rows_bwd_kernel, sig, cval, f"rows bwd {dt} {cval}")
+    for centered, has_w, has_b in itertools.product([False, True], repeat=3):
+        names = ("BLOCK_C", "BLOCK_S", "CENTERED", "HAS_WEIGHT", "HAS_BIAS")
+        csig, cval = const(names, (4, 256, centered, has_w, has_b))
+        sig = {"X": p, "W": p, "B": p, "Y": p, "MEAN": "*fp32", "RSTD": "*fp32",
+               "G": "i32", "Cg": "i32", "HW": "i32", "eps": "fp32", **csig}
+        check(G._groups_fwd_kernel, sig, cval, f"groups fwd {dt} {cval}")
+        sig = {"DY": p, "X": p, "W": p, "MEAN": "*fp32", "RSTD": "*fp32", "DX": p, "DWP": "*fp32", "DBP": "*fp32",
+               "G": "i32", "Cg": "i32", "HW": "i32", **csig}
+        check(G._groups_bwd_kernel, sig, cval, f"groups bwd {dt} {cval}")
+
+    for has_m in (False, True):
+        csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_MASK"), (256, 32, has_m))
+        sig = {"X": p, "MASK": "*u8", "PMEAN": "*fp32", "PM2": "*fp32", "PCNT": "*fp32", "C": "i32", "inner": "i32",
+               "P": "i32", "chunk": "i32", **csig}
+        check(CH._stats_kernel, sig, cval, f"channels stats {dt} {cval}")
+    csig, cval = const(("BLOCK_P", "BLOCK_C"), (256, 32))
+    sig = {"DY": p, "X": p, "MEAN": "*fp32", "RSTD": "*fp32", "PSDY": "*fp32", "PSDYX": "*fp32",
+           "C": "i32", "inner": "i32", "P": "i32", "chunk": "i32", **csig}
+    check(CH._bwd_sums_kernel, sig, cval, f"channels bwd sums {dt}")
+    for has_w, has_b in itertools.product([False, True], repeat=2):
+        csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_WEIGHT", "HAS_BIAS"), (256, 32, has_w, has_b))
+        sig = {"X": p, "Y": p, "MEAN": "*fp32", "RSTD": "*fp32", "W": "*fp32", "B": "*fp32",
+               "C": "i32", "inner": "i32", "P": "i32", **csig}
+        check(CH._apply_kernel, sig, cval, f"channels apply {dt} {cval}")
+    for has_w, training, has_m in itertools.product([False, True], repeat=3):
+        names = ("BLOCK_P", "BLOCK_C", "HAS_WEIGHT", "TRAINING", "HAS_MASK")
+        csig, cval = const(names, (256, 32, has_w, training, has_m))
+        sig = {"DY": p, "X": p, "MASK": "*u8", "MEAN": "*fp32", "RSTD": "*fp32", "W": "*fp32", "SDY": "*fp32",
+               "SDYX": "*fp32", "DX": p, "COUNT": "*fp32", "C": "i32", "inner": "i32", "P": "i32", **csig}
+        check(CH._bwd_dx_kernel, sig, cval, f"channels bwd dx {dt} {cval}")
+
+print(f"triton {triton.__version__}: {failures} failures")
+sys.exit(1 if failures else 0)

@@ -1,0 +1,610 @@
+# ruff: noqa: UP007, UP045  -- torch.library reads custom-op schemas from typing.Optional annotations
+"""Fused Triton kernels for normalization over rows: LayerNorm and RMSNorm, forward and backward.
+
+What this covers
+----------------
+The canonical view is a matrix of ``M`` rows by ``N`` columns whose last axis is unit-stride (rows
+may have any stride): every row is one scope. LayerNorm and RMSNorm over the last axes of any
+tensor map onto it, and so does the fused "residual add, then RMSNorm" of pre-norm transformers.
+One kernel family covers all of them through compile-time flags:
+
+    CENTERED       subtract the mean (LayerNorm) or not (RMSNorm: the "variance" is the mean square)
+    HAS_WEIGHT     multiply by ``weight + weight_offset`` (offset 1.0 gives Gemma's ``(1 + w)``)
+    HAS_BIAS       add ``bias``
+    HAS_RESIDUAL   normalize ``s = x + residual`` and also return ``s`` (in the residual's dtype, or
+                   fp32 with ``residual_fp32``); the normalized value is ``s`` *after* that rounding, so
+                   the fused op equals "add, then norm" exactly
+
+Numerics: statistics are accumulated in fp32 and saved (mean, rstd) in fp32 whatever the input
+dtype. The variance is the mean of squared deviations from the mean (single block: two passes
+over registers; long rows: Chan's parallel combination of per-chunk mean and M2), never
+E[x^2] - E[x]^2. dW/dB are deterministic: each program writes fp32 partial sums for its rows to
+its own row of a ``(programs, N)`` buffer, and one ``.sum(0)`` finishes them -- no atomics.
+
+Limits and trade-offs
+---------------------
+* Rows with ``next_pow2(N) <= MAX_FUSED_N`` (16K elements) live in registers: one read of x, one
+  write of y. Longer rows (any length; 262K is tested in the benchmark) take the looped path: one
+  program per row walks the row in chunks of ``LOOP_BLOCK`` -- statistics pass, then a normalize
+  pass that reads x again (usually from L2) -- so they move about 1.5x the minimal bytes.
+* Long-row backward keeps each program's dW/dB partial in global memory (read-modify-write per
+  row): extra traffic of ``8N`` bytes per row when a weight is present.
+* fp64 inputs are declined by the engine backend (the kernels accumulate in fp32); the reference
+  runs them.
+* ``MAX_FUSED_N`` / ``LOOP_BLOCK`` are module-level knobs so tests can force the looped path on
+  tiny rows.
+
+Every kernel has a plain-PyTorch reference next to it (:func:`rows_ref`); on a CPU tensor without
+``TRITON_INTERPRET=1`` the registered ops run that reference.
+"""
+
+import functools
+import os
+from typing import Optional  # noqa: F401  (custom_op schemas are read from these annotations)
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["rows_norm", "rows_ref", "MAX_FUSED_N", "LOOP_BLOCK"]
+
+#: Longest row (rounded up to a power of two) kept in registers by one program.
+MAX_FUSED_N = 16384
+#: Chunk length of the looped path for longer rows.
+LOOP_BLOCK = 4096
+#: Elements per program in the single-block path (several short rows share one program).
+TILE = 4096
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fix_interpreter_index() -> None:
+    """Triton <= 3.8's interpreter turns a scalar into an int with ``int(array_of_shape_(1,))``,
+    which NumPy >= 2.4 refuses, so every loop with a runtime bound fails on CPU. Triton 3.9 fixed
+    it (``.squeeze()``); do the same for older versions. Only the CPU interpreter is touched."""
+    from triton.runtime import interpreter
+
+    orig = getattr(interpreter, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_normscope_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._normscope_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _fix_interpreter_index()
+
+
+def use_kernel(x: Tensor) -> bool:
+    """Run the Triton kernel on ``x`` (CUDA, or any tensor under the interpreter), else the reference."""
+    return x.is_cuda or interpreting()
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _rows_fwd_kernel(
+    X, R, W, B, Y, RES, MEAN, RSTD,
+    stride_x, stride_r, stride_y, stride_res,
+    M, N, eps, w_offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
+    CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if not LOOPED:
+        # BLOCK_M whole rows per program, each row in registers
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        rmask = rows < M
+        cmask = cols < N
+        mask = rmask[:, None] & cmask[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x += tl.load(R + r64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            s = x.to(RES.dtype.element_ty)
+            tl.store(RES + r64 * stride_res + cols[None, :], s, mask=mask)
+            x = s.to(tl.float32)  # normalize what "add, then norm" would see
+        if CENTERED:
+            # shift by the row's first element before summing: with |mean| >> std the fp32 sum of
+            # raw values loses the digits that the deviations live in
+            k = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
+            xk = tl.where(mask, x - k[:, None], 0.0)
+            mk = tl.sum(xk, axis=1) / N
+            mean = k + mk
+            d = tl.where(mask, xk - mk[:, None], 0.0)
+        else:
+            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+            d = x
+        var = tl.sum(d * d, axis=1) / N
+        rstd = tl.rsqrt(var + eps)
+        tl.store(MEAN + rows, mean, mask=rmask)
+        tl.store(RSTD + rows, rstd, mask=rmask)
+        y = d * rstd[:, None]
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset
+            y = y * w[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # one long row per program, walked in chunks
+        row = pid.to(tl.int64)
+        X += row * stride_x
+        Y += row * stride_y
+        offs = tl.arange(0, BLOCK_N)
+        if HAS_RESIDUAL:
+            R += row * stride_r
+            RES += row * stride_res
+        n_a = 0.0
+        mean_a = 0.0  # of x - k, k the row's first element (see the single-block path)
+        m2_a = 0.0
+        k = tl.load(X).to(tl.float32)
+        if HAS_RESIDUAL:
+            k = (k + tl.load(R).to(tl.float32)).to(RES.dtype.element_ty).to(tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + offs
+            cmask = cols < N
+            x = tl.load(X + cols, mask=cmask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                x += tl.load(R + cols, mask=cmask, other=0.0).to(tl.float32)
+                s = x.to(RES.dtype.element_ty)
+                tl.store(RES + cols, s, mask=cmask)
+                x = s.to(tl.float32)
+            if CENTERED:
+                # Chan et al.: combine (n_a, mean_a, M2_a) with this chunk's (n_b, mean_b, M2_b)
+                x = tl.where(cmask, x - k, 0.0)
+                n_b = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+                mean_b = tl.sum(x, axis=0) / n_b
+                dd = tl.where(cmask, x - mean_b, 0.0)
+                m2_b = tl.sum(dd * dd, axis=0)
+                n = n_a + n_b
+                delta = mean_b - mean_a
+                mean_a = mean_a + delta * (n_b / n)
+                m2_a = m2_a + m2_b + delta * delta * (n_a * n_b / n)
+                n_a = n
+            else:
+                m2_a = m2_a + tl.sum(x * x, axis=0)
+        if CENTERED:
+            mean = k + mean_a
+        else:
+            mean = 0.0
+        rstd = tl.rsqrt(m2_a / N + eps)
+        tl.store(MEAN + row, mean)
+        tl.store(RSTD + row, rstd)
+        if HAS_RESIDUAL:
+            tl.debug_barrier()  # the sum stored above is read back below, by other threads
+        for start in range(0, N, BLOCK_N):
+            cols = start + offs
+            cmask = cols < N
+            if HAS_RESIDUAL:
+                x = tl.load(RES + cols, mask=cmask, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(X + cols, mask=cmask, other=0.0).to(tl.float32)
+            if CENTERED:
+                y = (x - mean) * rstd
+            else:
+                y = x * rstd
+            if HAS_WEIGHT:
+                y = y * (tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset)
+            if HAS_BIAS:
+                y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+            tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _rows_bwd_kernel(
+    DY, DRES, X, W, MEAN, RSTD, DX, DW, DB,
+    stride_dy, stride_dres, stride_x, stride_dx,
+    M, N, w_offset, rows_per_prog,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
+    CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DRES: tl.constexpr,
+):  # fmt: skip
+    # xhat = (x - mean) * rstd,  g = dy * w
+    # dx = rstd * (g - xhat * mean(g * xhat) - mean(g))     (RMSNorm: without the last term)
+    # dW[pid] = sum over this program's rows of dy * xhat,  dB[pid] = sum of dy
+    pid = tl.program_id(0)
+    if not LOOPED:
+        cols = tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        first = pid * rows_per_prog
+        for i in range(0, rows_per_prog, BLOCK_M):
+            rows = first + i + tl.arange(0, BLOCK_M)
+            rmask = rows < M
+            mask = rmask[:, None] & cmask[None, :]
+            r64 = rows.to(tl.int64)[:, None]
+            x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+            if CENTERED:
+                mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            else:
+                xhat = x * rstd[:, None]
+            if HAS_WEIGHT:
+                g = dy * w[None, :]
+            else:
+                g = dy
+            c1 = tl.sum(g * xhat, axis=1) / N
+            if CENTERED:
+                c2 = tl.sum(g, axis=1) / N
+                dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            else:
+                dx = (g - xhat * c1[:, None]) * rstd[:, None]
+            if HAS_DRES:
+                dx += tl.load(DRES + r64 * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_WEIGHT:
+                dw += tl.sum(dy * xhat, axis=0)
+            if HAS_BIAS:
+                db += tl.sum(dy, axis=0)
+        if HAS_WEIGHT:
+            tl.store(DW + pid.to(tl.int64) * N + cols, dw, mask=cmask)
+        if HAS_BIAS:
+            tl.store(DB + pid.to(tl.int64) * N + cols, db, mask=cmask)
+    else:
+        # long rows: program pid takes rows pid, pid + P, ...; its dW/dB partial row lives in
+        # global memory (zero-initialised by the launcher) and only this program touches it
+        offs = tl.arange(0, BLOCK_N)
+        nprog = tl.num_programs(0)
+        DWp = DW + pid.to(tl.int64) * N
+        DBp = DB + pid.to(tl.int64) * N
+        r64 = pid.to(tl.int64)
+        for _ in range(pid, M, nprog):  # the loop variable is an int in the interpreter: carry our own
+            rstd = tl.load(RSTD + r64)
+            if CENTERED:
+                mean = tl.load(MEAN + r64)
+            else:
+                mean = 0.0
+            c1 = 0.0
+            c2 = 0.0
+            for start in range(0, N, BLOCK_N):
+                cols = start + offs
+                cmask = cols < N
+                x = tl.load(X + r64 * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
+                dy = tl.load(DY + r64 * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
+                xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+                if HAS_WEIGHT:
+                    g = dy * (tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset)
+                else:
+                    g = dy
+                c1 += tl.sum(g * xhat, axis=0)
+                c2 += tl.sum(g, axis=0)
+            c1 = c1 / N
+            c2 = c2 / N
+            for start in range(0, N, BLOCK_N):
+                cols = start + offs
+                cmask = cols < N
+                x = tl.load(X + r64 * stride_x + cols, mask=cmask, other=0.0).to(tl.float32)
+                dy = tl.load(DY + r64 * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
+                xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
+                if HAS_WEIGHT:
+                    g = dy * (tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset)
+                else:
+                    g = dy
+                if CENTERED:
+                    dx = (g - (xhat * c1 + c2)) * rstd
+                else:
+                    dx = (g - xhat * c1) * rstd
+                if HAS_DRES:
+                    dx += tl.load(DRES + r64 * stride_dres + cols, mask=cmask, other=0.0).to(tl.float32)
+                tl.store(DX + r64 * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=cmask)
+                if HAS_WEIGHT:
+                    tl.store(DWp + cols, tl.load(DWp + cols, mask=cmask, other=0.0) + dy * xhat, mask=cmask)
+                if HAS_BIAS:
+                    tl.store(DBp + cols, tl.load(DBp + cols, mask=cmask, other=0.0) + dy, mask=cmask)
+            r64 += nprog
+
+
+# ----------------------------------------------------------------------------------------------
+# launch configuration
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _config(N: int) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, looped, num_warps) for rows of length N."""
+    block = _next_pow2(N)
+    if block <= MAX_FUSED_N:
+        block_m = max(1, min(64, TILE // block))
+        warps = min(16, max(1, block_m * block // 1024))
+        return block_m, block, False, _next_pow2(warps)
+    chunk = min(LOOP_BLOCK, MAX_FUSED_N)
+    return 1, chunk, True, min(16, max(1, chunk // 512))
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(x: Tensor, work: int, per_sm: int) -> int:
+    """How many persistent programs the backward uses (deterministic for a given device)."""
+    if x.is_cuda:
+        return max(1, min(work, _sm_count(x.device.index or 0) * per_sm))
+    return max(1, min(work, 4))  # the interpreter runs programs one after the other
+
+
+def _rows_fwd_impl(x, weight, bias, residual, eps, centered, weight_offset, residual_fp32):
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    mean = torch.empty((M,), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if residual is not None:
+        res = torch.empty((M, N), dtype=_res_dtype(residual, residual_fp32), device=x.device)
+    else:
+        res = x.new_empty(0)
+    if M == 0:
+        return y, res, mean, rstd
+    if not use_kernel(x):
+        yr, sr, mr, rr = _ref_fwd(x, weight, bias, residual, eps, centered, weight_offset, residual_fp32)
+        y.copy_(yr), mean.copy_(mr), rstd.copy_(rr)
+        if residual is not None:
+            res.copy_(sr)
+        return y, res, mean, rstd
+    block_m, block_n, looped, warps = _config(N)
+    has_r = residual is not None
+    grid = (triton.cdiv(M, block_m),)
+    _rows_fwd_kernel[grid](
+        x, residual if has_r else x, weight if weight is not None else x, bias if bias is not None else x,
+        y, res if has_r else y, mean, rstd,
+        x.stride(0), residual.stride(0) if has_r else 0, y.stride(0), res.stride(0) if has_r else 0,
+        M, N, eps, weight_offset,
+        BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=looped,
+        CENTERED=centered, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=has_r,
+        num_warps=warps,
+    )  # fmt: skip
+    return y, res, mean, rstd
+
+
+def _rows_bwd_impl(dy, dres, xs, weight, mean, rstd, centered, has_bias, weight_offset):
+    M, N = xs.shape
+    dx = torch.empty((M, N), dtype=xs.dtype, device=xs.device)
+    has_w = weight is not None
+    if M == 0 or not use_kernel(xs):
+        if M == 0:
+            z = torch.zeros(N, dtype=torch.float32, device=xs.device)
+            return dx, z if has_w else xs.new_empty(0), z.clone() if has_bias else xs.new_empty(0)
+        dxr, dw, db = _ref_bwd(dy, dres, xs, weight, mean, rstd, centered, has_bias, weight_offset)
+        dx.copy_(dxr)
+        return dx, dw if has_w else xs.new_empty(0), db if has_bias else xs.new_empty(0)
+    block_m, block_n, looped, warps = _config(N)
+    if looped:
+        progs = _programs(xs, M, 2)
+        rows_per_prog = 0  # unused: the looped path strides over rows
+        alloc = torch.zeros
+    else:
+        blocks = triton.cdiv(M, block_m)
+        progs = _programs(xs, blocks, 4)
+        rows_per_prog = triton.cdiv(blocks, progs) * block_m
+        progs = triton.cdiv(M, rows_per_prog)
+        alloc = torch.empty
+    dw = alloc((progs, N), dtype=torch.float32, device=xs.device) if has_w else None
+    db = alloc((progs, N), dtype=torch.float32, device=xs.device) if has_bias else None
+    _rows_bwd_kernel[(progs,)](
+        dy, dres if dres is not None else dy, xs, weight if has_w else xs, mean, rstd, dx,
+        dw if has_w else dx, db if has_bias else dx,
+        dy.stride(0), dres.stride(0) if dres is not None else 0, xs.stride(0), dx.stride(0),
+        M, N, weight_offset, rows_per_prog,
+        BLOCK_M=block_m, BLOCK_N=block_n, LOOPED=looped,
+        CENTERED=centered, HAS_WEIGHT=has_w, HAS_BIAS=has_bias, HAS_DRES=dres is not None,
+        num_warps=warps,
+    )  # fmt: skip
+    # the second, deterministic stage of the dW/dB reduction (a fixed-order sum, no atomics)
+    return (
+        dx,
+        dw.sum(0) if has_w else xs.new_empty(0),
+        db.sum(0) if has_bias else xs.new_empty(0),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# the reference, next to the kernel: plain PyTorch, same contract
+
+
+def _res_dtype(residual: Tensor, residual_fp32: bool) -> torch.dtype:
+    return torch.float32 if residual_fp32 and residual.dtype != torch.float64 else residual.dtype
+
+
+def _ref_fwd(x, weight, bias, residual, eps, centered, weight_offset, residual_fp32):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    s = None
+    if residual is not None:
+        s = (xf + residual.to(acc)).to(_res_dtype(residual, residual_fp32))
+        xf = s.to(acc)
+    if centered:
+        var, mean = torch.var_mean(xf, dim=-1, correction=0)
+    else:
+        var, mean = xf.square().mean(-1), torch.zeros(xf.shape[:-1], dtype=acc, device=x.device)
+    rstd = torch.rsqrt(var + eps)
+    y = (xf - mean[:, None]) * rstd[:, None]
+    if weight is not None:
+        y = y * (weight.to(acc) + weight_offset)
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype), s, mean.float(), rstd.float()
+
+
+def _ref_bwd(dy, dres, xs, weight, mean, rstd, centered, has_bias, weight_offset):
+    acc = torch.float64 if xs.dtype == torch.float64 else torch.float32
+    xf, dyf = xs.to(acc), dy.to(acc)
+    mean, rstd = mean.to(acc)[:, None], rstd.to(acc)[:, None]
+    xhat = (xf - mean) * rstd
+    g = dyf * (weight.to(acc) + weight_offset) if weight is not None else dyf
+    n = xs.shape[-1]
+    c1 = (g * xhat).sum(-1, keepdim=True) / n
+    dx = g - xhat * c1
+    if centered:
+        dx = dx - g.sum(-1, keepdim=True) / n
+    dx = dx * rstd
+    if dres is not None:
+        dx = dx + dres.to(acc)
+    return dx, (dyf * xhat).sum(0).float(), dyf.sum(0).float()
+
+
+def rows_ref(
+    x: Tensor,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+    centered: bool = True,
+    residual: Optional[Tensor] = None,
+    weight_offset: float = 0.0,
+    residual_fp32: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """The reference for :func:`rows_norm`, written with differentiable torch ops (any device, any
+    dtype; computes in fp32, or fp64 for fp64 input). Returns ``(y, s)`` like :func:`rows_norm`."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf, s = x.to(acc), None
+    if residual is not None:
+        s = (xf + residual.to(acc)).to(_res_dtype(residual, residual_fp32))
+        xf = s.to(acc)
+    if centered:
+        xf = xf - xf.mean(-1, keepdim=True)
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.reshape(-1).to(acc) + weight_offset)
+    if bias is not None:
+        y = y + bias.reshape(-1).to(acc)
+    return y.to(x.dtype), s
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library ops: opaque to torch.compile (fake impls give shapes), autograd registered
+
+# The schema is inferred from these annotations, so they stay plain ``typing`` objects (no
+# ``from __future__ import annotations``, no ``X | None``), which torch 2.4 through 2.13 all read.
+
+
+@torch.library.custom_op("normscope::rows_fwd", mutates_args=())
+def rows_fwd(
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    residual: Optional[Tensor],
+    eps: float,
+    centered: bool,
+    weight_offset: float,
+    residual_fp32: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, s, mean, rstd) for a 2-D ``x`` with unit-stride rows; ``s`` is empty without a residual."""
+    return _rows_fwd_impl(x, weight, bias, residual, eps, centered, weight_offset, residual_fp32)
+
+
+@rows_fwd.register_fake
+def _rows_fwd_fake(x, weight, bias, residual, eps, centered, weight_offset, residual_fp32):
+    M, N = x.shape
+    y = x.new_empty((M, N))
+    res = x.new_empty((M, N), dtype=_res_dtype(residual, residual_fp32)) if residual is not None else x.new_empty(0)
+    return y, res, x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32)
+
+
+@torch.library.custom_op("normscope::rows_bwd", mutates_args=())
+def rows_bwd(
+    dy: Tensor,
+    dres: Optional[Tensor],
+    xs: Tensor,
+    weight: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    centered: bool,
+    has_bias: bool,
+    weight_offset: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx in xs's dtype, dW fp32 or empty, dB fp32 or empty)."""
+    return _rows_bwd_impl(dy, dres, xs, weight, mean, rstd, centered, has_bias, weight_offset)
+
+
+@rows_bwd.register_fake
+def _rows_bwd_fake(dy, dres, xs, weight, mean, rstd, centered, has_bias, weight_offset):
+    M, N = xs.shape
+    dw = xs.new_empty((N,), dtype=torch.float32) if weight is not None else xs.new_empty(0)
+    db = xs.new_empty((N,), dtype=torch.float32) if has_bias else xs.new_empty(0)
+    return xs.new_empty((M, N)), dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, eps, centered, weight_offset, residual_fp32 = inputs
+    _, res, mean, rstd = output
+    has_r = residual is not None
+    ctx.save_for_backward(res if has_r else x, weight, mean, rstd)
+    ctx.centered, ctx.weight_offset = centered, weight_offset
+    ctx.x_dtype = x.dtype
+    ctx.r_dtype = residual.dtype if has_r else None
+    ctx.b_dtype = bias.dtype if bias is not None else None
+    ctx.has_r = has_r
+
+
+def _backward(ctx, dy, dres, dmean, drstd):
+    xs, weight, mean, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(xs)
+    dres = dres.contiguous() if ctx.has_r and dres is not None else None
+    ds, dw, db = rows_bwd(
+        dy.contiguous(), dres, xs, weight, mean, rstd, ctx.centered, ctx.b_dtype is not None, ctx.weight_offset
+    )
+    dx = ds.to(ctx.x_dtype)
+    dr = ds.to(ctx.r_dtype) if ctx.has_r else None
+    dw = dw.to(weight.dtype) if weight is not None else None
+    db = db.to(ctx.b_dtype) if ctx.b_dtype is not None else None
+    return dx, dw, db, dr, None, None, None, None
+
+
+rows_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# the entry point
+
+
+def rows_norm(
+    x: Tensor,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+    centered: bool = True,
+    residual: Optional[Tensor] = None,
+    weight_offset: float = 0.0,
+    residual_fp32: bool = False,
+    n: Optional[int] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Normalize every row of the last ``n`` elements of ``x`` (default: the weight's size, else
+    the last axis): LayerNorm (``centered``) or RMSNorm, optionally after adding ``residual``.
+
+    Returns ``(y, s)``: ``y`` shaped and typed like ``x``; ``s = x + residual`` (None without a
+    residual). Inputs are assumed valid (the public wrappers check them).
+    """
+    if n is None:
+        n = weight.numel() if weight is not None else x.shape[-1]
+    shape = x.shape
+    # the kernels need unit-stride rows; any row stride is fine, so only a non-unit last stride
+    # (or leading axes that cannot be flattened into one row stride) costs a copy
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x2 = x.reshape(-1, n)
+    r2 = None
+    if residual is not None:
+        r2 = (residual if residual.stride(-1) == 1 else residual.contiguous()).reshape(-1, n)
+    w = weight.reshape(-1) if weight is not None else None
+    b = bias.reshape(-1) if bias is not None else None
+    y, s, _, _ = rows_fwd(x2, w, b, r2, float(eps), bool(centered), float(weight_offset), bool(residual_fp32))
+    return y.view(shape), (s.view(shape) if residual is not None else None)
+

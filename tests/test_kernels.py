@@ -1,0 +1,514 @@
+"""The Triton row kernels (LayerNorm / RMSNorm, fused residual add), run on CPU in Triton's interpreter.
+
+TRITON_INTERPRET=1 must be set before Triton compiles (decorates) a kernel, so it is set here, at
+import, before normscope.kernels.rows is imported. Shapes are tiny: the interpreter is slow.
+Tolerances follow flash-attention's rule: the kernel's error against a float64 reference may be at
+most twice the error of the same-dtype PyTorch computation, plus a small atol.
+"""
+
+import itertools
+import os
+
+_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
+
+import normscope  # noqa: E402
+from normscope import functional as nf  # noqa: E402
+from normscope.kernels import channels as CH  # noqa: E402
+from normscope.kernels import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
+from normscope.kernels import groups as G  # noqa: E402
+from normscope.kernels import rows as R  # noqa: E402
+
+# eps=0 makes the (masked, never stored) padding rows of a block compute 1/sqrt(0) in numpy
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_env():
+    """Keep TRITON_INTERPRET=1 while these tests run (the backend reads it per call), then put back
+    whatever the session had, so later test modules see the environment they expect."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if _PREVIOUS_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+
+
+@pytest.fixture(params=["block", "looped"])
+def path(request, monkeypatch):
+    """Run a test on the single-block path and, with an 8-element limit, on the looped one."""
+    if request.param == "looped":
+        monkeypatch.setattr(R, "MAX_FUSED_N", 8)
+    return request.param
+
+
+def _ref64(x, w, b, r, centered, offset, eps=1e-5):
+    """Independent float64 oracle: torch's own layer_norm / rms_norm on (x + r)."""
+    h = x.double() + (r.double() if r is not None else 0)
+    n = x.shape[-1]
+    wd = w.double() + offset if w is not None else None
+    if centered:
+        return F.layer_norm(h, (n,), wd, b.double() if b is not None else None, eps)
+    y = F.rms_norm(h, (n,), wd, eps)
+    return y + b.double() if b is not None else y
+
+
+def _grads(outputs, inputs, cotangents):
+    inputs = [t for t in inputs if t is not None]
+    return torch.autograd.grad(outputs, inputs, cotangents, allow_unused=True)
+
+
+FLAGS = list(itertools.product([True, False], repeat=4))  # centered, weight, bias, residual
+
+
+# rows of 1 and 7 fit one block even with the 8-element limit, so only 33 exercises the looped path
+@pytest.mark.parametrize("centered,has_w,has_b,has_r", FLAGS)
+@pytest.mark.parametrize("path,n", [("block", 1), ("block", 7), ("block", 33), ("looped", 33)], indirect=["path"])
+def test_rows_forward_and_gradients_match_float64(path, centered, has_w, has_b, has_r, n):
+    g = torch.Generator().manual_seed(n)
+    m = 5
+    x = torch.randn(m, n, generator=g, requires_grad=True)
+    w = (torch.rand(n, generator=g) + 0.5).requires_grad_() if has_w else None
+    b = torch.randn(n, generator=g, requires_grad=True) if has_b else None
+    r = torch.randn(m, n, generator=g, requires_grad=True) if has_r else None
+    offset = 0.5 if has_w else 0.0
+    y, s = R.rows_norm(x, w, b, 1e-5, centered, residual=r, weight_offset=offset)
+    y64 = _ref64(x, w, b, r, centered, offset)
+    torch.testing.assert_close(y.double(), y64, atol=2e-5, rtol=1e-5)
+    dy = torch.randn(m, n, generator=g)
+    if has_r:
+        torch.testing.assert_close(s, x + r)
+        ds = torch.randn(m, n, generator=g)
+        got = _grads((y, s), (x, w, b, r), (dy, ds))
+        want = _grads((y64, x.double() + r.double()), (x, w, b, r), (dy.double(), ds.double()))
+    else:
+        assert s is None
+        got = _grads(y, (x, w, b), dy)
+        want = _grads(y64, (x, w, b), dy.double())
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a.double(), e.double(), atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("centered", [True, False])
+def test_low_precision_error_at_most_twice_torch(path, dtype, centered):
+    g = torch.Generator().manual_seed(1)
+    m, n = 6, 40
+    x = (torch.randn(m, n, generator=g) * 3 + 1).to(dtype).requires_grad_()
+    w = (torch.rand(n, generator=g) + 0.5).to(dtype).requires_grad_()
+    b = torch.randn(n, generator=g).to(dtype).requires_grad_() if centered else None
+    dy = torch.randn(m, n, generator=g).to(dtype)
+
+    def torch_same_dtype():
+        return F.layer_norm(x, (n,), w, b, 1e-5) if centered else F.rms_norm(x, (n,), w, 1e-5)
+
+    y64 = _ref64(x, w, b, None, centered, 0.0)
+    y_k, _ = R.rows_norm(x, w, b, 1e-5, centered)
+    y_t = torch_same_dtype()
+    assert y_k.dtype == dtype
+    g64 = _grads(y64, (x, w, b), dy.double())
+    g_k = _grads(y_k, (x, w, b), dy)
+    g_t = _grads(y_t, (x, w, b), dy)
+    atol = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}[dtype]
+    for got, torch_, want in zip((y_k, *g_k), (y_t, *g_t), (y64, *g64)):
+        assert got.dtype == dtype
+        err_k = (got.double() - want).abs().max().item()
+        err_t = (torch_.double() - want).abs().max().item()
+        assert err_k <= 2 * err_t + atol * want.abs().max().item() + atol, (err_k, err_t)
+
+
+def test_long_rows_with_default_knobs():
+    # N = 1000 fits one 1024 block; N = 20000 > MAX_FUSED_N takes the looped path at full chunk size
+    for n in (1000, 20000):
+        x = torch.randn(2, n) * 2 + 3
+        w, b = torch.randn(n), torch.randn(n)
+        y, _ = R.rows_norm(x, w, b, 1e-5, True)
+        torch.testing.assert_close(y, F.layer_norm(x, (n,), w, b, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+def test_large_offset_small_spread_normalizes_to_unit_variance(path):
+    # mean 1e4, std 1e-2 in fp32: E[x^2] - E[x]^2 would lose every digit
+    g = torch.Generator().manual_seed(3)
+    x = 1e4 + 1e-2 * torch.randn(4, 33, generator=g)
+    y, _ = R.rows_norm(x, None, None, 0.0, True)
+    var = y.double().var(-1, unbiased=False)
+    torch.testing.assert_close(var, torch.ones_like(var), atol=1e-3, rtol=0)  # torch CPU: ~4e-2
+
+
+def test_weight_gradient_is_deterministic(path, monkeypatch):
+    monkeypatch.setattr(R, "TILE", 64)  # one row per block, so that several programs share the rows
+    g = torch.Generator().manual_seed(4)
+    m, n = 12, 33  # 4 programs (the interpreter's cap), each with its own partial row of dW
+    x = torch.randn(m, n, generator=g)
+    w = torch.randn(n, generator=g, requires_grad=True)
+    b = torch.randn(n, generator=g, requires_grad=True)
+    dy = torch.randn(m, n, generator=g)
+    runs = []
+    for _ in range(2):
+        xx = x.clone().requires_grad_()
+        y, _ = R.rows_norm(xx, w, b, 1e-5, True)
+        runs.append(torch.autograd.grad(y, (w, b), dy))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    want = _grads(_ref64(x.requires_grad_(), w, b, None, True, 0.0), (w, b), dy.double())
+    torch.testing.assert_close(runs[0][0].double(), want[0].double(), atol=1e-4, rtol=1e-4)
+
+
+def test_strided_inputs():
+    base = torch.randn(6, 48)
+    x = base[:, 5:38]  # rows with a stride of 48: used in place
+    y, _ = R.rows_norm(x, None, None, 1e-5, True)
+    torch.testing.assert_close(y, F.layer_norm(x, (33,)), atol=1e-5, rtol=1e-5)
+    xt = torch.randn(33, 6).t()  # last axis not unit-stride: copied once
+    y, _ = R.rows_norm(xt, None, None, 1e-5, False)
+    torch.testing.assert_close(y, F.rms_norm(xt, (33,), eps=1e-5), atol=1e-5, rtol=1e-5)
+
+
+def test_engine_runs_the_triton_backend_when_forced():
+    x = torch.randn(2, 3, 5, 7, requires_grad=True)
+    w, b = torch.randn(5, 7, requires_grad=True), torch.randn(5, 7, requires_grad=True)
+    with normscope.use_backend("triton"):
+        y = nf.layer_norm(x, (5, 7), w, b)
+        assert normscope.last_backend() == "triton"
+        z = nf.rms_norm(x, (7,), w[0])
+        assert normscope.last_backend() == "triton"
+        layer = normscope.RMSNorm(7)
+        layer(x)
+        assert normscope.last_backend() == "triton"
+    torch.testing.assert_close(y, F.layer_norm(x, (5, 7), w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(z, F.rms_norm(x, (7,), w[0]), atol=1e-5, rtol=1e-5)
+    got = torch.autograd.grad(y.sum() + z.square().sum(), (x, w, b))
+    ref = F.layer_norm(x, (5, 7), w, b).sum() + F.rms_norm(x, (7,), w[0]).square().sum()
+    for a, e in zip(got, torch.autograd.grad(ref, (x, w, b))):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+
+
+def test_triton_backend_declines_what_it_cannot_run():
+    x = torch.randn(4, 3, 5)
+    nf.layer_norm(x, (5,))
+    assert normscope.last_backend() != "triton"  # automatic mode: CUDA tensors only
+    with normscope.use_backend("triton"):
+        with pytest.raises(ValueError, match="no kernel for this scope"):
+            nf.normalize(x, dims=0)  # statistics over the batch axis only, per (position, channel)
+        with pytest.raises(ValueError, match="running statistics"):
+            nf.instance_norm(x, torch.zeros(3), torch.ones(3), use_input_stats=True)
+        with pytest.raises(ValueError, match="float32/float16/bfloat16"):
+            nf.layer_norm(x.double(), (5,))
+        with pytest.raises(ValueError, match="mask"):
+            nf.normalize(x, dims=(-1,), mask=torch.ones(4, 3, 5, dtype=torch.bool))  # masked LayerNorm
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        with normscope.use_backend("triton"), pytest.raises(ValueError, match="CUDA"):
+            nf.layer_norm(torch.randn(2, 9), (9,))
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.mark.parametrize("residual_fp32", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_equals_add_then_norm(residual_fp32, dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 24, generator=g).to(dtype).requires_grad_()
+    r = torch.randn(3, 4, 24, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(24, generator=g).to(dtype).requires_grad_()
+    y, h = fused_add_rms_norm(x, r, w, 1e-6, residual_fp32=residual_fp32, backend="triton")
+    y0, h0 = fused_add_rms_norm_ref(x, r, w, 1e-6, residual_fp32=residual_fp32)
+    assert h.dtype == (torch.float32 if residual_fp32 else dtype) and y.dtype == dtype
+    # the same rounding of the same sum -- except that Triton's CPU interpreter casts fp32 to bf16
+    # by truncation (the GPU rounds to nearest even), so bf16 may differ by one ulp here
+    ulp = 0 if h.dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(h.float(), h0.float(), atol=0, rtol=ulp)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y, y0, atol=tol, rtol=tol)
+    if not residual_fp32:  # unfused torch: add, then rms_norm
+        torch.testing.assert_close(y, F.rms_norm(x + r, (24,), w, 1e-6), atol=tol, rtol=tol)
+    dy, dh = torch.randn_like(y), torch.randn_like(h)
+    got = torch.autograd.grad((y, h), (x, r, w), (dy, dh))
+    want = torch.autograd.grad((y0, h0), (x, r, w), (dy, dh))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=tol * 10, rtol=tol)
+    # automatic mode on CPU runs the reference, with the same result
+    y2, h2 = fused_add_rms_norm(x, r, w, 1e-6, residual_fp32=residual_fp32)
+    torch.testing.assert_close(h2, h0, atol=0, rtol=0)
+
+
+def test_fused_add_rms_norm_rejects_bad_input():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rms_norm(x, torch.randn(2, 9))
+    with pytest.raises(ValueError, match=r"weight.*\(8,\)"):
+        fused_add_rms_norm(x, x, torch.ones(9))
+    with pytest.raises(TypeError, match="x"):
+        fused_add_rms_norm(x.long(), x)
+
+
+def test_custom_op_registrations():
+    x = torch.randn(3, 9, requires_grad=True)
+    w, b = torch.randn(9, requires_grad=True), torch.randn(9, requires_grad=True)
+    r = torch.randn(3, 9, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.normscope.rows_fwd.default, (x, w, b, r, 1e-5, True, 0.0, False),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )  # fmt: skip
+
+
+def test_compiles_without_graph_breaks():
+    def block(x, r, w, b):
+        y, h = fused_add_rms_norm(x, r, w, 1e-6, backend="triton")
+        z, _ = R.rows_norm(h * 2, w, b, 1e-5, True)
+        return (y * z).sum()
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(6)
+    args = [torch.randn(4, 16, generator=g, requires_grad=True) for _ in range(2)]
+    args += [torch.randn(16, generator=g, requires_grad=True) for _ in range(2)]
+    out = compiled(*args)
+    got = torch.autograd.grad(out, args)
+    eager = block(*args)
+    torch.testing.assert_close(out, eager)
+    for a, e in zip(got, torch.autograd.grad(eager, args)):
+        torch.testing.assert_close(a, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# groups: GroupNorm / InstanceNorm on (N, C, *)
+
+
+@pytest.fixture(params=["one-tile", "tiles"])
+def tiles(request, monkeypatch):
+    """Whole groups in one tile, and (TILE = 8) groups walked in many partial tiles."""
+    if request.param == "tiles":
+        monkeypatch.setattr(G, "TILE", 8)
+    return request.param
+
+
+def _group64(x, groups, w, b, centered, eps=1e-5):
+    """float64 oracle: torch's group_norm, or the RMS variant written out."""
+    if centered:
+        return F.group_norm(x.double(), groups, w.double() if w is not None else None,
+                            b.double() if b is not None else None, eps)
+    xg = x.double().reshape(x.shape[0], groups, -1)
+    y = (xg * torch.rsqrt(xg.square().mean(-1, keepdim=True) + eps)).reshape(x.shape)
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    y = y * w.double().reshape(shape) if w is not None else y
+    return y + b.double().reshape(shape) if b is not None else y
+
+
+@pytest.mark.parametrize("shape,groups", [((2, 6, 5, 3), 3), ((3, 4, 7), 4), ((2, 4, 3, 3), 1), ((2, 6, 1, 5), 6)])
+@pytest.mark.parametrize("centered,affine", [(True, True), (True, False), (False, True)])
+def test_groups_forward_and_gradients_match_float64(tiles, shape, groups, centered, affine):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 2 + 5).requires_grad_()
+    w = torch.randn(shape[1], generator=g, requires_grad=True) if affine else None
+    b = torch.randn(shape[1], generator=g, requires_grad=True) if affine else None
+    y = G.group_norm(x, groups, w, b, 1e-5, centered)
+    y64 = _group64(x, groups, w, b, centered)
+    torch.testing.assert_close(y.double(), y64, atol=2e-5, rtol=1e-5)
+    dy = torch.randn(shape, generator=g)
+    got = _grads(y, (x, w, b), dy)
+    want = _grads(y64, (x, w, b), dy.double())
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a.double(), e.double(), atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_groups_low_precision_error_at_most_twice_torch(dtype):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(2, 8, 4, 5, generator=g) * 3 + 1).to(dtype).requires_grad_()
+    w = (torch.rand(8, generator=g) + 0.5).to(dtype).requires_grad_()
+    b = torch.randn(8, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(2, 8, 4, 5, generator=g).to(dtype)
+    y64 = _group64(x, 4, w, b, True)
+    y_k, y_t = G.group_norm(x, 4, w, b), F.group_norm(x, 4, w, b)
+    atol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    triples = zip((y_k, *_grads(y_k, (x, w, b), dy)), (y_t, *_grads(y_t, (x, w, b), dy)),
+                  (y64, *_grads(y64, (x, w, b), dy.double())))
+    for got, torch_, want in triples:
+        assert got.dtype == dtype
+        err_k = (got.double() - want).abs().max().item()
+        err_t = (torch_.double() - want).abs().max().item()
+        assert err_k <= 2 * err_t + atol * want.abs().max().item() + atol, (err_k, err_t)
+
+
+def test_groups_channels_last_and_determinism():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 8, 3, 5, generator=g).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, generator=g, requires_grad=True)
+    y = G.group_norm(x, 4, w)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, F.group_norm(x, 4, w), atol=1e-5, rtol=1e-5)
+    dy = torch.randn(2, 8, 3, 5, generator=g)
+    first, second = (torch.autograd.grad(G.group_norm(x, 4, w), w, dy)[0] for _ in range(2))
+    assert torch.equal(first, second)
+
+
+def test_engine_runs_group_and_instance_norm_on_the_triton_backend():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 6, 4, 3, generator=g, requires_grad=True)
+    gn, inn = normscope.GroupNorm(3, 6), normscope.InstanceNorm2d(6, affine=True)
+    with torch.no_grad():
+        gn.weight.normal_(generator=g), gn.bias.normal_(generator=g)
+        inn.weight.normal_(generator=g), inn.bias.normal_(generator=g)
+    with normscope.use_backend("triton"):
+        y1 = gn(x)
+        assert normscope.last_backend() == "triton"
+        y2 = inn(x)
+        assert normscope.last_backend() == "triton"
+        y3 = nf.group_norm(x, 1, gn.weight, gn.bias)  # GroupNorm(1, C): LayerNorm over (C, H, W)
+        assert normscope.last_backend() == "triton"
+    ref1 = F.group_norm(x, 3, gn.weight, gn.bias, gn.eps)
+    ref2 = F.instance_norm(x, weight=inn.weight, bias=inn.bias, eps=inn.eps)
+    ref3 = F.group_norm(x, 1, gn.weight, gn.bias)
+    for got, ref in ((y1, ref1), (y2, ref2), (y3, ref3)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    params = (x, gn.weight, gn.bias, inn.weight, inn.bias)
+    got = _grads(y1.sum() + y2.square().sum() + y3.pow(3).sum(), params, None)
+    want = _grads(ref1.sum() + ref2.square().sum() + ref3.pow(3).sum(), params, None)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+
+
+def test_groups_op_registrations_and_compile():
+    x = torch.randn(2, 4, 3, requires_grad=True)
+    w, b = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.normscope.groups_fwd.default, (x, w, b, 2, 1e-5, True),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )  # fmt: skip
+    f = torch.compile(lambda x, w, b: G.group_norm(x, 2, w, b).square().sum(), fullgraph=True, backend="aot_eager")
+    out = f(x, w, b)
+    torch.testing.assert_close(out, F.group_norm(x, 2, w, b).square().sum(), atol=1e-4, rtol=1e-5)
+    got = torch.autograd.grad(out, (x, w, b))
+    want = torch.autograd.grad(F.group_norm(x, 2, w, b).square().sum(), (x, w, b))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# channels: BatchNorm (training, evaluation, running statistics)
+
+
+@pytest.mark.parametrize("shape", [(6, 5), (4, 3, 7), (3, 4, 5, 2)])
+def test_batch_norm_training_eval_and_running_stats_match_torch(shape, monkeypatch):
+    monkeypatch.setattr(CH, "BLOCK_P", 4)  # several position chunks: the two-stage reduction
+    g = torch.Generator().manual_seed(len(shape))
+    c = shape[1]
+    x = (torch.randn(shape, generator=g) * 2 + 100).requires_grad_()  # a large offset too
+    w = torch.randn(c, generator=g, requires_grad=True)
+    b = torch.randn(c, generator=g, requires_grad=True)
+    rm, rv = torch.randn(c, generator=g), torch.rand(c, generator=g) + 0.5
+    rm_t, rv_t = rm.clone(), rv.clone()
+    with normscope.use_backend("triton"):
+        y = nf.batch_norm(x, rm, rv, w, b, training=True, momentum=0.2)
+        assert normscope.last_backend() == "triton"
+    F.batch_norm(x, rm_t, rv_t, w, b, True, 0.2)  # updates rm_t, rv_t
+    y64 = F.batch_norm(x.double(), None, None, w.double(), b.double(), True)
+    torch.testing.assert_close(y.double(), y64, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(rm, rm_t, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rv, rv_t, atol=1e-5, rtol=1e-5)
+    dy = torch.randn(shape, generator=g)
+    got = _grads(y, (x, w, b), dy)
+    want = _grads(y64, (x, w, b), dy.double())
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a.double(), e.double(), atol=1e-4, rtol=1e-4)
+    with normscope.use_backend("triton"):
+        ye = nf.batch_norm(x, rm, rv, w, b, training=False)
+    ye_t = F.batch_norm(x, rm, rv, w, b, False)
+    torch.testing.assert_close(ye, ye_t, atol=1e-4, rtol=1e-5)
+    for a, e in zip(_grads(ye, (x, w, b), dy), _grads(ye_t, (x, w, b), dy)):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-5)
+
+
+def test_batch_norm_channels_last_layouts():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 5, 6, generator=g, requires_grad=True)  # (B, S, D): statistics per feature
+    w, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    with normscope.use_backend("triton"):
+        y = nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1)
+        assert normscope.last_backend() == "triton"
+    y_t = F.batch_norm(x.reshape(-1, 6), None, None, w, b, True).reshape(2, 5, 6)
+    torch.testing.assert_close(y, y_t, atol=1e-5, rtol=1e-5)
+    xc = torch.randn(2, 4, 3, 3, generator=g).contiguous(memory_format=torch.channels_last)
+    with normscope.use_backend("triton"):
+        yc = normscope.BatchNorm2d(4)(xc)
+    assert yc.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(yc, F.batch_norm(xc, None, None, training=True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_batch_norm_low_precision_error_at_most_twice_torch(dtype):
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(4, 6, 5, generator=g) * 3 + 1).to(dtype).requires_grad_()
+    w = (torch.rand(6, generator=g) + 0.5).requires_grad_()
+    b = torch.randn(6, generator=g).requires_grad_()
+    dy = torch.randn(4, 6, 5, generator=g).to(dtype)
+    with normscope.use_backend("triton"):
+        y_k = nf.batch_norm(x, None, None, w, b, training=True)
+    y_t = F.batch_norm(x, None, None, w, b, True)
+    y64 = F.batch_norm(x.double(), None, None, w.double(), b.double(), True)
+    atol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    triples = zip((y_k, *_grads(y_k, (x, w, b), dy)), (y_t, *_grads(y_t, (x, w, b), dy)),
+                  (y64, *_grads(y64, (x, w, b), dy.double())))
+    for got, torch_, want in triples:
+        err_k = (got.double() - want).abs().max().item()
+        err_t = (torch_.double() - want).abs().max().item()
+        assert err_k <= 2 * err_t + atol * want.abs().max().item() + atol, (err_k, err_t)
+
+
+def test_channels_op_registrations():
+    x = torch.randn(3, 4, 5, requires_grad=True)
+    w, b = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.normscope.channels_fwd.default, (x, w, b, None, None, None, 1e-5),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_batch_norm_matches_the_reference(dtype, monkeypatch):
+    monkeypatch.setattr(CH, "BLOCK_P", 4)
+    g = torch.Generator().manual_seed(13)
+    b_, s_, d_ = 3, 7, 5
+    x = (torch.randn(b_, s_, d_, generator=g) + 50).requires_grad_()
+    lengths = torch.tensor([7, 3, 0])  # one sequence entirely padding
+    mask = (torch.arange(s_)[None, :] < lengths[:, None])[..., None]  # (B, S, 1): shared by features
+    w = torch.randn(d_, generator=g, requires_grad=True)
+    b = torch.randn(d_, generator=g, requires_grad=True)
+    dy = torch.randn(b_, s_, d_, generator=g)
+    run_stats = {}
+    outs = {}
+    for backend in ("triton", "reference"):
+        rm, rv = torch.zeros(d_), torch.ones(d_)
+        xin = x if backend == "triton" else x.to(dtype)  # the oracle may run in float64
+        with normscope.use_backend(backend):
+            y = normscope.engine.norm(xin, normscope.Scope.batch(-1), w.to(dtype) if backend != "triton" else w,
+                                      b.to(dtype) if backend != "triton" else b, 1e-5, mask=mask,
+                                      running=normscope.engine.Running(rm, rv, 0.3, True))
+            assert normscope.last_backend() == backend
+        outs[backend] = (y, *torch.autograd.grad(y, (x, w, b), dy.to(y.dtype)))
+        run_stats[backend] = (rm, rv)
+    for a, e in zip(outs["triton"], outs["reference"]):
+        torch.testing.assert_close(a.double(), e.double(), atol=1e-4, rtol=1e-4)
+    for a, e in zip(run_stats["triton"], run_stats["reference"]):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+
+
+def test_masked_batch_norm_edge_cases():
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(2, 4, 3, generator=g)
+    w, b = torch.randn(3, generator=g), torch.randn(3, generator=g)
+    with normscope.use_backend("triton"):
+        y = nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=torch.zeros(2, 4, 1, dtype=torch.bool))
+    torch.testing.assert_close(y, b.expand(2, 4, 3))  # no valid position: the bias, not NaN
+    per_element = torch.rand(2, 4, 3, generator=g) > 0.3  # varies along the channel axis
+    with normscope.use_backend("triton"):
+        y = nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=per_element)
+    with normscope.use_backend("reference"):
+        want = nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=per_element)
+    torch.testing.assert_close(y, want)
