@@ -47,14 +47,16 @@ def norm_sources(model: nn.Module) -> str:
 class Block(nn.Module):
     """A transformer block with a Pre-LN (x + f(norm(x))) or Post-LN (norm(x + f(x))) residual."""
 
-    def __init__(self, d: int, heads: int, norm: str, prenorm: bool, causal: bool) -> None:
+    def __init__(self, d: int, heads: int, norm: str, prenorm: bool, causal: bool, norm_kwargs: dict | None = None
+                 ) -> None:
         super().__init__()
         self.heads, self.prenorm, self.causal = heads, prenorm, causal
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
         self.ff1 = nn.Linear(d, 4 * d)
         self.ff2 = nn.Linear(4 * d, d)
-        self.n1, self.n2 = make(norm, d, "tokens"), make(norm, d, "tokens")
+        kw = norm_kwargs or {}
+        self.n1, self.n2 = make(norm, d, "tokens", **kw), make(norm, d, "tokens", **kw)
 
     def attn(self, x: Tensor, mask: Tensor | None) -> Tensor:
         b, s, d = x.shape
@@ -86,12 +88,13 @@ class TinyTransformer(nn.Module):
     """
 
     def __init__(self, vocab: int, n_out: int, d: int = 64, depth: int = 2, heads: int = 4, max_len: int = 64,
-                 norm: str = "layer", prenorm: bool = True, causal: bool = False, pool: bool = False) -> None:
+                 norm: str = "layer", prenorm: bool = True, causal: bool = False, pool: bool = False,
+                 norm_kwargs: dict | None = None) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(max_len, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, heads, norm, prenorm, causal) for _ in range(depth))
-        self.final = make(norm, d, "tokens") if prenorm else make("none", d, "tokens")
+        self.blocks = nn.ModuleList(Block(d, heads, norm, prenorm, causal, norm_kwargs) for _ in range(depth))
+        self.final = make(norm, d, "tokens", **(norm_kwargs or {})) if prenorm else make("none", d, "tokens")
         self.head = nn.Linear(d, n_out)
         self.pool = pool
         for m in self.modules():

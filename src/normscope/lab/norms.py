@@ -42,16 +42,14 @@ class NormSlot(nn.Module):
         self.channels_first, self.takes_mask = channels_first, takes_mask
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        # normscope's masks are "the input's shape without the feature axis": (B, S) for tokens
+        # whether the layer sees (B, S, D) or, channels-first, (B, D, S)
+        m = mask if self.takes_mask else None
         if self.layout == "tokens" and self.channels_first:
-            # BatchNorm-like layers want (B, D, S): statistics per feature over batch and positions
-            y = x.transpose(1, 2)
-            m = None if mask is None else mask[:, None, :]
-            out = self.inner(y, mask=m) if self.takes_mask and m is not None else self.inner(y)
+            y = x.transpose(1, 2)  # BatchNorm1d wants (B, D, S): statistics per feature over batch and positions
+            out = self.inner(y, mask=m) if m is not None else self.inner(y)
             return out.transpose(1, 2)
-        if self.takes_mask and mask is not None:
-            m = mask[..., None] if self.layout == "tokens" else mask
-            return self.inner(x, mask=m)
-        return self.inner(x)
+        return self.inner(x, mask=m) if m is not None else self.inner(x)
 
 
 def _forward_takes_mask(module: nn.Module) -> bool:
@@ -66,7 +64,7 @@ class _EngineMaskedBatchNorm(normscope.BatchNorm1d):
 
     Used only while ``normscope.get_norm("batch")`` does not accept a mask yet: it is the same
     BatchNorm configuration of the engine (:func:`normscope.engine.norm` with ``mask=``), not a
-    different norm. Input (B, D, S), mask (B, 1, S) bool, True = counted.
+    different norm. Input (B, D, S), mask (B, S) bool, True = counted.
     """
 
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -79,25 +77,27 @@ class _EngineMaskedBatchNorm(normscope.BatchNorm1d):
         if self.training and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         running = Running(self.running_mean, self.running_var, float(factor), self.training)
-        return norm(input, Scope.batch(1), self.weight, self.bias, self.eps, mask=mask, running=running)
+        return norm(input, Scope.batch(1), self.weight, self.bias, self.eps, mask=mask[:, None, :], running=running)
 
 
-_CHANNELS_FIRST = ("batch", "batch-masked", "power", "sync", "instance")
+# registry names whose layers take the features at dim 1 (PowerNorm and DyT default to the last dim)
+_CHANNELS_FIRST = ("batch", "batch1d", "sync", "instance")
 
 
-def _registry(name: str, channels: int) -> nn.Module | None:
+def _registry(name: str, channels: int, **kwargs) -> nn.Module | None:
     get = getattr(normscope, "get_norm", None)
     if get is None:
         return None
     try:
-        return get(name, channels)
+        return get(name, channels, **kwargs)
     except (ValueError, KeyError, TypeError, NotImplementedError):
         return None
 
 
-def make(name: str, channels: int, layout: str = "channels") -> NormSlot:
+def make(name: str, channels: int, layout: str = "channels", **kwargs) -> NormSlot:
     """Build the norm ``name`` for ``channels`` features in ``layout``; raise :class:`Missing` if
-    the installed normscope has no such norm.
+    the installed normscope has no such norm. ``kwargs`` go to the registry's constructor (only
+    for norms that exist solely through the registry, e.g. PowerNorm's ``warmup_iters``).
 
     Example::
 
@@ -129,18 +129,18 @@ def make(name: str, channels: int, layout: str = "channels") -> NormSlot:
             src = "normscope.get_norm" if inner is not None else f"normscope.{cls.__name__}"
             return NormSlot(inner if inner is not None else cls(channels), name, layout, src, False, False)
         if name == "batch":  # plain BatchNorm: pads are counted like tokens
-            inner = _registry("batch", channels)
+            inner = _registry("batch1d", channels)
             src = "normscope.get_norm" if inner is not None else "normscope.BatchNorm1d"
             return NormSlot(inner if inner is not None else normscope.BatchNorm1d(channels), name, layout, src,
                             True, False)
         if name == "batch-masked":
-            inner = _registry("batch", channels)
+            inner = _registry("batch1d", channels)
             if inner is not None and _forward_takes_mask(inner):
                 return NormSlot(inner, name, layout, "normscope.get_norm (mask=)", True, True)
             return NormSlot(_EngineMaskedBatchNorm(channels), name, layout, "normscope.engine.norm(mask=)", True,
                             True)
     # the rest exist only through the registry (PowerNorm, DyT, SyncBatchNorm, ...)
-    inner = _registry(name, channels)
+    inner = _registry(name, channels, **kwargs)
     if inner is None:
         raise Missing(f"needs normscope.get_norm({name!r}, C)")
     first = layout == "tokens" and name.split(":")[0] in _CHANNELS_FIRST
