@@ -119,8 +119,8 @@ def _train(ctx: Context, cfg: dict, variant: str, seed: int) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
-        ctx.progress(f"{VARIANTS[variant]} s={seed}", step, cfg["steps"], f"loss {float(loss):.3f}")
+        losses.append(loss.item())
+        ctx.progress(f"{VARIANTS[variant]} s={seed}", step, cfg["steps"], f"loss {loss.item():.3f}")
     return {"probes": probes, "acc": 100 - error_rate(model, xte, yte), "final_loss": losses[-1] if losses else None,
             "source": norm_sources(model)}
 
