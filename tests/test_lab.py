@@ -196,3 +196,10 @@ def test_masked_batchnorm_counts_only_valid_tokens():
     # plain BN counts the pads: its statistics differ
     plain = norms.make("batch", 5, "tokens")
     assert not torch.allclose(plain(x, mask)[mask], ref, atol=1e-3)
+
+
+def test_adapter_reports_missing_norms():
+    with pytest.raises(norms.Missing, match="needs"):
+        norms.make("no-such-norm", 8, "tokens")
+    assert "needs" in norms.available("no-such-norm", 8)
+    assert norms.available("group:4", 8) is None
