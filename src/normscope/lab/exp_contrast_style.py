@@ -113,9 +113,13 @@ def plot(ctx: Context, cfg: dict, metrics: dict) -> None:
     if "max_stat_err" in metrics["adain"] and p.exists():
         t = torch.load(p)
         fig, axes = plt.subplots(1, 3, figsize=(9, 3.2))
+        # one colour scale for all three (per channel, over the three images): a per-image
+        # rescale would undo exactly the mean/std change AdaIN makes
+        allpix = torch.cat([t[k][0].flatten(1) for k in ("content", "style", "out")], 1)
+        lo, hi = allpix.amin(1), allpix.amax(1)
         for ax, k in zip(axes, ("content", "style", "out")):
             img = t[k][0].permute(1, 2, 0)
-            img = (img - img.amin((0, 1))) / (img.amax((0, 1)) - img.amin((0, 1)) + 1e-8)
+            img = (img - lo) / (hi - lo + 1e-8)
             ax.imshow(img.numpy())
             ax.set_title({"out": "AdaIN(content, style)"}.get(k, k))
             ax.axis("off")
