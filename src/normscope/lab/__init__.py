@@ -1,0 +1,154 @@
+"""normscope lab: small, real CPU training runs that reproduce the classic claims about
+normalization, with plots, a claim verdict per experiment and one offline HTML report.
+
+Command line::
+
+    normscope lab [EXPERIMENT ...] [--quick|--full|--smoke] [--seeds K] [--out DIR] [--force]
+    python -m normscope.lab batch-size --smoke
+
+Python::
+
+    >>> import normscope.lab
+    >>> results = normscope.lab.run(["batch-size"], mode="smoke", out="lab-out")
+
+Each experiment writes ``<out>/<experiment>/result.json`` (config, seeds, per-run metrics,
+versions, wall time, verdicts) and PNG plots; ``<out>/report.html`` indexes them all with the
+images embedded. Finished runs are cached by a hash of their configuration: re-running skips
+them unless ``force``. Needs the ``lab`` extra (matplotlib, scikit-learn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .core import MODES, Context, deterministic, versions, write_json
+from .verdicts import Verdict, skipped
+
+__all__ = ["EXPERIMENTS", "run", "main"]
+
+# experiment name -> module (imported lazily: an experiment's import cost is paid only if it runs)
+EXPERIMENTS = {
+    "batch-size": "exp_batch_size",
+    "padding": "exp_padding",
+    "smoothness": "exp_smoothness",
+    "prenorm": "exp_prenorm",
+    "rms-vs-layer": "exp_rms_vs_layer",
+    "contrast-style": "exp_contrast_style",
+    "sync": "exp_sync",
+}
+
+
+def _module(name: str):
+    return importlib.import_module(f".{EXPERIMENTS[name]}", __name__)
+
+
+def _check(experiments: Sequence[str] | None, mode: str, seeds: int | None) -> list[str]:
+    if mode not in MODES:
+        raise ValueError(f"normscope.lab.run: expected mode in {MODES}, got {mode!r}")
+    names = list(experiments) if experiments else list(EXPERIMENTS)
+    bad = [n for n in names if n not in EXPERIMENTS]
+    if bad:
+        raise ValueError(f"normscope.lab.run: unknown experiment(s) {bad}; expected some of {list(EXPERIMENTS)}")
+    if seeds is not None and (not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1):
+        raise ValueError(f"normscope.lab.run: expected `seeds` to be a positive int, got {seeds!r}")
+    return names
+
+
+def run_one(name: str, mode: str, out: Path, seeds: int | None = None, force: bool = False) -> dict:
+    """Run one experiment and write its ``result.json`` and plots; returns the result."""
+    mod = _module(name)
+    cfg = mod.config(mode)
+    k = seeds if seeds is not None else cfg.get("seeds", 1)
+    cfg = {**cfg, "seeds": k}
+    ctx = Context(name, out / name, mode, list(range(k)), force=force, version=getattr(mod, "VERSION", "1"))
+    t0 = time.perf_counter()
+    with deterministic(threads=1):
+        metrics = mod.execute(ctx, cfg)
+        try:
+            vs: list[Verdict] = mod.verdicts(metrics)
+        except (KeyError, TypeError, ValueError) as err:  # a missing piece leaves the rule without input
+            vs = [skipped(getattr(mod, "TITLE", name), "-", f"no metrics ({err})")]
+        mod.plot(ctx, cfg, metrics)
+    result = {
+        "experiment": name,
+        "title": mod.TITLE,
+        "about": (mod.__doc__ or "").strip(),
+        "mode": mode,
+        "config": cfg,
+        "seeds": ctx.seeds,
+        "metrics": metrics,
+        "verdicts": [v.asdict() for v in vs],
+        "skipped": ctx.skipped,
+        "norm_sources": ctx.sources,
+        "plots": ctx.plots,
+        "versions": versions(),
+        "wall_s": time.perf_counter() - t0,
+        "runs_cached": ctx.n_cached,
+        "runs_computed": ctx.n_computed,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    write_json(ctx.out / "result.json", result)
+    return result
+
+
+def run(experiments: Sequence[str] | None = None, mode: str = "quick", out: str | Path = "lab-out",
+        seeds: int | None = None, force: bool = False, report: bool = True) -> dict[str, dict]:
+    """Run experiments (all by default) and build the HTML report.
+
+    Args:
+        experiments: names from :data:`EXPERIMENTS`. Default: all.
+        mode: ``"smoke"`` (seconds, for CI), ``"quick"`` (minutes on 2 CPU cores) or ``"full"``
+            (hours). Default: ``"quick"``.
+        out: output directory. Default: ``"lab-out"``.
+        seeds: number of seeds (0..K-1) instead of the mode's default. Default: None.
+        force: recompute runs already in the cache. Default: False.
+        report: write ``report.html`` and print the summary table. Default: True.
+
+    Returns: experiment name -> result dict (as written to ``result.json``). On Ctrl-C the
+    experiments already finished keep their results and the report is still written.
+    """
+    names = _check(experiments, mode, seeds)
+    out = Path(out)
+    results: dict[str, dict] = {}
+    try:
+        for name in names:
+            results[name] = run_one(name, mode, out, seeds, force)
+    finally:
+        if report:
+            from .report import summary_table, write_report
+
+            path = write_report(out)
+            sys.stderr.write(summary_table(out) + f"\nreport: {path}\n")
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``normscope lab`` command line; returns the exit status."""
+    p = argparse.ArgumentParser(prog="normscope lab", description=__doc__.split("\n\n")[0])
+    p.add_argument("experiments", nargs="*", metavar="EXPERIMENT",
+                   help=f"some of: {', '.join(EXPERIMENTS)} (default: all)")
+    g = p.add_mutually_exclusive_group()
+    for m, h in (("quick", "minutes on 2 CPU cores (default)"), ("full", "hours"), ("smoke", "seconds (CI)")):
+        g.add_argument(f"--{m}", dest="mode", action="store_const", const=m, help=h)
+    p.add_argument("--seeds", type=int, default=None, metavar="K", help="number of seeds (default: per mode)")
+    p.add_argument("--out", default="lab-out", help="output directory (default: lab-out)")
+    p.add_argument("--force", action="store_true", help="recompute runs found in the cache")
+    p.add_argument("--list", action="store_true", help="list the experiments and exit")
+    a = p.parse_args(argv)
+    if a.list:
+        for name in EXPERIMENTS:
+            print(f"{name:16} {_module(name).TITLE}")
+        return 0
+    try:
+        run(a.experiments, mode=a.mode or "quick", out=a.out, seeds=a.seeds, force=a.force)
+    except ValueError as err:
+        p.error(str(err))
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted: finished experiments and runs are kept; re-run to continue\n")
+        return 130
+    return 0

@@ -1,0 +1,109 @@
+"""The lab's outputs for people: one self-contained HTML page (images embedded as base64, opens
+offline) and a plain-text summary table for the terminal."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import time
+from pathlib import Path
+
+from . import EXPERIMENTS
+
+_CSS = """
+body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.6em 0}td,th{border:1px solid #ccc;padding:.3em .6em;vertical-align:top;
+font-size:.92em}th{background:#f3f3f3}.ok{background:#dff5df}.no{background:#fde2e2}.skip{background:#eee}
+img{max-width:100%;border:1px solid #ddd;margin:.4em .4em 0 0}pre{background:#f7f7f7;padding:.6em;overflow:auto;
+font-size:.8em}section{border-top:2px solid #444;margin-top:2em}
+"""
+
+
+def load_results(out: Path) -> list[dict]:
+    """Every ``<out>/<experiment>/result.json`` that exists, in the lab's experiment order."""
+    found = []
+    for name in EXPERIMENTS:
+        p = Path(out) / name / "result.json"
+        if p.exists():
+            try:
+                found.append(json.loads(p.read_text()))
+            except json.JSONDecodeError:
+                continue
+    return found
+
+
+def _cls(outcome: str) -> str:
+    return "ok" if outcome == "reproduced" else "skip" if outcome.startswith("skipped") else "no"
+
+
+def _img(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}">'
+
+
+def write_report(out: str | Path) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = load_results(out)
+    e = html.escape
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>normscope lab</title><style>{_CSS}</style>"
+             "</head><body><h1>normscope lab</h1>",
+             f"<p>Small, real training runs on CPU that test classic claims about normalization. Generated "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Each verdict follows a rule fixed in code "
+             f"(<code>normscope/lab/verdicts.py</code>) before the runs; wall times are of a shared machine.</p>"]
+    parts.append("<h2>Verdicts</h2><table><tr><th>experiment</th><th>claim</th><th>published</th>"
+                 "<th>measured</th><th>verdict</th></tr>")
+    for r in results:
+        for v in r["verdicts"]:
+            parts.append(f"<tr><td><a href='#{e(r['experiment'])}'>{e(r['experiment'])}</a></td><td>{e(v['claim'])}"
+                         f"</td><td>{e(v['published'])}</td><td>{e(v['measured'])}</td>"
+                         f"<td class='{_cls(v['outcome'])}'>{e(v['outcome'])}</td></tr>")
+    parts.append("</table>")
+    missing = [n for n in EXPERIMENTS if n not in {r["experiment"] for r in results}]
+    if missing:
+        parts.append(f"<p>Not run (or interrupted): {e(', '.join(missing))}</p>")
+    for r in results:
+        parts.append(f"<section id='{e(r['experiment'])}'><h2>{e(r['experiment'])}: {e(r['title'])}</h2>")
+        parts.append(f"<p>{e(r['about']).replace(chr(10) + chr(10), '</p><p>')}</p>")
+        parts.append("<table><tr><th>claim</th><th>rule (fixed beforehand)</th><th>measured</th><th>verdict</th></tr>")
+        for v in r["verdicts"]:
+            parts.append(f"<tr><td>{e(v['claim'])}<br><small>{e(v['published'])}</small></td><td>{e(v['rule'])}</td>"
+                         f"<td>{e(v['measured'])}</td><td class='{_cls(v['outcome'])}'>{e(v['outcome'])}</td></tr>")
+        parts.append("</table>")
+        for name in r["plots"]:
+            p = out / r["experiment"] / name
+            if p.exists():
+                parts.append(_img(p))
+        if r["skipped"]:
+            parts.append("<p><b>Skipped variants:</b> " + e("; ".join(f"{k}: {v}" for k, v in r["skipped"].items()))
+                         + "</p>")
+        if r["norm_sources"]:
+            parts.append("<p><small>norm layers used: " + e("; ".join(f"{k}: {v}" for k, v in
+                                                                     r["norm_sources"].items())) + "</small></p>")
+        parts.append(f"<p><small>mode {e(r['mode'])}, seeds {e(str(r['seeds']))}, wall {r['wall_s']:.1f} s "
+                     f"({r['runs_computed']} runs computed, {r['runs_cached']} from cache), torch "
+                     f"{e(r['versions'].get('torch', '?'))}</small></p>")
+        parts.append(f"<details><summary>config</summary><pre>{e(json.dumps(r['config'], indent=1))}</pre></details>")
+        parts.append("</section>")
+    parts.append("</body></html>")
+    path = out / "report.html"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(parts))
+    tmp.replace(path)
+    return path
+
+
+def summary_table(out: str | Path) -> str:
+    """A plain-text table: experiment | claim | verdict | measured."""
+    rows = [("experiment", "claim", "verdict", "measured")]
+    for r in load_results(Path(out)):
+        for v in r["verdicts"]:
+            rows.append((r["experiment"], v["claim"][:60], v["outcome"], v["measured"][:90]))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = []
+    for i, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3])
+        if i == 0:
+            lines.append("-" * (sum(widths) + 6 + 8))
+    return "\n".join(lines)
