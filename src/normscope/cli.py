@@ -34,8 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(s) for s in text.replace("x", ",").split(",") if s.strip())
+    try:  # "2,3,2,2" or "2x3x2x2"
+        shape = tuple(int(s) for s in text.strip().replace("x", ",").split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated positive integers such as 2,3,2,2, got {text!r}"
