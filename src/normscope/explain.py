@@ -333,7 +333,9 @@ def render(result: dict, out: Out) -> None:
     shape, names = result["shape"], result["axes"]
     scope = result["scope"]
     extra = f", groups={result['groups']}" if result["groups"] else ""
-    extra += f", last {result['last']} axes" if result["last"] else ""
+    if result["last"] and result["last"] < len(shape):
+        k = result["last"]
+        extra += ", normalized over the last axis" if k == 1 else f", normalized over the last {k} axes"
     out.heading(
         f"{result['torch_layer']} on an input of shape ({', '.join(f'{n}={s}' for n, s in zip(names, shape))}){extra}"
     )
