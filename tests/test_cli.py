@@ -348,3 +348,26 @@ def test_cpu_overhead_benchmark_smoke(tmp_path, capsys, monkeypatch):
         assert r["ratio"] > 0
     with pytest.raises(SystemExit):
         bench.main(["--cases", "NoSuchNorm:small", "--out", str(out)])
+
+
+@pytest.mark.parametrize("failing", [None, "pytest", "pip"])
+def test_ci_script_runs_setup_then_tests_and_fails_when_they_fail(tmp_path, failing):
+    """Run .ci/run against a stub python3 that logs its arguments: the install comes before
+    pytest, and a failing pip or pytest makes the script fail."""
+    stub = tmp_path / "python3"
+    stub.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> "{tmp_path}/calls"\n'
+        f'case "$*" in *"-m {failing or "NOTHING"}"*) exit 3 ;; esac\n'
+        "exit 0\n"
+    )
+    stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(ROOT / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    if failing is None:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert calls[-2:] == ["-m pip install -c constraints.txt -e .[dev]", "-m pytest"]
+    else:
+        assert proc.returncode != 0
+        assert "CI FAILED" in proc.stdout
