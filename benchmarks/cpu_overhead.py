@@ -7,8 +7,9 @@ time ratio normscope / torch <= 1.25 at small shapes, <= 1.05 at large shapes.
 
 Method: for each case both layers run the same forward + backward on the same tensors; the two are
 *interleaved* (ABAB... with the order swapped every round, so drift and neighbours' load hit both
-alike), each measurement is a block of calls lasting at least ``--min-block-ms``, and the ratio
-reported is the median over rounds of the per-round ratio (with the medians of each side).
+alike; ABBA pairs also cancel position effects), each measurement is a block of calls lasting at
+least ``--min-block-ms``, and the ratio reported is the median over round pairs of the per-pair
+ratio (with the medians of each side).
 Also recorded: the same ratio on process CPU time, and the ratio of the fastest blocks -- on a
 busy machine the least disturbed estimate.
 
@@ -109,17 +110,24 @@ def run_case(case: Case, rounds: int, min_block_s: float, warmup_s: float) -> di
         _block(steps["torch"], inner)
         _block(steps["normscope"], inner)
 
+    # Rounds come in ABBA pairs (torch, normscope | normscope, torch) and each ratio is taken over a
+    # pair: a block's time can depend on its position (large shapes: the block that follows one of
+    # its own kind was ~1.6x slower here, probably allocator reuse), and ABBA cancels that.
     samples: dict[str, list[float]] = {"torch": [], "normscope": []}
     cpu: dict[str, list[float]] = {"torch": [], "normscope": []}
     ratios, cpu_ratios = [], []
-    for r in range(rounds):
-        order = ("torch", "normscope") if r % 2 == 0 else ("normscope", "torch")
-        got = {name: _block(steps[name], inner) for name in order}
-        for name, (t, c) in got.items():
-            samples[name].append(t)
-            cpu[name].append(c)
-        ratios.append(got["normscope"][0] / got["torch"][0])
-        cpu_ratios.append(got["normscope"][1] / max(got["torch"][1], 1e-12))
+    for _ in range(max(1, rounds // 2)):
+        pair = {"torch": [0.0, 0.0], "normscope": [0.0, 0.0]}
+        for order in (("torch", "normscope"), ("normscope", "torch")):
+            for name in order:
+                t, c = _block(steps[name], inner)
+                samples[name].append(t)
+                cpu[name].append(c)
+                pair[name][0] += t
+                pair[name][1] += c
+        ratios.append(pair["normscope"][0] / pair["torch"][0])
+        cpu_ratios.append(pair["normscope"][1] / max(pair["torch"][1], 1e-12))
+    rounds = 2 * len(ratios)
     med = {k: statistics.median(v) for k, v in samples.items()}
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     ratio = statistics.median(ratios)
@@ -132,7 +140,7 @@ def run_case(case: Case, rounds: int, min_block_s: float, warmup_s: float) -> di
         "rounds": rounds,
         "torch_median_us": med["torch"] * 1e6,
         "normscope_median_us": med["normscope"] * 1e6,
-        "ratio": ratio,  # median of per-round ratios normscope / torch
+        "ratio": ratio,  # median over ABBA round pairs of normscope / torch
         "ratio_of_medians": med["normscope"] / med["torch"],
         "ratio_q1_q3": [q[0], q[2]],
         # fastest block of each: the least disturbed by neighbours, an estimate of the intrinsic cost
@@ -194,7 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output path. Default: {DEFAULT_OUT}")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds per case. Default: 60 small, 15 large")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds per case (even: ABBA pairs). Default: 60 small, 16 large",
+    )
     p.add_argument("--min-block-ms", type=float, default=20.0, help="minimum duration of one timed block. Default: 20")
     p.add_argument("--warmup-s", type=float, default=0.3, help="warm-up time per case. Default: 0.3")
     p.add_argument("--cases", default="", help="comma-separated case names (e.g. LayerNorm:small,GroupNorm:large)")
@@ -223,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     t0 = time.perf_counter()
     for case in cases:
-        rounds = args.rounds or (3 if args.quick else 60 if case.size == "small" else 15)
+        rounds = args.rounds or (2 if args.quick else 60 if case.size == "small" else 16)
         min_block = (2.0 if args.quick else args.min_block_ms) / 1e3
         r = run_case(case, rounds, min_block, 0.0 if args.quick else args.warmup_s)
         results.append(r)
@@ -239,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     doc = {
         "benchmark": "cpu_overhead",
-        "what": "forward+backward, normscope layer vs torch.nn layer, interleaved, median of per-round ratios",
+        "what": "forward+backward, normscope vs torch.nn layer, interleaved ABBA, median of per-pair ratios",
         "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
         "note": args.note,
