@@ -80,13 +80,17 @@ class Out:
             from rich.table import Table
             from rich.text import Text
 
-            t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", title_style="bold")
+            t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", title_style="bold", pad_edge=False)
             for h, a in zip(headers, align):
                 t.add_column(h, justify="right" if a == "r" else "left", no_wrap=True)
             for row in cells:
                 t.add_row(*(Text(c, style=_style(c)) for c in row))
-            self._console.print(t)
-            return
+            natural = sum(max([len(h)] + [len(r[i]) for r in cells]) + 2 for i, h in enumerate(headers))
+            if natural <= self._console.width:
+                self._console.print(t)
+                return
+            # too wide for this terminal: rich would cut the numbers short ("0.44…"); plain text
+            # lets the terminal wrap the lines instead, and loses nothing
         widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
 
         def render(row: Sequence[str]) -> str:
