@@ -7,6 +7,7 @@ engine (:func:`normscope.engine.norm`). Every function also takes ``backend=`` (
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +34,13 @@ _RMS_SCOPES = {k: Scope.rms(k) for k in range(1, 9)}
 _BATCH = Scope.batch(1)
 _BATCH_LAST = Scope.batch(-1)
 _INSTANCE = Scope.instance()
+
+
+@functools.lru_cache(maxsize=256)
+def _group_scope(num_groups: int) -> Scope:
+    # building a frozen Scope (validation + hash) costs ~3 us, a third of the layer's Python
+    # overhead at small shapes (benchmarks/cpu_overhead.py); scopes are immutable, so share them
+    return Scope.group(num_groups)
 
 
 def _layer_scope(k: int, centered: bool) -> Scope:
@@ -224,7 +232,7 @@ def group_norm(
     check.param(weight, "weight", (c,), input, where)
     check.param(bias, "bias", (c,), input, where)
     mask = check.mask(mask, input, 1, where)
-    return norm(input, Scope.group(num_groups), weight, bias, eps, mask=mask, backend=backend)
+    return norm(input, _group_scope(num_groups), weight, bias, eps, mask=mask, backend=backend)
 
 
 def local_response_norm(input: Tensor, size: int, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0) -> Tensor:

@@ -1,0 +1,203 @@
+"""The ``normscope`` command line.
+
+Built-in commands::
+
+    normscope tour [--json] [--plain] [--pictures DIR]
+    normscope explain LAYER --shape N,C,H,W [--groups G] [--values v1,v2,...] [--last K] [--eps E] [--json]
+
+Commands provided by optional parts of the package are imported only when run (so ``normscope
+tour`` never pays for them and a missing part gives a clear message, not a traceback); each
+receives the rest of the command line as ``module.main(argv) -> int``. To add one, add a row to
+:data:`COMMANDS`.
+
+Exit status: 0 success, 1 a check or command failed, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["COMMANDS", "main"]
+
+#: lazily imported subcommands: name -> (module, help). The module's ``main(argv)`` runs them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("normscope.bench", "benchmark the fused kernels against PyTorch, torch.compile and Liger"),
+    "draw": ("normscope.viz", "draw pictures of each normalization's scope"),
+    "explore": ("normscope.explorer", "open the interactive scope explorer (a local web page)"),
+    "lab": ("normscope.lab", "small CPU training runs that reproduce the classic claims"),
+}
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:  # "2,3,2,2" or "2x3x2x2"
+        shape = tuple(int(s) for s in text.strip().replace("x", ",").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers such as 2,3,2,2, got {text!r}"
+        ) from None
+    if not shape or any(s < 1 for s in shape):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 2,3,2,2, got {text!r}")
+    return shape
+
+
+def _values(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 10,2,6,14, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="normscope",
+        description="Every normalization layer is mean, variance, normalize, affine over a different scope.",
+    )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"normscope {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    tour = sub.add_parser(
+        "tour",
+        help="the seed tutorials' worked examples, recomputed and checked against torch",
+        description="Recompute the seed tutorials' worked examples by hand, with normscope and with torch.nn, "
+        "and check that they agree. Exits 1 if any check fails.",
+    )
+    tour.add_argument("--json", action="store_true", help="print machine-readable results")
+    tour.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
+    tour.add_argument("--pictures", metavar="DIR", help="also draw the scope pictures into DIR (needs normscope.viz)")
+
+    explain = sub.add_parser(
+        "explain",
+        help="one layer on one small tensor: its scope, statistics, output and the torch comparison",
+        description="Explain what one normalization layer does to a small tensor.",
+        epilog="examples:\n"
+        "  normscope explain layer --shape 4 --values 10,2,6,14\n"
+        "  normscope explain BatchNorm2d --shape 2,3,2,2\n"
+        "  normscope explain group --shape 2,4,2,2 --groups 2 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    explain.add_argument(
+        "layer", metavar="LAYER", help="batch, layer, instance, group, rms (or BatchNorm2d, LayerNorm, GroupNorm, ...)"
+    )
+    explain.add_argument("--shape", type=_shape, required=True, help="input shape, e.g. 2,3,2,2 (N,C,H,W)")
+    explain.add_argument("--groups", type=_positive_int, help="number of groups (group layer only)")
+    explain.add_argument("--values", type=_values, help="input values in row-major order. Default: a seeded example")
+    explain.add_argument(
+        "--last", type=_positive_int, help="layer/rms: number of trailing axes normalized. Default: all but the first"
+    )
+    explain.add_argument("--eps", type=float, default=1e-5, help="added to the variance. Default: 1e-5")
+    explain.add_argument("--json", action="store_true", help="print machine-readable results")
+    explain.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
+
+    for name, (module, help_text) in COMMANDS.items():
+        # listed for --help; run by _run_lazy before argparse sees the rest of the line
+        sub.add_parser(name, help=f"{help_text} [{module}]", add_help=False)
+    return parser
+
+
+def _run_lazy(name: str, argv: list[str]) -> int:
+    module_name, _ = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and module_name.startswith(e.name):
+            print(
+                f"normscope {name}: this installation has no {module_name} (the part of normscope that provides "
+                f"`{name}`); update normscope to a version that includes it.",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"normscope {name}: {module_name} needs the package {e.name!r}, which is not installed. "
+                f'Install normscope\'s optional dependencies (e.g. pip install -e ".[dev]").',
+                file=sys.stderr,
+            )
+        return 1
+    entry = getattr(module, "main", None)
+    if entry is None:
+        print(f"normscope {name}: {module_name} has no main(argv) function", file=sys.stderr)
+        return 1
+    rc = entry(argv)
+    return int(rc or 0)
+
+
+def _tour(args: argparse.Namespace) -> int:
+    from . import tour
+    from ._term import Out
+
+    sections = tour.run()
+    result = tour.as_json(sections)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        tour.render(sections, Out(plain=args.plain))
+    if args.pictures:
+        try:
+            viz = importlib.import_module("normscope.viz")
+        except ModuleNotFoundError as e:
+            print(
+                f"normscope tour --pictures: drawing needs normscope.viz and its dependencies, which are not "
+                f"available here (missing: {e.name}); the tour above ran without pictures.",
+                file=sys.stderr,
+            )
+            return 1
+        viz.draw_all(args.pictures)
+        if not args.json:
+            print(f"pictures written to {args.pictures}")
+    return 0 if result["passed"] else 1
+
+
+def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from . import explain
+    from ._term import Out
+
+    try:
+        result = explain.explain(
+            args.layer, args.shape, groups=args.groups, values=args.values, eps=args.eps, last=args.last
+        )
+    except explain.UsageError as e:
+        parser.error(f"argument {e.argument}: {e}")  # exits with status 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        explain.render(result, Out(plain=args.plain))
+    return 0 if result["torch"]["allclose"] else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (argparse errors raise SystemExit(2))."""
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:  # `normscope tour | head`: the reader left; don't print a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str]) -> int:
+    if argv and argv[0] in COMMANDS:
+        return _run_lazy(argv[0], argv[1:])
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "tour":
+        return _tour(args)
+    if args.command == "explain":
+        sub = parser._subparsers._group_actions[0].choices["explain"]  # errors read "normscope explain: ..."
+        return _explain(args, sub)
+    parser.print_help()
+    return 2

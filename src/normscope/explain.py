@@ -1,0 +1,382 @@
+"""``normscope explain``: what one normalization layer does to one small tensor, in words and numbers.
+
+For a layer (``batch``, ``layer``, ``instance``, ``group``, ``rms`` or a torch name such as
+``BatchNorm2d``) and an input shape it reports
+
+* the *scope*: which axes share one mean and variance, how many scopes there are, how many
+  elements each holds;
+* the statistics of every scope (mean, biased variance, 1/std), from :mod:`normscope.reference`;
+* the normalized output of the normscope layer, and its largest difference to the ``torch.nn``
+  layer of the same configuration, computed on the spot.
+
+:func:`explain` returns all of it as a JSON-ready dict; :func:`render` prints it for people.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+import normscope
+
+from . import reference
+from ._term import Out, fmt, vec
+from .scope import Resolved, Scope
+
+__all__ = ["KINDS", "UsageError", "explain", "parse_layer", "render", "scope_ids", "axis_names", "example_values"]
+
+#: the layers ``explain`` knows, with the torch class each compares against
+KINDS = {
+    "batch": "BatchNorm",
+    "layer": "LayerNorm",
+    "instance": "InstanceNorm",
+    "group": "GroupNorm",
+    "rms": "RMSNorm",
+}
+
+_ALIASES = {
+    "bn": "batch",
+    "ln": "layer",
+    "in": "instance",
+    "gn": "group",
+}
+
+#: largest input explain accepts: it is for examples a person reads, not for tensors
+MAX_ELEMENTS = 1 << 16
+
+
+class UsageError(ValueError):
+    """A bad command-line argument: ``argument`` names it (``--shape``), the message says why."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
+def parse_layer(name: str) -> tuple[str, int | None]:
+    """``"BatchNorm2d"`` -> ``("batch", 2)``; ``"group"`` -> ``("group", None)``.
+
+    The number is the spatial rank a torch class name implies (``1d``/``2d``/``3d``), else None.
+    """
+    key = name.strip().lower().replace("_", "").replace("-", "")
+    spatial = None
+    if key[-2:] in ("1d", "2d", "3d"):
+        spatial, key = int(key[-2]), key[:-2]
+    for suffix in ("normalization", "norm"):
+        if key.endswith(suffix) and key != suffix:
+            key = key[: -len(suffix)]
+            break
+    key = _ALIASES.get(key, key)
+    if key not in KINDS or (spatial is not None and key not in ("batch", "instance")):
+        names = (
+            ", ".join(KINDS)
+            + " (or torch names: BatchNorm1d/2d/3d, LayerNorm, InstanceNorm1d/2d/3d, GroupNorm, RMSNorm)"
+        )
+        raise UsageError("LAYER", f"unknown layer {name!r}; expected one of {names}")
+    return key, spatial
+
+
+def axis_names(rank: int) -> list[str]:
+    """Conventional names of the axes of an input of ``rank``: (N, C, H, W) and friends."""
+    return {1: ["D"], 2: ["N", "C"], 3: ["N", "C", "L"], 4: ["N", "C", "H", "W"], 5: ["N", "C", "D", "H", "W"]}.get(
+        rank, [f"d{i}" for i in range(rank)]
+    )
+
+
+def example_values(shape: Sequence[int]) -> Tensor:
+    """The default input: seeded normal values rounded to one decimal, like the seed articles'
+    hand-made examples (deterministic, easy to read, different in every position)."""
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(tuple(shape), generator=g) * 10).round() / 10
+
+
+def scope_ids(resolved: Resolved) -> Tensor:
+    """Which scope each element belongs to: an integer tensor shaped like the input.
+
+    The statistics have shape ``resolved.stat_shape`` (1 on every reduced axis, one entry per
+    group on a grouped axis); numbering their entries and broadcasting the numbers back over the
+    input gives each element the id of the mean and variance it is normalized with.
+    """
+    stat_shape = resolved.stat_shape
+    ids = torch.arange(math.prod(stat_shape)).reshape(stat_shape)
+    if resolved.groups > 1:  # one id per group: repeat it over the group's channels
+        ids = ids.repeat_interleave(resolved.shape[resolved.group_dim] // resolved.groups, dim=resolved.group_dim)
+    return ids.expand(resolved.shape)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    kind: str
+    shape: tuple[int, ...]
+    groups: int | None
+    last: int  # trailing axes of LayerNorm/RMSNorm
+    eps: float
+
+    @property
+    def torch_name(self) -> str:
+        base = KINDS[self.kind]
+        if self.kind in ("batch", "instance"):
+            return f"{base}{max(len(self.shape) - 2, 1)}d"
+        return base
+
+    def scope(self) -> Scope:
+        return {
+            "batch": lambda: Scope.batch(),
+            "instance": lambda: Scope.instance(),
+            "group": lambda: Scope.group(self.groups),
+            "layer": lambda: Scope.layer(self.last),
+            "rms": lambda: Scope.rms(self.last),
+        }[self.kind]()
+
+    def layer_args(self) -> tuple[tuple, dict]:
+        c = self.shape[1] if len(self.shape) > 1 else None
+        if self.kind in ("batch", "instance"):
+            return (c,), {"eps": self.eps}
+        if self.kind == "group":
+            return (self.groups, c), {"eps": self.eps}
+        return (list(self.shape[-self.last :]),), {"eps": self.eps}
+
+    def layers(self) -> tuple[nn.Module, nn.Module]:
+        """The normscope layer and its ``torch.nn`` namesake, same configuration, training mode."""
+        args, kwargs = self.layer_args()
+        ours = getattr(normscope, self.torch_name)(*args, **kwargs)
+        theirs = getattr(nn, self.torch_name)(*args, **kwargs)
+        return ours.train(), theirs.train()
+
+
+def _setup(
+    kind: str, spatial: int | None, shape: Sequence[int], groups: int | None, last: int | None, eps: float
+) -> _Setup:
+    """Check the arguments (raising :class:`UsageError` naming the bad one) before any work."""
+    shape = tuple(shape)
+    rank = len(shape)
+    if rank == 0 or any(not isinstance(s, int) or s < 1 for s in shape):
+        raise UsageError("--shape", f"expected positive sizes such as 2,3,2,2, got {shape}")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise UsageError(
+            "--shape",
+            f"expected at most {MAX_ELEMENTS} elements (explain is for small examples), got {math.prod(shape)}",
+        )
+    if not (isinstance(eps, float | int) and eps >= 0):
+        raise UsageError("--eps", f"expected a non-negative number, got {eps!r}")
+    name = KINDS[kind]
+    if kind in ("batch", "instance", "group"):
+        lo, hi = (3 if kind == "instance" else 2), (5 if kind in ("batch", "instance") else 8)
+        if spatial is not None:
+            lo = hi = spatial + 2
+        if not lo <= rank <= hi:
+            want = f"{lo} axes" if lo == hi else f"{lo} to {hi} axes"
+            raise UsageError(
+                "--shape",
+                f"{name}{'' if spatial is None else f'{spatial}d'} expects {want} (N, C, ...), got {rank}: {shape}",
+            )
+    if kind == "group":
+        c = shape[1]
+        if groups is None:
+            raise UsageError("--groups", f"GroupNorm needs --groups G dividing the {c} channels; valid: {_divisors(c)}")
+        if groups < 1 or c % groups:
+            raise UsageError(
+                "--groups",
+                f"expected a number of groups dividing the {c} channels (valid: {_divisors(c)}), got {groups}",
+            )
+    elif groups is not None:
+        raise UsageError("--groups", f"only the group layer takes --groups, got --groups {groups} for {kind}")
+    if kind in ("layer", "rms"):
+        if last is None:
+            last = max(rank - 1, 1)  # everything but the batch axis: one scope per sample
+        if not 1 <= last <= rank:
+            raise UsageError("--last", f"expected 1 to {rank} trailing axes for an input of shape {shape}, got {last}")
+    elif last is not None:
+        raise UsageError("--last", f"only layer and rms take --last, got --last {last} for {kind}")
+    setup = _Setup(kind, shape, groups, last or 0, float(eps))
+    per_scope = setup.scope().resolve(shape).count
+    if kind in ("batch", "instance") and per_scope <= 1:
+        where = "per channel" if kind == "batch" else "per sample and channel"
+        raise UsageError(
+            "--shape",
+            f"{setup.torch_name} in training needs more than one value {where}, got {per_scope} for shape {shape}",
+        )
+    return setup
+
+
+def _divisors(n: int) -> list[int]:
+    return [g for g in range(1, n + 1) if n % g == 0]
+
+
+def _where(index: Sequence[int], resolved: Resolved, names: list[str]) -> str:
+    """Name a scope by its kept coordinates: ``n=0, c=2`` or ``n=1, g=0 (c=0..1)``."""
+    parts = []
+    for d, i in enumerate(index):
+        if d == resolved.group_dim and resolved.groups > 1:
+            per = resolved.shape[d] // resolved.groups
+            parts.append(f"g={i} ({names[d].lower()}={i * per}..{i * per + per - 1})")
+        elif d not in resolved.reduce:
+            parts.append(f"{names[d].lower()}={i}")
+    return ", ".join(parts) or "all"
+
+
+def describe(resolved: Resolved, names: list[str]) -> str:
+    """The scope in one sentence."""
+    d = resolved.group_dim
+    reduced = [names[a] for a in resolved.reduce if not (resolved.groups > 1 and a == d)]
+    kept = [names[a] for a in range(len(names)) if a not in resolved.reduce]
+    if resolved.groups > 1:
+        per = resolved.shape[d] // resolved.groups
+        reduced = [f"{names[d]} (the {per} channels of one group)"] + reduced
+        kept.append("group")
+    what = "mean and variance" if resolved.centered else "mean square (no mean: uncentered)"
+    if not kept:
+        return f"one {what} over {', '.join(reduced)}: the whole input is one scope"
+    return f"one {what} over {', '.join(reduced)}, separately for each {' and '.join(kept)}"
+
+
+def explain(
+    layer: str,
+    shape: Sequence[int],
+    groups: int | None = None,
+    values: Sequence[float] | Tensor | None = None,
+    eps: float = 1e-5,
+    last: int | None = None,
+) -> dict:
+    """Explain one layer on one input; everything JSON-serializable.
+
+    Args:
+        layer: ``batch``, ``layer``, ``instance``, ``group``, ``rms`` or a torch class name.
+        shape: the input shape, e.g. ``(2, 3, 2, 2)``.
+        groups: GroupNorm's number of groups (required for ``group``, refused otherwise).
+        values: the input's values in row-major order. Default: :func:`example_values`.
+        eps: added to the variance. Default: 1e-5.
+        last: trailing axes normalized by LayerNorm/RMSNorm. Default: all but the first axis.
+
+    Raises:
+        UsageError: a bad argument, named in ``err.argument``.
+    """
+    kind, spatial = parse_layer(layer)
+    setup = _setup(kind, spatial, shape, groups, last, eps)
+    shape = setup.shape
+    if values is None:
+        x = example_values(shape)
+    else:
+        flat = torch.as_tensor(values, dtype=torch.float32).flatten()
+        if flat.numel() != math.prod(shape):
+            raise UsageError(
+                "--values",
+                f"expected {math.prod(shape)} values for shape {','.join(map(str, shape))}, got {flat.numel()}",
+            )
+        x = flat.reshape(shape)
+
+    names = axis_names(len(shape))
+    resolved = setup.scope().resolve(shape)
+    ids = scope_ids(resolved)
+    m = reference.moments(x, resolved)
+    rstd = reference.rstd(m.var, setup.eps)
+
+    ours, theirs = setup.layers()
+    with torch.no_grad():
+        y = ours(x)
+        y_torch = theirs(x)
+    diff = (y - y_torch).abs().max().item()
+
+    stats = []
+    for sid, index in enumerate(_indices(resolved.stat_shape)):
+        stats.append(
+            {
+                "scope": sid,
+                "where": _where(index, resolved, names),
+                "count": int((ids == sid).sum()),
+                "mean": m.mean[index].item(),
+                "var": m.var[index].item(),
+                "rstd": rstd[index].item(),
+            }
+        )
+    return {
+        "layer": kind,
+        "torch_layer": setup.torch_name,
+        "shape": list(shape),
+        "axes": names,
+        "groups": setup.groups,
+        "last": setup.last if kind in ("layer", "rms") else None,
+        "eps": setup.eps,
+        "scope": {
+            "words": describe(resolved, names),
+            "reduced_axes": [names[d] for d in resolved.reduce],
+            "grouped_axis": names[resolved.group_dim] if resolved.groups > 1 else None,
+            "centered": resolved.centered,
+            "num_scopes": len(stats),
+            # counted from the id map (every scope of an unmasked input has the same size)
+            "elements_per_scope": stats[0]["count"],
+        },
+        "stats": stats,
+        "input": x.tolist(),
+        "scope_ids": ids.tolist(),
+        "output": y.tolist(),
+        "torch": {"max_abs_diff": diff, "allclose": bool(torch.allclose(y, y_torch, atol=1e-6, rtol=1e-5))},
+    }
+
+
+def _indices(shape: Sequence[int]) -> list[tuple[int, ...]]:
+    return [
+        tuple(int(i) for i in idx)
+        for idx in torch.cartesian_prod(*(torch.arange(s) for s in shape)).reshape(-1, len(shape))
+    ]
+
+
+MAX_ROWS = 48
+
+
+def render(result: dict, out: Out) -> None:
+    """Print an :func:`explain` result for people."""
+    shape, names = result["shape"], result["axes"]
+    scope = result["scope"]
+    extra = f", groups={result['groups']}" if result["groups"] else ""
+    if result["last"] and result["last"] < len(shape):
+        k = result["last"]
+        extra += ", normalized over the last axis" if k == 1 else f", normalized over the last {k} axes"
+    out.heading(
+        f"{result['torch_layer']} on an input of shape ({', '.join(f'{n}={s}' for n, s in zip(names, shape))}){extra}"
+    )
+    out.line(f"Scope: {scope['words']}.")
+    out.line(
+        f"       {scope['num_scopes']} scope(s) of {scope['elements_per_scope']} elements; "
+        f"each element is normalized with the statistics of its scope (eps={fmt(result['eps'])})."
+    )
+
+    stats = result["stats"]
+    out.table(
+        ["scope", "where", "elements", "mean", "variance", "1/std"],
+        [[s["scope"], s["where"], s["count"], fmt(s["mean"]), fmt(s["var"]), fmt(s["rstd"])] for s in stats[:MAX_ROWS]],
+        title="Statistics per scope",
+        align="rlrrrr",
+    )
+    if len(stats) > MAX_ROWS:
+        out.line(f"  ... {len(stats) - MAX_ROWS} more scopes (use --json for all)")
+
+    # rows over the first (up to) two axes, the rest of each row flattened
+    lead = min(2, len(shape) - 1) if len(shape) > 1 else 0
+    x = torch.tensor(result["input"]).reshape(math.prod(shape[:lead]), -1)
+    y = torch.tensor(result["output"]).reshape(x.shape)
+    ids = torch.tensor(result["scope_ids"]).reshape(x.shape)
+    rows = []
+    for r, index in enumerate(_indices(shape[:lead]) if lead else [()]):
+        sids = sorted(set(ids[r].tolist()))
+        rows.append(
+            [
+                " ".join(f"{n.lower()}={i}" for n, i in zip(names, index)) or "all",
+                ",".join(map(str, sids)),
+                vec(x[r].tolist(), 1),
+                vec(y[r].tolist()),
+            ]
+        )
+    out.table(["row", "scope", "input", "normalized (normscope)"], rows[:MAX_ROWS], title="Values", align="lrll")
+    if len(rows) > MAX_ROWS:
+        out.line(f"  ... {len(rows) - MAX_ROWS} more rows (use --json for all)")
+    t = result["torch"]
+    out.line(
+        f"torch.nn.{result['torch_layer']} gives the same output: max |normscope - torch| = {t['max_abs_diff']:.2e}  "
+        f"[{out.mark(t['allclose'])}]",
+        style="green" if t["allclose"] else "bold red",
+    )

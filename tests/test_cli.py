@@ -1,0 +1,373 @@
+"""The ``normscope`` command line: tour, explain, lazy subcommands, and the CI script.
+
+Expected numbers are computed here independently (the statistics module, direct torch
+reductions, torch.nn layers), never taken from the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import normscope
+from normscope import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the 2x3x2x2 tensor of seed article 004, written out again so the test does not trust the tour's copy
+ARTICLE_DATA = [
+    [[[0.1, 0.2], [0.3, 0.4]], [[1.0, 0.9], [1.2, -1.1]], [[1.1, 0.3], [-0.6, 0.2]]],
+    [[[0.3, 0.8], [-0.2, -0.3]], [[-0.2, 2.1], [1.1, 0.2]], [[0.4, 0.7], [-2.1, 0.5]]],
+]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:  # argparse errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def channel_stats() -> list[tuple[float, float]]:
+    """(mean, population variance) of each channel of ARTICLE_DATA, in plain Python."""
+    result = []
+    for c in range(3):
+        values = [v for sample in ARTICLE_DATA for row in sample[c] for v in row]
+        result.append((statistics.fmean(values), statistics.pvariance(values)))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- tour
+
+
+@pytest.mark.parametrize("style", ["--plain", None])
+def test_tour_prints_the_articles_numbers(capsys, style):
+    x = [10, 2, 6, 14]
+    mean, var = statistics.fmean(x), statistics.pvariance(x)
+    assert (mean, var) == (8, 20)
+    rc, out, _ = run(capsys, "tour", *([style] if style else []))
+    assert rc == 0
+    assert f"= {mean:g}" in out and f"= {var:g}" in out
+    normalized = [(v - mean) / math.sqrt(var + 1e-5) for v in x]
+    assert "[" + ", ".join(f"{v:+.4f}" for v in normalized) + "]" in out
+    for c, (m, v) in enumerate(channel_stats()[:2]):
+        row = re.search(rf"^\s*{c}\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*$", out, re.M)
+        assert row is not None, out
+        assert [float(t) for t in row.groups()] == pytest.approx([m, v, m, v], abs=1e-6)
+    assert "checks passed" in out and "FAIL" not in out
+
+
+def test_tour_json_matches_independent_computation(capsys):
+    rc, out, _ = run(capsys, "tour", "--json")
+    assert rc == 0
+    result = json.loads(out)
+    assert result["passed"] is True
+    assert result["checks"] and all(c["passed"] for c in result["checks"])
+
+    ln = result["sections"]["layernorm_vector"]
+    assert ln["mean"] == 8 and ln["var"] == 20
+    expected = [(v - 8) / math.sqrt(20 + 1e-5) for v in (10, 2, 6, 14)]
+    assert ln["normscope"] == pytest.approx(expected, abs=1e-6)
+    assert ln["torch"] == pytest.approx(expected, abs=1e-6)
+
+    bn = result["sections"]["batchnorm_channels"]
+    stats = channel_stats()
+    assert bn["mean"] == pytest.approx([m for m, _ in stats], abs=1e-6)
+    assert bn["var"] == pytest.approx([v for _, v in stats], abs=1e-6)
+    x = torch.tensor(ARTICLE_DATA)
+    want = F.batch_norm(x, None, None, training=True, eps=1e-5)
+    assert torch.allclose(torch.tensor(bn["normalized"]), want, atol=1e-6)
+
+    tokens = result["sections"]["tokens"]
+    for name in ("LayerNorm", "RMSNorm"):
+        assert tokens[name]["manual_allclose"] is True and tokens[name]["normscope_allclose"] is True
+        assert tokens[name]["normscope_max_abs_diff"] <= 1e-6
+
+    sc = result["sections"]["scopes"]
+    xs = torch.tensor(sc["x"], dtype=torch.float64)
+    n, c = xs.shape[:2]
+    by_layer = {  # the statistics of every scope, in id order, by direct reduction
+        "BatchNorm2d": (xs.mean((0, 2, 3)), xs.var((0, 2, 3), unbiased=False)),
+        "LayerNorm": (xs.mean((1, 2, 3)), xs.var((1, 2, 3), unbiased=False)),
+        "InstanceNorm2d": (xs.mean((2, 3)).flatten(), xs.var((2, 3), unbiased=False).flatten()),
+        "GroupNorm(2)": (
+            xs.reshape(n, 2, -1).mean(-1).flatten(),
+            xs.reshape(n, 2, -1).var(-1, unbiased=False).flatten(),
+        ),
+    }
+    assert set(sc["layers"]) == set(by_layer)
+    for name, (mean, var) in by_layer.items():
+        layer = sc["layers"][name]
+        assert layer["num_scopes"] == mean.numel()
+        assert [s["count"] for s in layer["scopes"]] == [xs.numel() // mean.numel()] * mean.numel()
+        assert [s["mean"] for s in layer["scopes"]] == pytest.approx(mean.tolist(), abs=1e-6)
+        assert [s["var"] for s in layer["scopes"]] == pytest.approx(var.tolist(), abs=1e-6)
+    assert sc["layers"]["GroupNorm(2)"]["scope_ids_nc"] == [[0, 0, 1, 1], [2, 2, 3, 3]]
+    assert sc["layers"]["BatchNorm2d"]["scope_ids_nc"] == [list(range(c))] * n
+
+
+def test_tour_fails_when_a_layer_is_wrong(capsys, monkeypatch):
+    """The tour's checks are real: a LayerNorm that is off by 1% makes it exit 1."""
+    monkeypatch.setattr(normscope.LayerNorm, "forward", lambda self, x: F.layer_norm(x, self.normalized_shape) * 1.01)
+    rc, out, _ = run(capsys, "tour", "--plain")
+    assert rc == 1
+    assert "FAILED" in out and "normscope vs torch" in out
+    rc, out, _ = run(capsys, "tour", "--json")
+    assert rc == 1 and json.loads(out)["passed"] is False
+
+
+def test_tour_pictures_hook(capsys, monkeypatch, tmp_path):
+    calls = []
+    fake = types.ModuleType("normscope.viz")
+    fake.draw_all = calls.append
+    monkeypatch.setitem(sys.modules, "normscope.viz", fake)
+    rc, out, _ = run(capsys, "tour", "--plain", "--pictures", str(tmp_path))
+    assert rc == 0 and calls == [str(tmp_path)]
+
+    monkeypatch.setitem(sys.modules, "normscope.viz", None)  # makes the import fail
+    rc, _, err = run(capsys, "tour", "--plain", "--pictures", str(tmp_path))
+    assert rc == 1 and "normscope.viz" in err
+
+
+# ---------------------------------------------------------------------------------------------- explain
+
+
+def direct_stats(layer: str, x: torch.Tensor, groups: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-scope (mean, biased var), in scope-id order, by direct torch reductions."""
+    n, c = x.shape[:2]
+    if layer == "batch":
+        dims = (0,) + tuple(range(2, x.dim()))
+        return x.mean(dims), x.var(dims, unbiased=False)
+    if layer == "instance":
+        dims = tuple(range(2, x.dim()))
+        return x.mean(dims).flatten(), x.var(dims, unbiased=False).flatten()
+    if layer == "group":
+        g = x.reshape(n, groups, -1)
+        return g.mean(-1).flatten(), g.var(-1, unbiased=False).flatten()
+    flat = x.reshape(n, -1)  # layer/rms default: every axis but the first
+    if layer == "rms":
+        return torch.zeros(n), flat.square().mean(-1)
+    return flat.mean(-1), flat.var(-1, unbiased=False)
+
+
+def torch_output(layer: str, x: torch.Tensor, groups: int | None) -> torch.Tensor:
+    if layer == "batch":
+        return F.batch_norm(x, None, None, training=True, eps=1e-5)
+    if layer == "instance":
+        return F.instance_norm(x, eps=1e-5)
+    if layer == "group":
+        return F.group_norm(x, groups, eps=1e-5)
+    if layer == "rms":
+        return F.rms_norm(x, x.shape[1:], eps=1e-5)
+    return F.layer_norm(x, x.shape[1:], eps=1e-5)
+
+
+EXPLAIN_CASES = [
+    ("batch", "BatchNorm2d", (2, 3, 2, 2), None),
+    ("batch", "batch", (4, 3), None),
+    ("layer", "LayerNorm", (2, 3, 4), None),
+    ("instance", "InstanceNorm1d", (2, 3, 5), None),
+    ("instance", "instance", (2, 2, 3, 3), None),
+    ("group", "GroupNorm", (2, 6, 2, 2), 3),
+    ("rms", "rms", (3, 2, 4), None),
+]
+
+
+@pytest.mark.parametrize(("layer", "name", "shape", "groups"), EXPLAIN_CASES)
+def test_explain_json_matches_torch(capsys, layer, name, shape, groups):
+    argv = ["explain", name, "--shape", ",".join(map(str, shape)), "--json"]
+    if groups:
+        argv += ["--groups", str(groups)]
+    rc, out, _ = run(capsys, *argv)
+    assert rc == 0
+    result = json.loads(out)
+    x = torch.tensor(result["input"], dtype=torch.float64)
+    assert tuple(x.shape) == shape
+    mean, var = direct_stats(layer, x, groups)
+    assert result["scope"]["num_scopes"] == mean.numel()
+    assert result["scope"]["elements_per_scope"] == x.numel() // mean.numel()
+    assert [s["mean"] for s in result["stats"]] == pytest.approx(mean.tolist(), abs=1e-6)
+    assert [s["var"] for s in result["stats"]] == pytest.approx(var.tolist(), abs=1e-6)
+    want = torch_output(layer, x.float(), groups)
+    assert torch.allclose(torch.tensor(result["output"]), want, atol=1e-5)
+    assert result["torch"]["max_abs_diff"] <= 1e-6
+
+
+def test_explain_prints_statistics_of_given_values(capsys):
+    rc, out, _ = run(capsys, "explain", "layer", "--shape", "4", "--values", "10,2,6,14", "--plain")
+    assert rc == 0
+    row = re.search(r"^\s*0\s+all\s+4\s+(\S+)\s+(\S+)\s+(\S+)\s*$", out, re.M)
+    assert row is not None, out
+    assert [float(t) for t in row.groups()] == pytest.approx([8, 20, 1 / math.sqrt(20 + 1e-5)], rel=1e-5)
+    assert "mean and variance over D" in out
+
+
+def test_explain_words_name_the_scope(capsys):
+    rc, out, _ = run(capsys, "explain", "group", "--shape", "2,4,2,2", "--groups", "2", "--plain")
+    assert rc == 0
+    assert "over C (the 2 channels of one group), H, W, separately for each N and group" in out
+    rc, out, _ = run(
+        capsys,
+        "explain",
+        "BatchNorm2d",
+        "--shape",
+        "2,3,2,2",
+        "--values",
+        ",".join(str(v) for v in torch.tensor(ARTICLE_DATA).flatten().tolist()),
+        "--plain",
+    )
+    assert rc == 0 and "over N, H, W, separately for each C" in out
+    for c, (m, v) in enumerate(channel_stats()):
+        assert re.search(rf"^\s*{c}\s+c={c}\s+8\s+{re.escape(f'{m:.6g}')}\s+{re.escape(f'{v:.6g}')}\s", out, re.M), out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["explain", "foo", "--shape", "2,3"], "argument LAYER: unknown layer 'foo'"),
+        (["explain", "batch", "--shape", "2,x3"], "argument --shape"),
+        (["explain", "batch", "--shape", "2,0,3"], "argument --shape"),
+        (["explain", "batch"], "--shape"),
+        (["explain", "BatchNorm2d", "--shape", "2,3,4"], "argument --shape: BatchNorm2d expects 4 axes"),
+        (["explain", "batch", "--shape", "1,3"], "argument --shape: BatchNorm1d in training needs more than one value"),
+        (["explain", "instance", "--shape", "2,3"], "argument --shape"),
+        (["explain", "group", "--shape", "2,6,4"], "argument --groups: GroupNorm needs --groups"),
+        (
+            ["explain", "group", "--shape", "2,6,4", "--groups", "4"],
+            "argument --groups: expected a number of groups dividing the 6",
+        ),
+        (["explain", "group", "--shape", "2,6,4", "--groups", "0"], "argument --groups"),
+        (["explain", "layer", "--shape", "2,3", "--groups", "2"], "argument --groups: only the group layer"),
+        (["explain", "layer", "--shape", "2,3", "--values", "1,2"], "argument --values: expected 6 values"),
+        (["explain", "layer", "--shape", "2,3", "--values", "1,a"], "argument --values"),
+        (["explain", "rms", "--shape", "2,3", "--last", "3"], "argument --last"),
+        (["tour", "--bogus"], "unrecognized arguments"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_argument(capsys, argv, message):
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2
+    assert message in err
+
+
+# ---------------------------------------------------------------------------------------------- routing
+
+
+def test_lazy_commands_run_module_main_with_the_rest_of_argv(capsys, monkeypatch):
+    seen = []
+    fake = types.ModuleType("normscope_test_fake_cmd")
+    fake.main = lambda argv: seen.append(argv) or 3
+    monkeypatch.setitem(sys.modules, "normscope_test_fake_cmd", fake)
+    monkeypatch.setitem(cli.COMMANDS, "fake", ("normscope_test_fake_cmd", "a test command"))
+    rc, _, _ = run(capsys, "fake", "--size", "8", "-h")
+    assert rc == 3 and seen == [["--size", "8", "-h"]]
+
+
+def test_missing_lazy_module_gives_a_clear_message(capsys, monkeypatch):
+    monkeypatch.setitem(cli.COMMANDS, "nothing", ("normscope._no_such_module", "missing"))
+    rc, _, err = run(capsys, "nothing", "--x")
+    assert rc == 1
+    assert "normscope nothing" in err and "normscope._no_such_module" in err
+
+
+def test_every_registered_command_is_listed_in_help(capsys):
+    rc, out, _ = run(capsys, "--help")
+    assert rc == 0
+    for name in ["tour", "explain", *cli.COMMANDS]:
+        assert re.search(rf"^\s+{name}\s", out, re.M), name
+
+
+def test_python_dash_m_normscope_tour_subprocess():
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "normscope", "tour"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "checks passed" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------- CI
+
+
+def readme_commands() -> list[str]:
+    """The shell lines inside the README's fenced code blocks."""
+    lines, fence = [], None
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            fence = None if fence is not None else line[3:].strip()
+        elif fence in ("bash", "sh", "shell") and line.strip():
+            lines.append(line.strip())
+    return lines
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    tests = [line for line in readme_commands() if "pytest" in line and "pip install" in line]
+    assert len(tests) == 1, tests  # exactly one set-up-and-test command
+    script = (ROOT / ".ci" / "run").read_text()
+    assert tests[0] in script.splitlines() or any(line.strip() == tests[0] for line in script.splitlines())
+    assert "set -euo pipefail" in script
+    assert os.access(ROOT / ".ci" / "run", os.X_OK)
+
+
+def test_readme_has_exactly_two_setup_commands():
+    setup = [line for line in readme_commands() if line.startswith(("pip install", "python3 -m pip install"))]
+    assert len(setup) == 2, setup
+    assert any(line.endswith("normscope tour") for line in setup)
+
+
+def test_cpu_overhead_benchmark_smoke(tmp_path, capsys, monkeypatch):
+    """The benchmark script runs and writes its JSON (timings themselves are not asserted)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cpu_overhead", ROOT / "benchmarks" / "cpu_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "cpu_overhead", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    out = tmp_path / "b.json"
+    assert (
+        bench.main(["--quick", "--cases", "LayerNorm:small,GroupNorm:small", "--rounds", "2", "--out", str(out)]) == 0
+    )
+    doc = json.loads(out.read_text())
+    assert [r["case"] for r in doc["results"]] == ["LayerNorm:small", "GroupNorm:small"]
+    assert doc["machine"]["torch"] == torch.__version__ and doc["machine"]["torch_threads"] >= 1
+    for r in doc["results"]:
+        assert len(r["samples_us"]["torch"]) == len(r["samples_us"]["normscope"]) == 2
+        assert r["ratio"] > 0
+    with pytest.raises(SystemExit):
+        bench.main(["--cases", "NoSuchNorm:small", "--out", str(out)])
+
+
+@pytest.mark.parametrize("failing", [None, "pytest", "pip"])
+def test_ci_script_runs_setup_then_tests_and_fails_when_they_fail(tmp_path, failing):
+    """Run .ci/run against a stub python3 that logs its arguments: the install comes before
+    pytest, and a failing pip or pytest makes the script fail."""
+    stub = tmp_path / "python3"
+    stub.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> "{tmp_path}/calls"\n'
+        f'case "$*" in *"-m {failing or "NOTHING"}"*) exit 3 ;; esac\n'
+        "exit 0\n"
+    )
+    stub.chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(ROOT / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    if failing is None:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert calls[-2:] == ["-m pip install -c constraints.txt -e .[dev]", "-m pytest"]
+    else:
+        assert proc.returncode != 0
+        assert "CI FAILED" in proc.stdout
