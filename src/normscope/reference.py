@@ -62,6 +62,12 @@ def moments(x: Tensor, scope: Resolved, mask: Tensor | None = None) -> Moments:
     """
     xf = _grouped(x.to(acc_dtype(x.dtype)), scope)
     dims = scope.grouped_reduce() if scope.groups > 1 else scope.reduce
+    if not dims:
+        # one element a scope (GroupNorm(C, C) on (N, C), keep= every axis): torch reads dim=()
+        # as "reduce everything", so reduce over a new trailing axis of size 1 instead
+        m = moments(x.unsqueeze(-1), _trailing_scope(scope), None if mask is None else mask.unsqueeze(-1))
+        count = m.count.squeeze(-1) if isinstance(m.count, Tensor) else m.count
+        return Moments(m.mean.squeeze(-1), m.var.squeeze(-1), count)
     if mask is None:
         if scope.centered:
             var, mean = torch.var_mean(xf, dim=dims, correction=0, keepdim=True)
@@ -81,6 +87,11 @@ def moments(x: Tensor, scope: Resolved, mask: Tensor | None = None) -> Moments:
             mean = torch.zeros_like(var)
         count = _ungrouped_stat(count, scope)
     return Moments(_ungrouped_stat(mean, scope), _ungrouped_stat(var, scope), count)
+
+
+def _trailing_scope(scope: Resolved) -> Resolved:
+    n = len(scope.shape)
+    return Resolved(scope.shape + (1,), (n,), scope.centered, 1, -1, scope.affine)
 
 
 def rstd(var: Tensor, eps: float, count: int | Tensor | None = None) -> Tensor:
