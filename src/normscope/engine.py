@@ -333,6 +333,13 @@ def _plan(call: Call, name: str) -> tuple[str, Callable[[Call], Tensor]]:
 def dispatch(call: Call, backend: str | None = None) -> Tensor:
     """Run ``call`` on the requested backend, or on the first automatic one that supports it."""
     requested = _requested(backend)
+    if torch.compiler.is_compiling():
+        # under dynamo the planning is traced once per graph anyway; storing it in _PLANS would be
+        # a side effect on a dict keyed by trace-time objects (Resolved) that dynamo cannot replay,
+        # which breaks torch.compile(fullgraph=True)
+        plan = _plan(call, requested)
+        _last[0] = plan[0]
+        return plan[1](call)
     key = (signature(call), requested)
     plan = _PLANS.get(key)
     if plan is None:
