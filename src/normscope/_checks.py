@@ -7,6 +7,7 @@ they run on every call.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -16,7 +17,7 @@ from torch import Tensor
 def tensor(x: object, name: str, where: str) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{where}: expected `{name}` to be a torch.Tensor, got {type(x).__name__}")
-    if not (x.is_floating_point() or x.is_complex()):
+    if not x.is_floating_point():  # complex too: no normalization here is defined for it
         raise TypeError(f"{where}: expected `{name}` to be a floating-point tensor, got dtype {x.dtype}")
     return x
 
@@ -75,7 +76,8 @@ def normalized_shape(shape: int | Sequence[int] | torch.Size, where: str) -> tup
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
     try:
-        out = tuple(int(s) for s in shape)
+        # operator.index, not int(): int() would accept "4" and 2.5 and raise ValueError on "a"
+        out = tuple(operator.index(s) for s in shape)
     except TypeError:
         raise TypeError(f"{where}: expected `normalized_shape` to be an int or a sequence of ints, got {shape!r}") from None
     if not out or any(s < 1 for s in out):
