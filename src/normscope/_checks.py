@@ -28,8 +28,18 @@ def ndim(x: Tensor, allowed: Sequence[int], name: str, where: str) -> None:
         raise ValueError(f"{where}: expected `{name}` to be {want}, got {x.dim()}D input of shape {tuple(x.shape)}")
 
 
-def param(p: Tensor | None, name: str, shape: Sequence[int], x: Tensor, where: str) -> None:
-    """An optional weight/bias/running buffer: right type, shape and device for input ``x``."""
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def param(
+    p: Tensor | None, name: str, shape: Sequence[int], x: Tensor, where: str, any_dtype: bool = False
+) -> None:
+    """An optional weight/bias/running buffer: right type, shape, dtype and device for input ``x``.
+
+    The dtype is the input's, or fp32 for fp16/bf16 input (mixed precision) -- exactly what
+    torch's CPU kernels accept, so every backend accepts the same calls (``any_dtype``: rms_norm,
+    which torch runs with any parameter dtype).
+    """
     if p is None:
         return
     if not isinstance(p, Tensor):
@@ -41,6 +51,9 @@ def param(p: Tensor | None, name: str, shape: Sequence[int], x: Tensor, where: s
         )
     if p.device != x.device:
         raise ValueError(f"{where}: expected `{name}` on the input's device {x.device}, got {p.device}")
+    if not any_dtype and p.dtype != x.dtype and not (p.dtype == torch.float32 and x.dtype in _HALF):
+        also = " or torch.float32" if x.dtype in _HALF else ""
+        raise TypeError(f"{where}: expected `{name}` of dtype {x.dtype}{also} like the input, got {p.dtype}")
 
 
 def mask(m: Tensor | None, x: Tensor, channel_dim: int | None, where: str) -> Tensor | None:
