@@ -33,13 +33,14 @@ class _BatchNormMixin:
         self._check_input_dim(input)
         # exactly torch's bookkeeping: momentum=None means a cumulative average over the batches seen
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked)
+        # the counter moves only once F.batch_norm has accepted the input (torch increments it
+        # first, so a rejected call would still count as a batch)
+        count = self.training and self.track_running_stats and self.num_batches_tracked is not None
+        if count and self.momentum is None:
+            factor = 1.0 / (float(self.num_batches_tracked) + 1.0)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep_running = not self.training or self.track_running_stats
-        return F.batch_norm(
+        y = F.batch_norm(
             input,
             self.running_mean if keep_running else None,
             self.running_var if keep_running else None,
@@ -49,6 +50,9 @@ class _BatchNormMixin:
             factor,
             self.eps,
         )
+        if count:
+            self.num_batches_tracked.add_(1)
+        return y
 
 
 class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
