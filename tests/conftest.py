@@ -109,3 +109,7 @@ def assert_half_close(ours, torch_same_dtype, torch_fp32, dtype, what=""):
 
 def pytest_report_header(config):
     return f"torch {torch.__version__}, NORMSCOPE_BACKEND={os.environ.get(engine.ENV_VAR)!r}"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes tens of seconds (torch.compile); deselect with -m 'not slow'")
