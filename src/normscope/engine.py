@@ -101,6 +101,8 @@ def _update_running(call: Call, m: ref.Moments) -> None:
     # buffers hold their average over the extra kept axes, as torch's instance_norm does
     extra = tuple(d for d in range(len(s.shape)) if d not in s.reduce and d not in s.affine)
     count = m.count
+    if isinstance(count, int) and count == 0:  # empty batch: no statistics (NaN), and torch leaves the buffers
+        return
     with torch.no_grad():
         mean, var = m.mean.detach(), m.var.detach()
         if isinstance(count, Tensor):
