@@ -252,3 +252,20 @@ def test_non_contiguous_and_channels_last(cfg, layout, backend):
         # the reference's elementwise ops follow the input's layout, so it returns channels_last
         # for every layer here (torch's instance_norm returns a contiguous tensor instead)
         assert yn.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(0, 4, 3), (3, 4, 0)], ids=["no_samples", "no_positions"])
+@pytest.mark.parametrize("name", ["BatchNorm1d", "InstanceNorm1d"])
+def test_empty_batch_leaves_running_stats_like_torch(name, shape, backend):
+    kwargs = {"track_running_stats": True} if name == "InstanceNorm1d" else {}
+    t, n = make_pair(name, (4,), kwargs)
+    x = torch.randn(shape)
+    yt = t(x)
+    with normscope.use_backend(backend):
+        yn = n(x)
+    assert yn.shape == yt.shape == shape
+    # (torch's InstanceNorm averages the per-instance statistics of zero instances into NaN
+    # buffers; normscope matches that rather than inventing its own rule, hence equal_nan)
+    for k, v in buffers(t).items():
+        torch.testing.assert_close(buffers(n)[k], v, equal_nan=True, msg=lambda m, k=k: f"{k}: {m}")
