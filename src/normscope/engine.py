@@ -169,7 +169,8 @@ def _aten_kind(call: Call) -> str | None:
             return "layer_norm"
         if call.bias is None:
             return "rms_norm"
-    if s.centered and ndim >= 2 and every_but(0) and affine in ((1,), ()):
+    # torch.group_norm splits axis 1: a grouping of any other axis is not its op
+    if s.centered and ndim >= 2 and every_but(0) and affine in ((1,), ()) and (s.groups == 1 or s.group_dim == 1):
         return "group_norm"  # groups of channels (also one group: LayerNorm with per-channel affine)
     return None
 
