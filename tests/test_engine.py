@@ -151,6 +151,19 @@ def test_aten_kinds_match_reference_with_grads(name, shape, scope, affine):
             torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("shape,group_dim,groups", [((2, 3, 4), 2, 2), ((2, 6, 4), 2, 2), ((2, 3, 5, 6), -1, 3)])
+def test_grouping_another_axis_is_not_torch_group_norm(shape, group_dim, groups):
+    """torch.group_norm splits axis 1 only; grouping another axis must not be sent to it."""
+    x = torch.randn(shape, dtype=torch.float64)
+    scope = Scope(keep=(0,), groups=groups, group_dim=group_dim)
+    y = norm(x, scope)
+    assert normscope.last_backend() == "reference"
+    reduce = tuple(range(1, len(shape)))
+    torch.testing.assert_close(y, direct(x, reduce, groups=groups, group_dim=group_dim))
+    with pytest.raises(ValueError, match="backend 'aten' cannot run"):
+        norm(x, scope, backend="aten")
+
+
 def test_running_statistics_in_engine_match_between_backends():
     x = torch.randn(4, 3, 6, dtype=torch.float64)
     bufs = {}
