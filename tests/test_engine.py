@@ -3,6 +3,8 @@ and backend selection (forcing, env var, precedence, last_backend, errors)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +17,7 @@ from normscope import reference as ref
 from normscope.engine import Running, norm
 from normscope.scope import Scope
 
-SIZES = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 11, 13])
+SIZES = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13])
 
 
 @st.composite
@@ -24,17 +26,30 @@ def scope_cases(draw):
     nd = draw(st.integers(1, 4))
     shape = tuple(draw(st.lists(SIZES, min_size=nd, max_size=nd)))
     axes = list(range(nd))
-    reduce = sorted(draw(st.sets(st.sampled_from(axes), min_size=0, max_size=nd)))
+    # half the time one of the layouts the named layers use (and aten has ops for), with the
+    # grouping and affine still random, so near-misses of the aten kinds are exercised too
+    template = draw(st.sampled_from(["random", "random", "all_but_0", "all_but_1", "all_but_0_1", "last_k"]))
+    if template == "random":
+        reduce = sorted(draw(st.sets(st.sampled_from(axes), min_size=0, max_size=nd)))
+    elif template == "last_k":
+        reduce = axes[nd - draw(st.integers(1, nd)):]
+    else:
+        kept = {"all_but_0": {0}, "all_but_1": {1}, "all_but_0_1": {0, 1}}[template]
+        reduce = [a for a in axes if a not in kept]
     centered = draw(st.booleans())
     groups, group_dim = 1, 1
     grouped = [a for a in reduce if shape[a] > 1]
     if grouped and draw(st.booleans()):
         group_dim = draw(st.sampled_from(grouped))
-        divisors = [g for g in range(2, shape[group_dim] + 1) if shape[group_dim] % g == 0]
+        # proper divisors where there are any: groups == channels canonicalises to no grouping
+        n = shape[group_dim]
+        divisors = [g for g in range(2, n) if n % g == 0] or [n]
         groups = draw(st.sampled_from(divisors))
-    affine_kind = draw(st.sampled_from(["none", "reduce", "other"]))
+    affine_kind = draw(st.sampled_from(["none", "reduce", "other", "channel"]))
     if affine_kind == "reduce":
         affine = tuple(reduce)
+    elif affine_kind == "channel":
+        affine = (min(1, nd - 1),)
     elif affine_kind == "other":
         affine = tuple(sorted(draw(st.sets(st.sampled_from(axes), min_size=1, max_size=nd))))
     else:
@@ -105,6 +120,38 @@ def test_engine_and_aten_match_reference(case):
     else:
         with pytest.raises(ValueError, match="backend 'aten' cannot run"):
             norm(x, case["scope"], w, b, case["eps"], mask=case["mask"], backend="aten")
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 6), (3, 4, 2, 6)])
+def test_every_scope_exhaustively_on_small_shapes(shape):
+    """Every reduce set x centered x grouping x affine on one shape (no sampling luck): auto and,
+    where it accepts, aten agree with the float64 formula; where aten declines it says so."""
+    nd = len(shape)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    n_aten = 0
+    for bits in range(2**nd):
+        reduce = tuple(a for a in range(nd) if bits >> a & 1)
+        groupings = [(1, 1)] + [(g, d) for d in reduce for g in range(2, shape[d]) if shape[d] % g == 0]
+        for centered in (True, False):
+            for groups, gdim in groupings:
+                for affine in {(), reduce, (1,), (nd - 1,)}:
+                    scope = Scope(reduce=reduce, centered=centered, groups=groups, group_dim=gdim, affine=affine)
+                    pshape = tuple(shape[a] for a in affine)
+                    k = math.prod(pshape)
+                    w = torch.linspace(0.5, 1.5, k, dtype=torch.float64).reshape(pshape)
+                    b = None if not affine else torch.linspace(-1, 1, k, dtype=torch.float64).reshape(pshape)
+                    for bias in (None, b):
+                        wi = w if affine else None
+                        expected = direct(x, reduce, centered, groups, gdim, affine, wi, bias)
+                        what = f"{scope} bias={bias is not None}"
+                        y = norm(x, scope, wi, bias)
+                        torch.testing.assert_close(y, expected, msg=lambda m, w=what: f"{w}: {m}")
+                        call = engine.Call(x, scope.resolve(shape), wi, bias, 1e-5, None, None)
+                        if engine._BACKENDS["aten"].why_not(call) is None:
+                            n_aten += 1
+                            y = norm(x, scope, wi, bias, backend="aten")
+                            torch.testing.assert_close(y, expected, msg=lambda m, w=what: f"aten {w}: {m}")
+    assert n_aten > 20  # the aten kinds really were exercised
 
 
 # every scope kind aten has an op for, each checked to really run on aten and match (output and grads)
