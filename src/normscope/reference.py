@@ -68,6 +68,11 @@ def moments(x: Tensor, scope: Resolved, mask: Tensor | None = None) -> Moments:
         m = moments(x.unsqueeze(-1), _trailing_scope(scope), None if mask is None else mask.unsqueeze(-1))
         count = m.count.squeeze(-1) if isinstance(m.count, Tensor) else m.count
         return Moments(m.mean.squeeze(-1), m.var.squeeze(-1), count)
+    if mask is None and xf.numel() == 0:
+        # empty input: scopes (if any) are empty; mean 0, variance 0, as an all-masked scope below,
+        # instead of var_mean's NaN and its degrees-of-freedom warning
+        zeros = xf.new_zeros(xf.sum(dim=dims, keepdim=True).shape)
+        return Moments(_ungrouped_stat(zeros, scope), _ungrouped_stat(zeros.clone(), scope), scope.count)
     if mask is None:
         if scope.centered:
             var, mean = torch.var_mean(xf, dim=dims, correction=0, keepdim=True)
@@ -97,6 +102,8 @@ def _trailing_scope(scope: Resolved) -> Resolved:
 def rstd(var: Tensor, eps: float, count: int | Tensor | None = None) -> Tensor:
     """``1 / sqrt(var + eps)``; 0 where a scope has no valid element, so its output is the bias."""
     r = torch.rsqrt(var + eps)
+    if isinstance(count, int) and count == 0:
+        return torch.zeros_like(r)
     if isinstance(count, Tensor):
         r = torch.where(count > 0, r, torch.zeros_like(r))
     return r
