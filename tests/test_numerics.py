@@ -3,6 +3,8 @@ statistics dtypes, and gradcheck in float64 for every layer on both backends."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -236,3 +238,17 @@ def test_gradcheck_float64(case, backend):
 
     inputs = (x, *[p.detach().clone().requires_grad_() for p in params])
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,scope", [((3, 4, 0), Scope.batch()), ((0, 4, 6), Scope.group(2)),
+                                         ((0, 5), Scope.layer()), ((2, 0, 3), Scope.instance())])
+def test_empty_input_gives_defined_statistics_without_warnings(shape, scope):
+    x = torch.randn(shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mean, rstd = engine.stats(x, scope, eps=0.0)
+        with normscope.use_backend("reference"):
+            y = engine.norm(x, scope)
+    assert y.shape == x.shape
+    # an empty scope has mean 0 and rstd 0 (its output, were there any, would be the bias)
+    assert torch.equal(mean, torch.zeros_like(mean)) and torch.equal(rstd, torch.zeros_like(rstd))
