@@ -125,7 +125,7 @@ class Resolved:
     @property
     def count(self) -> int:
         """Elements in one scope (without a mask)."""
-        n = math.prod(self.shape[d] for d in self.reduce)
+        n = math.prod([self.shape[d] for d in self.reduce])  # a list: dynamo cannot trace a generator here
         if self.groups > 1:
             n *= self.shape[self.group_dim] // self.groups
         return n
