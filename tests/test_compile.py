@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import normscope
+from conftest import direct
 
 
 def _model():
@@ -57,3 +58,28 @@ def test_compile_fullgraph_matches_eager_in_train_and_eval(backend):
         x = torch.randn(4, 3, 8, 8, generator=g, dtype=torch.float64)
         torch.testing.assert_close(compiled(x), eager(x), rtol=1e-9, atol=1e-9)
     print(f"torch.compile(fullgraph=True, backend={backend!r}) train+eval: {time.perf_counter() - t0:.1f} s")
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_reference_backend_and_masks(monkeypatch):
+    """The reference path (forced through NORMSCOPE_BACKEND) and a masked normalize trace too."""
+    torch._dynamo.reset()
+    monkeypatch.setenv("NORMSCOPE_BACKEND", "reference")
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(normscope.BatchNorm1d(4), normscope.LayerNorm(6), normscope.GroupNorm(2, 4)).double()
+    compiled_mod = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_mod, fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, 4, 6, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-9, atol=1e-9)
+        assert normscope.last_backend() == "reference"
+        for (k, be), (_, bc) in zip(eager.named_buffers(), compiled_mod.named_buffers()):
+            torch.testing.assert_close(bc, be, rtol=1e-9, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
+
+        def masked(x, mask):
+            return normscope.normalize(x, keep=1, mask=mask)
+
+        mask = torch.rand(3, 1, 6) < 0.6
+        y = torch.compile(masked, fullgraph=True, backend="aot_eager")(x, mask)
+        torch.testing.assert_close(y, direct(x, (0, 2), mask=mask))
