@@ -7,20 +7,33 @@ configurations of it.
 """
 
 from . import functional
+from .convert import convert
 from .engine import backends, last_backend, use_backend
 from .functional import normalize
 from .modules import (
+    AdaIN,
     BatchNorm1d,
     BatchNorm2d,
     BatchNorm3d,
+    BatchRenorm1d,
+    BatchRenorm2d,
+    BatchRenorm3d,
+    DyT,
+    FrozenBatchNorm2d,
     GroupNorm,
     InstanceNorm1d,
     InstanceNorm2d,
     InstanceNorm3d,
     LayerNorm,
+    LayerNorm2d,
     LocalResponseNorm,
+    PowerNorm,
     RMSNorm,
+    SyncBatchNorm,
+    freeze_batchnorm,
+    unfreeze_batchnorm,
 )
+from .registry import get_norm, norm_names, register_norm
 from .scope import Scope
 
 __version__ = "0.1.0"
@@ -42,4 +55,19 @@ __all__ = [
     "LayerNorm",
     "LocalResponseNorm",
     "RMSNorm",
+    "SyncBatchNorm",
+    "AdaIN",
+    "BatchRenorm1d",
+    "BatchRenorm2d",
+    "BatchRenorm3d",
+    "DyT",
+    "FrozenBatchNorm2d",
+    "LayerNorm2d",
+    "PowerNorm",
+    "freeze_batchnorm",
+    "unfreeze_batchnorm",
+    "get_norm",
+    "norm_names",
+    "register_norm",
+    "convert",
 ]

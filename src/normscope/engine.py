@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -193,31 +194,31 @@ def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
     if kind == "batch_norm":
         def run(c: Call) -> Tensor:
             rm, rv, training, mom = running(c)
-            return torch.batch_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn)
+            return torch.batch_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
     elif kind == "batch_norm_last":  # (..., C): channels last, e.g. (B, S, D)
         def run(c: Call) -> Tensor:
             rm, rv, training, mom = running(c)
             x2 = c.x.reshape(-1, c.x.shape[-1])
-            return torch.batch_norm(x2, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn).reshape(c.x.shape)
+            return torch.batch_norm(x2, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn()).reshape(c.x.shape)
     elif kind == "instance_norm":
         def run(c: Call) -> Tensor:
             rm, rv, training, mom = running(c)
-            return torch.instance_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn)
+            return torch.instance_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
     elif kind == "group_norm":
         def run(c: Call) -> Tensor:
-            return torch.group_norm(c.x, s.groups, c.weight, c.bias, c.eps, _cudnn)
+            return torch.group_norm(c.x, s.groups, c.weight, c.bias, c.eps, _cudnn())
     else:
         # layer_norm / rms_norm over any axes: move the reduced axes to the end (a view; free when
         # they already are the last ones)
         k = len(s.reduce)
         ndim = len(s.shape)
         tail = tuple(range(ndim - k, ndim))
-        shape = [s.shape[d] for d in s.reduce]
+        shape = _static([s.shape[d] for d in s.reduce])
         op = torch.layer_norm if kind == "layer_norm" else None
         if s.reduce == tail:
             if op is not None:
                 def run(c: Call) -> Tensor:
-                    return op(c.x, shape, c.weight, c.bias, c.eps, _cudnn)
+                    return op(c.x, shape, c.weight, c.bias, c.eps, _cudnn())
             else:
                 def run(c: Call) -> Tensor:
                     return torch.rms_norm(c.x, shape, c.weight, c.eps)
@@ -225,14 +226,27 @@ def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
             def run(c: Call) -> Tensor:
                 xm = c.x.movedim(s.reduce, tail)
                 if op is not None:
-                    y = op(xm, shape, c.weight, c.bias, c.eps, _cudnn)
+                    y = op(xm, shape, c.weight, c.bias, c.eps, _cudnn())
                 else:
                     y = torch.rms_norm(xm, shape, c.weight, c.eps)
                 return y.movedim(tail, s.reduce)
     return run
 
 
-_cudnn = torch.backends.cudnn.enabled
+def _cudnn() -> bool:
+    # read per call, as torch.nn.functional does: users toggle cuDNN at run time
+    return torch.backends.cudnn.enabled
+
+
+def _static(sizes: list) -> list:
+    """Sizes as Python ints. Under the TorchScript tracer (legacy ONNX export) ``x.shape`` holds
+    0-d tensors, and a traced ``normalized_shape`` cannot be exported with a dynamic axis; the
+    normalized axes are fixed by the layer's weight anyway, so freeze them (once, at prepare)."""
+    if not any(isinstance(n, Tensor) for n in sizes):
+        return sizes  # ints, or SymInts under torch.export (left symbolic)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return [int(n) if isinstance(n, Tensor) else n for n in sizes]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,7 +358,14 @@ def dispatch(call: Call, backend: str | None = None) -> Tensor:
         _last[0] = plan[0]
         return plan[1](call)
     key = (signature(call), requested)
-    plan = _PLANS.get(key)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:
+        # symbolic sizes (torch.export / torch.compile with dynamic dims, e.g. ONNX export with a
+        # dynamic batch) are unhashable: choose afresh, uncached -- this runs once, at trace time
+        plan = _plan(call, requested)
+        _last[0] = plan[0]
+        return plan[1](call)
     if plan is None:
         plan = _plan(call, requested)
         if len(_PLANS) >= _MAX_PLANS:

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from . import _checks as check
-from .engine import Running, norm
+from .engine import Running, norm, stats
+from .engine import apply as _apply
 from .scope import Scope
 
 __all__ = [
@@ -24,11 +25,13 @@ __all__ = [
     "group_norm",
     "local_response_norm",
     "normalize",
+    "adain",
 ]
 
 _LAYER_SCOPES = {k: Scope.layer(k) for k in range(1, 9)}
 _RMS_SCOPES = {k: Scope.rms(k) for k in range(1, 9)}
 _BATCH = Scope.batch(1)
+_BATCH_LAST = Scope.batch(-1)
 _INSTANCE = Scope.instance()
 
 
@@ -47,6 +50,8 @@ def batch_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
     *,
+    mask: Tensor | None = None,
+    channel_dim: int = 1,
     backend: str | None = None,
 ) -> Tensor:
     """Batch Normalization over (N, C, *): statistics per channel, over the batch and positions.
@@ -54,15 +59,33 @@ def batch_norm(
     Same signature and semantics as :func:`torch.nn.functional.batch_norm`: in training the batch
     statistics normalize and (with running buffers) update ``running_mean``/``running_var`` in
     place, the variance with Bessel's correction; otherwise the running buffers normalize.
+
+    Beyond torch:
+
+    * ``mask``: bool tensor shaped like ``input`` without the channel axis (``(N, L)`` for
+      ``(N, C, L)``), True = valid. Statistics and the running update (Bessel's correction with
+      the valid count) use valid elements only; padded positions are normalized with the same
+      statistics. A batch with no valid element raises ValueError in training.
+    * ``channel_dim``: the channel axis; ``-1`` takes channels-last input such as ``(B, S, D)``
+      directly. Default: 1.
     """
     where = "batch_norm"
     check.tensor(input, "input", where)
     if input.dim() < 2:
         raise ValueError(f"{where}: expected input of shape (N, C, *) with at least 2 dims, got shape {tuple(input.shape)}")
-    c = input.shape[1]
+    if channel_dim not in (1, -1, input.dim() - 1):
+        raise ValueError(f"{where}: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
+    c = input.shape[channel_dim]
     for name, p in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
         check.param(p, name, (c,), input, where)
-    if training:
+    mask = check.mask(mask, input, channel_dim, where)
+    if training and mask is not None:
+        if not bool(mask.any()):
+            raise ValueError(
+                f"{where}: expected at least one valid (True) element in `mask` when training, got an "
+                f"all-False mask of shape {tuple(mask.squeeze(channel_dim).shape)}"
+            )
+    elif training:
         if input.numel() // max(c, 1) <= 1 and input.numel() > 0:
             raise ValueError(
                 f"{where}: expected more than 1 value per channel when training, got input of shape "
@@ -70,10 +93,13 @@ def batch_norm(
             )
     elif running_mean is None or running_var is None:
         raise ValueError(f"{where}: evaluation (training=False) needs `running_mean` and `running_var`, got None")
+    if not training:
+        mask = None  # the running statistics normalize every position alike: ATen's fused path
     running = None
     if running_mean is not None or running_var is not None or not training:
         running = Running(running_mean, running_var, 0.0 if momentum is None else float(momentum), training)
-    return norm(input, _BATCH, weight, bias, eps, running=running, backend=backend)
+    scope = _BATCH if channel_dim == 1 else _BATCH_LAST
+    return norm(input, scope, weight, bias, eps, mask=mask, running=running, backend=backend)
 
 
 def instance_norm(
@@ -86,12 +112,17 @@ def instance_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
     *,
+    mask: Tensor | None = None,
     backend: str | None = None,
 ) -> Tensor:
     """Instance Normalization over (N, C, *): statistics per sample and channel, over positions.
 
     Same as :func:`torch.nn.functional.instance_norm`; running buffers (if given) receive the
     batch average of the per-instance statistics.
+
+    ``mask`` (beyond torch): bool, shaped ``(N, *)`` (the input without the channel axis), True =
+    valid; statistics over valid positions only. A sample with no valid position normalizes to
+    the bias (its statistics are mean 0, variance 0 and enter a running average as such).
     """
     where = "instance_norm"
     check.tensor(input, "input", where)
@@ -106,10 +137,11 @@ def instance_norm(
         )
     if not use_input_stats and (running_mean is None or running_var is None):
         raise ValueError(f"{where}: use_input_stats=False needs `running_mean` and `running_var`, got None")
+    mask = check.mask(mask, input, 1, where)
     running = None
     if running_mean is not None or running_var is not None:
         running = Running(running_mean, running_var, float(momentum), use_input_stats)
-    return norm(input, _INSTANCE, weight, bias, eps, running=running, backend=backend)
+    return norm(input, _INSTANCE, weight, bias, eps, mask=mask, running=running, backend=backend)
 
 
 def _last_axes(
@@ -169,10 +201,14 @@ def group_norm(
     bias: Tensor | None = None,
     eps: float = 1e-5,
     *,
+    mask: Tensor | None = None,
     backend: str | None = None,
 ) -> Tensor:
     """Group Normalization over (N, C, *), as :func:`torch.nn.functional.group_norm`: the C
-    channels are split into ``num_groups`` groups, statistics per sample and group."""
+    channels are split into ``num_groups`` groups, statistics per sample and group.
+
+    ``mask`` (beyond torch): bool, shaped ``(N, *)``, True = valid; statistics over valid
+    positions only. A sample with no valid position normalizes to the bias."""
     where = "group_norm"
     check.tensor(input, "input", where)
     if input.dim() < 2:
@@ -187,7 +223,8 @@ def group_norm(
         )
     check.param(weight, "weight", (c,), input, where)
     check.param(bias, "bias", (c,), input, where)
-    return norm(input, Scope.group(num_groups), weight, bias, eps, backend=backend)
+    mask = check.mask(mask, input, 1, where)
+    return norm(input, Scope.group(num_groups), weight, bias, eps, mask=mask, backend=backend)
 
 
 def local_response_norm(input: Tensor, size: int, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0) -> Tensor:
@@ -275,3 +312,64 @@ def normalize(
         if mask.device != x.device:
             raise ValueError(f"{where}: expected `mask` on the input's device {x.device}, got {mask.device}")
     return norm(x, resolved, weight, bias, eps, mask=mask, backend=backend)
+
+
+def adain(content: Tensor, style: Tensor | tuple[Tensor, Tensor], eps: float = 1e-5) -> Tensor:
+    r"""Adaptive Instance Normalization (Huang & Belongie 2017, "Arbitrary Style Transfer in
+    Real-time with Adaptive Instance Normalization").
+
+    .. math:: \mathrm{AdaIN}(x, s) = \sigma(s) \frac{x - \mu(x)}{\sigma(x)} + \mu(s)
+
+    :math:`\mu, \sigma`: per sample and channel over the spatial axes, biased variance with eps
+    inside the square root (InstanceNorm's statistics; the paper's reference code uses the
+    unbiased variance). On the engine: the content's instance statistics, then ``apply`` with
+    the style's std folded into ``rstd`` and its mean added -- the affine is per (sample, channel)
+    here, which the per-channel ``weight``/``bias`` of ``apply`` cannot express.
+
+    Args:
+        content: (N, C, *) with at least one spatial axis.
+        style: a tensor (N or 1, C, *') with its own spatial size, or a tuple ``(style_mean,
+            style_std)`` of tensors shaped (N, C), (1, C) or (C,).
+        eps: added to the variances. Default: 1e-5.
+
+    Example::
+
+        >>> y = normscope.functional.adain(torch.randn(2, 8, 16, 16), torch.randn(2, 8, 9, 9))
+    """
+    where = "adain"
+    check.tensor(content, "content", where)
+    check.positive_eps(eps, where)
+    if content.dim() < 3:
+        raise ValueError(
+            f"{where}: expected `content` of shape (N, C, *) with at least 3 dims, got {tuple(content.shape)}"
+        )
+    n, c = content.shape[:2]
+    spatial = (1,) * (content.dim() - 2)
+    if isinstance(style, tuple):
+        if len(style) != 2:
+            raise ValueError(f"{where}: expected `style` as a (mean, std) tuple, got a tuple of {len(style)}")
+        for name, t in zip(("style_mean", "style_std"), style):
+            check.tensor(t, name, where)
+            if t.shape not in ((n, c), (1, c), (c,)):
+                raise ValueError(
+                    f"{where}: expected `{name}` of shape {(n, c)}, {(1, c)} or {(c,)}, got {tuple(t.shape)}"
+                )
+            if t.device != content.device:
+                raise ValueError(f"{where}: expected `{name}` on {content.device}, got {t.device}")
+        s_mean, s_std = (t.reshape(-1, c, *spatial) for t in style)
+    else:
+        check.tensor(style, "style", where)
+        if style.dim() < 3 or style.shape[1] != c or style.shape[0] not in (1, n):
+            raise ValueError(
+                f"{where}: expected `style` of shape ({n} or 1, {c}, *) to match content {tuple(content.shape)}, "
+                f"got {tuple(style.shape)}"
+            )
+        if style.device != content.device:
+            raise ValueError(f"{where}: expected `style` on {content.device}, got {style.device}")
+        s_mean, s_rstd = stats(style, _INSTANCE, eps=eps)
+        s_std = s_rstd.reciprocal()
+        s_mean, s_std = s_mean.reshape(-1, c, *spatial), s_std.reshape(-1, c, *spatial)
+    mean, rstd = stats(content, _INSTANCE, eps=eps)
+    dt = mean.dtype
+    y = _apply(content, mean, rstd * s_std.to(dt), _INSTANCE)
+    return (y.to(dt) + s_mean.to(dt)).to(content.dtype)

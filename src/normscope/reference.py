@@ -16,6 +16,7 @@ std 1e-2 still normalizes to unit variance, which E[x^2] - E[x]^2 in fp32 would 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -81,16 +82,37 @@ def moments(x: Tensor, scope: Resolved, mask: Tensor | None = None) -> Moments:
             mean = torch.zeros_like(var)
         count: int | Tensor = scope.count
     else:
-        m = _grouped(mask.expand(x.shape), scope).to(xf.dtype)
-        count = m.sum(dim=dims, keepdim=True)
+        if scope.groups > 1:  # the grouped view needs the mask at full size
+            m = _grouped(mask.expand(x.shape), scope).to(xf.dtype)
+            count = m.sum(dim=dims, keepdim=True)
+        else:
+            # keep the mask at its broadcast shape ((N, 1, L) for BatchNorm1d): the products below
+            # broadcast it, so no full-size float mask is materialized; a reduced axis the mask
+            # broadcasts over multiplies the count instead
+            m = mask.reshape((1,) * (x.dim() - mask.dim()) + tuple(mask.shape))
+            count = m.sum(dim=dims, keepdim=True, dtype=xf.dtype)
+            count = count * math.prod([x.shape[d] for d in dims if m.shape[d] == 1])  # list: dynamo
+        # torch.where, not a multiply by the mask: inf/NaN in the padding must not reach the sums
+        # (0 * inf = NaN), neither forward nor backward
+        valid = m.bool() if m.dtype != torch.bool else m
         denom = count.clamp_min(1)
         if scope.centered:
-            mean = (xf * m).sum(dim=dims, keepdim=True) / denom
-            var = ((xf - mean).square() * m).sum(dim=dims, keepdim=True) / denom
+            # corrected two-pass (Chan, Golub & LeVeque 1983): the first mean carries the fp32
+            # rounding of a large sum; the mean of the deviations removes it from both moments
+            mean = torch.where(valid, xf, 0).sum(dim=dims, keepdim=True) / denom
+            dev = torch.where(valid, xf - mean, 0)  # deviations of valid elements, 0 elsewhere
+            # sum(dev) is identically 0 as a function of x (only its rounding is not), so the
+            # correction carries no gradient of any order: detach it and save autograd the work
+            shift = (dev.sum(dim=dims, keepdim=True) / denom).detach()
+            mean = mean + shift
+            var = ((dev * dev).sum(dim=dims, keepdim=True) / denom - shift * shift).clamp_min(0)
         else:
-            var = (xf.square() * m).sum(dim=dims, keepdim=True) / denom
+            xm = torch.where(valid, xf, 0)
+            var = (xm * xm).sum(dim=dims, keepdim=True) / denom
             mean = torch.zeros_like(var)
         count = _ungrouped_stat(count, scope)
+        mean, var = _ungrouped_stat(mean, scope), _ungrouped_stat(var, scope)
+        return Moments(mean, var, count.expand(mean.shape))
     return Moments(_ungrouped_stat(mean, scope), _ungrouped_stat(var, scope), count)
 
 
@@ -128,6 +150,15 @@ def apply(
     ``mean`` and ``rstd`` are shaped ``scope.stat_shape`` (one value per group on a grouped axis).
     """
     xf = x.to(mean.dtype)
+    if scope.groups == 1 and weight is not None and not set(scope.affine) & set(scope.reduce):
+        # the weight varies only along kept axes (BatchNorm, InstanceNorm, LayerNorm2d): fold it
+        # into rstd, a statistic-sized product, and finish in one addcmul -- two full-size ops
+        # fewer, forward and backward. The mean is still subtracted first (large offsets).
+        scale = rstd * _affine_view(weight, scope).to(rstd.dtype)
+        centered = xf - mean if scope.centered else xf
+        if bias is None:
+            return (centered * scale).to(x.dtype)
+        return torch.addcmul(_affine_view(bias, scope).to(scale.dtype), centered, scale).to(x.dtype)
     if scope.groups > 1:
         g = scope.group_dim + 1
         y = (_grouped(xf, scope) - mean.unsqueeze(g)) * rstd.unsqueeze(g)

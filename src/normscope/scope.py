@@ -107,7 +107,12 @@ class Scope:
         Raises ValueError (naming the axis and the rank) when an axis does not exist, or when the
         grouped axis does not split evenly.
         """
-        return _resolve(self, shape)
+        try:
+            return _resolve(self, shape)
+        except TypeError:
+            # symbolic sizes (torch.export / torch.compile with dynamic dims) are unhashable, so
+            # they cannot key the cache; resolving them uncached keeps those dims dynamic
+            return _resolve.__wrapped__(self, shape)
 
 
 @dataclass(frozen=True)
@@ -125,10 +130,12 @@ class Resolved:
     @property
     def count(self) -> int:
         """Elements in one scope (without a mask)."""
-        n = math.prod([self.shape[d] for d in self.reduce])  # a list: dynamo cannot trace a generator here
         if self.groups > 1:
-            n *= self.shape[self.group_dim] // self.groups
-        return n
+            # the grouped axis is in `reduce`, but one scope holds only C/G of its channels
+            return math.prod(
+                [self.shape[d] // self.groups if d == self.group_dim else self.shape[d] for d in self.reduce]
+            )
+        return math.prod([self.shape[d] for d in self.reduce])  # lists: dynamo cannot trace a generator here
 
     @property
     def stat_shape(self) -> tuple[int, ...]:

@@ -8,9 +8,16 @@ conv-bn fusers rely on -- stays true. ``forward`` goes through :mod:`normscope.f
 the one engine, with clearer errors than torch's.
 """
 
+from .adain import AdaIN
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
+from .dyt import DyT
+from .frozen import FrozenBatchNorm2d, freeze_batchnorm, unfreeze_batchnorm
 from .instancenorm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
+from .layernorm2d import LayerNorm2d
 from .normalization import GroupNorm, LayerNorm, LocalResponseNorm, RMSNorm
+from .syncbatchnorm import SyncBatchNorm
+from .powernorm import PowerNorm
+from .renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d
 
 __all__ = [
     "BatchNorm1d",
@@ -23,4 +30,15 @@ __all__ = [
     "LayerNorm",
     "LocalResponseNorm",
     "RMSNorm",
+    "SyncBatchNorm",
+    "AdaIN",
+    "BatchRenorm1d",
+    "BatchRenorm2d",
+    "BatchRenorm3d",
+    "DyT",
+    "FrozenBatchNorm2d",
+    "LayerNorm2d",
+    "PowerNorm",
+    "freeze_batchnorm",
+    "unfreeze_batchnorm",
 ]

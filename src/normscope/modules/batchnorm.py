@@ -15,6 +15,7 @@ class _BatchNormMixin:
     """torch's ``_BatchNorm.forward``, routed through the engine; the rest is torch's own."""
 
     _dims: tuple[int, ...]
+    channel_dim: int = 1  # a class attribute: the default adds nothing to __dict__, state or repr
 
     def _check_input_dim(self, input: Tensor) -> None:
         name = type(self).__name__
@@ -23,18 +24,29 @@ class _BatchNormMixin:
         if input.dim() not in self._dims:
             want = " or ".join(f"{d}D" for d in self._dims)
             raise ValueError(f"{name}: expected {want} input, got {input.dim()}D input of shape {tuple(input.shape)}")
-        if input.shape[1] != self.num_features:
+        cd = self.channel_dim
+        if input.shape[cd] != self.num_features:
             raise ValueError(
-                f"{name}({self.num_features}): expected input with {self.num_features} channels at dim 1, "
-                f"got {input.shape[1]} (input shape {tuple(input.shape)})"
+                f"{name}({self.num_features}): expected input with {self.num_features} channels at dim {cd}, "
+                f"got {input.shape[cd]} (input shape {tuple(input.shape)})"
             )
 
-    def forward(self, input: Tensor) -> Tensor:
-        self._check_input_dim(input)
+    def _factor(self) -> float:
         # exactly torch's bookkeeping: momentum=None means a cumulative average over the batches seen
         factor = 0.0 if self.momentum is None else self.momentum
-        # the counter moves only once F.batch_norm has accepted the input (torch increments it
-        # first, so a rejected call would still count as a batch)
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        return factor
+
+    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Normalize ``input``; ``mask`` (optional, bool, the input's shape without the channel
+        axis, True = valid) restricts the statistics and the running update to valid elements."""
+        self._check_input_dim(input)
+        # as _factor(), but the counter moves only once F.batch_norm has accepted the input (torch
+        # increments it first, so a rejected call would still count as a batch)
+        factor = 0.0 if self.momentum is None else self.momentum
         count = self.training and self.track_running_stats and self.num_batches_tracked is not None
         if count and self.momentum is None:
             factor = 1.0 / (float(self.num_batches_tracked) + 1.0)
@@ -49,6 +61,8 @@ class _BatchNormMixin:
             use_batch_stats,
             factor,
             self.eps,
+            mask=mask,
+            channel_dim=self.channel_dim,
         )
         if count:
             self.num_batches_tracked.add_(1)
@@ -61,18 +75,54 @@ class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
     .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \gamma + \beta
 
     with mean and biased variance per channel over N (and L). Same arguments, defaults, buffers
-    and behaviour as :class:`torch.nn.BatchNorm1d`.
+    and behaviour as :class:`torch.nn.BatchNorm1d`, plus:
+
+    Args:
+        channel_dim: the channel axis: 1 (torch's layout, ``(N, C, L)``) or -1 (channels last,
+            e.g. a transformer's ``(B, S, D)``, normalized per feature over batch and sequence
+            without a transpose). Default: 1.
+
+    ``forward(input, mask=None)``: ``mask`` is a bool tensor shaped like the input without the
+    channel axis (``(N, L)``, or ``(B, S)`` with ``channel_dim=-1``), True = valid; statistics
+    and the running update use valid elements only (see ``docs/beyond.md``).
 
     Shape:
-        - Input: (N, C) or (N, C, L). Output: same shape.
+        - Input: (N, C) or (N, C, L); (N, L, C) with ``channel_dim=-1``. Output: same shape.
 
     Example::
 
         >>> bn = normscope.BatchNorm1d(100)
         >>> y = bn(torch.randn(20, 100))
+        >>> bn = normscope.BatchNorm1d(512, channel_dim=-1)
+        >>> x, mask = torch.randn(8, 30, 512), torch.rand(8, 30) > 0.2
+        >>> y = bn(x, mask)
     """
 
     _dims = (2, 3)
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        channel_dim: int = 1,
+        **kw,
+    ) -> None:
+        # **kw: torch's keyword-only arguments of the running version (``bias=`` since 2.13)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **kw)
+        if channel_dim not in (1, -1):
+            raise ValueError(f"BatchNorm1d: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
+        if channel_dim != 1:
+            self.channel_dim = channel_dim
+
+    def extra_repr(self) -> str:
+        s = super().extra_repr()
+        return s if self.channel_dim == 1 else f"{s}, channel_dim={self.channel_dim}"
 
 
 class BatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):

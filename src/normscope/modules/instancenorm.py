@@ -18,7 +18,9 @@ class _InstanceNormMixin:
 
     _spatial: int
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Normalize ``input``; ``mask`` (optional, bool, the input's shape without the channel
+        axis, True = valid) restricts each instance's statistics to its valid positions."""
         name = type(self).__name__
         if not isinstance(input, Tensor):
             raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
@@ -41,6 +43,8 @@ class _InstanceNormMixin:
                 stacklevel=2,
             )
         x = input.unsqueeze(0) if feature_dim == 0 else input
+        if feature_dim == 0 and isinstance(mask, Tensor):
+            mask = mask.unsqueeze(0)
         y = F.instance_norm(
             x,
             self.running_mean,
@@ -50,6 +54,7 @@ class _InstanceNormMixin:
             self.training or not self.track_running_stats,
             self.momentum if self.momentum is not None else 0.0,
             self.eps,
+            mask=mask,
         )
         return y.squeeze(0) if feature_dim == 0 else y
 

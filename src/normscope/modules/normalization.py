@@ -107,7 +107,9 @@ class GroupNorm(nn.GroupNorm):
         affine: bool = True,
         device=None,
         dtype=None,
+        **kw,
     ) -> None:
+        # **kw: torch's keyword-only arguments of the running version (``bias=`` since 2.13)
         for name, v in (("num_groups", num_groups), ("num_channels", num_channels)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"GroupNorm: expected `{name}` to be a positive int, got {v!r}")
@@ -117,15 +119,17 @@ class GroupNorm(nn.GroupNorm):
                 f"({num_groups}); valid num_groups for {num_channels} channels: "
                 f"{[g for g in range(1, num_channels + 1) if num_channels % g == 0]}"
             )
-        super().__init__(num_groups, num_channels, eps, affine, device, dtype)
+        super().__init__(num_groups, num_channels, eps, affine, device, dtype, **kw)
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Normalize ``input``; ``mask`` (optional, bool, ``(N, *)``, True = valid) restricts each
+        group's statistics to valid positions."""
         if isinstance(input, Tensor) and input.dim() >= 2 and input.shape[1] != self.num_channels:
             raise ValueError(
                 f"GroupNorm({self.num_groups}, {self.num_channels}): expected input with "
                 f"{self.num_channels} channels at dim 1, got {input.shape[1]} (input shape {tuple(input.shape)})"
             )
-        return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+        return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps, mask=mask)
 
 
 class LocalResponseNorm(nn.LocalResponseNorm):

@@ -1,0 +1,86 @@
+"""DyT, Dynamic Tanh: an element-wise replacement for normalization layers in Transformers.
+
+Paper: Zhu, Chen, He, LeCun & Liu 2025, "Transformers without Normalization".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class DyT(nn.Module):
+    r"""Dynamic Tanh: :math:`y = \gamma \odot \tanh(\alpha x) + \beta`.
+
+    *Not* a normalization and not an engine configuration: there are no statistics at all (no
+    scope, no mean, no variance); a learnable scalar :math:`\alpha` squashes activations the way a
+    LayerNorm's S-shaped input-output map does in trained Transformers. It lives here so that
+    ``get_norm("dyt", C)`` and :func:`normscope.convert` can swap it in for a LayerNorm.
+
+    Args:
+        num_features: size of the feature axis (``weight``/``bias`` length).
+        alpha_init: initial value of the scalar :math:`\alpha`. Default: 0.5 (the paper's default
+            for non-LLM models).
+        channel_dim: the feature axis; -1 for Transformer activations (B, S, D), 1 for (N, C, H, W).
+            Default: -1.
+        affine: learnable per-feature ``weight`` (ones) and ``bias`` (zeros). Default: True.
+
+    Shape:
+        - Input: any shape with ``num_features`` at ``channel_dim``. Output: same shape.
+
+    Example::
+
+        >>> dyt = normscope.DyT(512)
+        >>> y = dyt(torch.randn(4, 10, 512))
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        alpha_init: float = 0.5,
+        channel_dim: int = -1,
+        affine: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
+            raise ValueError(f"DyT: expected `num_features` to be a positive int, got {num_features!r}")
+        if not isinstance(channel_dim, int) or isinstance(channel_dim, bool):
+            raise TypeError(f"DyT: expected `channel_dim` to be an int, got {channel_dim!r}")
+        kw = {"device": device, "dtype": dtype}
+        self.num_features, self.channel_dim = num_features, channel_dim
+        self.alpha_init = float(alpha_init)
+        self.alpha = nn.Parameter(torch.full((1,), self.alpha_init, **kw))
+        if affine:
+            self.weight = nn.Parameter(torch.ones(num_features, **kw))
+            self.bias = nn.Parameter(torch.zeros(num_features, **kw))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.alpha.fill_(self.alpha_init)
+            if self.weight is not None:
+                self.weight.fill_(1.0)
+                self.bias.zero_()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, alpha_init={self.alpha_init}, channel_dim={self.channel_dim}"
+
+    def forward(self, input: Tensor) -> Tensor:
+        cd = self.channel_dim
+        if not isinstance(input, Tensor):
+            raise TypeError(f"DyT: expected input to be a torch.Tensor, got {type(input).__name__}")
+        if not -input.dim() <= cd < input.dim() or input.shape[cd] != self.num_features:
+            raise ValueError(
+                f"DyT({self.num_features}): expected input with {self.num_features} features at dim {cd}, "
+                f"got shape {tuple(input.shape)}"
+            )
+        y = torch.tanh(self.alpha * input)
+        if self.weight is None:
+            return y
+        view = [1] * input.dim()
+        view[cd] = self.num_features
+        return y * self.weight.view(view) + self.bias.view(view)

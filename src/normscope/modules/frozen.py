@@ -1,0 +1,142 @@
+"""FrozenBatchNorm2d: BatchNorm with fixed statistics and affine (detection/segmentation backbones).
+
+Same semantics and state_dict as ``torchvision.ops.FrozenBatchNorm2d``: ``weight``, ``bias``,
+``running_mean`` and ``running_var`` are *buffers* (no gradient, no update, not in
+``parameters()``), so an optimizer never touches them and small per-GPU batches never corrupt
+them. Scope: :meth:`normscope.Scope.batch` with ``Running(use_input_stats=False)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..engine import Running, norm
+from ..scope import Scope
+
+_BATCH = Scope.batch(1)
+
+
+class FrozenBatchNorm2d(nn.Module):
+    r"""Batch Normalization with frozen running statistics and affine.
+
+    .. math:: y = \frac{x - \mu_{\text{running}}}{\sqrt{\sigma^2_{\text{running}} + \epsilon}} \gamma + \beta
+
+    Always evaluates with the running statistics, in train mode too. Loads a
+    :class:`torch.nn.BatchNorm2d` state_dict (``num_batches_tracked`` is ignored). Accepts any
+    (N, C, *) input, so it also freezes BatchNorm1d/3d (see :func:`freeze_batchnorm`).
+
+    Args:
+        num_features: channels C at dim 1.
+        eps: added to the running variance. Default: 1e-5.
+
+    Shape:
+        - Input: (N, C, *). Output: same shape.
+
+    Example::
+
+        >>> frozen = normscope.FrozenBatchNorm2d(64)
+        >>> frozen.load_state_dict(torch.nn.BatchNorm2d(64).state_dict())
+        >>> y = frozen(torch.randn(2, 64, 8, 8))
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__()
+        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
+            raise ValueError(f"FrozenBatchNorm2d: expected `num_features` to be a positive int, got {num_features!r}")
+        kw = {"device": device, "dtype": dtype}
+        self.num_features, self.eps = num_features, eps
+        self.register_buffer("weight", torch.ones(num_features, **kw))
+        self.register_buffer("bias", torch.zeros(num_features, **kw))
+        self.register_buffer("running_mean", torch.zeros(num_features, **kw))
+        self.register_buffer("running_var", torch.ones(num_features, **kw))
+        # the class to restore on unfreeze_batchnorm (not state: a plain attribute)
+        self.source_cls: type[nn.Module] | None = None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        state_dict.pop(prefix + "num_batches_tracked", None)  # a BatchNorm checkpoint's counter
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}"
+
+    def forward(self, input: Tensor) -> Tensor:
+        name, c = type(self).__name__, self.num_features
+        if not isinstance(input, Tensor):
+            raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
+        if input.dim() < 2 or input.shape[1] != c:
+            raise ValueError(
+                f"{name}({c}): expected input of shape (N, {c}, *) with {c} channels at dim 1, "
+                f"got shape {tuple(input.shape)}"
+            )
+        running = Running(self.running_mean, self.running_var, 0.0, False)
+        return norm(input, _BATCH, self.weight, self.bias, self.eps, running=running)
+
+
+def _replace(model: nn.Module, match: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    if match(model):
+        return make(model)
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if match(child):
+                setattr(parent, child_name, make(child))
+    return model
+
+
+def _frozen_from(bn: nn.Module) -> FrozenBatchNorm2d:
+    ref = bn.running_mean if bn.running_mean is not None else bn.weight
+    frozen = FrozenBatchNorm2d(bn.num_features, bn.eps, device=ref.device, dtype=ref.dtype)
+    with torch.no_grad():
+        if bn.running_mean is not None:
+            frozen.running_mean.copy_(bn.running_mean)
+            frozen.running_var.copy_(bn.running_var)
+        if bn.weight is not None:
+            frozen.weight.copy_(bn.weight)
+        if bn.bias is not None:
+            frozen.bias.copy_(bn.bias)
+    frozen.source_cls = type(bn)
+    frozen.train(bn.training)  # no effect on a frozen layer, but restored by unfreeze_batchnorm
+    return frozen
+
+
+def freeze_batchnorm(model: nn.Module) -> nn.Module:
+    """Replace every BatchNorm (``torch.nn`` or normscope, 1d/2d/3d, SyncBatchNorm, BatchRenorm)
+    that tracks running statistics by a :class:`FrozenBatchNorm2d` carrying its running
+    statistics, weight and bias (ones/zeros when ``affine=False``). In place; returns the model
+    (the new layer itself when ``model`` is a BatchNorm). A BatchNorm without running statistics
+    (``track_running_stats=False``) has nothing to freeze and is left alone.
+
+    Example::
+
+        >>> backbone = normscope.freeze_batchnorm(torchvision.models.resnet18())
+    """
+    match = lambda m: isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None  # noqa: E731
+    return _replace(model, match, _frozen_from)
+
+
+def _unfrozen_from(frozen: FrozenBatchNorm2d) -> nn.Module:
+    from . import BatchNorm1d, BatchNorm2d, BatchNorm3d
+
+    cls = frozen.source_cls
+    if cls is None or not issubclass(cls, nn.modules.batchnorm._BatchNorm):
+        cls = BatchNorm2d
+    if cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+        # the normscope namesake: same state, the engine behind it
+        cls = {nn.BatchNorm1d: BatchNorm1d, nn.BatchNorm2d: BatchNorm2d, nn.BatchNorm3d: BatchNorm3d}[cls]
+    ref = frozen.running_mean
+    bn = cls(frozen.num_features, eps=frozen.eps, device=ref.device, dtype=ref.dtype)
+    with torch.no_grad():
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            getattr(bn, name).copy_(getattr(frozen, name))
+    bn.train(frozen.training)
+    return bn
+
+
+def unfreeze_batchnorm(model: nn.Module) -> nn.Module:
+    """Undo :func:`freeze_batchnorm`: every :class:`FrozenBatchNorm2d` becomes a trainable
+    BatchNorm (the class it was frozen from -- a torch.nn BatchNorm comes back as its normscope
+    namesake -- else :class:`normscope.BatchNorm2d`) with ``affine=True`` and running statistics,
+    carrying all four values. In place; returns the model."""
+    return _replace(model, lambda m: isinstance(m, FrozenBatchNorm2d), _unfrozen_from)

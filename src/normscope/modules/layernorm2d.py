@@ -1,0 +1,60 @@
+"""LayerNorm2d: LayerNorm over the channel axis of a channels-first tensor (ConvNeXt).
+
+Paper: Liu et al. 2022, "A ConvNet for the 2020s" (ConvNeXt). Scope: :meth:`normscope.Scope.channels`.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..engine import norm
+from ..scope import Scope
+
+_CHANNELS = Scope.channels()
+
+
+class LayerNorm2d(nn.LayerNorm):
+    r"""Layer Normalization over the channels of (N, C, H, W), separately at every position.
+
+    .. math:: y_{n,:,h,w} = \frac{x_{n,:,h,w} - \mathrm{E}_c[x]}{\sqrt{\mathrm{Var}_c[x] + \epsilon}}
+              \gamma + \beta
+
+    Equal to ``LayerNorm(C)`` applied to ``x.permute(0, 2, 3, 1)`` and permuted back, without the
+    two copies: the engine runs ATen's ``layer_norm`` on a ``movedim`` view, which is free when
+    ``x`` is ``channels_last``. Subclasses :class:`torch.nn.LayerNorm` (``normalized_shape=(C,)``),
+    so weight-decay filters that look for LayerNorm see it; the state_dict is LayerNorm's (and
+    timm's ``LayerNorm2d``'s).
+
+    Args:
+        num_channels: channels C at dim 1.
+        eps: added to the variance. Default: 1e-6 (ConvNeXt's).
+        affine: learnable per-channel ``weight`` (ones) and ``bias`` (zeros). Default: True.
+
+    Shape:
+        - Input: (N, C, *) (any number of positions, e.g. (N, C, H, W)). Output: same shape.
+
+    Example::
+
+        >>> ln = normscope.LayerNorm2d(96)
+        >>> y = ln(torch.randn(2, 96, 56, 56))
+    """
+
+    def __init__(self, num_channels: int, eps: float = 1e-6, affine: bool = True, device=None, dtype=None) -> None:
+        if not isinstance(num_channels, int) or isinstance(num_channels, bool) or num_channels < 1:
+            raise ValueError(f"LayerNorm2d: expected `num_channels` to be a positive int, got {num_channels!r}")
+        super().__init__(num_channels, eps=eps, elementwise_affine=affine, device=device, dtype=dtype)
+
+    @property
+    def num_channels(self) -> int:
+        return self.normalized_shape[0]
+
+    def forward(self, input: Tensor) -> Tensor:
+        name, c = type(self).__name__, self.normalized_shape[0]
+        if not isinstance(input, Tensor):
+            raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
+        if input.dim() < 2 or input.shape[1] != c:
+            raise ValueError(
+                f"{name}({c}): expected input of shape (N, {c}, *) with {c} channels at dim 1, "
+                f"got shape {tuple(input.shape)}"
+            )
+        return norm(input, _CHANNELS, self.weight, self.bias, self.eps)

@@ -1,0 +1,207 @@
+r"""PowerNorm: BatchNorm for Transformers -- quadratic mean, running statistics in the forward
+pass, and an approximate backward with its own running state.
+
+Paper: Shen, Yao, Gholami, Mahoney & Keutzer 2020, "PowerNorm: Rethinking Batch Normalization in
+Transformers" (ICML). Reference code: github.com/sIncerass/powernorm,
+``fairseq/modules/norms/mask_powernorm.py`` (MaskPowerNorm). This is our own implementation on
+the engine: the statistics are :func:`normscope.reference.moments` over an *uncentered* batch
+scope (valid tokens only), the normalization is the engine's ``apply``.
+
+Where the paper and the reference code differ, and what we do (see also ``docs/beyond.md``):
+
+* **Group scaling.** The reference first divides every token by the root mean square of its own
+  features (``GroupScaling1D``, ``group_num=1``: an RMSNorm without weight, eps 1e-5); the paper
+  does not mention it. ``group_scaling=None`` (default) follows the paper; ``group_scaling=1``
+  (or G groups) reproduces the reference, computed as an engine RMS scope over the channel axis.
+* **Which quadratic mean divides the gradient.** After warm-up the reference's forward divides
+  by the running ``running_phi`` but its backward still divides by the *batch* quadratic mean;
+  the paper's Algorithm 1, as we read it, uses the running :math:`\psi` in both passes (we could
+  not re-check the PDF while writing this). We follow the reference, the code behind the
+  paper's numbers: forward ``x / sqrt(running_phi + eps)`` after warm-up, backward always
+  ``/ sqrt(phi_B + eps)``.
+* **Backward running state** (:math:`\nu`, ``ema_gz``): exactly the reference's update,
+  ``g' = g - (1 - alpha_bkw) * ema_gz * z``, ``ema_gz += mean(g' * z)``, ``dx = g' / sqrt(phi_B + eps)``,
+  with ``g = dL/dz`` (z: the normalized input before the affine). It is an accumulation rather
+  than an exponential average in the usual ``alpha * old + (1 - alpha) * new`` form.
+* **Which tokens the means run over.** The reference's forward statistic uses valid tokens only
+  but its ``ema_gz`` update averages over *every* position, padding included. We use valid
+  tokens in both (padding then has no influence on any state).
+* **Warm-up.** As the reference: for steps ``1..warmup_iters`` the forward uses the batch
+  statistic; during steps ``1..warmup_iters-1`` ``running_phi`` is first replaced by the
+  cumulative average of the batch statistics and then, like every step, EMA-updated with
+  ``alpha_fwd``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import _checks as check
+from .. import engine
+from .. import reference as ref
+from ..scope import Resolved, Scope
+
+
+def _valid_mean(t: Tensor, scope: Resolved, mask: Tensor | None) -> Tensor:
+    """Per-channel mean of ``t`` over the reduced axes, valid positions only."""
+    if mask is None:
+        return t.mean(scope.reduce, keepdim=True)
+    m = mask.to(t.dtype)
+    return (t * m).sum(scope.reduce, keepdim=True) / m.expand_as(t).sum(scope.reduce, keepdim=True).clamp_min(1)
+
+
+class _PowerFunction(torch.autograd.Function):
+    """``z = x * rstd_fwd`` with PowerNorm's approximate backward (updates ``ema_gz`` in place)."""
+
+    @staticmethod
+    def forward(ctx, x, rstd_fwd, rstd_bwd, ema_gz, scope, mask, alpha_bkw):
+        z = ref.apply(x, torch.zeros_like(rstd_fwd), rstd_fwd, scope)
+        ctx.save_for_backward(z, rstd_bwd, mask)
+        ctx.ema_gz, ctx.scope, ctx.alpha_bkw = ema_gz, scope, alpha_bkw
+        return z
+
+    @staticmethod
+    def backward(ctx, g):
+        z, rstd_bwd, mask = ctx.saved_tensors
+        ema = ctx.ema_gz.reshape(rstd_bwd.shape).to(rstd_bwd.dtype)
+        zf = z.to(rstd_bwd.dtype)
+        approx = g.to(zf.dtype) - (1 - ctx.alpha_bkw) * ema * zf
+        with torch.no_grad():
+            step = _valid_mean(approx * zf, ctx.scope, mask)
+            ctx.ema_gz.add_(step.reshape(ctx.ema_gz.shape).to(ctx.ema_gz.dtype))
+        return (approx * rstd_bwd).to(g.dtype), None, None, None, None, None, None
+
+
+class PowerNorm(nn.Module):
+    r"""Power Normalization: per-feature quadratic mean over batch and sequence (no centering),
+    with running statistics in the forward pass and an approximate backward.
+
+    .. math::
+        \psi_B^2 = \frac{1}{|\text{valid}|}\sum_{\text{valid}} x^2, \qquad
+        y = \gamma \frac{x}{\sqrt{\psi^2 + \epsilon}} + \beta, \qquad
+        \psi^2 \leftarrow \alpha_{fwd}\,\psi^2 + (1 - \alpha_{fwd})\,\psi_B^2
+
+    with :math:`\psi^2 = \psi_B^2` during the first ``warmup_iters`` training steps and the
+    running ``running_phi`` afterwards and in evaluation. The backward is the paper's
+    approximation with running state ``ema_gz``; every choice where the paper and the reference
+    code differ is listed in this module's docstring.
+
+    Args:
+        num_features: size of the feature axis.
+        eps: added to the quadratic mean. Default: 1e-5.
+        alpha_fwd: EMA factor of ``running_phi``. Default: 0.9.
+        alpha_bkw: factor of the backward correction ``ema_gz``. Default: 0.9.
+        affine: learnable per-feature ``weight`` (ones) and ``bias`` (zeros). Default: True.
+        warmup_iters: training steps that use the batch statistic in the forward pass.
+            Default: 10000 (the reference's).
+        group_scaling: ``None`` (the paper), or G to first divide each token by the RMS of each
+            of G groups of its features, as the reference's ``GroupScaling1D`` (G=1 there).
+            Default: None.
+        channel_dim: the feature axis; -1 for (B, S, D) / (T, B, C), 1 for (N, C, *). Default: -1.
+
+    ``forward(input, mask=None)``: ``mask`` is bool, the input's shape without the feature axis,
+    True = valid token; only valid tokens enter ``running_phi`` and ``ema_gz``.
+
+    Shape:
+        - Input: any shape with ``num_features`` at ``channel_dim``. Output: same shape.
+
+    Example::
+
+        >>> pn = normscope.PowerNorm(512, warmup_iters=4000)
+        >>> x, mask = torch.randn(8, 30, 512), torch.rand(8, 30) > 0.2
+        >>> y = pn(x, mask)
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        alpha_fwd: float = 0.9,
+        alpha_bkw: float = 0.9,
+        affine: bool = True,
+        warmup_iters: int = 10000,
+        group_scaling: int | None = None,
+        channel_dim: int = -1,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        for n, v in (("num_features", num_features), ("warmup_iters", warmup_iters + 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"PowerNorm: expected `{n}` to be a positive int, got {v!r}")
+        for n, v in (("alpha_fwd", alpha_fwd), ("alpha_bkw", alpha_bkw)):
+            if not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"PowerNorm: expected `{n}` in [0, 1], got {v!r}")
+        if group_scaling is not None and (not isinstance(group_scaling, int) or num_features % max(group_scaling, 1)
+                                          or group_scaling < 1):
+            raise ValueError(
+                f"PowerNorm: expected `group_scaling` to be None or a positive divisor of num_features="
+                f"{num_features}, got {group_scaling!r}"
+            )
+        if channel_dim not in (1, -1):
+            raise ValueError(f"PowerNorm: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
+        kw = {"device": device, "dtype": dtype}
+        self.num_features, self.eps = num_features, eps
+        self.alpha_fwd, self.alpha_bkw = float(alpha_fwd), float(alpha_bkw)
+        self.affine, self.warmup_iters = affine, warmup_iters
+        self.group_scaling, self.channel_dim = group_scaling, channel_dim
+        if affine:
+            self.weight = nn.Parameter(torch.ones(num_features, **kw))
+            self.bias = nn.Parameter(torch.zeros(num_features, **kw))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.register_buffer("running_phi", torch.ones(num_features, **kw))
+        self.register_buffer("ema_gz", torch.zeros(num_features, **kw))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        self._scope = Scope(keep=(channel_dim,), centered=False, affine=(channel_dim,))
+        if group_scaling is not None:
+            self._gs_scope = Scope(reduce=(channel_dim,), centered=False, groups=group_scaling, group_dim=channel_dim)
+
+    def reset_running_stats(self) -> None:
+        self.running_phi.fill_(1.0)
+        self.ema_gz.zero_()
+        self.num_batches_tracked.zero_()
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, alpha_fwd={self.alpha_fwd}, alpha_bkw={self.alpha_bkw}, "
+            f"affine={self.affine}, warmup_iters={self.warmup_iters}, group_scaling={self.group_scaling}, "
+            f"channel_dim={self.channel_dim}"
+        )
+
+    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        name, c, cd = "PowerNorm", self.num_features, self.channel_dim
+        check.tensor(input, "input", name)
+        if input.dim() < 2 or input.shape[cd] != c:
+            raise ValueError(
+                f"{name}({c}): expected input with at least 2 dims and {c} features at dim {cd}, "
+                f"got shape {tuple(input.shape)}"
+            )
+        mask = check.mask(mask, input, cd, name)
+        x = input
+        if self.group_scaling is not None:  # the reference's GroupScaling1D, eps fixed at 1e-5 as there
+            x = engine.norm(x, self._gs_scope, eps=1e-5)
+        scope = self._scope.resolve(tuple(x.shape))
+        if not self.training:  # the running quadratic mean, as a constant statistic
+            rstd = ref.rstd(self.running_phi.reshape(scope.stat_shape).to(ref.acc_dtype(x.dtype)), self.eps)
+            return engine.apply(x, torch.zeros_like(rstd), rstd, scope, self.weight, self.bias)
+        if mask is not None and not bool(mask.any()):
+            raise ValueError(f"{name}: expected at least one valid (True) element in `mask` when training, got none")
+        self.num_batches_tracked.add_(1)
+        it = int(self.num_batches_tracked)
+        # the statistic is a constant for autograd: the approximate backward replaces its gradient
+        with torch.no_grad():
+            phi_b = ref.moments(x.detach(), scope, mask).var
+            phi_run = self.running_phi.reshape(scope.stat_shape).to(phi_b.dtype)
+            rstd_bwd = ref.rstd(phi_b, self.eps)
+            rstd_fwd = rstd_bwd if it <= self.warmup_iters else ref.rstd(phi_run, self.eps)
+            new = phi_b.reshape(self.running_phi.shape).to(self.running_phi.dtype)
+            if it < self.warmup_iters:
+                self.running_phi.mul_((it - 1) / it).add_(new / it)
+            self.running_phi.mul_(self.alpha_fwd).add_((1 - self.alpha_fwd) * new)
+        z = _PowerFunction.apply(x, rstd_fwd, rstd_bwd, self.ema_gz, scope, mask, self.alpha_bkw)
+        if self.weight is None:
+            return z
+        return engine.apply(z, torch.zeros_like(rstd_fwd), torch.ones_like(rstd_fwd), scope, self.weight, self.bias)

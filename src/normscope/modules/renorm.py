@@ -1,0 +1,148 @@
+"""BatchRenorm1d/2d/3d: Batch Renormalization.
+
+Paper: Ioffe 2017, "Batch Renormalization: Towards Reducing Minibatch Dependence in
+Batch-Normalized Models". Scope: :meth:`normscope.Scope.batch`; the correction is a change of the
+statistics handed to the engine's ``apply``, not a new normalization.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import _checks as check
+from .. import engine
+from .. import reference as ref
+from ..scope import Scope
+from .batchnorm import BatchNorm1d, _BatchNormMixin
+
+
+class _BatchRenormMixin(_BatchNormMixin):
+    r"""BatchNorm's state and evaluation; in training, batch statistics corrected towards the
+    running ones by ``r`` and ``d`` (stop-gradient):
+
+    .. math::
+        r = \mathrm{clip}_{[1/r_{max}, r_{max}]}\Big(\frac{\sigma_B}{\sigma}\Big), \quad
+        d = \mathrm{clip}_{[-d_{max}, d_{max}]}\Big(\frac{\mu_B - \mu}{\sigma}\Big), \quad
+        y = \Big(\frac{x - \mu_B}{\sigma_B} r + d\Big)\gamma + \beta
+
+    which is ``apply(x, mean', rstd')`` with :math:`\text{mean}' = \mu_B - d\,\sigma_B / r` and
+    :math:`\text{rstd}' = r / \sigma_B` (:math:`\sigma = \sqrt{\text{var} + \epsilon}`).
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        rmax: float = 3.0,
+        dmax: float = 5.0,
+        warmup_iters: int = 0,
+        **kw,
+    ) -> None:
+        name = type(self).__name__
+        if not track_running_stats:
+            raise ValueError(
+                f"{name}: expected track_running_stats=True (the correction needs running statistics), got False"
+            )
+        if not isinstance(rmax, (int, float)) or rmax < 1:
+            raise ValueError(f"{name}: expected `rmax` to be a number >= 1, got {rmax!r}")
+        if not isinstance(dmax, (int, float)) or dmax < 0:
+            raise ValueError(f"{name}: expected `dmax` to be a number >= 0, got {dmax!r}")
+        if not isinstance(warmup_iters, int) or isinstance(warmup_iters, bool) or warmup_iters < 0:
+            raise ValueError(f"{name}: expected `warmup_iters` to be a non-negative int, got {warmup_iters!r}")
+        super().__init__(num_features, eps, momentum, affine, True, device, dtype, **kw)
+        self.rmax, self.dmax, self.warmup_iters = float(rmax), float(dmax), warmup_iters
+
+    def extra_repr(self) -> str:
+        s = f"{super().extra_repr()}, rmax={self.rmax}, dmax={self.dmax}"
+        return s + (f", warmup_iters={self.warmup_iters}" if self.warmup_iters else "")
+
+    def limits(self, step: int) -> tuple[float, float]:
+        """``(rmax, dmax)`` at training step ``step`` (0 = the first): ramped linearly from
+        ``(1, 0)`` -- plain BatchNorm -- to ``(rmax, dmax)`` over ``warmup_iters`` steps."""
+        if self.warmup_iters <= 0:
+            return self.rmax, self.dmax
+        frac = min(step / self.warmup_iters, 1.0)
+        return 1.0 + (self.rmax - 1.0) * frac, self.dmax * frac
+
+    def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
+        if not self.training:  # inference is BatchNorm's: the running statistics
+            return super().forward(input, mask)
+        name = type(self).__name__
+        self._check_input_dim(input)
+        mask = check.mask(mask, input, self.channel_dim, name)
+        if mask is not None and not bool(mask.any()):
+            raise ValueError(f"{name}: expected at least one valid (True) element in `mask` when training, got none")
+        rmax, dmax = self.limits(int(self.num_batches_tracked))  # steps before this one
+        factor = self._factor()
+        scope = Scope.batch(self.channel_dim).resolve(tuple(input.shape))
+        m = ref.moments(input, scope, mask)
+        sigma_b = (m.var + self.eps).sqrt()
+        shape = scope.stat_shape
+        with torch.no_grad():  # r and d are constants for the gradient (the paper's stop_gradient)
+            sigma = (self.running_var.reshape(shape).to(sigma_b.dtype) + self.eps).sqrt()
+            r = (sigma_b / sigma).clamp(1.0 / rmax, rmax)
+            d = ((m.mean - self.running_mean.reshape(shape).to(m.mean.dtype)) / sigma).clamp(-dmax, dmax)
+        running = engine.Running(self.running_mean, self.running_var, factor, True)
+        engine._update_running(engine.Call(input, scope, None, None, self.eps, mask, running), m)
+        return engine.apply(input, m.mean - d * sigma_b / r, r / sigma_b, scope, self.weight, self.bias)
+
+
+_DOC = r"""Batch Renormalization over {shape}.
+
+    Paper: Ioffe 2017, "Batch Renormalization: Towards Reducing Minibatch Dependence in
+    Batch-Normalized Models".
+
+    .. math::
+        r = \mathrm{{clip}}_{{[1/r_{{max}}, r_{{max}}]}}(\sigma_B / \sigma), \quad
+        d = \mathrm{{clip}}_{{[-d_{{max}}, d_{{max}}]}}((\mu_B - \mu) / \sigma), \quad
+        y = \Big(\frac{{x - \mu_B}}{{\sigma_B}} r + d\Big) \gamma + \beta
+
+    in training, with ``r`` and ``d`` treated as constants by autograd and
+    :math:`\sigma = \sqrt{{\text{{running\_var}} + \epsilon}}`, :math:`\sigma_B = \sqrt{{\text{{Var}}_B + \epsilon}}`
+    (the paper leaves eps out of :math:`\sigma`). Evaluation is BatchNorm's. The running
+    statistics update exactly like BatchNorm's (mean and unbiased variance, ``momentum``), so the
+    state_dict *is* a BatchNorm's and loads both ways (the paper updates :math:`\sigma` itself).
+    ``forward(input, mask=None)`` takes a mask as BatchNorm does.
+
+    Args:
+        num_features: channels C.
+        eps, momentum, affine, device, dtype: as :class:`torch.nn.BatchNorm{d}`.
+            ``track_running_stats`` must be True.
+        rmax: upper clip of ``r`` (lower: ``1/rmax``). Default: 3.
+        dmax: clip of ``|d|``. Default: 5.
+        warmup_iters: ramp ``rmax`` from 1 and ``dmax`` from 0 linearly over this many training
+            steps (the paper relaxes them gradually; 0 = the full limits from the first step,
+            1 = plain BatchNorm on the first step only). Default: 0.{extra}
+
+    Shape:
+        - Input: {shape}. Output: same shape.
+
+    Example::
+
+        >>> brn = normscope.BatchRenorm{d}(16, rmax=3.0, dmax=5.0, warmup_iters=5000)
+"""
+
+
+class BatchRenorm1d(_BatchRenormMixin, BatchNorm1d):
+    __doc__ = _DOC.format(
+        shape="(N, C) or (N, C, L)",
+        d="1d",
+        extra="\n        channel_dim: 1, or -1 for channels-last (B, S, D). Default: 1.",
+    )
+
+
+class BatchRenorm2d(_BatchRenormMixin, nn.BatchNorm2d):
+    __doc__ = _DOC.format(shape="(N, C, H, W)", d="2d", extra="")
+    _dims = (4,)
+
+
+class BatchRenorm3d(_BatchRenormMixin, nn.BatchNorm3d):
+    __doc__ = _DOC.format(shape="(N, C, D, H, W)", d="3d", extra="")
+    _dims = (5,)

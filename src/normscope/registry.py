@@ -1,0 +1,136 @@
+"""Normalization layers by name, for model surgery, configs and the lab (after timm's
+``create_norm``): every entry takes the channel count first.
+
+    get_norm("group:32", 256)                  # GroupNorm(32, 256)
+    get_norm("layer", 768, eps=1e-6)           # LayerNorm(768, eps=1e-6)
+    get_norm(functools.partial(normscope.BatchNorm2d, momentum=0.01), 64)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["get_norm", "norm_names", "register_norm", "NormSpec"]
+
+NormSpec = str | type | functools.partial | Callable[..., nn.Module]
+
+# name -> "module:attribute" (imported on first use, so an optional or not-yet-written layer such
+# as SyncBatchNorm costs nothing until asked for) or a factory(num_channels, **kwargs)
+_REGISTRY: dict[str, str | Callable[..., nn.Module]] = {}
+
+
+def register_norm(name: str, target: str | Callable[..., nn.Module]) -> None:
+    """Register ``name`` for :func:`get_norm`: a factory ``f(num_channels, **kwargs)`` or a lazy
+    ``"package.module:Attribute"`` import path."""
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"register_norm: expected a non-empty name without ':', got {name!r}")
+    _REGISTRY[name.lower()] = target
+
+
+def norm_names() -> list[str]:
+    """The registered names (``"group"`` also takes ``"group:G"``)."""
+    return sorted(_REGISTRY)
+
+
+def _largest_divisor(c: int, at_most: int) -> int:
+    return max(g for g in range(1, min(c, at_most) + 1) if c % g == 0)
+
+
+def _group(num_channels: int, num_groups: int | None = None, **kw: Any) -> nn.Module:
+    from .modules import GroupNorm
+
+    if num_groups is None:  # the default 32, clipped to a divisor of the channel count
+        num_groups = _largest_divisor(num_channels, 32)
+    return GroupNorm(num_groups, num_channels, **kw)
+
+
+def _identity(num_channels: int, **kw: Any) -> nn.Module:
+    return nn.Identity()
+
+
+for _name, _target in {
+    "batch": "normscope.modules:BatchNorm2d",
+    "batch1d": "normscope.modules:BatchNorm1d",
+    "batch2d": "normscope.modules:BatchNorm2d",
+    "batch3d": "normscope.modules:BatchNorm3d",
+    "layer": "normscope.modules:LayerNorm",
+    "rms": "normscope.modules:RMSNorm",
+    "instance": "normscope.modules:InstanceNorm2d",
+    "instance1d": "normscope.modules:InstanceNorm1d",
+    "instance2d": "normscope.modules:InstanceNorm2d",
+    "instance3d": "normscope.modules:InstanceNorm3d",
+    "group": _group,
+    "layer2d": "normscope.modules:LayerNorm2d",
+    "batchrenorm": "normscope.modules:BatchRenorm2d",
+    "batchrenorm1d": "normscope.modules:BatchRenorm1d",
+    "batchrenorm2d": "normscope.modules:BatchRenorm2d",
+    "batchrenorm3d": "normscope.modules:BatchRenorm3d",
+    "power": "normscope.modules:PowerNorm",
+    "frozen": "normscope.modules:FrozenBatchNorm2d",
+    "sync": "normscope.modules.syncbatchnorm:SyncBatchNorm",
+    "dyt": "normscope.modules:DyT",
+    "none": _identity,
+    "identity": _identity,
+}.items():
+    register_norm(_name, _target)
+
+
+def _resolve_name(name: str) -> tuple[Callable[..., nn.Module], dict[str, Any]]:
+    key, _, arg = name.strip().lower().partition(":")
+    if key not in _REGISTRY:
+        raise ValueError(f"get_norm: unknown norm {name!r}; expected one of: {', '.join(norm_names())} (or 'group:G')")
+    extra: dict[str, Any] = {}
+    if arg:
+        if key != "group" or not arg.isdigit() or int(arg) < 1:
+            raise ValueError(f"get_norm: {name!r}: only 'group:G' takes an argument, G a positive int")
+        extra["num_groups"] = int(arg)
+    target = _REGISTRY[key]
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        try:
+            target = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"get_norm: norm {key!r} needs {target}, which is not available: {e}") from e
+    return target, extra
+
+
+def get_norm(spec: NormSpec, num_channels: int, **kwargs: Any) -> nn.Module:
+    """Build a normalization layer for ``num_channels`` channels.
+
+    Args:
+        spec: a registered name (see :func:`norm_names`; ``"group:G"`` sets the groups, plain
+            ``"group"`` takes ``num_groups=`` or defaults to the largest divisor of
+            ``num_channels`` up to 32), a layer class, or a ``functools.partial`` / callable taking
+            the channel count first.
+        num_channels: channels (or features) of the input.
+        **kwargs: passed to the layer's constructor (``eps=``, ``affine=``...).
+
+    Returns:
+        The new module (``nn.Identity()`` for ``"none"``/``"identity"``).
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid ones).
+
+    Example::
+
+        >>> normscope.get_norm("group:8", 64)
+        GroupNorm(8, 64, eps=1e-05, affine=True)
+    """
+    if not isinstance(num_channels, int) or isinstance(num_channels, bool) or num_channels < 1:
+        raise ValueError(f"get_norm: expected `num_channels` to be a positive int, got {num_channels!r}")
+    if isinstance(spec, str):
+        factory, extra = _resolve_name(spec)
+        if "num_groups" in extra and "num_groups" in kwargs:
+            raise ValueError(f"get_norm: {spec!r} sets num_groups; got num_groups={kwargs['num_groups']!r} too")
+        return factory(num_channels, **extra, **kwargs)
+    if callable(spec):
+        if isinstance(spec, type) and issubclass(spec, nn.GroupNorm):  # the one class taking groups first
+            groups = kwargs.pop("num_groups", None) or _largest_divisor(num_channels, 32)
+            return spec(groups, num_channels, **kwargs)
+        return spec(num_channels, **kwargs)
+    raise TypeError(f"get_norm: expected `spec` to be a name, a class or a callable, got {type(spec).__name__}")

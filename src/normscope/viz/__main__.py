@@ -1,0 +1,5 @@
+import sys
+
+from .figures import main
+
+sys.exit(main())

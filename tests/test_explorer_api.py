@@ -1,0 +1,211 @@
+"""The explorer's JSON API and its server: worked numbers are right, bad input gets a 4xx with a message."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from urllib.parse import urlparse
+
+import pytest
+import torch
+
+from normscope.explorer import main as explore_main
+from normscope.explorer.api import LIMITS, ApiError, example_input, scope_example
+from normscope.explorer.server import serve_in_thread
+from normscope.viz import layer_names
+
+REQUESTS = [
+    *[{"layer": n, "layout": "nchw"} for n in layer_names("nchw")],
+    *[{"layer": n, "layout": "bsd"} for n in layer_names("bsd")],
+    *[{"layer": n, "layout": "bsd", "mask": [5, 2], "groups": 3, "seed": 3} for n in layer_names("bsd")],
+    {"layer": "group", "layout": "nchw", "shape": [2, 6, 2, 3], "groups": 3, "mask": [6, 4], "eps": 0.1},
+    {"layer": "instance", "layout": "nchw", "shape": [1, 1, 1]},
+]
+
+
+@pytest.mark.parametrize(
+    "req", REQUESTS, ids=lambda r: f"{r['layer']}-{r['layout']}-{'mask' if r.get('mask') else 'nomask'}"
+)
+def test_worked_numbers_are_the_definition(req):
+    r = scope_example(req)
+    shape = tuple(r["shape"])
+    x = example_input(shape, r["seed"]).double().flatten()
+    assert torch.allclose(torch.tensor(r["values"], dtype=torch.float64), x, atol=1e-6)
+    ids = torch.tensor(r["scope_ids"])
+    y = torch.tensor(r["output"], dtype=torch.float64)
+    centered = req["layer"] != "rms"
+    for k in ids[ids >= 0].unique().tolist():
+        v = x[ids == k]
+        mu = v.mean() if centered else torch.zeros((), dtype=torch.float64)
+        var = (v - mu).square().mean()
+        assert r["count"][k] == v.numel()
+        assert r["mean"][k] == pytest.approx(float(mu), abs=1e-5)
+        assert r["var"][k] == pytest.approx(float(var), abs=1e-5, rel=1e-5)
+        assert torch.allclose(y[ids == k], (v - mu) / torch.sqrt(var + r["eps"]), atol=1e-4)
+    assert r["check"]["max_abs_diff"] < 1e-5
+    assert r["n_scopes"] == len(r["colors"])
+    if req.get("mask"):
+        assert "float64" in r["check"]["against"] and (ids == -1).any()
+    elif r["values"] and len(r["values"]) > 1:
+        assert r["check"]["against"].startswith("torch.nn.functional")
+
+
+BAD = [
+    ([1, 2], 400, "JSON object"),
+    ({"layer": "nope"}, 400, "`layer`"),
+    ({"layout": "nhwc"}, 400, "`layout`"),
+    ({"layer": "layer2d", "layout": "bsd"}, 400, "not defined in layout"),
+    ({"shape": [3, 6]}, 400, "`shape`"),
+    ({"shape": "3,6,4"}, 400, "`shape`"),
+    ({"shape": [3, 0, 4]}, 400, "shape[1]"),
+    ({"shape": [3, 6, 4.5]}, 400, "shape[2]"),
+    ({"shape": [64, 64, 64]}, 413, "at most 4096 elements"),
+    ({"groups": 4}, 400, "divisible by groups=4"),
+    ({"groups": 0}, 400, "`groups`"),
+    ({"groups": True}, 400, "`groups`"),
+    ({"eps": -1}, 400, "`eps`"),
+    ({"eps": "1e-5"}, 400, "`eps`"),
+    ({"seed": -3}, 400, "`seed`"),
+    ({"mask": [1, 2]}, 400, "3 valid lengths"),
+    ({"mask": [1, 2, 9]}, 400, "mask[2]"),
+    ({"extra": 1}, 400, "unknown field"),
+]
+
+
+@pytest.mark.parametrize("req,status,msg", BAD, ids=[str(b[0])[:30] for b in BAD])
+def test_bad_requests_are_refused_with_a_message(req, status, msg):
+    with pytest.raises(ApiError) as e:
+        scope_example(req)
+    assert e.value.status == status and msg in e.value.message
+
+
+# -- over HTTP --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def url():
+    srv, thread, url = serve_in_thread("127.0.0.1", 0, timeout=1.0)
+    yield url
+    srv.shutdown()
+    srv.server_close()
+    thread.join(5)
+
+
+def _conn(url):
+    u = urlparse(url)
+    return http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+
+
+def _post(url, body: bytes, headers=None):
+    c = _conn(url)
+    c.request("POST", "/api/scope", body=body, headers={"Content-Type": "application/json", **(headers or {})})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, data
+
+
+def test_pages_and_api_over_http(url):
+    c = _conn(url)
+    for path, ctype, needle in [
+        ("/", "text/html", b"app.js"),
+        ("/static/app.js", "text/javascript", b"/api/scope"),
+        ("/static/style.css", "text/css", b".cell"),
+    ]:
+        c.request("GET", path)
+        r = c.getresponse()
+        body = r.read()
+        assert r.status == 200 and r.getheader("Content-Type").startswith(ctype) and needle in body
+        assert "default-src 'self'" in r.getheader("Content-Security-Policy")
+    for path in ("/static/../api.py", "/static/api.py", "/nope"):
+        c.request("GET", path)
+        r = c.getresponse()
+        assert r.status == 404 and "error" in json.loads(r.read())
+    c.request("GET", "/api/layers")
+    r = c.getresponse()
+    info = json.loads(r.read())
+    assert {lay["name"] for lay in info["layers"]} == set(layer_names())
+    c.close()
+    status, data = _post(url, json.dumps({"layer": "group", "groups": 3}).encode())
+    assert status == 200
+    out = json.loads(data)
+    ref = torch.nn.functional.group_norm(example_input((3, 6, 4), 0), 3, eps=1e-5)
+    assert torch.allclose(torch.tensor(out["output"]), ref.flatten(), atol=1e-5)
+
+
+def test_bad_input_over_http_is_4xx_json(url):
+    for body, status, msg in [
+        (b"{not json", 400, "JSON"),
+        (b"\xff\xfe", 400, "JSON"),
+        (json.dumps({"groups": 4}).encode(), 400, "divisible"),
+        (json.dumps({"shape": [64, 64, 2]}).encode(), 413, "4096"),
+        (b"[" * 15000, 400, "nested too deeply"),
+    ]:
+        s, data = _post(url, body)
+        assert s == status and msg in json.loads(data)["error"]
+
+
+def test_oversized_body_is_413(url):
+    s, data = _post(url, b" " * (LIMITS["max_body_bytes"] + 1))
+    assert s == 413 and "exceeds the limit" in json.loads(data)["error"]
+
+
+def _raw(url, payload: bytes, wait: float = 5.0) -> bytes:
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=wait) as s:
+        s.sendall(payload)
+        chunks = []
+        while True:
+            try:
+                b = s.recv(65536)
+            except TimeoutError:
+                break
+            if not b:
+                break
+            chunks.append(b)
+        return b"".join(chunks)
+
+
+def test_missing_length_foreign_host_and_slow_client(url):
+    port = urlparse(url).port
+    r = _raw(url, f"POST /api/scope HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+    assert r.startswith(b"HTTP/1.0 411") or r.startswith(b"HTTP/1.1 411")
+    r = _raw(url, b"GET /api/layers HTTP/1.1\r\nHost: evil.example:80\r\n\r\n")
+    assert b" 403 " in r.split(b"\r\n")[0] and b"Host" in r
+    # a client that promises a body and stalls is answered 408 after the socket timeout (1 s here),
+    # and does not block other clients meanwhile
+    t0 = time.monotonic()
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=5) as slow:
+        slow.sendall(f"POST /api/scope HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 100\r\n\r\n{{".encode())
+        c = _conn(url)
+        c.request("GET", "/api/layers")
+        assert c.getresponse().status == 200
+        c.close()
+        answer = slow.recv(65536)
+    assert b" 408 " in answer.split(b"\r\n")[0]
+    assert time.monotonic() - t0 < 4
+
+
+def test_main_reports_a_busy_port(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        assert explore_main(["--port", str(port), "--no-browser"]) == 2
+    assert "cannot listen" in capsys.readouterr().err
+    assert explore_main(["--port", "70000", "--no-browser"]) == 2
+
+
+def test_page_needs_no_network():
+    """Everything the page loads comes from this server: no CDN, no absolute URL."""
+    import re
+    from importlib import resources
+
+    static = resources.files("normscope.explorer").joinpath("static")
+    for name in ("index.html", "app.js", "style.css"):
+        text = static.joinpath(name).read_text()
+        urls = set(re.findall(r"(?:https?:)?//[\w.-]+\.[a-z]{2,}[^\s\"')]*", text))
+        assert urls <= {"http://www.w3.org/2000/svg"}, (name, urls)

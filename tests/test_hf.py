@@ -1,0 +1,139 @@
+"""Patching Hugging Face models: logits before and after ``patch`` on tiny random models.
+
+No downloads: every model is built from a small config. The norm weights are randomized first
+(Gemma initializes its offsets to zeros, which would hide a wrong ``1 + weight``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import normscope
+from normscope.integrations import transformers as hf
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install normscope[integrations])"
+)
+
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=100)
+
+
+def _configs():
+    t = transformers
+    return {
+        "llama": (t.LlamaConfig(**SMALL, num_key_value_heads=2), t.LlamaForCausalLM, "LlamaRMSNorm", 5),
+        "mistral": (t.MistralConfig(**SMALL, num_key_value_heads=2), t.MistralForCausalLM, "MistralRMSNorm", 5),
+        "qwen2": (t.Qwen2Config(**SMALL, num_key_value_heads=2), t.Qwen2ForCausalLM, "Qwen2RMSNorm", 5),
+        "gemma": (t.GemmaConfig(**SMALL, num_key_value_heads=2, head_dim=8), t.GemmaForCausalLM, "GemmaRMSNorm", 5),
+        "gemma2": (t.Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=8), t.Gemma2ForCausalLM, "Gemma2RMSNorm", 9),
+        "bert": (
+            t.BertConfig(**SMALL),
+            t.BertForMaskedLM, "LayerNorm", 6,
+        ),
+        "gpt2": (t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=64), t.GPT2LMHeadModel,
+                 "LayerNorm", 5),
+    }
+
+
+def _build(name: str):
+    config, cls, _, _ = _configs()[name]
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for mod in model.modules():
+            if "Norm" in type(mod).__name__:
+                for p in mod.parameters(recurse=False):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5 + (0 if "Gemma" in type(mod).__name__ else 1))
+    return model
+
+
+@pytest.mark.parametrize("name", list(_configs()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_patched_logits_equal(name, dtype):
+    _, _, norm_cls, expected = _configs()[name]
+    model = _build(name).to(dtype)
+    ids = torch.randint(0, 100, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    patched = copy.deepcopy(model)
+    report = hf.patch(patched)
+    assert report.replaced == {norm_cls: expected}, str(report)
+    assert not report.skipped, str(report)
+    kinds = {type(m) for m in patched.modules()}
+    left = [m for m in patched.modules() if type(m).__module__.startswith(("transformers", "torch"))]
+    assert not any(type(m).__name__ == norm_cls for m in left), "a layer was left unpatched"
+    assert kinds & {normscope.LayerNorm, hf.LlamaRMSNorm, hf.GemmaRMSNorm}
+    # the patched model uses the same parameter objects: state_dict keys and values unchanged
+    assert patched.state_dict().keys() == model.state_dict().keys()
+    with torch.no_grad():
+        after = patched(input_ids=ids).logits
+    assert after.dtype == before.dtype
+    # LayerNorm is the same ATen op, hence bitwise equal; the RMSNorm families compute the same
+    # formula but the engine's fp32 mean of squares may sum in another order than
+    # `pow(2).mean(-1)`, a few fp32 ulps that can flip a bf16 rounding of a hidden state, so:
+    # fp32 to 1e-5, bf16 to a few bf16 ulps of the logits' scale (see docs/integrations.md).
+    # On torch 2.13 CPU every case here was observed bitwise equal; the tolerance is what we promise.
+    if norm_cls == "LayerNorm":
+        torch.testing.assert_close(after, before, atol=0, rtol=0)
+    elif dtype == torch.float32:
+        torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+    else:
+        scale = before.float().abs().max().item()
+        torch.testing.assert_close(after.float(), before.float(), atol=0.02 * scale, rtol=0.02)
+
+
+def test_each_family_keeps_its_casting_order():
+    """On bf16 input the two casting orders give different bits; each class reproduces its own."""
+    t = transformers
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as HFGemma
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm as HFLlama
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(64, 48, generator=g) * 4).to(torch.bfloat16)
+    w = torch.randn(48, generator=g)
+    llama, gemma = HFLlama(48, eps=1e-6), HFGemma(48, eps=1e-6)
+    with torch.no_grad():
+        llama.weight.copy_(w)
+        gemma.weight.copy_(w)
+        ours_l, ours_g = hf.LlamaRMSNorm(48, 1e-6), hf.GemmaRMSNorm(48, 1e-6)
+        ours_l.weight.copy_(w)
+        ours_g.weight.copy_(w)
+        # a bf16 model: bf16 weights
+        for m in (llama, gemma, ours_l, ours_g):
+            m.to(torch.bfloat16)
+        ref_l, ref_g = llama(x), gemma(x)
+        got_l, got_g = ours_l(x), ours_g(x)
+    assert got_l.dtype == ref_l.dtype == got_g.dtype == ref_g.dtype == torch.bfloat16
+    bf16_ulp = 2.0**-7
+    mag = lambda r: r.float().abs().clamp_min(1e-3)  # noqa: E731
+    assert ((got_l.float() - ref_l.float()).abs() / mag(ref_l)).max() <= bf16_ulp
+    assert ((got_g.float() - ref_g.float()).abs() / mag(ref_g)).max() <= bf16_ulp
+    assert (got_l == ref_l).float().mean() > 0.99 and (got_g == ref_g).float().mean() > 0.99
+    # and the orders really differ (otherwise the test above could not tell them apart)
+    gemma_with_llama_order = hf.LlamaRMSNorm(48, 1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        gemma_with_llama_order.weight.copy_((1.0 + w).to(torch.bfloat16))
+        assert not torch.equal(gemma_with_llama_order(x), ref_g)
+    del t
+
+
+def test_unknown_rmsnorm_is_reported_not_patched():
+    class FancyRMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return x
+
+    model = torch.nn.Sequential(FancyRMSNorm(), torch.nn.LayerNorm(8))
+    report = hf.patch(model)
+    assert type(model[0]) is FancyRMSNorm and type(model[1]) is normscope.LayerNorm
+    assert "FancyRMSNorm" in report.skipped and report.replaced == {"LayerNorm": 1}
+    with pytest.raises(TypeError, match="model"):
+        hf.patch("not a model")
