@@ -7,6 +7,7 @@ they run on every call.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -16,7 +17,7 @@ from torch import Tensor
 def tensor(x: object, name: str, where: str) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{where}: expected `{name}` to be a torch.Tensor, got {type(x).__name__}")
-    if not (x.is_floating_point() or x.is_complex()):
+    if not x.is_floating_point():  # complex too: no normalization here is defined for it
         raise TypeError(f"{where}: expected `{name}` to be a floating-point tensor, got dtype {x.dtype}")
     return x
 
@@ -27,8 +28,18 @@ def ndim(x: Tensor, allowed: Sequence[int], name: str, where: str) -> None:
         raise ValueError(f"{where}: expected `{name}` to be {want}, got {x.dim()}D input of shape {tuple(x.shape)}")
 
 
-def param(p: Tensor | None, name: str, shape: Sequence[int], x: Tensor, where: str) -> None:
-    """An optional weight/bias/running buffer: right type, shape and device for input ``x``."""
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def param(
+    p: Tensor | None, name: str, shape: Sequence[int], x: Tensor, where: str, any_dtype: bool = False
+) -> None:
+    """An optional weight/bias/running buffer: right type, shape, dtype and device for input ``x``.
+
+    The dtype is the input's, or fp32 for fp16/bf16 input (mixed precision) -- exactly what
+    torch's CPU kernels accept, so every backend accepts the same calls (``any_dtype``: rms_norm,
+    which torch runs with any parameter dtype).
+    """
     if p is None:
         return
     if not isinstance(p, Tensor):
@@ -40,6 +51,9 @@ def param(p: Tensor | None, name: str, shape: Sequence[int], x: Tensor, where: s
         )
     if p.device != x.device:
         raise ValueError(f"{where}: expected `{name}` on the input's device {x.device}, got {p.device}")
+    if not any_dtype and p.dtype != x.dtype and not (p.dtype == torch.float32 and x.dtype in _HALF):
+        also = " or torch.float32" if x.dtype in _HALF else ""
+        raise TypeError(f"{where}: expected `{name}` of dtype {x.dtype}{also} like the input, got {p.dtype}")
 
 
 def mask(m: Tensor | None, x: Tensor, channel_dim: int | None, where: str) -> Tensor | None:
@@ -75,7 +89,8 @@ def normalized_shape(shape: int | Sequence[int] | torch.Size, where: str) -> tup
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
     try:
-        out = tuple(int(s) for s in shape)
+        # operator.index, not int(): int() would accept "4" and 2.5 and raise ValueError on "a"
+        out = tuple(operator.index(s) for s in shape)
     except TypeError:
         raise TypeError(f"{where}: expected `normalized_shape` to be an int or a sequence of ints, got {shape!r}") from None
     if not out or any(s < 1 for s in out):

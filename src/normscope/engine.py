@@ -102,6 +102,8 @@ def _update_running(call: Call, m: ref.Moments) -> None:
     # buffers hold their average over the extra kept axes, as torch's instance_norm does
     extra = tuple(d for d in range(len(s.shape)) if d not in s.reduce and d not in s.affine)
     count = m.count
+    if isinstance(count, int) and count == 0:  # empty batch: no statistics (NaN), and torch leaves the buffers
+        return
     with torch.no_grad():
         mean, var = m.mean.detach(), m.var.detach()
         if isinstance(count, Tensor):
@@ -168,7 +170,8 @@ def _aten_kind(call: Call) -> str | None:
             return "layer_norm"
         if call.bias is None:
             return "rms_norm"
-    if s.centered and ndim >= 2 and every_but(0) and affine in ((1,), ()):
+    # torch.group_norm splits axis 1: a grouping of any other axis is not its op
+    if s.centered and ndim >= 2 and every_but(0) and affine in ((1,), ()) and (s.groups == 1 or s.group_dim == 1):
         return "group_norm"  # groups of channels (also one group: LayerNorm with per-channel affine)
     return None
 
@@ -347,6 +350,13 @@ def _plan(call: Call, name: str) -> tuple[str, Callable[[Call], Tensor]]:
 def dispatch(call: Call, backend: str | None = None) -> Tensor:
     """Run ``call`` on the requested backend, or on the first automatic one that supports it."""
     requested = _requested(backend)
+    if torch.compiler.is_compiling():
+        # under dynamo the planning is traced once per graph anyway; storing it in _PLANS would be
+        # a side effect on a dict keyed by trace-time objects (Resolved) that dynamo cannot replay,
+        # which breaks torch.compile(fullgraph=True)
+        plan = _plan(call, requested)
+        _last[0] = plan[0]
+        return plan[1](call)
     key = (signature(call), requested)
     try:
         plan = _PLANS.get(key)

@@ -165,7 +165,7 @@ def _last_axes(
     check.tensor(input, "input", where)
     shape = check.normalized_shape(normalized_shape, where)
     check.trailing(input, shape, where)
-    check.param(weight, "weight", shape, input, where)
+    check.param(weight, "weight", shape, input, where, any_dtype=not centered)  # torch's rms_norm: any
     check.param(bias, "bias", shape, input, where)
     return norm(input, _layer_scope(len(shape), centered), weight, bias, eps, backend=backend)
 

@@ -63,6 +63,17 @@ def moments(x: Tensor, scope: Resolved, mask: Tensor | None = None) -> Moments:
     """
     xf = _grouped(x.to(acc_dtype(x.dtype)), scope)
     dims = scope.grouped_reduce() if scope.groups > 1 else scope.reduce
+    if not dims:
+        # one element a scope (GroupNorm(C, C) on (N, C), keep= every axis): torch reads dim=()
+        # as "reduce everything", so reduce over a new trailing axis of size 1 instead
+        m = moments(x.unsqueeze(-1), _trailing_scope(scope), None if mask is None else mask.unsqueeze(-1))
+        count = m.count.squeeze(-1) if isinstance(m.count, Tensor) else m.count
+        return Moments(m.mean.squeeze(-1), m.var.squeeze(-1), count)
+    if mask is None and xf.numel() == 0:
+        # empty input: scopes (if any) are empty; mean 0, variance 0, as an all-masked scope below,
+        # instead of var_mean's NaN and its degrees-of-freedom warning
+        zeros = xf.new_zeros(xf.sum(dim=dims, keepdim=True).shape)
+        return Moments(_ungrouped_stat(zeros, scope), _ungrouped_stat(zeros.clone(), scope), scope.count)
     if mask is None:
         if scope.centered:
             var, mean = torch.var_mean(xf, dim=dims, correction=0, keepdim=True)
@@ -80,7 +91,7 @@ def moments(x: Tensor, scope: Resolved, mask: Tensor | None = None) -> Moments:
             # broadcasts over multiplies the count instead
             m = mask.reshape((1,) * (x.dim() - mask.dim()) + tuple(mask.shape))
             count = m.sum(dim=dims, keepdim=True, dtype=xf.dtype)
-            count = count * math.prod(x.shape[d] for d in dims if m.shape[d] == 1)
+            count = count * math.prod([x.shape[d] for d in dims if m.shape[d] == 1])  # list: dynamo
         # torch.where, not a multiply by the mask: inf/NaN in the padding must not reach the sums
         # (0 * inf = NaN), neither forward nor backward
         valid = m.bool() if m.dtype != torch.bool else m
@@ -105,9 +116,16 @@ def moments(x: Tensor, scope: Resolved, mask: Tensor | None = None) -> Moments:
     return Moments(_ungrouped_stat(mean, scope), _ungrouped_stat(var, scope), count)
 
 
+def _trailing_scope(scope: Resolved) -> Resolved:
+    n = len(scope.shape)
+    return Resolved(scope.shape + (1,), (n,), scope.centered, 1, -1, scope.affine)
+
+
 def rstd(var: Tensor, eps: float, count: int | Tensor | None = None) -> Tensor:
     """``1 / sqrt(var + eps)``; 0 where a scope has no valid element, so its output is the bias."""
     r = torch.rsqrt(var + eps)
+    if isinstance(count, int) and count == 0:
+        return torch.zeros_like(r)
     if isinstance(count, Tensor):
         r = torch.where(count > 0, r, torch.zeros_like(r))
     return r

@@ -133,9 +133,9 @@ class Resolved:
         if self.groups > 1:
             # the grouped axis is in `reduce`, but one scope holds only C/G of its channels
             return math.prod(
-                self.shape[d] // self.groups if d == self.group_dim else self.shape[d] for d in self.reduce
+                [self.shape[d] // self.groups if d == self.group_dim else self.shape[d] for d in self.reduce]
             )
-        return math.prod(self.shape[d] for d in self.reduce)
+        return math.prod([self.shape[d] for d in self.reduce])  # lists: dynamo cannot trace a generator here
 
     @property
     def stat_shape(self) -> tuple[int, ...]:

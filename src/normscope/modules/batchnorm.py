@@ -44,10 +44,15 @@ class _BatchNormMixin:
         """Normalize ``input``; ``mask`` (optional, bool, the input's shape without the channel
         axis, True = valid) restricts the statistics and the running update to valid elements."""
         self._check_input_dim(input)
-        factor = self._factor()
+        # as _factor(), but the counter moves only once F.batch_norm has accepted the input (torch
+        # increments it first, so a rejected call would still count as a batch)
+        factor = 0.0 if self.momentum is None else self.momentum
+        count = self.training and self.track_running_stats and self.num_batches_tracked is not None
+        if count and self.momentum is None:
+            factor = 1.0 / (float(self.num_batches_tracked) + 1.0)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep_running = not self.training or self.track_running_stats
-        return F.batch_norm(
+        y = F.batch_norm(
             input,
             self.running_mean if keep_running else None,
             self.running_var if keep_running else None,
@@ -59,6 +64,9 @@ class _BatchNormMixin:
             mask=mask,
             channel_dim=self.channel_dim,
         )
+        if count:
+            self.num_batches_tracked.add_(1)
+        return y
 
 
 class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):

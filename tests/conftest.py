@@ -1,0 +1,115 @@
+"""Shared helpers for the core test suite: an independent float64 formula and tolerances.
+
+``direct`` is written from the definition (permute the reduced axes to the end, flatten them,
+sum / count), deliberately *not* through :mod:`normscope.reference`, so that the reference itself
+is checked against something independent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from normscope import engine
+
+BACKENDS = ("aten", "reference")
+
+
+@pytest.fixture(autouse=True)
+def _clean_backend_state(monkeypatch):
+    """No test sees another's forced backend or environment variable."""
+    monkeypatch.delenv(engine.ENV_VAR, raising=False)
+    forced = list(engine._forced)
+    engine._forced.clear()
+    yield
+    engine._forced[:] = forced
+
+
+def direct(
+    x: torch.Tensor,
+    reduce: tuple[int, ...],
+    centered: bool = True,
+    groups: int = 1,
+    group_dim: int = 1,
+    affine: tuple[int, ...] = (),
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Normalization in float64 straight from the formula.
+
+    ``reduce`` are non-negative axes of ``x``; with ``groups > 1`` the ``group_dim`` axis (which
+    must be in ``reduce``) is split into ``groups`` contiguous groups. Elements of an empty
+    (all-masked) scope get output 0 before the affine.
+    """
+    x = x.detach().double()
+    shape = tuple(x.shape)
+    nd = x.dim()
+    m = torch.ones(shape, dtype=torch.float64) if mask is None else mask.expand(shape).double()
+    reduce = sorted(a % nd for a in reduce)
+    if groups > 1:
+        gd = group_dim % nd
+        assert gd in reduce
+        gshape = shape[:gd] + (groups, shape[gd] // groups) + shape[gd + 1 :]
+        xs, ms = x.reshape(gshape), m.reshape(gshape)
+        red = [a if a < gd else a + 1 for a in reduce if a != gd] + [gd + 1]
+    else:
+        xs, ms, red = x, m, list(reduce)
+    keep = [a for a in range(xs.dim()) if a not in red]
+    perm = keep + red
+    xp, mp = xs.permute(perm), ms.permute(perm)
+    pshape = xp.shape
+    kshape = tuple(pshape[: len(keep)])
+    xf, mf = xp.reshape(kshape + (-1,)), mp.reshape(kshape + (-1,))
+    n = mf.sum(-1, keepdim=True)
+    if centered:
+        mean = (xf * mf).sum(-1, keepdim=True) / n.clamp(min=1)
+    else:
+        mean = torch.zeros_like(n)
+    var = ((xf - mean) ** 2 * mf).sum(-1, keepdim=True) / n.clamp(min=1)
+    y = (xf - mean) / torch.sqrt(var + eps)
+    y = torch.where(n > 0, y, torch.zeros_like(y))
+    inv = [perm.index(i) for i in range(len(perm))]
+    y = y.reshape(pshape).permute(inv).reshape(shape)
+    view = [shape[d] if d in affine else 1 for d in range(nd)]
+    if weight is not None:
+        y = y * weight.detach().double().reshape(view)
+    if bias is not None:
+        y = y + bias.detach().double().reshape(view)
+    return y
+
+
+# tolerances for comparing against torch.nn computed in the same dtype (fp64/fp32), and the extra
+# absolute slack allowed on top of 2x torch's own error for half types
+TOL = {
+    torch.float64: dict(rtol=1e-10, atol=1e-10),
+    torch.float32: dict(rtol=1e-4, atol=1e-5),
+}
+HALF_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def assert_close(actual, expected, dtype=None, **kw):
+    dtype = dtype or (actual.dtype if isinstance(actual, torch.Tensor) else torch.float32)
+    tol = dict(TOL.get(dtype, TOL[torch.float32]))
+    tol.update(kw)
+    torch.testing.assert_close(actual, expected, **tol)
+
+
+def assert_half_close(ours, torch_same_dtype, torch_fp32, dtype, what=""):
+    """Flash-attention style: our error against the fp32 computation is at most twice torch's
+    own error in the same low-precision dtype, plus a small absolute slack."""
+    ours_err = (ours.float() - torch_fp32.float()).abs().max().item()
+    torch_err = (torch_same_dtype.float() - torch_fp32.float()).abs().max().item()
+    bound = 2 * torch_err + HALF_ATOL[dtype]
+    assert ours_err <= bound, f"{what}: error {ours_err:.3g} > 2 x torch's {torch_err:.3g} + {HALF_ATOL[dtype]}"
+
+
+def pytest_report_header(config):
+    return f"torch {torch.__version__}, NORMSCOPE_BACKEND={os.environ.get(engine.ENV_VAR)!r}"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes tens of seconds (torch.compile); deselect with -m 'not slow'")

@@ -1,0 +1,330 @@
+"""The engine over random scopes: reference vs a float64 formula, engine and aten vs reference,
+and backend selection (forcing, env var, precedence, last_backend, errors)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import normscope
+from conftest import direct
+from normscope import engine
+from normscope import reference as ref
+from normscope.engine import Running, norm
+from normscope.scope import Scope
+
+SIZES = st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13])
+
+
+@st.composite
+def scope_cases(draw):
+    """A random input, scope (reduce or keep form, centered, groups), affine, mask and eps."""
+    nd = draw(st.integers(1, 4))
+    shape = tuple(draw(st.lists(SIZES, min_size=nd, max_size=nd)))
+    axes = list(range(nd))
+    # half the time one of the layouts the named layers use (and aten has ops for), with the
+    # grouping and affine still random, so near-misses of the aten kinds are exercised too
+    template = draw(st.sampled_from(["random", "random", "all_but_0", "all_but_1", "all_but_0_1", "last_k"]))
+    if template == "random":
+        reduce = sorted(draw(st.sets(st.sampled_from(axes), min_size=0, max_size=nd)))
+    elif template == "last_k":
+        reduce = axes[nd - draw(st.integers(1, nd)):]
+    else:
+        kept = {"all_but_0": {0}, "all_but_1": {1}, "all_but_0_1": {0, 1}}[template]
+        reduce = [a for a in axes if a not in kept]
+    centered = draw(st.booleans())
+    groups, group_dim = 1, 1
+    grouped = [a for a in reduce if shape[a] > 1]
+    if grouped and draw(st.booleans()):
+        group_dim = draw(st.sampled_from(grouped))
+        # proper divisors where there are any: groups == channels canonicalises to no grouping
+        n = shape[group_dim]
+        divisors = [g for g in range(2, n) if n % g == 0] or [n]
+        groups = draw(st.sampled_from(divisors))
+    affine_kind = draw(st.sampled_from(["none", "reduce", "other", "channel"]))
+    if affine_kind == "reduce":
+        affine = tuple(reduce)
+    elif affine_kind == "channel":
+        affine = (min(1, nd - 1),)
+    elif affine_kind == "other":
+        affine = tuple(sorted(draw(st.sets(st.sampled_from(axes), min_size=1, max_size=nd))))
+    else:
+        affine = ()
+    with_bias = draw(st.booleans())
+    use_keep = draw(st.booleans())
+    # a scope is written with negative or positive axes; both must resolve the same
+    neg = draw(st.booleans())
+    wr = lambda a: a - nd if neg else a  # noqa: E731
+    if use_keep:
+        scope = Scope(keep=tuple(wr(a) for a in axes if a not in reduce), centered=centered, groups=groups,
+                      group_dim=wr(group_dim), affine=tuple(wr(a) for a in affine))
+    else:
+        scope = Scope(reduce=tuple(wr(a) for a in reduce), centered=centered, groups=groups,
+                      group_dim=wr(group_dim), affine=tuple(wr(a) for a in affine))
+    mask_dims = draw(st.sampled_from(["none", "full", "broadcast"]))
+    seed = draw(st.integers(0, 2**16))
+    eps = draw(st.sampled_from([1e-5, 1e-3, 0.1]))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * 3 + 1
+    mask = None
+    if mask_dims != "none":
+        mshape = shape if mask_dims == "full" else tuple(s if i % 2 else 1 for i, s in enumerate(shape))
+        mask = torch.rand(mshape, generator=g) < 0.7
+    pshape = tuple(shape[a] for a in affine)
+    weight = torch.randn(pshape, generator=g, dtype=torch.float64) if affine else None
+    bias = torch.randn(pshape, generator=g, dtype=torch.float64) if affine and with_bias else None
+    return dict(x=x, scope=scope, reduce=tuple(reduce), centered=centered, groups=groups, group_dim=group_dim,
+                affine=affine, weight=weight, bias=bias, mask=mask, eps=eps)
+
+
+HYP = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@HYP
+@given(scope_cases())
+def test_reference_matches_float64_formula(case):
+    """The oracle itself, in fp64 and fp32, against the formula written in conftest.direct."""
+    expected = direct(case["x"], case["reduce"], case["centered"], case["groups"], case["group_dim"],
+                      case["affine"], case["weight"], case["bias"], case["eps"], case["mask"])
+    resolved = case["scope"].resolve(tuple(case["x"].shape))
+    y64 = ref.normalize(case["x"], resolved, case["weight"], case["bias"], case["eps"], case["mask"])
+    torch.testing.assert_close(y64, expected, rtol=1e-9, atol=1e-9)
+    w32 = None if case["weight"] is None else case["weight"].float()
+    b32 = None if case["bias"] is None else case["bias"].float()
+    y32 = ref.normalize(case["x"].float(), resolved, w32, b32, case["eps"], case["mask"])
+    assert y32.dtype == torch.float32
+    torch.testing.assert_close(y32.double(), expected, rtol=1e-4, atol=2e-4)
+
+
+@HYP
+@given(scope_cases())
+def test_engine_and_aten_match_reference(case):
+    """Automatic dispatch always agrees with the reference; so does aten wherever it accepts."""
+    x = case["x"].float()
+    w = None if case["weight"] is None else case["weight"].float()
+    b = None if case["bias"] is None else case["bias"].float()
+    resolved = case["scope"].resolve(tuple(x.shape))
+    expected = ref.normalize(x, resolved, w, b, case["eps"], case["mask"])
+    y = norm(x, case["scope"], w, b, case["eps"], mask=case["mask"])
+    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+    assert normscope.last_backend() in engine.backends()
+    call = engine.Call(x, resolved, w, b, case["eps"], case["mask"], None)
+    if engine._BACKENDS["aten"].why_not(call) is None:
+        ya = norm(x, case["scope"], w, b, case["eps"], mask=case["mask"], backend="aten")
+        assert normscope.last_backend() == "aten"
+        torch.testing.assert_close(ya, expected, rtol=1e-4, atol=1e-4)
+    else:
+        with pytest.raises(ValueError, match="backend 'aten' cannot run"):
+            norm(x, case["scope"], w, b, case["eps"], mask=case["mask"], backend="aten")
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 6), (3, 4, 2, 6)])
+def test_every_scope_exhaustively_on_small_shapes(shape):
+    """Every reduce set x centered x grouping x affine on one shape (no sampling luck): auto and,
+    where it accepts, aten agree with the float64 formula; where aten declines it says so."""
+    nd = len(shape)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    n_aten = 0
+    for bits in range(2**nd):
+        reduce = tuple(a for a in range(nd) if bits >> a & 1)
+        groupings = [(1, 1)] + [(g, d) for d in reduce for g in range(2, shape[d]) if shape[d] % g == 0]
+        for centered in (True, False):
+            for groups, gdim in groupings:
+                for affine in {(), reduce, (1,), (nd - 1,)}:
+                    scope = Scope(reduce=reduce, centered=centered, groups=groups, group_dim=gdim, affine=affine)
+                    pshape = tuple(shape[a] for a in affine)
+                    k = math.prod(pshape)
+                    w = torch.linspace(0.5, 1.5, k, dtype=torch.float64).reshape(pshape)
+                    b = None if not affine else torch.linspace(-1, 1, k, dtype=torch.float64).reshape(pshape)
+                    for bias in (None, b):
+                        wi = w if affine else None
+                        expected = direct(x, reduce, centered, groups, gdim, affine, wi, bias)
+                        what = f"{scope} bias={bias is not None}"
+                        y = norm(x, scope, wi, bias)
+                        torch.testing.assert_close(y, expected, msg=lambda m, w=what: f"{w}: {m}")
+                        call = engine.Call(x, scope.resolve(shape), wi, bias, 1e-5, None, None)
+                        if engine._BACKENDS["aten"].why_not(call) is None:
+                            n_aten += 1
+                            y = norm(x, scope, wi, bias, backend="aten")
+                            torch.testing.assert_close(y, expected, msg=lambda m, w=what: f"aten {w}: {m}")
+    assert n_aten > 20  # the aten kinds really were exercised
+
+
+# every scope kind aten has an op for, each checked to really run on aten and match (output and grads)
+ATEN_CASES = [
+    ("batch_norm", (4, 3, 5, 7), Scope.batch(), True),
+    ("batch_norm_last", (4, 5, 3), Scope(keep=(-1,), affine=(-1,)), True),
+    ("instance_norm", (2, 3, 11), Scope.instance(), True),
+    ("layer_norm", (3, 5, 7), Scope.layer(2), True),
+    ("layer_norm_inner_axes", (3, 5, 7), Scope(reduce=(1,), affine=(1,)), True),
+    ("layer_norm_no_affine", (3, 5, 7), Scope(reduce=(0, 2)), False),
+    ("rms_norm", (3, 5, 7), Scope.rms(1), True),
+    ("rms_norm_inner", (3, 5, 7), Scope(reduce=(0,), centered=False, affine=(0,)), True),
+    ("group_norm", (2, 6, 5), Scope.group(3), True),
+    ("group_norm_one_group", (2, 6, 5), Scope.group(1), True),
+    ("group_norm_4d", (2, 4, 3, 5), Scope.group(2), True),
+]
+
+
+@pytest.mark.parametrize("name,shape,scope,affine", ATEN_CASES, ids=[c[0] for c in ATEN_CASES])
+def test_aten_kinds_match_reference_with_grads(name, shape, scope, affine):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    resolved = scope.resolve(shape)
+    pshape = tuple(shape[a] for a in resolved.affine)
+    w = torch.randn(pshape, generator=g, dtype=torch.float64) if affine else None
+    b = None if (not affine or not resolved.centered) else torch.randn(pshape, generator=g, dtype=torch.float64)
+    outs = {}
+    for be in ("aten", "reference"):
+        xi = x.clone().requires_grad_()
+        wi = None if w is None else w.clone().requires_grad_()
+        bi = None if b is None else b.clone().requires_grad_()
+        y = norm(xi, scope, wi, bi, 1e-5, backend=be)
+        assert normscope.last_backend() == be
+        gy = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        y.backward(gy)
+        outs[be] = (y.detach(), xi.grad, None if wi is None else wi.grad, None if bi is None else bi.grad)
+    # automatic choice picks aten for all of these
+    norm(x, scope, w, b, 1e-5)
+    assert normscope.last_backend() == "aten"
+    for a, r in zip(outs["aten"], outs["reference"]):
+        if a is None:
+            assert r is None
+        else:
+            torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("shape,group_dim,groups", [((2, 3, 4), 2, 2), ((2, 6, 4), 2, 2), ((2, 3, 5, 6), -1, 3)])
+def test_grouping_another_axis_is_not_torch_group_norm(shape, group_dim, groups):
+    """torch.group_norm splits axis 1 only; grouping another axis must not be sent to it."""
+    x = torch.randn(shape, dtype=torch.float64)
+    scope = Scope(keep=(0,), groups=groups, group_dim=group_dim)
+    y = norm(x, scope)
+    assert normscope.last_backend() == "reference"
+    reduce = tuple(range(1, len(shape)))
+    torch.testing.assert_close(y, direct(x, reduce, groups=groups, group_dim=group_dim))
+    with pytest.raises(ValueError, match="backend 'aten' cannot run"):
+        norm(x, scope, backend="aten")
+
+
+def test_running_statistics_in_engine_match_between_backends():
+    x = torch.randn(4, 3, 6, dtype=torch.float64)
+    bufs = {}
+    for be in ("aten", "reference"):
+        rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+        norm(x, Scope.batch(), eps=1e-5, running=Running(rm, rv, 0.3, True), backend=be)
+        y = norm(x, Scope.batch(), eps=1e-5, running=Running(rm, rv, 0.3, False), backend=be)
+        bufs[be] = (rm, rv, y)
+    expected_mean = 0.3 * x.mean((0, 2))
+    expected_var = 0.7 + 0.3 * x.var((0, 2), correction=1)
+    for be in bufs:
+        torch.testing.assert_close(bufs[be][0], expected_mean)
+        torch.testing.assert_close(bufs[be][1], expected_var)
+    torch.testing.assert_close(bufs["aten"][2], bufs["reference"][2])
+
+
+# -------------------------------------------------------------------------------------------------
+# backend selection
+
+
+def test_forced_backend_that_cannot_run_raises():
+    x = torch.randn(2, 3, 4)
+    mask = torch.ones(2, 3, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="backend 'aten' cannot run this normalization: ATen has no masked"):
+        normscope.normalize(x, dims=-1, mask=mask, backend="aten")
+    with pytest.raises(ValueError, match="backend 'aten' cannot run"), normscope.use_backend("aten"):
+        normscope.normalize(x, dims=-1, mask=mask)
+    # uncentered scope with a bias: no aten op
+    with pytest.raises(ValueError, match="no ATen op computes this scope exactly"):
+        norm(x, Scope(reduce=(-1,), centered=False, affine=(-1,)), torch.ones(4), torch.zeros(4), backend="aten")
+    # the reference refuses evaluation without running statistics
+    with pytest.raises(ValueError, match="backend 'reference' cannot run"):
+        norm(x, Scope.batch(), running=Running(None, None, 0.1, False), backend="reference")
+
+
+def test_unknown_backend_lists_valid_names(monkeypatch):
+    x = torch.randn(2, 3)
+    for call in (
+        lambda: normscope.normalize(x, dims=-1, backend="cuda-magic"),
+        lambda: normscope.use_backend("cuda-magic").__enter__(),
+    ):
+        with pytest.raises(ValueError, match="unknown backend 'cuda-magic'") as e:
+            call()
+        for name in ("auto", "aten", "reference"):
+            assert name in str(e.value)
+    monkeypatch.setenv("NORMSCOPE_BACKEND", "cuda-magic")
+    with pytest.raises(ValueError, match="environment variable NORMSCOPE_BACKEND: unknown backend") as e:
+        normscope.normalize(x, dims=-1)
+    assert "aten" in str(e.value) and "reference" in str(e.value)
+
+
+def test_backend_precedence_argument_over_context_over_env(monkeypatch):
+    x = torch.randn(3, 8)
+    normscope.functional.layer_norm(x, (8,))
+    assert normscope.last_backend() == "aten"  # automatic choice
+    monkeypatch.setenv("NORMSCOPE_BACKEND", "reference")
+    normscope.functional.layer_norm(x, (8,))
+    assert normscope.last_backend() == "reference"
+    with normscope.use_backend("aten"):
+        normscope.functional.layer_norm(x, (8,))
+        assert normscope.last_backend() == "aten"  # context beats env
+        normscope.functional.layer_norm(x, (8,), backend="reference")
+        assert normscope.last_backend() == "reference"  # argument beats context
+        with normscope.use_backend(None):
+            normscope.functional.layer_norm(x, (8,))
+            assert normscope.last_backend() == "aten"  # None = automatic, also over the env var
+        normscope.functional.layer_norm(x, (8,))
+        assert normscope.last_backend() == "aten"
+    normscope.functional.layer_norm(x, (8,))
+    assert normscope.last_backend() == "reference"  # back to the env var
+    monkeypatch.setenv("NORMSCOPE_BACKEND", "auto")
+    normscope.functional.layer_norm(x, (8,))
+    assert normscope.last_backend() == "aten"
+    monkeypatch.setenv("NORMSCOPE_BACKEND", "aten")
+    normscope.LayerNorm(8)(x)
+    assert normscope.last_backend() == "aten"
+    # the env var forces too: a masked call cannot run on aten
+    with pytest.raises(ValueError, match="backend 'aten' cannot run"):
+        normscope.normalize(x, dims=-1, mask=torch.ones(8, dtype=torch.bool))
+
+
+def test_last_backend_reports_what_ran():
+    x = torch.randn(2, 3, 4)
+    normscope.normalize(x, dims=-1, mask=torch.ones(4, dtype=torch.bool))
+    assert normscope.last_backend() == "reference"  # masks are reference-only
+    normscope.normalize(x, dims=-1)
+    assert normscope.last_backend() == "aten"
+    normscope.GroupNorm(3, 3)(x)
+    assert normscope.last_backend() == "aten"  # GroupNorm(C, C) on 3D input is instance_norm
+    assert engine.backends()[:2] == ["aten", "reference"] or "aten" in engine.backends()
+
+
+def test_plan_cache_not_fooled_by_layout():
+    """The plan is cached per signature; a transposed input of the same shape must still be right."""
+    x = torch.randn(6, 5, dtype=torch.float64)
+    a = normscope.normalize(x, dims=-1)
+    xt = torch.randn(5, 6, dtype=torch.float64).t()
+    b = normscope.normalize(xt, dims=-1)
+    torch.testing.assert_close(a, direct(x, (1,)))
+    torch.testing.assert_close(b, direct(xt, (1,)))
+
+
+def test_scope_validation():
+    with pytest.raises(ValueError, match="exactly one of `reduce` and `keep`"):
+        Scope()
+    with pytest.raises(ValueError, match="exactly one of `reduce` and `keep`"):
+        Scope(reduce=(1,), keep=(0,))
+    with pytest.raises(ValueError, match=r"distinct, got \(1, 1\)"):
+        Scope(reduce=(1, 1))
+    with pytest.raises(ValueError, match="positive int, got 0"):
+        Scope(keep=(0,), groups=0)
+    with pytest.raises(ValueError, match=r"axis 3 \(reduce\) does not exist for an input of rank 2"):
+        Scope(reduce=(3,)).resolve((2, 3))
+    with pytest.raises(ValueError, match="got 5\\) to be divisible by groups=2"):
+        Scope.group(2).resolve((2, 5, 3))
+    with pytest.raises(ValueError, match="not a reduced axis"):
+        Scope(reduce=(2,), groups=2, group_dim=1).resolve((2, 4, 3))
