@@ -12,7 +12,13 @@ import os
 import pytest
 import torch
 
-from normscope import engine
+# Triton picks interpreter or compiler when a kernel is *decorated*, i.e. when normscope (and with it
+# normscope.kernels) is first imported -- which this file does, before any test module can choose.
+# Without a GPU the interpreter is the only way the kernels run; with one, the environment decides.
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from normscope import engine  # noqa: E402
 
 BACKENDS = ("aten", "reference")
 
