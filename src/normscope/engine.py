@@ -233,6 +233,103 @@ def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
     return run
 
 
+# torch's CPU kernels apply a normalization as one multiply-add, y = x * (rstd*w) + (b - mean*rstd*w).
+# When |mean| * rstd is large both terms are huge and cancel: at mean 1e4, std 1e-2 they are ~1e6, whose
+# fp32 spacing (0.06) is a few percent of the output's unit spread, although the statistics themselves
+# are accurate. Such inputs are rare and show in the statistics the kernels return anyway, so when the
+# engine *chooses* ATen for an fp32 CPU call it asks the native op for them and recomputes the rare
+# cancelling call in the (x - mean) * rstd form of the reference. A *forced* "aten" stays exactly torch.
+_CANCEL_LIMIT = 1024.0  # output error <~ 1024 * 2**-24 = 6e-5 of a unit, variance error <~ 1e-4
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+_INF = float("inf")
+
+
+def _cancels(mean: Tensor, rstd: Tensor) -> bool:
+    # two small ops on the per-scope statistics (detached: no autograd graph); this runs on every
+    # automatic fp32 CPU call, so it is kept to the cheapest form that measures max |mean| * rstd
+    if mean.numel() == 0:
+        return False
+    return torch.linalg.vector_norm(mean.detach() * rstd.detach(), _INF).item() > _CANCEL_LIMIT
+
+
+def _recompute(c: Call) -> Tensor:
+    _last[0] = "reference"
+    return _reference_run(c)
+
+
+def _guard_cancellation(call: Call, plain: Callable[[Call], Tensor]) -> Callable[[Call], Tensor]:
+    """Wrap the automatic ATen runner of an fp32 CPU call with the cancellation check above."""
+    if call.x.dtype != torch.float32 or call.x.device.type != "cpu":
+        return plain  # half types: output rounding dominates; CUDA: the check would synchronize
+    kind, s = _aten_kind(call), call.scope
+    if kind == "layer_norm":
+        k, ndim = len(s.reduce), len(s.shape)
+        tail = tuple(range(ndim - k, ndim))
+        shape = _static([s.shape[d] for d in s.reduce])
+        moved = s.reduce != tail
+
+        def run(c: Call) -> Tensor:
+            if _tracing():
+                return plain(c)
+            xm = c.x.movedim(s.reduce, tail) if moved else c.x
+            y, mean, rstd = torch.native_layer_norm(xm, shape, c.weight, c.bias, c.eps)
+            if _cancels(mean, rstd):
+                return _recompute(c)
+            return y.movedim(tail, s.reduce) if moved else y
+
+    elif kind in ("batch_norm", "batch_norm_last"):
+
+        def run(c: Call) -> Tensor:
+            r = c.running
+            if _tracing():
+                return plain(c)
+            if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
+                return _recompute(c) if _cancels(r.mean, torch.rsqrt(r.var + c.eps)) else plain(c)
+            rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
+            x = c.x if kind == "batch_norm" else c.x.reshape(-1, c.x.shape[-1])
+            y, mean, invstd = torch.native_batch_norm(x, c.weight, c.bias, rm, rv, True, mom, c.eps)
+            if _cancels(mean, invstd):  # the kernel already updated the running statistics
+                return _recompute(c._replace(running=None))
+            return y if kind == "batch_norm" else y.reshape(c.x.shape)
+
+    elif kind == "group_norm":
+
+        def run(c: Call) -> Tensor:
+            if _tracing():
+                return plain(c)
+            x = c.x
+            n, ch = x.shape[0], x.shape[1]
+            hw = x.numel() // max(n * ch, 1)
+            # as torch.group_norm: keep a channels_last input channels_last
+            cl = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+            y, mean, rstd = torch.native_group_norm(x, c.weight, c.bias, n, ch, hw, s.groups, c.eps)
+            return _recompute(c) if _cancels(mean, rstd) else y
+
+    elif kind == "instance_norm":
+
+        def run(c: Call) -> Tensor:
+            if _tracing() or c.running is not None:
+                return plain(c)  # with running buffers torch's instance_norm averages them itself
+            # as torch.instance_norm: BatchNorm over (1, N*C, *)
+            x = c.x
+            n, ch = x.shape[0], x.shape[1]
+            w = None if c.weight is None else c.weight.repeat(n)
+            b = None if c.bias is None else c.bias.repeat(n)
+            xr = x.contiguous().view(1, n * ch, *x.shape[2:])
+            y, mean, invstd = torch.native_batch_norm(xr, w, b, None, None, True, 0.0, c.eps)
+            return _recompute(c) if _cancels(mean, invstd) else y.view(x.shape)
+
+    else:
+        return plain
+    return run
+
+
 def _cudnn() -> bool:
     # read per call, as torch.nn.functional does: users toggle cuDNN at run time
     return torch.backends.cudnn.enabled
@@ -334,7 +431,8 @@ def signature(call: Call) -> tuple:
 
 
 def _plan(call: Call, name: str) -> tuple[str, Callable[[Call], Tensor]]:
-    if name == "auto":
+    automatic = name == "auto"
+    if automatic:
         for name in _AUTO:
             if _BACKENDS[name].why_not(call) is None:
                 break
@@ -344,7 +442,10 @@ def _plan(call: Call, name: str) -> tuple[str, Callable[[Call], Tensor]]:
         reason = _BACKENDS[name].why_not(call)
         if reason is not None:
             raise ValueError(f"backend {name!r} cannot run this normalization: {reason}")
-    return name, _BACKENDS[name].prepare(call)
+    runner = _BACKENDS[name].prepare(call)
+    if automatic and name == "aten":
+        runner = _guard_cancellation(call, runner)
+    return name, runner
 
 
 def dispatch(call: Call, backend: str | None = None) -> Tensor:
