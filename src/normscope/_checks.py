@@ -31,6 +31,14 @@ def ndim(x: Tensor, allowed: Sequence[int], name: str, where: str) -> None:
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def channels_first(x: Tensor, min_dims: int, where: str) -> None:
+    """An (N, C, *) input with at least ``min_dims`` dims."""
+    if x.dim() < min_dims:
+        raise ValueError(
+            f"{where}: expected input of shape (N, C, *) with at least {min_dims} dims, got shape {tuple(x.shape)}"
+        )
+
+
 def param(
     p: Tensor | None, name: str, shape: Sequence[int], x: Tensor, where: str, any_dtype: bool = False
 ) -> None:
@@ -70,7 +78,9 @@ def mask(m: Tensor | None, x: Tensor, channel_dim: int | None, where: str) -> Te
         cd = channel_dim % x.dim()
         want = tuple(x.shape[:cd]) + tuple(x.shape[cd + 1 :])
     if tuple(m.shape) != want:
-        extra = "" if channel_dim is None else f" (the input's shape {tuple(x.shape)} without channel axis {channel_dim})"
+        extra = ""
+        if channel_dim is not None:
+            extra = f" (the input's shape {tuple(x.shape)} without channel axis {channel_dim})"
         raise ValueError(f"{where}: expected `mask` of shape {want}{extra}, got {tuple(m.shape)}")
     if m.device != x.device:
         raise ValueError(f"{where}: expected `mask` on the input's device {x.device}, got {m.device}")
@@ -92,7 +102,8 @@ def normalized_shape(shape: int | Sequence[int] | torch.Size, where: str) -> tup
         # operator.index, not int(): int() would accept "4" and 2.5 and raise ValueError on "a"
         out = tuple(operator.index(s) for s in shape)
     except TypeError:
-        raise TypeError(f"{where}: expected `normalized_shape` to be an int or a sequence of ints, got {shape!r}") from None
+        expected = "an int or a sequence of ints"
+        raise TypeError(f"{where}: expected `normalized_shape` to be {expected}, got {shape!r}") from None
     if not out or any(s < 1 for s in out):
         raise ValueError(f"{where}: expected `normalized_shape` to be non-empty with positive sizes, got {out}")
     if len(_VALID_SHAPES) < 1024:

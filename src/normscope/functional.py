@@ -79,8 +79,7 @@ def batch_norm(
     """
     where = "batch_norm"
     check.tensor(input, "input", where)
-    if input.dim() < 2:
-        raise ValueError(f"{where}: expected input of shape (N, C, *) with at least 2 dims, got shape {tuple(input.shape)}")
+    check.channels_first(input, 2, where)
     if channel_dim not in (1, -1, input.dim() - 1):
         raise ValueError(f"{where}: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
     c = input.shape[channel_dim]
@@ -134,8 +133,7 @@ def instance_norm(
     """
     where = "instance_norm"
     check.tensor(input, "input", where)
-    if input.dim() < 3:
-        raise ValueError(f"{where}: expected input of shape (N, C, *) with at least 3 dims, got shape {tuple(input.shape)}")
+    check.channels_first(input, 3, where)
     c = input.shape[1]
     for name, p in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
         check.param(p, name, (c,), input, where)
@@ -219,8 +217,7 @@ def group_norm(
     positions only. A sample with no valid position normalizes to the bias."""
     where = "group_norm"
     check.tensor(input, "input", where)
-    if input.dim() < 2:
-        raise ValueError(f"{where}: expected input of shape (N, C, *) with at least 2 dims, got shape {tuple(input.shape)}")
+    check.channels_first(input, 2, where)
     if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
         raise ValueError(f"{where}: expected `num_groups` to be a positive int, got {num_groups!r}")
     c = input.shape[1]
@@ -246,8 +243,7 @@ def local_response_norm(input: Tensor, size: int, alpha: float = 1e-4, beta: flo
     """
     where = "local_response_norm"
     check.tensor(input, "input", where)
-    if input.dim() < 3:
-        raise ValueError(f"{where}: expected input of shape (N, C, *) with at least 3 dims, got shape {tuple(input.shape)}")
+    check.channels_first(input, 3, where)
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"{where}: expected `size` to be a positive int, got {size!r}")
     return torch.nn.functional.local_response_norm(input, size, alpha, beta, k)
@@ -316,7 +312,8 @@ def normalize(
         try:
             torch.broadcast_shapes(mask.shape, x.shape)
         except RuntimeError:
-            raise ValueError(f"{where}: expected `mask` broadcastable to {tuple(x.shape)}, got {tuple(mask.shape)}") from None
+            got = tuple(mask.shape)
+            raise ValueError(f"{where}: expected `mask` broadcastable to {tuple(x.shape)}, got {got}") from None
         if mask.device != x.device:
             raise ValueError(f"{where}: expected `mask` on the input's device {x.device}, got {mask.device}")
     return norm(x, resolved, weight, bias, eps, mask=mask, backend=backend)

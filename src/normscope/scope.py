@@ -68,40 +68,40 @@ class Scope:
     # -- named scopes: the table of DESIGN.md, one constructor a row ---------------------------
 
     @classmethod
-    def layer(cls, ndims: int = 1) -> "Scope":
+    def layer(cls, ndims: int = 1) -> Scope:
         """LayerNorm: the last ``ndims`` axes of each sample; affine over the same axes."""
         axes = tuple(range(-ndims, 0))
         return cls(reduce=axes, affine=axes)
 
     @classmethod
-    def rms(cls, ndims: int = 1) -> "Scope":
+    def rms(cls, ndims: int = 1) -> Scope:
         """RMSNorm: as LayerNorm, without the mean."""
         axes = tuple(range(-ndims, 0))
         return cls(reduce=axes, centered=False, affine=axes)
 
     @classmethod
-    def batch(cls, channel_dim: int = 1) -> "Scope":
+    def batch(cls, channel_dim: int = 1) -> Scope:
         """BatchNorm: every axis but the channel axis; affine per channel."""
         return cls(keep=(channel_dim,), affine=(channel_dim,))
 
     @classmethod
-    def instance(cls) -> "Scope":
+    def instance(cls) -> Scope:
         """InstanceNorm: the spatial axes of each (sample, channel); affine per channel."""
         return cls(keep=(0, 1), affine=(1,))
 
     @classmethod
-    def group(cls, num_groups: int) -> "Scope":
+    def group(cls, num_groups: int) -> Scope:
         """GroupNorm: the channels of one group and all positions, per sample; affine per channel."""
         return cls(keep=(0,), groups=num_groups, group_dim=1, affine=(1,))
 
     @classmethod
-    def channels(cls, centered: bool = True) -> "Scope":
+    def channels(cls, centered: bool = True) -> Scope:
         """Channels-first LayerNorm (LayerNorm2d): the channel axis at each sample and position."""
         return cls(reduce=(1,), centered=centered, affine=(1,))
 
     # -- resolution -----------------------------------------------------------------------------
 
-    def resolve(self, shape: tuple[int, ...]) -> "Resolved":
+    def resolve(self, shape: tuple[int, ...]) -> Resolved:
         """This scope on a tensor of ``shape``: concrete, sorted, canonical axes.
 
         Raises ValueError (naming the axis and the rank) when an axis does not exist, or when the

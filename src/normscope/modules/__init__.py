@@ -15,9 +15,9 @@ from .frozen import FrozenBatchNorm2d, freeze_batchnorm, unfreeze_batchnorm
 from .instancenorm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from .layernorm2d import LayerNorm2d
 from .normalization import GroupNorm, LayerNorm, LocalResponseNorm, RMSNorm
-from .syncbatchnorm import SyncBatchNorm
 from .powernorm import PowerNorm
 from .renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d
+from .syncbatchnorm import SyncBatchNorm
 
 __all__ = [
     "BatchNorm1d",
