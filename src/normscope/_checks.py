@@ -31,11 +31,12 @@ def ndim(x: Tensor, allowed: Sequence[int], name: str, where: str) -> None:
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def channels_first(x: Tensor, min_dims: int, where: str) -> None:
-    """An (N, C, *) input with at least ``min_dims`` dims."""
+def channels_first(x: Tensor, min_dims: int, where: str, name: str = "input") -> None:
+    """An (N, C, *) tensor with at least ``min_dims`` dims."""
     if x.dim() < min_dims:
+        what = "input" if name == "input" else f"`{name}`"
         raise ValueError(
-            f"{where}: expected input of shape (N, C, *) with at least {min_dims} dims, got shape {tuple(x.shape)}"
+            f"{where}: expected {what} of shape (N, C, *) with at least {min_dims} dims, got shape {tuple(x.shape)}"
         )
 
 

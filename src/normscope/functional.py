@@ -344,10 +344,7 @@ def adain(content: Tensor, style: Tensor | tuple[Tensor, Tensor], eps: float = 1
     where = "adain"
     check.tensor(content, "content", where)
     check.positive_eps(eps, where)
-    if content.dim() < 3:
-        raise ValueError(
-            f"{where}: expected `content` of shape (N, C, *) with at least 3 dims, got {tuple(content.shape)}"
-        )
+    check.channels_first(content, 3, where, "content")
     n, c = content.shape[:2]
     spatial = (1,) * (content.dim() - 2)
     if isinstance(style, tuple):

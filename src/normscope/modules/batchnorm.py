@@ -11,6 +11,26 @@ from torch import Tensor, nn
 from .. import functional as F
 
 
+def momentum_factor(bn: nn.Module) -> float:
+    """The running-statistics update factor of this step, by torch's rule: ``momentum``, or for
+    ``momentum=None`` the cumulative average ``1 / (batches seen, this one included)``.
+
+    Pure: the counter moves in :func:`count_batch`, once the step has succeeded (torch increments
+    it first, so a rejected call would still count as a batch).
+    """
+    if bn.momentum is not None:
+        return bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        return 1.0 / (float(bn.num_batches_tracked) + 1.0)
+    return 0.0
+
+
+def count_batch(bn: nn.Module) -> None:
+    """Count a successful training step in ``num_batches_tracked`` (torch's bookkeeping)."""
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+
+
 class _BatchNormMixin:
     """torch's ``_BatchNorm.forward``, routed through the engine; the rest is torch's own."""
 
@@ -31,25 +51,11 @@ class _BatchNormMixin:
                 f"got {input.shape[cd]} (input shape {tuple(input.shape)})"
             )
 
-    def _factor(self) -> float:
-        # exactly torch's bookkeeping: momentum=None means a cumulative average over the batches seen
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked)
-        return factor
-
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         """Normalize ``input``; ``mask`` (optional, bool, the input's shape without the channel
         axis, True = valid) restricts the statistics and the running update to valid elements."""
         self._check_input_dim(input)
-        # as _factor(), but the counter moves only once F.batch_norm has accepted the input (torch
-        # increments it first, so a rejected call would still count as a batch)
-        factor = 0.0 if self.momentum is None else self.momentum
-        count = self.training and self.track_running_stats and self.num_batches_tracked is not None
-        if count and self.momentum is None:
-            factor = 1.0 / (float(self.num_batches_tracked) + 1.0)
+        factor = momentum_factor(self)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep_running = not self.training or self.track_running_stats
         y = F.batch_norm(
@@ -64,8 +70,7 @@ class _BatchNormMixin:
             mask=mask,
             channel_dim=self.channel_dim,
         )
-        if count:
-            self.num_batches_tracked.add_(1)
+        count_batch(self)
         return y
 
 

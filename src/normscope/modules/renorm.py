@@ -14,7 +14,7 @@ from .. import _checks as check
 from .. import engine
 from .. import reference as ref
 from ..scope import Scope
-from .batchnorm import BatchNorm1d, _BatchNormMixin
+from .batchnorm import BatchNorm1d, _BatchNormMixin, count_batch, momentum_factor
 
 
 class _BatchRenormMixin(_BatchNormMixin):
@@ -80,7 +80,7 @@ class _BatchRenormMixin(_BatchNormMixin):
         if mask is not None and not bool(mask.any()):
             raise ValueError(f"{name}: expected at least one valid (True) element in `mask` when training, got none")
         rmax, dmax = self.limits(int(self.num_batches_tracked))  # steps before this one
-        factor = self._factor()
+        factor = momentum_factor(self)
         scope = Scope.batch(self.channel_dim).resolve(tuple(input.shape))
         m = ref.moments(input, scope, mask)
         sigma_b = (m.var + self.eps).sqrt()
@@ -91,7 +91,9 @@ class _BatchRenormMixin(_BatchNormMixin):
             d = ((m.mean - self.running_mean.reshape(shape).to(m.mean.dtype)) / sigma).clamp(-dmax, dmax)
         running = engine.Running(self.running_mean, self.running_var, factor, True)
         engine._update_running(engine.Call(input, scope, None, None, self.eps, mask, running), m)
-        return engine.apply(input, m.mean - d * sigma_b / r, r / sigma_b, scope, self.weight, self.bias)
+        y = engine.apply(input, m.mean - d * sigma_b / r, r / sigma_b, scope, self.weight, self.bias)
+        count_batch(self)
+        return y
 
 
 _DOC = r"""Batch Renormalization over {shape}.

@@ -40,6 +40,7 @@ from .. import functional as F
 from .. import reference as ref
 from ..engine import Call, Running, _update_running, norm
 from ..scope import Resolved, Scope
+from .batchnorm import count_batch, momentum_factor
 
 __all__ = ["SyncBatchNorm"]
 
@@ -251,10 +252,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         name = type(self).__name__
         check.tensor(input, "input", name)
-        if input.dim() < 2:
-            raise ValueError(
-                f"{name}: expected input of shape (N, C, *) with at least 2 dims, got shape {tuple(input.shape)}"
-            )
+        check.channels_first(input, 2, name)
         if input.shape[1] != self.num_features:
             raise ValueError(
                 f"{name}({self.num_features}): expected input with {self.num_features} channels at dim 1, "
@@ -262,11 +260,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             )
         m = check.mask(mask, input, 1, name)
 
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked)
+        factor = momentum_factor(self)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep_running = not self.training or self.track_running_stats
         rm = self.running_mean if keep_running else None
@@ -276,13 +270,16 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         world = _group_size(group) if self.training else 1
         if world > 1:
             running = Running(rm, rv, float(factor), True) if rm is not None and rv is not None else None
-            return _SyncBatchNormFn.apply(input, m, self.weight, self.bias, self.eps, group, world, running, name)
-        if m is None:  # exactly normscope.BatchNorm*d
-            return F.batch_norm(input, rm, rv, self.weight, self.bias, use_batch_stats, factor, self.eps)
-        running = None
-        if rm is not None or rv is not None or not use_batch_stats:
-            running = Running(rm, rv, float(factor), use_batch_stats)
-        return norm(input, _BATCH, self.weight, self.bias, self.eps, mask=m, running=running)
+            y = _SyncBatchNormFn.apply(input, m, self.weight, self.bias, self.eps, group, world, running, name)
+        elif m is None:  # exactly normscope.BatchNorm*d
+            y = F.batch_norm(input, rm, rv, self.weight, self.bias, use_batch_stats, factor, self.eps)
+        else:
+            running = None
+            if rm is not None or rv is not None or not use_batch_stats:
+                running = Running(rm, rv, float(factor), use_batch_stats)
+            y = norm(input, _BATCH, self.weight, self.bias, self.eps, mask=m, running=running)
+        count_batch(self)  # after the step (and its collective) succeeded
+        return y
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group=None) -> nn.Module:
