@@ -1,16 +1,21 @@
 """Masked BatchNorm1d vs unmasked BatchNorm1d, forward + backward (a benchmark, not a test).
 
-    PYTHONPATH=src python benchmarks/masked_bn.py [--shape 64 512 128] [--pad 0.3] [--reps 20] [--json out.json]
+    PYTHONPATH=src python benchmarks/masked_bn.py [--shape 64 512 128] [--pad 0.3] [--reps 20]
+                                                  [--layout ncl|bsd] [--json out.json]
 
-The masked call runs on the engine's reference backend (ATen has no masked normalization); the
-unmasked one on ATen's fused batch_norm. Both in training mode with running statistics. Prints
-and saves medians (ms) and the ratio masked / unmasked.
+Three implementations, interleaved round by round so that load from other processes hits them
+alike: the unmasked layer (ATen's fused batch_norm), the masked layer with the automatic backend
+choice (``composite`` on a CPU: bmm statistics and a closed-form backward), and the masked layer
+forced onto the ``reference`` backend (plain autograd ops, the previous path). All in training
+mode with running statistics. Prints and saves medians (ms) and the ratios to the unmasked layer.
+``--layout bsd`` runs (B, S, D) = (N, L, C) with ``channel_dim=-1``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -30,15 +35,17 @@ def _once(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _time_pair(a, b, reps: int, warmup: int = 3) -> tuple[list[float], list[float]]:
-    """Alternate the two so that load from other processes hits both alike."""
+def _time_rounds(fns: dict, reps: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Run every function once a round, in a rotating order, ``reps`` rounds; times in ms."""
+    names = list(fns)
     for _ in range(warmup):
-        a(), b()
-    ta, tb = [], []
-    for _ in range(reps):
-        ta.append(_once(a) * 1e3)
-        tb.append(_once(b) * 1e3)
-    return ta, tb
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(_once(fns[name]) * 1e3)
+    return times
 
 
 def main() -> None:
@@ -47,46 +54,62 @@ def main() -> None:
     ap.add_argument("--pad", type=float, default=0.3, help="fraction of padded positions")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--layout", choices=("ncl", "bsd"), default="ncl", help="(N, C, L), or (B, S, D) with channel_dim=-1"
+    )
     ap.add_argument("--json", default="masked_bn.json")
     args = ap.parse_args()
     n, c, length = args.shape
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    x = torch.randn(n, c, length, device=dev, requires_grad=True)
+    bsd = args.layout == "bsd"
+    x = torch.randn(*((n, length, c) if bsd else (n, c, length)), device=dev, requires_grad=True)
     # padding at the end of each sequence, lengths uniform around (1 - pad) * L
     lengths = ((1 - args.pad) * length * (0.5 + torch.rand(n))).clamp(1, length).long()
     mask = (torch.arange(length)[None, :] < lengths[:, None]).to(dev)
     grad = torch.randn_like(x)
-    bn = normscope.BatchNorm1d(c).to(dev)
+    bn = normscope.BatchNorm1d(c, channel_dim=-1 if bsd else 1).to(dev)
 
-    def step(m):
+    def step(m, backend=None):
         def run():
             x.grad = None
-            y = bn(x, m) if m is not None else bn(x)
+            with normscope.use_backend(backend):
+                y = bn(x, m) if m is not None else bn(x)
             y.backward(grad)
+
         return run
 
-    step(None)()
-    backend_unmasked = normscope.last_backend()
-    step(mask)()
-    backend_masked = normscope.last_backend()
-    tu, tm = _time_pair(step(None), step(mask), args.reps)
-    unmasked, masked = statistics.median(tu), statistics.median(tm)
+    fns = {"unmasked": step(None), "masked": step(mask), "masked_reference": step(mask, "reference")}
+    backends = {}
+    for name, fn in fns.items():
+        fn()
+        backends[name] = normscope.last_backend()
+    times = _time_rounds(fns, args.reps)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    # per-round ratios: both sides of a ratio ran back to back, under the same load
+    ratio = lambda a: statistics.median(ta / tu for ta, tu in zip(times[a], times["unmasked"]))  # noqa: E731
     result = {
-        "shape": [n, c, length],
+        "shape": list(x.shape),
+        "layout": args.layout,
         "padded_fraction": round(1 - mask.float().mean().item(), 4),
         "device": str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "unmasked_ms": round(unmasked, 3),
-        "masked_ms": round(masked, 3),
-        "ratio": round(masked / unmasked, 3),
-        "ratio_of_minima": round(min(tm) / min(tu), 3),
-        "backends": {"unmasked": backend_unmasked, "masked": backend_masked},
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "unmasked_ms": round(med["unmasked"], 3),
+        "masked_ms": round(med["masked"], 3),
+        "masked_reference_ms": round(med["masked_reference"], 3),
+        "ratio": round(ratio("masked"), 3),
+        "ratio_reference": round(ratio("masked_reference"), 3),
+        "backends": backends,
         "reps": args.reps,
+        "samples_ms": {name: [round(t, 3) for t in ts] for name, ts in times.items()},
     }
-    print(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "samples_ms"}, indent=2))
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
 

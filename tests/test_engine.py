@@ -295,7 +295,9 @@ def test_backend_precedence_argument_over_context_over_env(monkeypatch):
 def test_last_backend_reports_what_ran():
     x = torch.randn(2, 3, 4)
     normscope.normalize(x, dims=-1, mask=torch.ones(4, dtype=torch.bool))
-    assert normscope.last_backend() == "reference"  # masks are reference-only
+    assert normscope.last_backend() == "composite"  # ATen has no masked op: the composite form runs it
+    normscope.normalize(x, dims=-1, mask=torch.ones(4, dtype=torch.bool), centered=False)
+    assert normscope.last_backend() == "reference"  # masked RMS statistics: only the reference
     normscope.normalize(x, dims=-1)
     assert normscope.last_backend() == "aten"
     normscope.GroupNorm(3, 3)(x)

@@ -20,6 +20,13 @@ def _mask(*shape: int, p: float = 0.3, seed: int = 0) -> torch.Tensor:
     return m
 
 
+@pytest.fixture(params=["auto", "reference"])
+def backend(request):
+    """Run a test with the automatic choice (masked scopes: the composite backend) and on the reference."""
+    with normscope.use_backend(None if request.param == "auto" else request.param):
+        yield request.param
+
+
 def _pair(layer_cls, *args, **kw):
     a = layer_cls(*args, **kw)
     with torch.no_grad():
@@ -31,7 +38,7 @@ def _pair(layer_cls, *args, **kw):
 
 
 @pytest.mark.parametrize("channel_dim", [1, -1])
-def test_batchnorm1d_masked_equals_valid_only(channel_dim):
+def test_batchnorm1d_masked_equals_valid_only(channel_dim, backend):
     n, c, length = 5, 7, 11
     x = torch.randn(n, c, length) * 3 + 1 if channel_dim == 1 else torch.randn(n, length, c) * 3 + 1
     mask = _mask(n, length)
@@ -59,7 +66,7 @@ def test_batchnorm1d_masked_equals_valid_only(channel_dim):
     torch.testing.assert_close(masked(x, mask), masked(x), **TOL)
 
 
-def test_batchnorm2d_masked_equals_valid_only():
+def test_batchnorm2d_masked_equals_valid_only(backend):
     x = torch.randn(3, 4, 5, 6)
     mask = _mask(3, 5, 6)
     bn = normscope.BatchNorm2d(4)
@@ -71,7 +78,7 @@ def test_batchnorm2d_masked_equals_valid_only():
 
 
 @pytest.mark.parametrize("kind", ["instance1d", "instance2d", "group"])
-def test_per_sample_masked_equals_valid_only(kind):
+def test_per_sample_masked_equals_valid_only(kind, backend):
     n, c = 4, 6
     if kind == "instance2d":
         shape, layer = (n, c, 5, 4), normscope.InstanceNorm2d(c, affine=True)
@@ -100,14 +107,18 @@ def test_per_sample_masked_equals_valid_only(kind):
     torch.testing.assert_close(layer.bias.grad, ref.bias.grad, **TOL)
 
 
-def test_padding_has_no_influence():
+def test_padding_has_no_influence(backend):
     x = torch.randn(4, 6, 8)
     mask = _mask(4, 8)
     for garbage in (1e6, float("inf"), float("nan")):
         x2 = x.clone()
         x2.transpose(1, 2)[~mask] = garbage  # garbage in the padding
-        for layer in (normscope.BatchNorm1d(6), normscope.InstanceNorm1d(6), normscope.GroupNorm(3, 6),
-                      normscope.GroupNorm(1, 6)):
+        for layer in (
+            normscope.BatchNorm1d(6),
+            normscope.InstanceNorm1d(6),
+            normscope.GroupNorm(3, 6),
+            normscope.GroupNorm(1, 6),
+        ):
             y1, y2 = layer(x, mask), layer(x2, mask)
             m = mask.unsqueeze(1).expand_as(y1)
             torch.testing.assert_close(y1[m], y2[m])
@@ -118,11 +129,11 @@ def test_padding_has_no_influence():
     assert torch.count_nonzero(xg.grad.transpose(1, 2)[~mask]) == 0
 
 
-def test_functional_masks_and_reference_backend():
+def test_functional_masks_and_backend_choice():
     x = torch.randn(3, 4, 6)
     mask = _mask(3, 6)
     F.batch_norm(x, None, None, training=True, mask=mask)
-    assert normscope.last_backend() == "reference"
+    assert normscope.last_backend() == "composite"  # ATen has no masked op; the composite form runs it
     y = F.group_norm(x, 2, mask=mask)
     yi = F.instance_norm(x, mask=mask)
     torch.testing.assert_close(y, normscope.normalize(x, keep=0, groups=2, mask=mask.unsqueeze(1)))
@@ -132,7 +143,7 @@ def test_functional_masks_and_reference_backend():
     torch.testing.assert_close(F.group_norm(x, 2, mask=full), torch.nn.functional.group_norm(x, 2), **TOL)
 
 
-def test_empty_scopes():
+def test_empty_scopes(backend):
     x = torch.randn(2, 3, 5)
     mask = torch.zeros(2, 5, dtype=torch.bool)
     with pytest.raises(ValueError, match="at least one valid"):
@@ -173,7 +184,7 @@ def test_channels_last_batchnorm1d():
         bn(torch.randn(4, 6, 9))
 
 
-def test_masked_large_offset_and_broadcast_mask():
+def test_masked_large_offset_and_broadcast_mask(backend):
     # two-pass variance on valid elements: mean 1e4, std 1e-2 in fp32 still normalizes to unit variance
     x = torch.randn(6, 3, 50) * 1e-2 + 1e4
     mask = _mask(6, 50)

@@ -72,5 +72,10 @@ __all__ = [
     "convert",
 ]
 
+# the "composite" backend (masked scopes from ATen ops) goes between ATen and the reference
+from . import composite as _composite  # noqa: E402
+
+_composite.register()
+
 # the "triton" backend registers itself when Triton is installed (the package imports without it)
 from . import kernels  # noqa: E402,F401

@@ -7,6 +7,8 @@ backend. Three kinds exist:
   ``instance_norm``, ``group_norm``), used when the scope matches one of them *exactly*;
 * ``"triton"`` -- fused kernels for CUDA tensors (:mod:`normscope.kernels`, when Triton is
   installed; registered on import of that package);
+* ``"composite"`` -- masked BatchNorm / InstanceNorm / GroupNorm from a few large ATen ops with a
+  closed-form backward, any device (:mod:`normscope.composite`);
 * ``"reference"`` -- :mod:`normscope.reference`, plain PyTorch ops, any scope, any device.
 
 Per call the first backend of the automatic order that supports the call runs. A user can force
@@ -80,9 +82,10 @@ class Backend(NamedTuple):
 
     ``why_not(call)`` returns None when the backend can run ``call``, else a short reason;
     ``prepare(call)`` returns the function that runs it. Both may look only at the call's
-    *signature* -- the resolved scope (shape included), dtype, device type, and which of mask,
-    running statistics, weight and bias are present -- because their answers are cached per
-    signature (:func:`signature`). Strides are not in it: a backend handles any layout itself.
+    *signature* -- the resolved scope (shape included), dtype, device type, which of mask,
+    running statistics, weight and bias are present, and which axes the mask broadcasts over --
+    because their answers are cached per signature (:func:`signature`). Strides are not in it: a
+    backend handles any layout itself.
     """
 
     name: str
@@ -192,19 +195,23 @@ def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
         return (None, None, True, 0.0) if r is None else (r.mean, r.var, r.use_input_stats, r.momentum)
 
     if kind == "batch_norm":
+
         def run(c: Call) -> Tensor:
             rm, rv, training, mom = running(c)
             return torch.batch_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
     elif kind == "batch_norm_last":  # (..., C): channels last, e.g. (B, S, D)
+
         def run(c: Call) -> Tensor:
             rm, rv, training, mom = running(c)
             x2 = c.x.reshape(-1, c.x.shape[-1])
             return torch.batch_norm(x2, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn()).reshape(c.x.shape)
     elif kind == "instance_norm":
+
         def run(c: Call) -> Tensor:
             rm, rv, training, mom = running(c)
             return torch.instance_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
     elif kind == "group_norm":
+
         def run(c: Call) -> Tensor:
             return torch.group_norm(c.x, s.groups, c.weight, c.bias, c.eps, _cudnn())
     else:
@@ -217,12 +224,15 @@ def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
         op = torch.layer_norm if kind == "layer_norm" else None
         if s.reduce == tail:
             if op is not None:
+
                 def run(c: Call) -> Tensor:
                     return op(c.x, shape, c.weight, c.bias, c.eps, _cudnn())
             else:
+
                 def run(c: Call) -> Tensor:
                     return torch.rms_norm(c.x, shape, c.weight, c.eps)
         else:
+
             def run(c: Call) -> Tensor:
                 xm = c.x.movedim(s.reduce, tail)
                 if op is not None:
@@ -230,6 +240,7 @@ def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
                 else:
                     y = torch.rms_norm(xm, shape, c.weight, c.eps)
                 return y.movedim(tail, s.reduce)
+
     return run
 
 
@@ -357,13 +368,20 @@ _PLANS: dict[tuple, tuple[str, Callable[[Call], Tensor]]] = {}
 _MAX_PLANS = 4096
 
 
-def register_backend(backend: Backend, *, auto_first: bool = False) -> None:
+def register_backend(backend: Backend, *, auto_first: bool = False, before: str | None = None) -> None:
     """Add a backend. ``auto_first`` puts it ahead of the others in the automatic order (fast
-    kernels that decline, through ``why_not``, what they cannot do better than ATen)."""
+    kernels that decline, through ``why_not``, what they cannot do better than ATen); ``before``
+    puts it just ahead of the named one; otherwise it goes last."""
     _BACKENDS[backend.name] = backend
     if backend.name in _AUTO:
         _AUTO.remove(backend.name)
-    _AUTO.insert(0 if auto_first else len(_AUTO), backend.name)
+    if auto_first:
+        at = 0
+    elif before is not None and before in _AUTO:
+        at = _AUTO.index(before)
+    else:
+        at = len(_AUTO)
+    _AUTO.insert(at, backend.name)
     _PLANS.clear()
 
 
@@ -423,7 +441,8 @@ def signature(call: Call) -> tuple:
         call.scope,
         call.x.dtype,
         call.x.device.type,
-        call.mask is None,
+        # which axes the mask broadcasts over (a per-position mask vs one that varies by channel)
+        None if call.mask is None else tuple(n == 1 for n in call.mask.shape),
         None if r is None else (r.use_input_stats, r.mean is None, r.var is None),
         call.weight is None,
         call.bias is None,
