@@ -37,6 +37,8 @@ def const(names, values):
     return {n: "constexpr" for n in names}, dict(zip(names, values))
 
 
+# signatures packed several keys a line, easier to compare with the kernels than one key a line
+# fmt: off
 for dt in ("fp32", "bf16"):
     p = "*" + dt
     for looped, centered, has_w, has_b, has_r in itertools.product([False, True], repeat=5):
@@ -65,6 +67,33 @@ for dt in ("fp32", "bf16"):
         sig = {"DY": p, "X": p, "W": p, "MEAN": "*fp32", "RSTD": "*fp32", "DX": p, "DWP": "*fp32", "DBP": "*fp32",
                "G": "i32", "Cg": "i32", "HW": "i32", **csig}
         check(G._groups_bwd_kernel, sig, cval, f"groups bwd {dt} {cval}")
+        # channels_last tiles (BLOCK_S, BLOCK_G, BLOCK_C): 4 groups of 16 channels for every flag; the
+        # InstanceNorm shape (64 groups of 1) and one wide group (1 of 64) with all flags set and the most
+        # splits _cl_config allows them (BLOCK_P: min(CL_PROGRAMS, CL_TILE // BLOCK_G))
+        dims = {"G": "i32", "C": "i32", "Cg": "i32", "HW": "i32", "chunk": "i32", "splits": "i32"}
+        blocks = ("BLOCK_S", "BLOCK_G", "BLOCK_C")
+        for tile in ((32, 4, 16), (32, 64, 1), (32, 1, 64)):
+            if tile != (32, 4, 16) and not (centered and has_w and has_b):
+                continue
+            if (not has_w and not has_b) or tile != (32, 4, 16):  # the statistics kernel has no affine flags
+                csig, cval = const((*blocks, "CENTERED"), (*tile, centered))
+                sig = {"X": p, "PMEAN": "*fp32", "PM2": "*fp32", **dims, **csig}
+                check(G._groups_cl_stats_kernel, sig, cval, f"groups cl stats {dt} {cval}")
+            names = (*blocks, "BLOCK_P", "CENTERED", "HAS_WEIGHT", "HAS_BIAS")
+            bp = 8 if tile == (32, 4, 16) else min(G.CL_PROGRAMS, G.CL_TILE // tile[1])
+            csig, cval = const(names, (*tile, bp, centered, has_w, has_b))
+            sig = {"X": p, "W": p, "B": p, "Y": p, "PMEAN": "*fp32", "PM2": "*fp32", "MEAN": "*fp32", "RSTD": "*fp32",
+                   **dims, "eps": "fp32", **csig}
+            check(G._groups_cl_apply_kernel, sig, cval, f"groups cl apply {dt} {cval}")
+            csig, cval = const((*blocks, "CENTERED", "HAS_WEIGHT", "HAS_BIAS"), (*tile, centered, has_w, has_b))
+            sig = {"DY": p, "X": p, "W": p, "MEAN": "*fp32", "RSTD": "*fp32", "PC1": "*fp32", "PC2": "*fp32",
+                   "DWP": "*fp32", "DBP": "*fp32", **dims, **csig}
+            check(G._groups_cl_bwd_sums_kernel, sig, cval, f"groups cl bwd sums {dt} {cval}")
+            if not has_b or tile != (32, 4, 16):  # dx does not depend on the bias
+                csig, cval = const((*blocks, "BLOCK_P", "CENTERED", "HAS_WEIGHT"), (*tile, bp, centered, has_w))
+                sig = {"DY": p, "X": p, "W": p, "MEAN": "*fp32", "RSTD": "*fp32", "PC1": "*fp32", "PC2": "*fp32",
+                       "DX": p, **dims, **csig}
+                check(G._groups_cl_bwd_dx_kernel, sig, cval, f"groups cl bwd dx {dt} {cval}")
 
     for has_m in (False, True):
         csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_MASK"), (256, 32, has_m))
@@ -86,6 +115,7 @@ for dt in ("fp32", "bf16"):
         sig = {"DY": p, "X": p, "MASK": "*u8", "MEAN": "*fp32", "RSTD": "*fp32", "W": "*fp32", "SDY": "*fp32",
                "SDYX": "*fp32", "DX": p, "COUNT": "*fp32", "C": "i32", "inner": "i32", "P": "i32", **csig}
         check(CH._bwd_dx_kernel, sig, cval, f"channels bwd dx {dt} {cval}")
+# fmt: on
 
 print(f"triton {triton.__version__}: {failures} failures")
 sys.exit(1 if failures else 0)

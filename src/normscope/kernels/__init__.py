@@ -10,7 +10,8 @@ What exists (see ``docs/kernels.md``):
 * :mod:`.rows` -- LayerNorm / RMSNorm over the last axes, forward and backward, with optional
   weight, ``(weight + offset)``, bias and fused residual add; any row length.
 * :mod:`.groups` -- GroupNorm / InstanceNorm (and GroupNorm(1, C)) on (N, C, *), forward and
-  backward, per-channel affine; channels_last input is copied to NCHW first.
+  backward, per-channel affine; contiguous and channels_last / channels_last_3d input each have
+  kernels that read and write that memory in place.
 * :func:`fused_add_rms_norm` -- ``(rms_norm(x + residual), x + residual)`` in one pass.
 
 * :mod:`.channels` -- BatchNorm on any channel axis, training (two-stage deterministic

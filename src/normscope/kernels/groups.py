@@ -3,25 +3,53 @@
 
 What this covers
 ----------------
-The canonical view is ``(N * G)`` groups, each a contiguous ``(Cg, HW)`` block of a contiguous
-(N, C, *) tensor: ``Cg = C / G`` channels of ``HW`` positions. GroupNorm(G, C) is that view;
+GroupNorm(G, C) normalizes each (sample, group): ``Cg = C / G`` channels of ``HW`` positions.
 InstanceNorm is ``G = C`` (``Cg = 1``); GroupNorm(1, C) -- LayerNorm over (C, *) with a
-per-channel affine -- is ``G = 1``. One program normalizes one group, walking it in
-``(BLOCK_C, BLOCK_S)`` tiles: a statistics pass (Chan's combination of per-tile mean and M2, on
-values shifted by the group's first element), then a normalize pass with the per-channel affine.
-Statistics and the saved mean/rstd are fp32.
+per-channel affine -- is ``G = 1``. Two memory layouts are read and written in place:
 
-Backward: a pass for the two row sums, then a pass writing dx and, per channel of the group, the
-partial sums ``sum_s dy * xhat`` and ``sum_s dy`` into an ``(N * G, Cg)`` fp32 buffer; one
-``.sum(0)`` over the batch finishes dW/dB (deterministic, no atomics).
+**Contiguous (NCHW)**: each group is a contiguous ``(Cg, HW)`` block. One program normalizes one
+group, walking it in ``(BLOCK_C, BLOCK_S)`` tiles: a statistics pass (Chan's combination of
+per-tile mean and M2, on values shifted by the group's first element), then a normalize pass with
+the per-channel affine. Backward: a pass for the two row sums, then a pass writing dx and, per
+channel of the group, the partial sums ``sum_s dy * xhat`` and ``sum_s dy`` into an ``(N * G, Cg)``
+fp32 buffer; one ``.sum(0)`` over the batch finishes dW/dB (deterministic, no atomics).
+
+**channels_last (4-D) / channels_last_3d (5-D)**: memory is ``(N, HW, C)`` with channels innermost,
+so group g of sample n is a strided tile -- rows are positions, columns the channels
+``[g*Cg, (g+1)*Cg)``, row stride C. The output (and dx) is written in the same layout, which is what
+torch's CPU ``group_norm`` returns for such input. A program takes one sample, a block of
+``BLOCK_G`` adjacent groups and one *split* of the positions, and walks it in
+``(BLOCK_S, BLOCK_G, BLOCK_C)`` tiles, channels fastest: a tile row is one contiguous run of up to
+``CL_WIDTH`` channels, so loads coalesce even when a group is narrow (InstanceNorm's ``Cg = 1``
+would otherwise read one element per row). ``BLOCK_C = next_pow2(Cg)`` (capped at ``CL_WIDTH``;
+wider groups are walked in channel blocks), so a non-power-of-two ``Cg`` leaves masked lanes.
+
+Why split the positions (a two-stage scheme rather than one program per group): ``N * G`` programs
+is 64 for a batch of 2 at G = 32 -- under half an H100's 132 SMs, each program walking a whole
+group alone. The positions are cut into ``splits`` chunks of whole tiles so that about
+``CL_PROGRAMS`` programs run (each holding at least ``CL_MIN_SPLIT`` elements; small inputs get one
+split). The second stage is deterministic and costs no extra pass over x:
+
+* forward: stage 1 writes each split's per-group (mean, M2) -- on values shifted by the group's
+  first element, the same shift in every split -- to an ``(N * G, splits)`` fp32 buffer; in the
+  normalize pass every program Chan-combines all splits of its groups in one fixed order (so every
+  program of a group computes the same bits), split 0 stores the fp32 mean/rstd per (n, g);
+* backward: stage 1 writes per split ``sum(gy * xhat)``, ``sum(gy)`` per group and the per-channel
+  ``sum(dy * xhat)``, ``sum(dy)`` into ``(N * splits, C)`` fp32 buffers; the dx pass sums the
+  former in a fixed order; one ``.sum(0)`` finishes dW/dB. No atomics: two runs give the same bits.
 
 Limits
 ------
-* channels_last (and any non-contiguous) input is copied to contiguous NCHW first: there is no
-  channels_last kernel yet, so it pays one extra read and write.
-* Each group is read twice in the forward and three times in the backward (the passes); a group
-  small enough for registers would need one read -- not specialised yet.
-* Parameters are heuristics, not measured on a GPU yet.
+* Only contiguous, channels_last (4-D) and channels_last_3d (5-D) memory is read in place; any other
+  strides (a 3-D (N, C, L) tensor stored as (N, L, C) included) are copied to contiguous NCHW once
+  and give an NCHW output, as torch's ``group_norm`` does. In the backward an incoming gradient
+  whose layout differs from x's is copied to x's layout.
+* InstanceNorm (``G = C``) of channels_last input returns channels_last output, like torch's
+  ``group_norm`` and normscope's reference backend; ``torch.nn.functional.instance_norm`` returns
+  NCHW there (it normalizes a ``.contiguous()`` view).
+* Two passes over every group (x twice in the forward, x and dy twice each in the backward); a
+  group small enough for registers would need one read -- not specialised yet.
+* Parameters (``TILE``, ``CL_*``, warps, the split heuristic) are heuristics, not measured on a GPU.
 """
 
 from typing import Optional
@@ -37,6 +65,13 @@ __all__ = ["group_norm", "group_norm_ref"]
 
 #: Elements per tile.
 TILE = 2048
+#: channels_last kernels: elements per tile; most channels per tile row (a power of two: whole groups
+#: side by side, so that a row of the tile is one contiguous run of memory); programs to aim for when
+#: splitting positions; fewest elements a split of a group block should hold.
+CL_TILE = 2048
+CL_WIDTH = 64
+CL_PROGRAMS = 1024
+CL_MIN_SPLIT = 8192
 
 
 @triton.jit
@@ -178,6 +213,249 @@ def _groups_bwd_kernel(
             tl.store(DBP + row * Cg + c, db, mask=cmask)
 
 
+# ---- channels_last: (N, HW, C) memory, channels innermost
+
+
+@triton.jit
+def _cl_offsets(g, c0, Cg, G, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Channel index (within a sample) of each (group, channel) slot of a tile, and which are real."""
+    c = c0 + tl.arange(0, BLOCK_C)
+    ch = g[:, None] * Cg + c[None, :]
+    return ch, (g < G)[:, None] & (c < Cg)[None, :]
+
+
+@triton.jit
+def _groups_cl_stats_kernel(
+    X, PMEAN, PM2,
+    G, C, Cg, HW, chunk, splits,
+    BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, CENTERED: tl.constexpr,
+):  # fmt: skip
+    # program (n, group block, split): per group of the block, mean and M2 of its positions in the split
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    gblocks = tl.cdiv(G, BLOCK_G)
+    n = pid // gblocks
+    g = (pid % gblocks) * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = g < G
+    X += n.to(tl.int64) * HW * C
+    os_ = tl.arange(0, BLOCK_S)
+    s_lo = sp * chunk
+    s_hi = tl.minimum(s_lo + chunk, HW)
+    # every split of a group shifts by the same value, the group's first element: the partial means
+    # are then small, and combining them (in the apply kernel) keeps the digits of the deviations
+    if CENTERED:
+        k = tl.load(X + g * Cg, mask=gmask, other=0.0).to(tl.float32)
+    n_a = 0.0
+    mean_a = tl.zeros([BLOCK_G], dtype=tl.float32)
+    m2_a = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for s0 in range(s_lo, s_hi, BLOCK_S):
+        s = s0 + os_
+        srow = s.to(tl.int64)[:, None, None] * C
+        smask = s < s_hi
+        for c0 in range(0, Cg, BLOCK_C):
+            ch, cmask = _cl_offsets(g, c0, Cg, G, BLOCK_G, BLOCK_C)
+            mask = smask[:, None, None] & cmask[None, :, :]
+            x = tl.load(X + srow + ch[None, :, :], mask=mask, other=0.0).to(tl.float32)
+            if CENTERED:
+                x = tl.where(mask, x - k[None, :, None], 0.0)
+                n_b = (tl.minimum(s_hi - s0, BLOCK_S) * tl.minimum(Cg - c0, BLOCK_C)).to(tl.float32)
+                mean_b = tl.sum(tl.sum(x, axis=2), axis=0) / n_b
+                dd = tl.where(mask, x - mean_b[None, :, None], 0.0)
+                m2_b = tl.sum(tl.sum(dd * dd, axis=2), axis=0)
+                nn = n_a + n_b
+                delta = mean_b - mean_a
+                mean_a = mean_a + delta * (n_b / nn)
+                m2_a = m2_a + m2_b + delta * delta * (n_a * n_b / nn)
+                n_a = nn
+            else:
+                m2_a = m2_a + tl.sum(tl.sum(x * x, axis=2), axis=0)
+    rows = (n * G + g).to(tl.int64) * splits + sp
+    if CENTERED:
+        tl.store(PMEAN + rows, mean_a, mask=gmask)
+    tl.store(PM2 + rows, m2_a, mask=gmask)
+
+
+@triton.jit
+def _cl_group_stats(
+    X, PMEAN, PM2, n, g, gmask, G, Cg, HW, chunk, splits, eps,
+    BLOCK_P: tl.constexpr, CENTERED: tl.constexpr,
+):  # fmt: skip
+    """(mean, rstd) per group of the block from the splits' partials, combined in a fixed order (every
+    program of a group computes the same bits). X points at the sample."""
+    p = tl.arange(0, BLOCK_P)
+    pmask = gmask[:, None] & (p < splits)[None, :]
+    offs = (n * G + g).to(tl.int64)[:, None] * splits + p[None, :]
+    m2 = tl.sum(tl.load(PM2 + offs, mask=pmask, other=0.0), axis=1)
+    L = (HW * Cg).to(tl.float32)
+    if CENTERED:
+        # Chan's combination of the splits: split p holds min(chunk, HW - p * chunk) positions
+        cnt = tl.where(pmask, (tl.minimum(chunk, HW - p * chunk) * Cg).to(tl.float32)[None, :], 0.0)
+        means = tl.load(PMEAN + offs, mask=pmask, other=0.0)
+        mean_s = tl.sum(cnt * means, axis=1) / L
+        d = means - mean_s[:, None]
+        m2 = m2 + tl.sum(cnt * d * d, axis=1)
+        mean = tl.load(X + g * Cg, mask=gmask, other=0.0).to(tl.float32) + mean_s
+    else:
+        mean = tl.zeros_like(m2)
+    return mean, tl.rsqrt(m2 / L + eps)
+
+
+@triton.jit
+def _groups_cl_apply_kernel(
+    X, W, B, Y, PMEAN, PM2, MEAN, RSTD,
+    G, C, Cg, HW, chunk, splits, eps,
+    BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+    CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    gblocks = tl.cdiv(G, BLOCK_G)
+    n = pid // gblocks
+    g = (pid % gblocks) * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = g < G
+    base = n.to(tl.int64) * HW * C
+    X += base
+    Y += base
+    mean, rstd = _cl_group_stats(X, PMEAN, PM2, n, g, gmask, G, Cg, HW, chunk, splits, eps, BLOCK_P, CENTERED)
+    rows = n * G + g
+    tl.store(MEAN + rows, mean, mask=gmask & (sp == 0))
+    tl.store(RSTD + rows, rstd, mask=gmask & (sp == 0))
+    os_ = tl.arange(0, BLOCK_S)
+    s_lo = sp * chunk
+    s_hi = tl.minimum(s_lo + chunk, HW)
+    for c0 in range(0, Cg, BLOCK_C):
+        ch, cmask = _cl_offsets(g, c0, Cg, G, BLOCK_G, BLOCK_C)
+        # y = (x - mean) * scale + bias per (group, channel) slot; never x * scale - mean * scale, which
+        # cancels catastrophically when |mean| >> std
+        scale = tl.broadcast_to(rstd[:, None], [BLOCK_G, BLOCK_C])
+        if HAS_WEIGHT:
+            scale = scale * tl.load(W + ch, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            b = tl.load(B + ch, mask=cmask, other=0.0).to(tl.float32)
+        for s0 in range(s_lo, s_hi, BLOCK_S):
+            s = s0 + os_
+            mask = (s < s_hi)[:, None, None] & cmask[None, :, :]
+            offs = s.to(tl.int64)[:, None, None] * C + ch[None, :, :]
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean[None, :, None]) * scale[None, :, :]
+            if HAS_BIAS:
+                y = y + b[None, :, :]
+            tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _groups_cl_bwd_sums_kernel(
+    DY, X, W, MEAN, RSTD, PC1, PC2, DWP, DBP,
+    G, C, Cg, HW, chunk, splits,
+    BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+    CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    # per group and split: sum(gy * xhat), sum(gy); per channel and split: sum(dy * xhat), sum(dy)
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    gblocks = tl.cdiv(G, BLOCK_G)
+    n = pid // gblocks
+    g = (pid % gblocks) * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = g < G
+    base = n.to(tl.int64) * HW * C
+    X += base
+    DY += base
+    rows = n * G + g
+    rstd = tl.load(RSTD + rows, mask=gmask, other=0.0)
+    if CENTERED:
+        mean = tl.load(MEAN + rows, mask=gmask, other=0.0)
+    else:
+        mean = tl.zeros([BLOCK_G], dtype=tl.float32)
+    os_ = tl.arange(0, BLOCK_S)
+    s_lo = sp * chunk
+    s_hi = tl.minimum(s_lo + chunk, HW)
+    c1 = tl.zeros([BLOCK_G], dtype=tl.float32)
+    c2 = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for c0 in range(0, Cg, BLOCK_C):
+        ch, cmask = _cl_offsets(g, c0, Cg, G, BLOCK_G, BLOCK_C)
+        if HAS_WEIGHT:
+            w = tl.load(W + ch, mask=cmask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
+        db = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
+        for s0 in range(s_lo, s_hi, BLOCK_S):
+            s = s0 + os_
+            mask = (s < s_hi)[:, None, None] & cmask[None, :, :]
+            offs = s.to(tl.int64)[:, None, None] * C + ch[None, :, :]
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            xhat = tl.where(mask, (x - mean[None, :, None]) * rstd[None, :, None], 0.0)
+            if HAS_WEIGHT:
+                gy = dy * w[None, :, :]
+            else:
+                gy = dy
+            c1 += tl.sum(tl.sum(gy * xhat, axis=2), axis=0)
+            c2 += tl.sum(tl.sum(gy, axis=2), axis=0)
+            dw += tl.sum(dy * xhat, axis=0)
+            db += tl.sum(dy, axis=0)
+        # row (n, split) of the (N * splits, C) partial buffers; each channel has one writer
+        prow = (n * splits + sp).to(tl.int64) * C
+        if HAS_WEIGHT:
+            tl.store(DWP + prow + ch, dw, mask=cmask)
+        if HAS_BIAS:
+            tl.store(DBP + prow + ch, db, mask=cmask)
+    prows = rows.to(tl.int64) * splits + sp
+    tl.store(PC1 + prows, c1, mask=gmask)
+    if CENTERED:
+        tl.store(PC2 + prows, c2, mask=gmask)
+
+
+@triton.jit
+def _groups_cl_bwd_dx_kernel(
+    DY, X, W, MEAN, RSTD, PC1, PC2, DX,
+    G, C, Cg, HW, chunk, splits,
+    BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+    CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    gblocks = tl.cdiv(G, BLOCK_G)
+    n = pid // gblocks
+    g = (pid % gblocks) * BLOCK_G + tl.arange(0, BLOCK_G)
+    gmask = g < G
+    base = n.to(tl.int64) * HW * C
+    X += base
+    DY += base
+    DX += base
+    rows = n * G + g
+    rstd = tl.load(RSTD + rows, mask=gmask, other=0.0)
+    L = (HW * Cg).to(tl.float32)
+    p = tl.arange(0, BLOCK_P)
+    pmask = gmask[:, None] & (p < splits)[None, :]
+    poffs = rows.to(tl.int64)[:, None] * splits + p[None, :]
+    c1 = tl.sum(tl.load(PC1 + poffs, mask=pmask, other=0.0), axis=1) / L
+    if CENTERED:
+        mean = tl.load(MEAN + rows, mask=gmask, other=0.0)
+        c2 = tl.sum(tl.load(PC2 + poffs, mask=pmask, other=0.0), axis=1) / L
+    else:
+        mean = tl.zeros([BLOCK_G], dtype=tl.float32)
+        c2 = tl.zeros([BLOCK_G], dtype=tl.float32)
+    os_ = tl.arange(0, BLOCK_S)
+    s_lo = sp * chunk
+    s_hi = tl.minimum(s_lo + chunk, HW)
+    for c0 in range(0, Cg, BLOCK_C):
+        ch, cmask = _cl_offsets(g, c0, Cg, G, BLOCK_G, BLOCK_C)
+        if HAS_WEIGHT:
+            w = tl.load(W + ch, mask=cmask, other=0.0).to(tl.float32)
+        for s0 in range(s_lo, s_hi, BLOCK_S):
+            s = s0 + os_
+            mask = (s < s_hi)[:, None, None] & cmask[None, :, :]
+            offs = s.to(tl.int64)[:, None, None] * C + ch[None, :, :]
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            xhat = (x - mean[None, :, None]) * rstd[None, :, None]
+            if HAS_WEIGHT:
+                gy = dy * w[None, :, :]
+            else:
+                gy = dy
+            dx = (gy - (xhat * c1[None, :, None] + c2[None, :, None])) * rstd[None, :, None]
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+
+
 def _blocks(cg: int, hw: int) -> tuple[int, int, int]:
     bs = min(_next_pow2(hw), TILE)
     bc = max(1, min(_next_pow2(cg), TILE // bs))
@@ -187,6 +465,82 @@ def _blocks(cg: int, hw: int) -> tuple[int, int, int]:
 def _view(x: Tensor, groups: int) -> tuple[int, int, int]:
     n, c = x.shape[0], x.shape[1]
     return n * groups, c // groups, x[0, 0].numel() if x.dim() > 2 else 1
+
+
+def _cl_config(n: int, groups: int, cg: int, hw: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_S, BLOCK_G, BLOCK_C, num_warps, chunk, splits) of the channels_last kernels."""
+    bc = min(_next_pow2(cg), CL_WIDTH)  # a wider group is walked in several channel blocks
+    bg = min(_next_pow2(groups), CL_WIDTH // bc)
+    bs = max(1, min(_next_pow2(hw), CL_TILE // (bg * bc)))
+    programs = n * triton.cdiv(groups, bg)
+    most = max(1, hw * bg * cg // CL_MIN_SPLIT)  # splits that still hold CL_MIN_SPLIT elements each
+    # every program loads its groups' partials from all splits: keep that (BLOCK_G, splits) block <= a tile
+    splits = max(1, min(triton.cdiv(CL_PROGRAMS, programs), most, triton.cdiv(hw, bs), CL_TILE // bg))
+    chunk = triton.cdiv(triton.cdiv(hw, splits), bs) * bs  # positions per split, whole tiles
+    return bs, bg, bc, min(8, max(1, bs * bg * bc // 256)), chunk, triton.cdiv(hw, chunk)
+
+
+def _cl_format(x: Tensor) -> Optional[torch.memory_format]:
+    """channels_last (4-D) or channels_last_3d (5-D) when that is x's layout and x is not also plain
+    contiguous (C == 1 or one position: both layouts are the same memory; the NCHW kernel takes it)."""
+    if x.is_contiguous():
+        return None
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    return fmt if fmt is not None and x.is_contiguous(memory_format=fmt) else None
+
+
+def _laid_out(x: Tensor) -> Tensor:
+    """x itself when a kernel reads it in place (contiguous, channels_last, channels_last_3d); any
+    other strides are copied to contiguous NCHW once -- torch's group_norm also returns NCHW for them
+    (and for a 3-D (N, C, L) tensor stored as (N, L, C))."""
+    return x if x.is_contiguous() or _cl_format(x) is not None else x.contiguous()
+
+
+def _empty_out(x: Tensor) -> Tensor:
+    """An output in the layout torch's CPU group_norm gives x: channels_last(_3d) in, the same out."""
+    return torch.empty_like(x, memory_format=_cl_format(x) or torch.contiguous_format)
+
+
+def _cl_fwd(x, weight, bias, y, mean, rstd, groups, eps, centered):
+    n, c = x.shape[0], x.shape[1]
+    cg, hw = c // groups, x[0, 0].numel()
+    bs, bg, bc, warps, chunk, splits = _cl_config(n, groups, cg, hw)
+    pm2 = torch.empty(n * groups * splits, dtype=torch.float32, device=x.device)
+    pmean = torch.empty_like(pm2) if centered else pm2
+    grid = (n * triton.cdiv(groups, bg), splits)
+    _groups_cl_stats_kernel[grid](
+        x, pmean, pm2, groups, c, cg, hw, chunk, splits,
+        BLOCK_S=bs, BLOCK_G=bg, BLOCK_C=bc, CENTERED=centered, num_warps=warps,
+    )  # fmt: skip
+    _groups_cl_apply_kernel[grid](
+        x, weight if weight is not None else x, bias if bias is not None else x, y, pmean, pm2, mean, rstd,
+        groups, c, cg, hw, chunk, splits, eps, BLOCK_S=bs, BLOCK_G=bg, BLOCK_C=bc, BLOCK_P=_next_pow2(splits),
+        CENTERED=centered, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, num_warps=warps,
+    )  # fmt: skip
+
+
+def _cl_bwd(dy, x, weight, mean, rstd, dx, groups, centered, has_bias):
+    n, c = x.shape[0], x.shape[1]
+    cg, hw = c // groups, x[0, 0].numel()
+    has_w = weight is not None
+    bs, bg, bc, warps, chunk, splits = _cl_config(n, groups, cg, hw)
+    pc1 = torch.empty(n * groups * splits, dtype=torch.float32, device=x.device)
+    pc2 = torch.empty_like(pc1) if centered else pc1
+    # per-channel partials, one row per (sample, split): no atomics, summed once below
+    dwp = torch.empty((n * splits, c), dtype=torch.float32, device=x.device) if has_w else pc1
+    dbp = torch.empty((n * splits, c), dtype=torch.float32, device=x.device) if has_bias else pc1
+    grid = (n * triton.cdiv(groups, bg), splits)
+    _groups_cl_bwd_sums_kernel[grid](
+        dy, x, weight if has_w else x, mean, rstd, pc1, pc2, dwp, dbp, groups, c, cg, hw, chunk, splits,
+        BLOCK_S=bs, BLOCK_G=bg, BLOCK_C=bc, CENTERED=centered, HAS_WEIGHT=has_w, HAS_BIAS=has_bias,
+        num_warps=warps,
+    )  # fmt: skip
+    _groups_cl_bwd_dx_kernel[grid](
+        dy, x, weight if has_w else x, mean, rstd, pc1, pc2, dx, groups, c, cg, hw, chunk, splits,
+        BLOCK_S=bs, BLOCK_G=bg, BLOCK_C=bc, BLOCK_P=_next_pow2(splits), CENTERED=centered, HAS_WEIGHT=has_w,
+        num_warps=warps,
+    )  # fmt: skip
+    return dwp.sum(0) if has_w else None, dbp.sum(0) if has_bias else None
 
 
 # ---- the reference, next to the kernel
@@ -249,9 +603,11 @@ def _ref_bwd(dy, x, weight, mean, rstd, groups, centered, has_bias):
 def groups_fwd(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int, eps: float, centered: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(y, mean, rstd) for a contiguous (N, C, *) ``x``; statistics per (sample, group), fp32."""
+    """(y, mean, rstd) for an (N, C, *) ``x``; statistics per (sample, group), fp32. ``y`` is
+    channels_last(_3d) when ``x`` is, else contiguous."""
+    x = _laid_out(x)
     rows, cg, hw = _view(x, groups)
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = _empty_out(x)
     mean = torch.empty(rows, dtype=torch.float32, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0 or cg * hw == 0:
@@ -259,6 +615,9 @@ def groups_fwd(
     if not use_kernel(x):
         yr, mr, rr = _ref_fwd(x, weight, bias, groups, eps, centered)
         y.copy_(yr), mean.copy_(mr), rstd.copy_(rr)
+        return y, mean, rstd
+    if _cl_format(x) is not None:
+        _cl_fwd(x, weight, bias, y, mean, rstd, groups, eps, centered)
         return y, mean, rstd
     bc, bs, warps = _blocks(cg, hw)
     _groups_fwd_kernel[(rows,)](
@@ -272,19 +631,28 @@ def groups_fwd(
 @groups_fwd.register_fake
 def _groups_fwd_fake(x, weight, bias, groups, eps, centered):
     rows = x.shape[0] * groups
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = _empty_out(x)  # the real op's strides: channels_last(_3d) kept, anything else contiguous
     return y, x.new_empty((rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32)
 
 
 @torch.library.custom_op("normscope::groups_bwd", mutates_args=())
 def groups_bwd(
-    dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor, groups: int, centered: bool,
+    dy: Tensor,
+    x: Tensor,
+    weight: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    groups: int,
+    centered: bool,
     has_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dW fp32 or empty, dB fp32 or empty)."""
+    """(dx, dW fp32 or empty, dB fp32 or empty); ``dx`` in ``x``'s layout, as the forward's ``y``."""
+    x = _laid_out(x)
+    fmt = _cl_format(x)
+    dy = dy.contiguous(memory_format=fmt or torch.contiguous_format)  # a copy only if dy's layout differs
     rows, cg, hw = _view(x, groups)
     c = x.shape[1]
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dx = _empty_out(x)
     has_w = weight is not None
     empty = lambda: x.new_empty(0)  # noqa: E731 - a fresh one each time: outputs must not alias
     if rows == 0 or cg * hw == 0 or not use_kernel(x):
@@ -293,6 +661,9 @@ def groups_bwd(
             return dx.zero_(), z if has_w else empty(), z.clone() if has_bias else empty()
         dxr, dw, db = _ref_bwd(dy, x, weight, mean, rstd, groups, centered, has_bias)
         dx.copy_(dxr)
+        return dx, dw if has_w else empty(), db if has_bias else empty()
+    if fmt is not None:
+        dw, db = _cl_bwd(dy, x, weight, mean, rstd, dx, groups, centered, has_bias)
         return dx, dw if has_w else empty(), db if has_bias else empty()
     bc, bs, warps = _blocks(cg, hw)
     dwp = torch.empty((rows, cg), dtype=torch.float32, device=x.device) if has_w else None
@@ -316,7 +687,7 @@ def _groups_bwd_fake(dy, x, weight, mean, rstd, groups, centered, has_bias):
     c = x.shape[1]
     dw = x.new_empty((c,), dtype=torch.float32) if weight is not None else x.new_empty(0)
     db = x.new_empty((c,), dtype=torch.float32) if has_bias else x.new_empty(0)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), dw, db
+    return _empty_out(x), dw, db
 
 
 def _setup_context(ctx, inputs, output):
@@ -329,9 +700,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, dmean, drstd):
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = groups_bwd(
-        dy.contiguous(), x, weight, mean, rstd, ctx.groups, ctx.centered, ctx.b_dtype is not None
-    )
+    dx, dw, db = groups_bwd(dy, x, weight, mean, rstd, ctx.groups, ctx.centered, ctx.b_dtype is not None)
     dw = dw.to(weight.dtype) if weight is not None else None
     db = db.to(ctx.b_dtype) if ctx.b_dtype is not None else None
     return dx, dw, db, None, None, None
@@ -349,13 +718,13 @@ def group_norm(
     centered: bool = True,
 ) -> Tensor:
     """GroupNorm over (N, C, *) with the fused kernel (``groups == C`` is InstanceNorm). Inputs are
-    assumed valid. Non-contiguous input (channels_last included) is copied to NCHW first; the output
-    has the input's memory format."""
-    cl = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    assumed valid. Contiguous input runs the NCHW kernel, channels_last (4-D) / channels_last_3d (5-D)
+    input the channels_last kernels in place, with an output of the same layout (as torch's CPU
+    group_norm); any other strides are copied to contiguous NCHW once and give an NCHW output."""
     y, _, _ = groups_fwd(
-        x.contiguous(),
+        _laid_out(x),  # the copy, if any, happens here so that the saved x is already laid out
         weight.reshape(-1) if weight is not None else None,
         bias.reshape(-1) if bias is not None else None,
         int(groups), float(eps), bool(centered),
     )  # fmt: skip
-    return y.contiguous(memory_format=torch.channels_last) if cl else y
+    return y
