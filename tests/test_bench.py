@@ -10,8 +10,19 @@ from normscope import bench
 def test_bench_cpu_subset_writes_wellformed_json(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "NS_QUICK", (256,))
     monkeypatch.setattr(bench, "QUICK_BYTES", 64 << 10)
-    rc = bench.main(["--quick", "--device", "cpu", "--cases", "layer_norm,masked_batch_norm",
-                     "--dtypes", "fp32", "--out", str(tmp_path)])
+    rc = bench.main(
+        [
+            "--quick",
+            "--device",
+            "cpu",
+            "--cases",
+            "layer_norm,masked_batch_norm",
+            "--dtypes",
+            "fp32",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     report = json.loads((tmp_path / "bench-quick-cpu.json").read_text())
     assert report["device_type"] == "cpu" and report["torch"] == torch.__version__

@@ -291,8 +291,9 @@ def tiles(request, monkeypatch):
 def _group64(x, groups, w, b, centered, eps=1e-5):
     """float64 oracle: torch's group_norm, or the RMS variant written out."""
     if centered:
-        return F.group_norm(x.double(), groups, w.double() if w is not None else None,
-                            b.double() if b is not None else None, eps)
+        return F.group_norm(
+            x.double(), groups, w.double() if w is not None else None, b.double() if b is not None else None, eps
+        )
     xg = x.double().reshape(x.shape[0], groups, -1)
     y = (xg * torch.rsqrt(xg.square().mean(-1, keepdim=True) + eps)).reshape(x.shape)
     shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
@@ -327,8 +328,11 @@ def test_groups_low_precision_error_at_most_twice_torch(dtype):
     y64 = _group64(x, 4, w, b, True)
     y_k, y_t = G.group_norm(x, 4, w, b), F.group_norm(x, 4, w, b)
     atol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
-    triples = zip((y_k, *_grads(y_k, (x, w, b), dy)), (y_t, *_grads(y_t, (x, w, b), dy)),
-                  (y64, *_grads(y64, (x, w, b), dy.double())))
+    triples = zip(
+        (y_k, *_grads(y_k, (x, w, b), dy)),
+        (y_t, *_grads(y_t, (x, w, b), dy)),
+        (y64, *_grads(y64, (x, w, b), dy.double())),
+    )
     for got, torch_, want in triples:
         assert got.dtype == dtype
         err_k = (got.double() - want).abs().max().item()
@@ -453,8 +457,11 @@ def test_batch_norm_low_precision_error_at_most_twice_torch(dtype):
     y_t = F.batch_norm(x, None, None, w, b, True)
     y64 = F.batch_norm(x.double(), None, None, w.double(), b.double(), True)
     atol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
-    triples = zip((y_k, *_grads(y_k, (x, w, b), dy)), (y_t, *_grads(y_t, (x, w, b), dy)),
-                  (y64, *_grads(y64, (x, w, b), dy.double())))
+    triples = zip(
+        (y_k, *_grads(y_k, (x, w, b), dy)),
+        (y_t, *_grads(y_t, (x, w, b), dy)),
+        (y64, *_grads(y64, (x, w, b), dy.double())),
+    )
     for got, torch_, want in triples:
         err_k = (got.double() - want).abs().max().item()
         err_t = (torch_.double() - want).abs().max().item()
@@ -487,9 +494,15 @@ def test_masked_batch_norm_matches_the_reference(dtype, monkeypatch):
         rm, rv = torch.zeros(d_), torch.ones(d_)
         xin = x if backend == "triton" else x.to(dtype)  # the oracle may run in float64
         with normscope.use_backend(backend):
-            y = normscope.engine.norm(xin, normscope.Scope.batch(-1), w.to(dtype) if backend != "triton" else w,
-                                      b.to(dtype) if backend != "triton" else b, 1e-5, mask=mask,
-                                      running=normscope.engine.Running(rm, rv, 0.3, True))
+            y = normscope.engine.norm(
+                xin,
+                normscope.Scope.batch(-1),
+                w.to(dtype) if backend != "triton" else w,
+                b.to(dtype) if backend != "triton" else b,
+                1e-5,
+                mask=mask,
+                running=normscope.engine.Running(rm, rv, 0.3, True),
+            )
             assert normscope.last_backend() == backend
         outs[backend] = (y, *torch.autograd.grad(y, (x, w, b), dy.to(y.dtype)))
         run_stats[backend] = (rm, rv)

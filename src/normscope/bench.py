@@ -73,8 +73,9 @@ def time_ms(fn: Callable[[], object], device: torch.device, quick: bool) -> floa
     if device.type == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100,
-                                             return_mode="median"))
+        return float(
+            triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median")
+        )
     fn()  # warm-up
     t0 = time.perf_counter()
     fn()
@@ -232,9 +233,11 @@ def _spatial_case(case: str, quick: bool, dtype, device, compile_ok: bool):
 
 def _closure(fn: Callable, inputs: list, mode: str, device) -> Callable[[], object]:
     if mode == "fwd":
+
         def run():
             with torch.no_grad():
                 return fn(*inputs)
+
         return run
     leaves = [t.detach().requires_grad_() for t in inputs]
     out = fn(*leaves)
@@ -274,8 +277,12 @@ def run(cases, dtypes, quick: bool, device: torch.device, log=print, compile_pee
         # limit of 8 it would silently run them eagerly and the "compile" column would lie
         from torch._dynamo import config as dynamo_config
 
-        for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                     "accumulated_recompile_limit"):
+        for knob in (
+            "cache_size_limit",
+            "recompile_limit",
+            "accumulated_cache_size_limit",
+            "accumulated_recompile_limit",
+        ):
             if hasattr(dynamo_config, knob):
                 setattr(dynamo_config, knob, 4096)
     copy_gbs = copy_bandwidth(device, quick)
@@ -296,8 +303,15 @@ def run(cases, dtypes, quick: bool, device: torch.device, log=print, compile_pee
             for make in configs:
                 inputs, impls, nbytes, shape, ns_label = make()
                 for mode, nb in zip(("fwd", "fwd+bwd"), nbytes):
-                    row = {"case": case, "dtype": dname, "mode": mode, "shape": list(shape), "bytes": nb,
-                           "normscope_impl": ns_label, "impls": {}}
+                    row = {
+                        "case": case,
+                        "dtype": dname,
+                        "mode": mode,
+                        "shape": list(shape),
+                        "bytes": nb,
+                        "normscope_impl": ns_label,
+                        "impls": {},
+                    }
                     for name, fn in impls.items():
                         ms, peak, err = _measure(_closure(fn, inputs, mode, device), device, quick)
                         if name == "normscope" and row["normscope_impl"] is None:
@@ -377,8 +391,9 @@ def plot(report: dict, path: Path) -> bool:
     if not panels:
         return False
     cols = 2
-    fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols, figsize=(11, 3.2 * math.ceil(len(panels) / cols)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        math.ceil(len(panels) / cols), cols, figsize=(11, 3.2 * math.ceil(len(panels) / cols)), squeeze=False
+    )
     for ax, key in zip(axes.flat, panels):
         sel = [r for r in rows if (r["case"], r["dtype"], r["mode"]) == key]
         names = sorted({n for r in sel for n in r["impls"]})
@@ -392,7 +407,7 @@ def plot(report: dict, path: Path) -> bool:
         ax.set_xlabel("N (row length)")
         ax.set_ylabel("GB/s")
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(f"normscope bench -- {report['device']}", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.97))  # room for the suptitle
