@@ -16,6 +16,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from conftest import direct  # noqa: E402
+
 pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
 
 import normscope  # noqa: E402
@@ -525,3 +527,21 @@ def test_masked_batch_norm_edge_cases():
     with normscope.use_backend("reference"):
         want = nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=per_element)
     torch.testing.assert_close(y, want)
+
+
+def test_masked_batch_norm_says_reference_when_the_mask_varies_along_channels():
+    # a per-element mask has no kernel: the backend hands the call to the reference, and
+    # last_backend() must say so rather than "triton"
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(3, 5, 4, generator=g)
+    w, b = torch.randn(4, generator=g), torch.randn(4, generator=g)
+    per_position = (torch.arange(5)[None, :] < torch.tensor([5, 2, 4])[:, None])[..., None]  # (B, S, 1)
+    per_element = torch.rand(3, 5, 4, generator=g) > 0.4  # (B, S, D): differs between features
+    with normscope.use_backend("triton"):
+        y_pos = nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=per_position)
+        assert normscope.last_backend() == "triton"
+        y_el = nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=per_element)
+        assert normscope.last_backend() == "reference"
+    for y, m in ((y_pos, per_position), (y_el, per_element)):
+        want = direct(x, (0, 1), affine=(2,), weight=w, bias=b, mask=m)
+        torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
