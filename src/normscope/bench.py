@@ -538,6 +538,7 @@ def _measure_all(report, configs, device, level, peer_fns, kernels, budget_s, on
             report["remaining"] = [{"case": c, "dtype": d, "shape": list(s)} for c, d, s in todo[i:]]
             log(f"budget of {budget_s:.0f} s spent: {len(todo) - i} configurations left for a --resume run")
             break
+        t1 = time.monotonic()
         try:
             rows = _one_config(case, dname, shape, device, level, peer_fns, kernels, done, report["copy_gbs"], log)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory building the inputs: the others still run
@@ -545,7 +546,12 @@ def _measure_all(report, configs, device, level, peer_fns, kernels, budget_s, on
             report.setdefault("failed", []).append({"case": case, "dtype": dname, "shape": list(shape), "error": err})
             log(f"{case} {dname} {'x'.join(map(str, shape))}: failed: {err}")
             rows = []
+        for row in rows:
+            row["config_s"] = round(time.monotonic() - t1, 2)  # building, checking, compiling and timing it
         report["results"] += rows
+        log(
+            f"[{time.monotonic() - t0:.0f} s] {case} {dname} {'x'.join(map(str, shape))}: {time.monotonic() - t1:.1f} s"
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if on_config is not None:
