@@ -154,7 +154,7 @@ if [[ "$mode" == bench || "$mode" == all ]]; then
     fi
     say "bench $dtypes: budget ${budget}s"
     # the bench stops starting configurations after the budget; timeout is the backstop
-    timeout $((budget + margin - 20)) python3 -m normscope.bench "${extra[@]}" --cases "$cases" \
+    timeout $((budget + margin - 20)) python3 -m normscope.bench ${extra[@]+"${extra[@]}"} --cases "$cases" \
       --dtypes "$dtypes" --resume --budget-s "$budget" --out "$outdir" 2>&1 | tee -a "$outdir/bench.log"
     rc=$?
     if ((rc)); then

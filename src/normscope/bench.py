@@ -282,7 +282,7 @@ def _rows_case(case: str, m: int, n: int, dtype, device, peers: dict, kernels: b
     b = _randn(n, g, device, dtype)
     e = x.element_size()
     impls: dict[str, Callable] = {}
-    ns_label = None  # the engine's choice, read after the first call
+    ns_label = None  # the engine's choice, read after the check's call
     if case == "layer_norm":
         inputs = [x, w, b]
         eager = lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS)  # noqa: E731
