@@ -20,6 +20,9 @@
 #                     GPU_CHECK_MARGIN_S (default 150) before it
 #   GPU_CHECK_DRY=1   rehearse on a machine without a GPU: kernel tests on the CPU interpreter,
 #                     the bench with --interpret (tiny sizes); nvidia-smi may be missing
+#   GPU_CHECK_DTYPES  the bench's passes, in order (default "bf16 fp32")
+#   GPU_CHECK_PEERS   the bench's peers (default torch,compile,liger; e.g. torch,liger when device
+#                     time is short: torch.compile's compiling is most of the bench's time)
 #
 # Liger-Kernel: if .whl/liger_kernel-*.whl is present (carry .whl), it is installed with
 # `pip install --no-deps --target` into a throwaway folder and put on PYTHONPATH; torch stays as is.
@@ -146,7 +149,7 @@ if [[ "$mode" == bench || "$mode" == all ]]; then
   else
     extra=()
   fi
-  for dtypes in bf16 fp32; do # the dtype that matters most for transformer norms first
+  for dtypes in ${GPU_CHECK_DTYPES:-bf16 fp32}; do # the dtype that matters most for transformer norms first
     budget=$((limit - margin - SECONDS))
     if ((budget < 30)); then
       say "bench $dtypes: not started, ${budget}s left before the margin: run 'bench' again with PREVIOUS"
@@ -155,7 +158,8 @@ if [[ "$mode" == bench || "$mode" == all ]]; then
     say "bench $dtypes: budget ${budget}s"
     # the bench stops starting configurations after the budget; timeout is the backstop
     timeout $((budget + margin - 20)) python3 -m normscope.bench ${extra[@]+"${extra[@]}"} --cases "$cases" \
-      --dtypes "$dtypes" --resume --budget-s "$budget" --out "$outdir" 2>&1 | tee -a "$outdir/bench.log"
+      --dtypes "$dtypes" --peers "${GPU_CHECK_PEERS:-torch,compile,liger}" --resume --budget-s "$budget" \
+      --out "$outdir" 2>&1 | tee -a "$outdir/bench.log"
     rc=$?
     if ((rc)); then
       status=1
