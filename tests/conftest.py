@@ -18,6 +18,11 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+#: Device of the kernel tests' tensors (tests/test_kernels.py): "cpu" runs the kernels in Triton's
+#: interpreter; ``NORMSCOPE_TEST_DEVICE=cuda`` runs them compiled on the GPU (same assertions, plus
+#: larger shapes). Other test modules ignore it.
+TEST_DEVICE = os.environ.get("NORMSCOPE_TEST_DEVICE", "cpu")
+
 from normscope import engine  # noqa: E402
 
 BACKENDS = ("aten", "reference")
@@ -54,7 +59,7 @@ def direct(
     x = x.detach().double()
     shape = tuple(x.shape)
     nd = x.dim()
-    m = torch.ones(shape, dtype=torch.float64) if mask is None else mask.expand(shape).double()
+    m = torch.ones(shape, dtype=torch.float64, device=x.device) if mask is None else mask.expand(shape).double()
     reduce = sorted(a % nd for a in reduce)
     if groups > 1:
         gd = group_dim % nd
@@ -114,8 +119,23 @@ def assert_half_close(ours, torch_same_dtype, torch_fp32, dtype, what=""):
 
 
 def pytest_report_header(config):
-    return f"torch {torch.__version__}, NORMSCOPE_BACKEND={os.environ.get(engine.ENV_VAR)!r}"
+    return (
+        f"torch {torch.__version__}, NORMSCOPE_BACKEND={os.environ.get(engine.ENV_VAR)!r}, "
+        f"kernel tests on {TEST_DEVICE} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})"
+    )
 
 
 def pytest_configure(config):
+    if TEST_DEVICE not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"NORMSCOPE_TEST_DEVICE: expected 'cpu' or 'cuda', got {TEST_DEVICE!r}")
+    if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(
+            f"NORMSCOPE_TEST_DEVICE=cuda, but torch {torch.__version__} sees no CUDA device "
+            "(torch.cuda.is_available() is False)"
+        )
+    if TEST_DEVICE == "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
+        raise pytest.UsageError(
+            "NORMSCOPE_TEST_DEVICE=cuda with TRITON_INTERPRET=1 would run the interpreter, not the compiled "
+            "kernels: unset TRITON_INTERPRET"
+        )
     config.addinivalue_line("markers", "slow: takes tens of seconds (torch.compile); deselect with -m 'not slow'")

@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# The first command of a GPU session: versions, the kernel tests on CUDA, compile_check, then the
+# benchmark, each step's log teed into one output folder. Run from the repository root:
+#
+#   benchmarks/gpu_check.sh MODE [OUTDIR] [PREVIOUS]
+#
+# MODE
+#   env     nvidia-smi, python, torch, triton, liger-kernel versions                        ~15 s
+#   tests   env + tests/test_kernels*.py on CUDA (NORMSCOPE_TEST_DEVICE=cuda)
+#           + benchmarks/compile_check.py                                                    ~3-5 min
+#   bench   env + `python -m normscope.bench --resume --budget-s B`: bf16 first, then fp32,
+#           B = what is left of the call's limit less a margin; complete run ~12-20 min, so it
+#           takes two or three calls (each resumes the JSON; nothing measured is redone)
+#   all     tests, then bench with whatever time the call has left
+# OUTDIR    where logs and results go (default: $OUT when set, else benchmarks/results/gpu)
+# PREVIOUS  a folder with an earlier call's bench-cuda.json to continue (copied into OUTDIR first)
+#
+# Environment
+#   GPU_CALL_LIMIT_S  the device call's time limit (default 600); the script plans to end
+#                     GPU_CHECK_MARGIN_S (default 150) before it
+#   GPU_CHECK_DRY=1   rehearse on a machine without a GPU: kernel tests on the CPU interpreter,
+#                     the bench with --interpret (tiny sizes); nvidia-smi may be missing
+#   GPU_CHECK_DTYPES  the bench's passes, in order (default "bf16 fp32")
+#   GPU_CHECK_PEERS   the bench's peers (default torch,compile,liger; e.g. torch,liger when device
+#                     time is short: torch.compile's compiling is most of the bench's time)
+#
+# Liger-Kernel: if .whl/liger_kernel-*.whl is present (carry .whl), it is installed with
+# `pip install --no-deps --target` into a throwaway folder and put on PYTHONPATH; torch stays as is.
+# Get the wheel, here, before the GPU call:
+#   python3 -m pip download --no-deps -d .whl liger-kernel==0.8.5
+#
+# Files in OUTDIR (at most 8 come back from a device call): env.txt, tests.log,
+# compile_check.log, bench.log, bench-cuda.json, bench-cuda.png (if matplotlib), summary.txt.
+# Exit status: 0 when every step that ran passed; the bench's PROBLEM lines are in summary.txt.
+
+set -uo pipefail
+
+mode="${1:-}"
+case "$mode" in
+  env | tests | bench | all) ;;
+  *)
+    echo "usage: benchmarks/gpu_check.sh env|tests|bench|all [OUTDIR] [PREVIOUS]; got MODE '${mode}'" >&2
+    exit 2
+    ;;
+esac
+outdir="${2:-${OUT:-benchmarks/results/gpu}}"
+previous="${3:-}"
+limit="${GPU_CALL_LIMIT_S:-600}"
+margin="${GPU_CHECK_MARGIN_S:-150}"
+dry="${GPU_CHECK_DRY:-0}"
+cd "$(dirname "$0")/.." || exit 2
+mkdir -p "$outdir" || exit 2
+outdir="$(cd "$outdir" && pwd)"
+summary="$outdir/summary.txt"
+: >"$summary"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+
+say() { echo "[gpu_check ${SECONDS}s] $*" | tee -a "$summary"; }
+
+# --- Liger-Kernel from a carried wheel -------------------------------------------------------
+shopt -s nullglob
+wheels=(.whl/liger_kernel-*.whl)
+if ((${#wheels[@]})); then
+  site="${TMPDIR:-/tmp}/normscope-liger-site"
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "${wheels[@]}" >/dev/null 2>&1 || python3 -m zipfile -e "${wheels[0]}" "$site"; then
+    export PYTHONPATH="$site:$PYTHONPATH"
+  else
+    say "could not unpack ${wheels[*]}: the bench runs without Liger"
+  fi
+fi
+
+# --- env -------------------------------------------------------------------------------------
+{
+  echo "mode=$mode dry=$dry limit=${limit}s margin=${margin}s outdir=$outdir"
+  echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(git status --porcelain 2>/dev/null | wc -l) changed files"
+  nvidia-smi || echo "nvidia-smi: not available"
+  python3 - <<'EOF'
+import platform, sys
+import torch
+print("python", platform.python_version(), sys.executable)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, f"sm_{p.major}{p.minor}", f"{p.total_memory / 2**30:.1f} GiB", p.multi_processor_count, "SMs")
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as exc:
+    print("triton: not importable:", exc)
+try:
+    import numpy
+    print("numpy", numpy.__version__)
+except ImportError:
+    print("numpy: not importable")
+try:
+    import matplotlib
+    print("matplotlib", matplotlib.__version__)
+except ImportError:
+    print("matplotlib: not importable (the bench writes no PNG; redraw later with --plot-only)")
+import normscope
+print("normscope", normscope.__version__, normscope.__file__, "backends", normscope.backends())
+from normscope import bench
+peers, version, absent = bench._liger_peers()
+print("liger-kernel", version if peers else f"absent: {absent}", f"(adapter checked against {bench.LIGER_CHECKED})")
+EOF
+} 2>&1 | tee "$outdir/env.txt"
+rc=$?
+if ((rc)); then
+  say "env: FAILED (rc=$rc): see env.txt"
+  status=1
+else
+  say "env: ok ($(grep -m1 '^device' "$outdir/env.txt" || echo 'no CUDA device'))"
+fi
+
+# --- tests -----------------------------------------------------------------------------------
+if [[ "$mode" == tests || "$mode" == all ]]; then
+  if [[ "$dry" == 1 ]]; then
+    test_env=(env NORMSCOPE_TEST_DEVICE=cpu TRITON_INTERPRET=1)
+  else
+    test_env=(env -u TRITON_INTERPRET NORMSCOPE_TEST_DEVICE=cuda)
+  fi
+  # tests/test_kernels*.py: test_kernels.py and whichever kernel test files exist beside it
+  timeout 420 "${test_env[@]}" python3 -m pytest tests/test_kernels*.py -q -rfEs --durations=15 \
+    -p no:cacheprovider 2>&1 | tee "$outdir/tests.log"
+  rc=$?
+  if ((rc)); then status=1; fi
+  say "tests: $( ((rc)) && echo "FAILED (rc=$rc)" || echo ok): $(tail -n 1 "$outdir/tests.log")"
+
+  timeout 240 python3 benchmarks/compile_check.py 2>&1 | tee "$outdir/compile_check.log"
+  rc=$?
+  if ((rc)); then status=1; fi
+  say "compile_check: $( ((rc)) && echo "FAILED (rc=$rc)" || echo ok): $(tail -n 1 "$outdir/compile_check.log")"
+fi
+
+# --- bench -----------------------------------------------------------------------------------
+if [[ "$mode" == bench || "$mode" == all ]]; then
+  if [[ -n "$previous" ]]; then
+    for f in "$previous"/bench-*.json; do
+      [[ -e "$f" ]] && { cp "$f" "$outdir/" && say "resuming from $f"; }
+    done
+  fi
+  cases=rms_norm,layer_norm,add_rms_norm,group_norm,group_norm_cl,batch_norm,masked_batch_norm
+  if [[ "$dry" == 1 ]]; then
+    extra=(--interpret)
+    export TRITON_INTERPRET=1
+  else
+    extra=()
+  fi
+  for dtypes in ${GPU_CHECK_DTYPES:-bf16 fp32}; do # the dtype that matters most for transformer norms first
+    budget=$((limit - margin - SECONDS))
+    if ((budget < 30)); then
+      say "bench $dtypes: not started, ${budget}s left before the margin: run 'bench' again with PREVIOUS"
+      continue
+    fi
+    say "bench $dtypes: budget ${budget}s"
+    # the bench stops starting configurations after the budget; timeout is the backstop
+    timeout $((budget + margin - 20)) python3 -m normscope.bench ${extra[@]+"${extra[@]}"} --cases "$cases" \
+      --dtypes "$dtypes" --peers "${GPU_CHECK_PEERS:-torch,compile,liger}" --resume --budget-s "$budget" \
+      --out "$outdir" 2>&1 | tee -a "$outdir/bench.log"
+    rc=$?
+    if ((rc)); then
+      status=1
+      say "bench $dtypes: FAILED (rc=$rc): see bench.log"
+    fi
+  done
+  json=("$outdir"/bench-*.json)
+  if ((${#json[@]})); then
+    python3 - "${json[0]}" <<'EOF' 2>&1 | tee -a "$summary"
+import json, sys
+from normscope import bench
+r = json.load(open(sys.argv[1]))
+found = bench.problems(r)
+want = bench.plan(bench.CASES, ["bf16", "fp32"], r["level"])  # what gpu_check's bench runs, all of it
+have = {(x["case"], x["dtype"], tuple(x["shape"])) for x in r["results"] if x["mode"] == "fwd+bwd"}
+left = [c for c in want if c not in have]
+print(f"bench: {len(want) - len(left)} of {len(want)} configurations in {sys.argv[1]}, "
+      f"{len(r.get('failed', []))} failed in the last pass, {len(found)} problems")
+if left:
+    print(f"bench: not yet measured: {', '.join(f'{c} {d} {chr(120).join(map(str, s))}' for c, d, s in left)}")
+    print("bench: run `benchmarks/gpu_check.sh bench OUTDIR PREVIOUS` with this bench-*.json in PREVIOUS")
+for line in found:
+    print("PROBLEM", line)
+EOF
+  fi
+fi
+
+say "done in ${SECONDS}s, status $status"
+exit $status
