@@ -100,7 +100,7 @@ def test_interpreter_shims_are_undone():
 # the real Liger-Kernel, through the adapter, against float64 torch
 
 
-@pytest.mark.skipif(not _liger_importable(), reason="liger_kernel is not importable (install the bench extra: pip install -e \".[bench]\")")
+@pytest.mark.skipif(not _liger_importable(), reason="liger_kernel is not importable (the bench extra installs it)")
 def test_real_liger_through_the_adapter_matches_float64_torch():
     peers, _, _ = bench._liger_peers()
     g = torch.Generator().manual_seed(0)
