@@ -1,24 +1,32 @@
-"""The channels_last GroupNorm / InstanceNorm kernels, run on CPU in Triton's interpreter.
+"""The channels_last GroupNorm / InstanceNorm kernels, on CPU in Triton's interpreter (or compiled on a GPU).
 
-TRITON_INTERPRET=1 must be set before Triton decorates a kernel, so it is set here, at import (as in
-test_kernels.py). Shapes are tiny: the interpreter is slow. The oracle is float64 PyTorch
-(``F.group_norm`` on ``x.double()``, the RMS variant written out); low-precision dtypes follow
-flash-attention's rule: the kernel's error against float64 is at most twice the same-dtype PyTorch
-error plus a small atol. Every numeric test also checks, through a spy on the kernels, that the
-channels_last kernels ran and the NCHW ones did not.
+On CPU, TRITON_INTERPRET=1 must be set before Triton decorates a kernel, so it is set here, at import
+(as in test_kernels.py). Shapes are tiny: the interpreter is slow. ``NORMSCOPE_TEST_DEVICE=cuda`` (see
+conftest.py) runs the same tests on the compiled kernels: numbers are drawn on the CPU, then moved, and
+the expected output layout is what torch's CPU ``group_norm`` gives (torch's CUDA one may differ).
+The oracle is float64 PyTorch (``F.group_norm`` on ``x.double()``, the RMS variant written out);
+low-precision dtypes follow flash-attention's rule: the kernel's error against float64 is at most
+twice the same-dtype PyTorch error plus a small atol. Every numeric test also checks, through a spy
+on the kernels, that the channels_last kernels ran and the NCHW ones did not.
 """
 
 import inspect
 import os
 
+from conftest import TEST_DEVICE
+
 _PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+if TEST_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
+
+#: where every test's tensors live (see conftest.py)
+DEV = torch.device(TEST_DEVICE)
 
 import normscope  # noqa: E402
 from normscope import functional as nf  # noqa: E402
@@ -36,9 +44,10 @@ _REAL = {name: getattr(G, name) for name in CL_KERNELS + NCHW_KERNELS}
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_env():
-    """Keep TRITON_INTERPRET=1 while these tests run (the backend reads it per call), then put back
-    whatever the session had."""
-    os.environ["TRITON_INTERPRET"] = "1"
+    """On CPU, keep TRITON_INTERPRET=1 while these tests run (the backend reads it per call), then put
+    back whatever the session had."""
+    if DEV.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
     yield
     if _PREVIOUS_INTERPRET is None:
         os.environ.pop("TRITON_INTERPRET", None)
@@ -111,7 +120,7 @@ def test_tiny_tiles_really_loop(tiles):
 
 
 def _cl(t):
-    return t.contiguous(memory_format=CL[t.dim()])
+    return t.to(DEV).contiguous(memory_format=CL[t.dim()])
 
 
 def _group64(x, groups, w, b, centered, eps=1e-5):
@@ -139,8 +148,8 @@ def _inputs(shape, seed, dtype=torch.float32, affine="wb", offset=5.0):
     g = torch.Generator().manual_seed(seed)
     x = _cl((torch.randn(shape, generator=g) * 2 + offset).to(dtype)).requires_grad_()
     c = shape[1]
-    w = (torch.rand(c, generator=g) + 0.5).to(dtype).requires_grad_() if "w" in affine else None
-    b = torch.randn(c, generator=g).to(dtype).requires_grad_() if "b" in affine else None
+    w = (torch.rand(c, generator=g) + 0.5).to(DEV, dtype).requires_grad_() if "w" in affine else None
+    b = torch.randn(c, generator=g).to(DEV, dtype).requires_grad_() if "b" in affine else None
     dy = _cl(torch.randn(shape, generator=g).to(dtype))
     return x, w, b, dy
 
@@ -217,11 +226,16 @@ def test_saved_statistics_are_the_nchw_ops(spies, tiles, centered):
     y, mean, rstd = torch.ops.normscope.groups_fwd(x.detach(), w.detach(), b.detach(), 3, 1e-5, centered)
     assert mean.dtype == rstd.dtype == torch.float32 and mean.shape == rstd.shape == (6,)
     x64 = x.detach().double().reshape(6, -1)
-    want_mean = x64.mean(-1) if centered else torch.zeros(6, dtype=torch.float64)
+    want_mean = x64.mean(-1) if centered else torch.zeros(6, dtype=torch.float64, device=DEV)
     want_var = x64.var(-1, unbiased=False) if centered else x64.square().mean(-1)
     torch.testing.assert_close(mean.double(), want_mean, atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(rstd.double(), (want_var + 1e-5).rsqrt(), atol=0, rtol=1e-5)
     assert _ran(spies, backward=False)
+
+
+def _cpu_leaf(t):
+    """t's values and strides on the CPU, as a new leaf: torch's CPU group_norm is the layout oracle."""
+    return t.detach().cpu().requires_grad_(t.requires_grad)
 
 
 def test_output_layout_matches_torch_group_norm(spies):
@@ -229,11 +243,12 @@ def test_output_layout_matches_torch_group_norm(spies):
     cases = [(2, 6, 7, 5), (1, 6, 7, 5), (2, 6, 1, 5), (2, 4, 3, 2, 3)]
     for shape in cases:
         x = _cl(torch.randn(shape, generator=g)).requires_grad_()
-        w = torch.randn(shape[1], generator=g, requires_grad=True)
+        w = torch.randn(shape[1], generator=g).to(DEV).requires_grad_()
         dy = _cl(torch.randn(shape, generator=g))
-        y, y_t = G.group_norm(x, 2, w), F.group_norm(x, 2, w)
+        x_t, w_t = _cpu_leaf(x), _cpu_leaf(w)
+        y, y_t = G.group_norm(x, 2, w), F.group_norm(x_t, 2, w_t)
         assert y.stride() == y_t.stride(), shape
-        dx, dx_t = torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(y_t, x, dy)[0]
+        dx, dx_t = torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(y_t, x_t, dy.cpu())[0]
         assert dx.stride() == dx_t.stride(), shape
         # an incoming gradient in the other layout is accepted (copied to x's) and gives the same dx
         dx_c = torch.autograd.grad(G.group_norm(x, 2, w), x, dy.contiguous())[0]
@@ -247,12 +262,12 @@ def test_other_strides_are_copied_to_nchw_like_torch(spies, monkeypatch):
     nchw = _Spy(_REAL["_groups_fwd_kernel"])
     monkeypatch.setattr(G, "_groups_fwd_kernel", nchw)
     g = torch.Generator().manual_seed(6)
-    swapped = torch.randn(2, 6, 5, 7, generator=g).transpose(2, 3)  # (2, 6, 7, 5), H and W swapped
-    ncl = torch.randn(2, 7, 6, generator=g).transpose(1, 2)  # 3-D (N, C, L) stored as (N, L, C)
+    swapped = torch.randn(2, 6, 5, 7, generator=g).to(DEV).transpose(2, 3)  # (2, 6, 7, 5), H and W swapped
+    ncl = torch.randn(2, 7, 6, generator=g).to(DEV).transpose(1, 2)  # 3-D (N, C, L) stored as (N, L, C)
     for x in (swapped, ncl):
-        y, y_t = G.group_norm(x, 3), F.group_norm(x, 3)
+        y, y_t = G.group_norm(x, 3), F.group_norm(x.cpu(), 3)
         assert y.is_contiguous() and y.stride() == y_t.stride()
-        torch.testing.assert_close(y, y_t, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y.cpu(), y_t, atol=1e-5, rtol=1e-5)
     assert len(nchw.launches) == 2 and not spies[CL_KERNELS[0]].launches
 
 
@@ -294,6 +309,7 @@ def test_engine_runs_group_and_instance_norm_channels_last(spies):
     with torch.no_grad():
         for p in (gn.weight, gn.bias, inn.weight, inn.bias):
             p.normal_(generator=g)
+    gn, inn = gn.to(DEV), inn.to(DEV)
     with normscope.use_backend("triton"):
         y1 = gn(x)
         assert normscope.last_backend() == "triton"
@@ -343,7 +359,7 @@ def test_compiles_without_graph_breaks(spies):
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     out = compiled(x, w, b)
     eager = f(x, w, b)
-    assert out.stride() == eager.stride() == F.group_norm(x, 2, w, b).stride()
+    assert out.stride() == eager.stride() == F.group_norm(_cpu_leaf(x), 2, _cpu_leaf(w), _cpu_leaf(b)).stride()
     torch.testing.assert_close(out, eager)
     got = torch.autograd.grad(out, (x, w, b), dy)
     for a, e in zip(got, torch.autograd.grad(eager, (x, w, b), dy)):
