@@ -10,9 +10,12 @@ Spawns ``--world`` gloo ranks on this host. Each rank times, forward+backward, m
 * ``compute only`` -- the same autograd function on a one-rank group: its computation and
   collective calls, without waiting for the other rank (separates cost from rank skew).
 
-Target: ``sync <= 1.5 * (local + comm)``. Prints a table and writes JSON (``--out``)::
+Target: ``sync <= 1.5 * (local + comm)``. Prints a table per run and writes JSON (``--out``)::
 
-    PYTHONPATH=src python benchmarks/syncbn.py --out benchmarks/results/syncbn.json
+    PYTHONPATH=src python benchmarks/syncbn.py --iters 60 --runs 4 --out benchmarks/results/syncbn.json
+
+On a 2-core machine the two single-threaded ranks have no spare core: any other process skews them,
+which is why several short runs are reported rather than one long one.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -99,31 +103,50 @@ def _worker(rank: int, world: int, store: str, shapes: list, iters: int, threads
     dist.destroy_process_group()
 
 
+def _run_once(world: int, shapes: list, iters: int, threads: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        res = os.path.join(tmp, "rows.json")
+        store = os.path.join(tmp, "store")
+        mp.start_processes(_worker, args=(world, store, shapes, iters, threads, res), nprocs=world,
+                           start_method="spawn")
+        with open(res) as f:
+            return json.load(f)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--runs", type=int, default=1, help="independent runs (fresh process groups), each reported")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     shapes = [(8, 16, 16, 16), (16, 64, 32, 32), (32, 256, 14, 14)]
-    with tempfile.TemporaryDirectory() as tmp:
-        res = os.path.join(tmp, "rows.json")
-        store = os.path.join(tmp, "store")
-        mp.start_processes(_worker, args=(args.world, store, shapes, args.iters, args.threads, res),
-                           nprocs=args.world, start_method="spawn")
-        with open(res) as f:
-            rows = json.load(f)
-    print(f"SyncBatchNorm, {args.world} gloo ranks on one host, {args.threads} thread(s) each, fp32, "
-          f"forward+backward, median of {args.iters}")
-    print(f"{'shape per rank':>20} {'local BN ms':>12} {'slowest rank':>12} {'comm ms':>9} {'sync ms':>9} "
-          f"{'sync/(local+comm)':>18} {'vs slowest':>10} {'compute only/local':>18}")
-    for r in rows:
-        print(f"{str(tuple(r['shape'])):>20} {r['local_ms']:12.3f} {r['local_slowest_rank_ms']:12.3f} "
-              f"{r['comm_ms']:9.3f} {r['sync_ms']:9.3f} {r['ratio']:18.2f} {r['ratio_vs_slowest']:10.2f} "
-              f"{r['compute_ratio']:18.2f}")
+    runs = []
+    for k in range(args.runs):
+        rows = _run_once(args.world, shapes, args.iters, args.threads)
+        runs.append(rows)
+        print(f"run {k + 1}/{args.runs}: SyncBatchNorm, {args.world} gloo ranks on one host, {args.threads} "
+              f"thread(s) each, fp32, forward+backward, median of {args.iters}")
+        print(f"{'shape per rank':>20} {'local BN ms':>12} {'slowest rank':>12} {'comm ms':>9} {'sync ms':>9} "
+              f"{'sync/(local+comm)':>18} {'vs slowest':>10} {'compute only/local':>18}")
+        for r in rows:
+            print(f"{str(tuple(r['shape'])):>20} {r['local_ms']:12.3f} {r['local_slowest_rank_ms']:12.3f} "
+                  f"{r['comm_ms']:9.3f} {r['sync_ms']:9.3f} {r['ratio']:18.2f} {r['ratio_vs_slowest']:10.2f} "
+                  f"{r['compute_ratio']:18.2f}")
+    summary = [{"shape": list(shape),
+                "ratio_per_run": [round(rows[i]["ratio"], 2) for rows in runs],
+                "ratio_median": round(statistics.median(rows[i]["ratio"] for rows in runs), 2),
+                "compute_only_over_local_per_run": [round(rows[i]["compute_ratio"], 2) for rows in runs]}
+               for i, shape in enumerate(shapes)]
+    if args.runs > 1:
+        print("sync/(local+comm) per run: " + "; ".join(
+            f"{tuple(s['shape'])}: {', '.join(map(str, s['ratio_per_run']))} (median {s['ratio_median']})"
+            for s in summary))
     report = {"benchmark": "syncbn", "world": args.world, "threads_per_rank": args.threads, "iters": args.iters,
-              "torch": torch.__version__, "device": "cpu", "dtype": "float32", "target_ratio": 1.5, "rows": rows}
+              "torch": torch.__version__, "device": "cpu", "machine": f"{platform.machine()}, "
+              f"{os.cpu_count()} logical cores", "dtype": "float32", "target_ratio": 1.5,
+              "command": "PYTHONPATH=src python " + " ".join(sys.argv), "summary": summary, "runs": runs}
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

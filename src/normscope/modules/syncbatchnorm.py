@@ -82,7 +82,7 @@ def _local_moments(x: Tensor, s: Resolved, mask: Tensor | None) -> tuple[Tensor,
 def _local_sums(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
     """Unmasked per-channel local (mean, M2) in fp64: corrected two-pass from ``sum``, each (C,).
 
-    Two cascade-summed reductions and one centred copy: on a CPU about twice as fast as
+    Three cascade-summed reductions and one centred temporary: on a CPU about twice as fast as
     ``batch_norm_update_stats`` (benchmarks/syncbn.py), and as exact (Chan-Golub-LeVeque: the
     deviations' own mean corrects the rounding of the first).
     """
@@ -92,9 +92,9 @@ def _local_sums(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
         return z, z.clone()
     n = x.numel() // c
     mean0 = x.sum(dims, keepdim=True) / n
-    d = x - mean0
+    d = x - mean0  # the one full-size temporary: squared in place below (a second one costs page faults)
     shift = d.sum(dims) / n
-    m2 = (d * d).sum(dims).double() - n * shift.double().square()
+    m2 = d.square_().sum(dims).double() - n * shift.double().square()
     return mean0.reshape(c).double() + shift.double(), m2.clamp_min(0)
 
 
@@ -137,11 +137,11 @@ class _SyncBatchNormFn(torch.autograd.Function):
     Two implementations of the same math. The readable one (masks, half precision) is the
     reference's ``moments`` and ``apply`` with the global statistics in between. The fast one
     (no mask, fp32/fp64) uses ATen's fused kernels the same way: two ``sum`` reductions for
-    the local moments (:func:`_local_sums`), and BatchNorm in *evaluation* mode, whose "running" statistics are the
-    global ones, for the apply; in the backward, eval-mode ``native_batch_norm_backward`` gives
-    ``dy * w * rstd`` and the local sums in one pass, and the global-statistics correction
-    ``c1 * x_hat + c2`` is one more eval-mode BatchNorm (it subtracts the mean before scaling, so
-    it keeps the reference's robustness to a large mean).
+    the local moments (:func:`_local_sums`), and BatchNorm in *evaluation* mode, whose "running"
+    statistics are the global ones, for the apply; in the backward, ``native_batch_norm_backward``
+    gives the two local sums only (one read of dy and x), the global-statistics correction
+    ``c1 * x_hat + c2`` is one eval-mode BatchNorm (it subtracts the mean before scaling, so it keeps
+    the reference's robustness to a large mean), and ``dy * w * rstd`` is added to it in place.
     """
 
     @staticmethod
