@@ -225,22 +225,29 @@ def _cl_offsets(g, c0, Cg, G, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _cl_program(G, C, HW, chunk, BLOCK_G: tl.constexpr):
+    """Which work this program of a channels_last kernel has: its sample n, its split sp, its block of
+    groups g (gmask: which are real), the sample's offset in memory, and the split's positions
+    [s_lo, s_hi). The grid is (N * cdiv(G, BLOCK_G), splits)."""
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    gblocks = tl.cdiv(G, BLOCK_G)
+    n = pid // gblocks
+    g = (pid % gblocks) * BLOCK_G + tl.arange(0, BLOCK_G)
+    s_lo = sp * chunk
+    return n, sp, g, g < G, n.to(tl.int64) * HW * C, s_lo, tl.minimum(s_lo + chunk, HW)
+
+
+@triton.jit
 def _groups_cl_stats_kernel(
     X, PMEAN, PM2,
     G, C, Cg, HW, chunk, splits,
     BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, CENTERED: tl.constexpr,
 ):  # fmt: skip
     # program (n, group block, split): per group of the block, mean and M2 of its positions in the split
-    pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    gblocks = tl.cdiv(G, BLOCK_G)
-    n = pid // gblocks
-    g = (pid % gblocks) * BLOCK_G + tl.arange(0, BLOCK_G)
-    gmask = g < G
-    X += n.to(tl.int64) * HW * C
+    n, sp, g, gmask, base, s_lo, s_hi = _cl_program(G, C, HW, chunk, BLOCK_G)
+    X += base
     os_ = tl.arange(0, BLOCK_S)
-    s_lo = sp * chunk
-    s_hi = tl.minimum(s_lo + chunk, HW)
     # every split of a group shifts by the same value, the group's first element: the partial means
     # are then small, and combining them (in the apply kernel) keeps the digits of the deviations
     if CENTERED:
@@ -307,13 +314,7 @@ def _groups_cl_apply_kernel(
     BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
     CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    gblocks = tl.cdiv(G, BLOCK_G)
-    n = pid // gblocks
-    g = (pid % gblocks) * BLOCK_G + tl.arange(0, BLOCK_G)
-    gmask = g < G
-    base = n.to(tl.int64) * HW * C
+    n, sp, g, gmask, base, s_lo, s_hi = _cl_program(G, C, HW, chunk, BLOCK_G)
     X += base
     Y += base
     mean, rstd = _cl_group_stats(X, PMEAN, PM2, n, g, gmask, G, Cg, HW, chunk, splits, eps, BLOCK_P, CENTERED)
@@ -321,8 +322,6 @@ def _groups_cl_apply_kernel(
     tl.store(MEAN + rows, mean, mask=gmask & (sp == 0))
     tl.store(RSTD + rows, rstd, mask=gmask & (sp == 0))
     os_ = tl.arange(0, BLOCK_S)
-    s_lo = sp * chunk
-    s_hi = tl.minimum(s_lo + chunk, HW)
     for c0 in range(0, Cg, BLOCK_C):
         ch, cmask = _cl_offsets(g, c0, Cg, G, BLOCK_G, BLOCK_C)
         # y = (x - mean) * scale + bias per (group, channel) slot; never x * scale - mean * scale, which
@@ -351,13 +350,7 @@ def _groups_cl_bwd_sums_kernel(
     CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     # per group and split: sum(gy * xhat), sum(gy); per channel and split: sum(dy * xhat), sum(dy)
-    pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    gblocks = tl.cdiv(G, BLOCK_G)
-    n = pid // gblocks
-    g = (pid % gblocks) * BLOCK_G + tl.arange(0, BLOCK_G)
-    gmask = g < G
-    base = n.to(tl.int64) * HW * C
+    n, sp, g, gmask, base, s_lo, s_hi = _cl_program(G, C, HW, chunk, BLOCK_G)
     X += base
     DY += base
     rows = n * G + g
@@ -367,8 +360,6 @@ def _groups_cl_bwd_sums_kernel(
     else:
         mean = tl.zeros([BLOCK_G], dtype=tl.float32)
     os_ = tl.arange(0, BLOCK_S)
-    s_lo = sp * chunk
-    s_hi = tl.minimum(s_lo + chunk, HW)
     c1 = tl.zeros([BLOCK_G], dtype=tl.float32)
     c2 = tl.zeros([BLOCK_G], dtype=tl.float32)
     for c0 in range(0, Cg, BLOCK_C):
@@ -411,13 +402,7 @@ def _groups_cl_bwd_dx_kernel(
     BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
     CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    gblocks = tl.cdiv(G, BLOCK_G)
-    n = pid // gblocks
-    g = (pid % gblocks) * BLOCK_G + tl.arange(0, BLOCK_G)
-    gmask = g < G
-    base = n.to(tl.int64) * HW * C
+    n, sp, g, gmask, base, s_lo, s_hi = _cl_program(G, C, HW, chunk, BLOCK_G)
     X += base
     DY += base
     DX += base
@@ -435,8 +420,6 @@ def _groups_cl_bwd_dx_kernel(
         mean = tl.zeros([BLOCK_G], dtype=tl.float32)
         c2 = tl.zeros([BLOCK_G], dtype=tl.float32)
     os_ = tl.arange(0, BLOCK_S)
-    s_lo = sp * chunk
-    s_hi = tl.minimum(s_lo + chunk, HW)
     for c0 in range(0, Cg, BLOCK_C):
         ch, cmask = _cl_offsets(g, c0, Cg, G, BLOCK_G, BLOCK_C)
         if HAS_WEIGHT:
