@@ -69,10 +69,11 @@ for dt in ("fp32", "bf16"):
         check(G._groups_bwd_kernel, sig, cval, f"groups bwd {dt} {cval}")
         # channels_last tiles (BLOCK_S, BLOCK_G, BLOCK_C): 4 groups of 16 channels for every flag; the
         # InstanceNorm shape (64 groups of 1) and one wide group (1 of 64) with all flags set and the most
-        # splits _cl_config allows them (BLOCK_P: min(CL_PROGRAMS, CL_TILE // BLOCK_G))
+        # splits _cl_config allows them (BLOCK_P: min(CL_PROGRAMS, CL_TILE // BLOCK_G)); and the tiny tiles
+        # of tests/test_kernels_groups_cl.py, which NORMSCOPE_TEST_DEVICE=cuda runs compiled
         dims = {"G": "i32", "C": "i32", "Cg": "i32", "HW": "i32", "chunk": "i32", "splits": "i32"}
         blocks = ("BLOCK_S", "BLOCK_G", "BLOCK_C")
-        for tile in ((32, 4, 16), (32, 64, 1), (32, 1, 64)):
+        for tile in ((32, 4, 16), (32, 64, 1), (32, 1, 64), (2, 2, 2), (2, 4, 1), (2, 1, 4)):
             if tile != (32, 4, 16) and not (centered and has_w and has_b):
                 continue
             if (not has_w and not has_b) or tile != (32, 4, 16):  # the statistics kernel has no affine flags
