@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .rows import _next_pow2, _sm_count, use_kernel
+from .rows import _chan_combine, _next_pow2, _sm_count, use_kernel
 
 __all__ = ["batch_norm_channels"]
 
@@ -79,12 +79,8 @@ def _stats_kernel(
         mean_b = tl.sum(x, axis=0) / tl.maximum(n_b, 1.0)
         dd = tl.where(mask, x - mean_b[None, :], 0.0)
         m2_b = tl.sum(dd * dd, axis=0)
-        n = n_a + n_b
-        delta = mean_b - mean_a
-        frac = n_b / tl.maximum(n, 1.0)  # tiles with no valid position change nothing
-        mean_a = mean_a + delta * frac
-        m2_a = m2_a + m2_b + delta * delta * n_a * frac
-        n_a = n
+        # a tile with no valid position changes nothing (n_b = 0)
+        n_a, mean_a, m2_a = _chan_combine(n_a, mean_a, m2_a, n_b, mean_b, m2_b)
     out = pid_p.to(tl.int64) * C + c
     tl.store(PMEAN + out, k + mean_a, mask=cmask)
     tl.store(PM2 + out, m2_a, mask=cmask)

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .rows import _next_pow2, use_kernel
+from .rows import _chan_combine, _next_pow2, use_kernel
 
 __all__ = ["group_norm", "group_norm_ref"]
 
@@ -105,11 +105,7 @@ def _groups_fwd_kernel(
                 mean_b = tl.sum(tl.sum(x, axis=1), axis=0) / n_b
                 dd = tl.where(mask, x - mean_b, 0.0)
                 m2_b = tl.sum(tl.sum(dd * dd, axis=1), axis=0)
-                n = n_a + n_b
-                delta = mean_b - mean_a
-                mean_a = mean_a + delta * (n_b / n)
-                m2_a = m2_a + m2_b + delta * delta * (n_a * n_b / n)
-                n_a = n
+                n_a, mean_a, m2_a = _chan_combine(n_a, mean_a, m2_a, n_b, mean_b, m2_b)
             else:
                 m2_a = m2_a + tl.sum(tl.sum(x * x, axis=1), axis=0)
     if CENTERED:
@@ -269,11 +265,7 @@ def _groups_cl_stats_kernel(
                 mean_b = tl.sum(tl.sum(x, axis=2), axis=0) / n_b
                 dd = tl.where(mask, x - mean_b[None, :, None], 0.0)
                 m2_b = tl.sum(tl.sum(dd * dd, axis=2), axis=0)
-                nn = n_a + n_b
-                delta = mean_b - mean_a
-                mean_a = mean_a + delta * (n_b / nn)
-                m2_a = m2_a + m2_b + delta * delta * (n_a * n_b / nn)
-                n_a = nn
+                n_a, mean_a, m2_a = _chan_combine(n_a, mean_a, m2_a, n_b, mean_b, m2_b)
             else:
                 m2_a = m2_a + tl.sum(tl.sum(x * x, axis=2), axis=0)
     rows = (n * G + g).to(tl.int64) * splits + sp

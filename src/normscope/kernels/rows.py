@@ -94,6 +94,17 @@ def use_kernel(x: Tensor) -> bool:
 
 
 @triton.jit
+def _chan_combine(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    """Chan et al.'s parallel combination of two parts' (count, mean, M2) -> the union's. It adds only
+    non-negative terms (no E[x^2] - E[x]^2 cancellation); a part with no element (n_b = 0) changes
+    nothing. Every kernel that walks a scope in tiles combines its tiles with this."""
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    frac = n_b / tl.maximum(n, 1.0)
+    return n, mean_a + delta * frac, m2_a + m2_b + delta * delta * n_a * frac
+
+
+@triton.jit
 def _rows_fwd_kernel(
     X, R, W, B, Y, RES, MEAN, RSTD,
     stride_x, stride_r, stride_y, stride_res,
@@ -169,11 +180,7 @@ def _rows_fwd_kernel(
                 mean_b = tl.sum(x, axis=0) / n_b
                 dd = tl.where(cmask, x - mean_b, 0.0)
                 m2_b = tl.sum(dd * dd, axis=0)
-                n = n_a + n_b
-                delta = mean_b - mean_a
-                mean_a = mean_a + delta * (n_b / n)
-                m2_a = m2_a + m2_b + delta * delta * (n_a * n_b / n)
-                n_a = n
+                n_a, mean_a, m2_a = _chan_combine(n_a, mean_a, m2_a, n_b, mean_b, m2_b)
             else:
                 m2_a = m2_a + tl.sum(x * x, axis=0)
         if CENTERED:
