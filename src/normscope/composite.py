@@ -92,10 +92,7 @@ def why_not(call: Call) -> str | None:
         return "no composite form for this scope (masked BatchNorm, InstanceNorm and GroupNorm have one)"
     if call.x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         return f"floating-point input only, got {call.x.dtype}"
-    m = call.mask
-    lead = call.x.dim() - m.dim()
-    k = v.channel_dim - lead
-    if k >= 0 and m.shape[k] != 1:
+    if engine.position_mask(call.mask, call.x, v.channel_dim) is None:
         return "the mask varies along the channel axis (one flag per position is needed)"
     return None
 
@@ -267,13 +264,6 @@ def _reference_grads(ctx, dy, x3, weight, bias):
 # the backend
 
 
-def _position_mask(mask: Tensor, shape: tuple[int, ...], d: int) -> Tensor:
-    """The mask as one flag per position: (O, I) for the (O, C, I) view around channel axis d."""
-    full = mask.reshape((1,) * (len(shape) - mask.dim()) + tuple(mask.shape))
-    pos = full.expand(shape[:d] + (1,) + shape[d + 1 :]).squeeze(d)
-    return pos.reshape(math.prod(shape[:d]), math.prod(shape[d + 1 :]))
-
-
 def prepare(call: Call):
     v = _view(call)
 
@@ -283,12 +273,11 @@ def prepare(call: Call):
         o, ch, i = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1 :])
         acc = ref.acc_dtype(c.x.dtype)
         x3 = c.x.reshape(o, ch, i)
-        mf = _position_mask(c.mask, shape, d).to(acc)
+        mf = engine.position_mask(c.mask, c.x, d).reshape(o, i).to(acc)  # (O, I): one flag per position
         with torch.no_grad():
             st = _stats(x3.detach().to(acc), mf, v, c.eps)
             if not bool(st.finite):  # non-finite values somewhere: the reference keeps padding out exactly
-                engine._last[0] = "reference"
-                return engine._reference_run(c)
+                return engine._recompute(c)
         if c.running is not None:
             sh = c.scope.stat_shape
             engine._update_running(c, ref.Moments(st.mean.reshape(sh), st.var.reshape(sh), st.count.reshape(sh)))

@@ -269,8 +269,18 @@ def _cancels(mean: Tensor, rstd: Tensor) -> bool:
 
 
 def _recompute(c: Call) -> Tensor:
+    """Run ``c`` on the reference from inside another backend's runner, and say so in last_backend()."""
     _last[0] = "reference"
     return _reference_run(c)
+
+
+def position_mask(mask: Tensor, x: Tensor, d: int) -> Tensor | None:
+    """A mask as one flag per position -- a view with x's shape without axis ``d`` -- or None when it
+    varies along ``d`` (no per-position form: backends that need one leave the call to the reference)."""
+    k = d - (x.dim() - mask.dim())  # the mask's axis that broadcasts against x's axis d
+    if k >= 0 and mask.shape[k] != 1:
+        return None
+    return torch.broadcast_to(mask, x.shape).select(d, 0)
 
 
 def _guard_cancellation(call: Call, plain: Callable[[Call], Tensor]) -> Callable[[Call], Tensor]:

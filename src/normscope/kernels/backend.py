@@ -103,9 +103,10 @@ def prepare(call: Call) -> Callable[[Call], Tensor]:
                 return chn.batch_norm_channels(c.x, d, c.weight, c.bias, c.eps, r.mean, r.var)[0]
             pos_mask = None
             if c.mask is not None:
-                pos_mask = _position_mask(c.mask, c.x, d)
+                pos_mask = engine.position_mask(c.mask, c.x, d)
                 if pos_mask is None:  # the mask varies along the channel axis: no kernel for that
                     return engine._recompute(c)  # runs the reference and says so in last_backend()
+                pos_mask = pos_mask.contiguous()  # the kernel reads one flag per position from memory
             y, mean, var, count = chn.batch_norm_channels(c.x, d, c.weight, c.bias, c.eps, mask=pos_mask)
             if r is not None:  # the engine's own update rule (unbiased variance, momentum)
                 shape = c.scope.stat_shape
@@ -129,14 +130,6 @@ def prepare(call: Call) -> Callable[[Call], Tensor]:
         return rows.rows_norm(c.x, c.weight, c.bias, c.eps, centered, n=n)[0]
 
     return run
-
-
-def _position_mask(mask: Tensor, x: Tensor, d: int) -> Tensor | None:
-    """The mask as one flag per position (x's shape without axis d), or None when it varies along d."""
-    k = d - (x.dim() - mask.dim())  # the mask's axis that broadcasts against x's axis d
-    if k >= 0 and mask.shape[k] != 1:
-        return None
-    return torch.broadcast_to(mask, x.shape).select(d, 0).contiguous()
 
 
 def register() -> None:
