@@ -221,6 +221,22 @@ def _cl_offsets(g, c0, Cg, G, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _cl_tile(s, s_hi, C, ch, cmask):
+    """Memory offsets (int64, from the sample's start) and mask of one (positions, groups, channels)
+    tile: positions s (below s_hi real), channel slots ch of _cl_offsets."""
+    offs = s.to(tl.int64)[:, None, None] * C + ch[None, :, :]
+    return offs, (s < s_hi)[:, None, None] & cmask[None, :, :]
+
+
+@triton.jit
+def _cl_splits(rows, gmask, splits, BLOCK_P: tl.constexpr):
+    """Offsets, mask and split index p of the (BLOCK_G, BLOCK_P) block of per-split partials of the
+    groups ``rows`` (= n * G + g), stored as (N * G, splits)."""
+    p = tl.arange(0, BLOCK_P)
+    return rows.to(tl.int64)[:, None] * splits + p[None, :], gmask[:, None] & (p < splits)[None, :], p
+
+
+@triton.jit
 def _cl_program(G, C, HW, chunk, BLOCK_G: tl.constexpr):
     """Which work this program of a channels_last kernel has: its sample n, its split sp, its block of
     groups g (gmask: which are real), the sample's offset in memory, and the split's positions
@@ -253,12 +269,10 @@ def _groups_cl_stats_kernel(
     m2_a = tl.zeros([BLOCK_G], dtype=tl.float32)
     for s0 in range(s_lo, s_hi, BLOCK_S):
         s = s0 + os_
-        srow = s.to(tl.int64)[:, None, None] * C
-        smask = s < s_hi
         for c0 in range(0, Cg, BLOCK_C):
             ch, cmask = _cl_offsets(g, c0, Cg, G, BLOCK_G, BLOCK_C)
-            mask = smask[:, None, None] & cmask[None, :, :]
-            x = tl.load(X + srow + ch[None, :, :], mask=mask, other=0.0).to(tl.float32)
+            offs, mask = _cl_tile(s, s_hi, C, ch, cmask)
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
             if CENTERED:
                 x = tl.where(mask, x - k[None, :, None], 0.0)
                 n_b = (tl.minimum(s_hi - s0, BLOCK_S) * tl.minimum(Cg - c0, BLOCK_C)).to(tl.float32)
@@ -281,9 +295,7 @@ def _cl_group_stats(
 ):  # fmt: skip
     """(mean, rstd) per group of the block from the splits' partials, combined in a fixed order (every
     program of a group computes the same bits). X points at the sample."""
-    p = tl.arange(0, BLOCK_P)
-    pmask = gmask[:, None] & (p < splits)[None, :]
-    offs = (n * G + g).to(tl.int64)[:, None] * splits + p[None, :]
+    offs, pmask, p = _cl_splits(n * G + g, gmask, splits, BLOCK_P)
     m2 = tl.sum(tl.load(PM2 + offs, mask=pmask, other=0.0), axis=1)
     L = (HW * Cg).to(tl.float32)
     if CENTERED:
@@ -325,8 +337,7 @@ def _groups_cl_apply_kernel(
             b = tl.load(B + ch, mask=cmask, other=0.0).to(tl.float32)
         for s0 in range(s_lo, s_hi, BLOCK_S):
             s = s0 + os_
-            mask = (s < s_hi)[:, None, None] & cmask[None, :, :]
-            offs = s.to(tl.int64)[:, None, None] * C + ch[None, :, :]
+            offs, mask = _cl_tile(s, s_hi, C, ch, cmask)
             x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
             y = (x - mean[None, :, None]) * scale[None, :, :]
             if HAS_BIAS:
@@ -362,8 +373,7 @@ def _groups_cl_bwd_sums_kernel(
         db = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
         for s0 in range(s_lo, s_hi, BLOCK_S):
             s = s0 + os_
-            mask = (s < s_hi)[:, None, None] & cmask[None, :, :]
-            offs = s.to(tl.int64)[:, None, None] * C + ch[None, :, :]
+            offs, mask = _cl_tile(s, s_hi, C, ch, cmask)
             x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
             xhat = tl.where(mask, (x - mean[None, :, None]) * rstd[None, :, None], 0.0)
@@ -401,9 +411,7 @@ def _groups_cl_bwd_dx_kernel(
     rows = n * G + g
     rstd = tl.load(RSTD + rows, mask=gmask, other=0.0)
     L = (HW * Cg).to(tl.float32)
-    p = tl.arange(0, BLOCK_P)
-    pmask = gmask[:, None] & (p < splits)[None, :]
-    poffs = rows.to(tl.int64)[:, None] * splits + p[None, :]
+    poffs, pmask, _ = _cl_splits(rows, gmask, splits, BLOCK_P)
     c1 = tl.sum(tl.load(PC1 + poffs, mask=pmask, other=0.0), axis=1) / L
     if CENTERED:
         mean = tl.load(MEAN + rows, mask=gmask, other=0.0)
@@ -418,8 +426,7 @@ def _groups_cl_bwd_dx_kernel(
             w = tl.load(W + ch, mask=cmask, other=0.0).to(tl.float32)
         for s0 in range(s_lo, s_hi, BLOCK_S):
             s = s0 + os_
-            mask = (s < s_hi)[:, None, None] & cmask[None, :, :]
-            offs = s.to(tl.int64)[:, None, None] * C + ch[None, :, :]
+            offs, mask = _cl_tile(s, s_hi, C, ch, cmask)
             x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
             xhat = (x - mean[None, :, None]) * rstd[None, :, None]
