@@ -23,6 +23,20 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 #: larger shapes). Other test modules ignore it.
 TEST_DEVICE = os.environ.get("NORMSCOPE_TEST_DEVICE", "cpu")
 
+
+def kernel_interpreter_env(previous):
+    """Body of the kernel test modules' module-scoped fixture: on CPU, keep TRITON_INTERPRET=1 while
+    the module's tests run (the Triton backend reads it per call), then put back ``previous`` -- what
+    the session had when the module was imported -- so later test modules see the environment they
+    expect."""
+    if TEST_DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if previous is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = previous
+
 from normscope import engine  # noqa: E402
 
 BACKENDS = ("aten", "reference")

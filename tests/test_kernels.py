@@ -12,7 +12,7 @@ be at most twice the error of the same-dtype PyTorch computation, plus a small a
 import itertools
 import os
 
-from conftest import TEST_DEVICE, direct
+from conftest import TEST_DEVICE, direct, kernel_interpreter_env
 
 _PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
 if TEST_DEVICE == "cpu":
@@ -42,15 +42,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_env():
-    """On CPU, keep TRITON_INTERPRET=1 while these tests run (the backend reads it per call), then put
-    back whatever the session had, so later test modules see the environment they expect."""
-    if ON_CPU:
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if _PREVIOUS_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+    yield from kernel_interpreter_env(_PREVIOUS_INTERPRET)
 
 
 @pytest.fixture(params=["block", "looped"])

@@ -13,7 +13,7 @@ on the kernels, that the channels_last kernels ran and the NCHW ones did not.
 import inspect
 import os
 
-from conftest import TEST_DEVICE
+from conftest import TEST_DEVICE, kernel_interpreter_env
 
 _PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
 if TEST_DEVICE == "cpu":
@@ -44,15 +44,7 @@ _REAL = {name: getattr(G, name) for name in CL_KERNELS + NCHW_KERNELS}
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_env():
-    """On CPU, keep TRITON_INTERPRET=1 while these tests run (the backend reads it per call), then put
-    back whatever the session had."""
-    if DEV.type == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if _PREVIOUS_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+    yield from kernel_interpreter_env(_PREVIOUS_INTERPRET)
 
 
 class _Spy:
