@@ -12,10 +12,11 @@ reference, with the work moved onto ops that are fast on any device:
   mask is 0/1, so each product is exact). The variance is two-pass -- the sum of squared
   deviations from the first mean -- with Chan's correction of that mean, so mean 1e4 / std 1e-2
   still normalizes to unit variance;
-* **apply**: one ``addcmul`` on the centred tensor it keeps for the backward;
+* **apply**: one per-channel affine pass (:func:`_affine`: ATen's evaluation-mode BatchNorm kernel,
+  or ``addcmul`` for rows) on the centred tensor it keeps for the backward;
 * **backward**: the two sums every normalization backward needs, ``sum(dy)`` and ``sum(dy * xhat)``
   over each scope, from ATen's own BatchNorm backward kernel (one pass, both sums), then
-  ``dx = rstd * w * dy - mask * (alpha + beta * xhat)`` in two ops. Padded positions are
+  ``dx = rstd * w * dy - mask * (alpha + beta * d)`` in three passes (``d = x - mean0``). Padded positions are
   normalized with the valid elements' statistics, so their ``dy`` reaches the valid inputs
   through the statistics, exactly as in the reference; their own input gets ``rstd * w * dy``.
 
