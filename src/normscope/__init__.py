@@ -8,7 +8,7 @@ configurations of it.
 
 from . import functional
 from .convert import convert
-from .engine import backends, last_backend, use_backend
+from .engine import last_backend, use_backend
 from .functional import normalize
 from .modules import (
     AdaIN,
@@ -72,10 +72,6 @@ __all__ = [
     "convert",
 ]
 
-# the "composite" backend (masked scopes from ATen ops) goes between ATen and the reference
-from . import composite as _composite  # noqa: E402
-
-_composite.register()
-
-# the "triton" backend registers itself when Triton is installed (the package imports without it)
-from . import kernels  # noqa: E402,F401
+# every backend, registered with the engine in the automatic order named in normscope/backends/;
+# also makes ``normscope.backends`` the package (still callable: ``normscope.backends()``)
+from . import backends, kernels  # noqa: E402,F401

@@ -1,31 +1,31 @@
-"""The engine: one entry point that normalizes over a scope, and the backends that can run it.
+"""The engine: one entry point that normalizes over a scope, and the contract its backends keep.
 
 ``norm(x, scope, ...)`` resolves the scope on ``x``'s shape and hands a :class:`Call` to a
-backend. Three kinds exist:
+backend. The engine knows the contract -- :class:`Backend`: ``why_not`` (can it run this call
+exactly?), ``why_not_auto`` (should the automatic order pick it?) and ``prepare`` (the function
+that runs it) -- not the backends themselves: they live in :mod:`normscope.backends`, which names
+them and their automatic order in one place and registers them here.
 
-* ``"aten"``  -- PyTorch's own fused ops (``layer_norm``, ``rms_norm``, ``batch_norm``,
-  ``instance_norm``, ``group_norm``), used when the scope matches one of them *exactly*;
-* ``"triton"`` -- fused kernels for CUDA tensors (:mod:`normscope.kernels`, when Triton is
-  installed; registered on import of that package);
-* ``"composite"`` -- masked BatchNorm / InstanceNorm / GroupNorm from a few large ATen ops with a
-  closed-form backward, any device (:mod:`normscope.composite`);
-* ``"reference"`` -- :mod:`normscope.reference`, plain PyTorch ops, any scope, any device.
-
-Per call the first backend of the automatic order that supports the call runs. A user can force
-one: the ``backend=`` argument, else :func:`use_backend` (a context manager), else the
-``NORMSCOPE_BACKEND`` environment variable. A forced backend that cannot run a call raises
-ValueError saying why -- it never silently falls back. :func:`last_backend` says which one ran.
+Per call the first backend of the automatic order that can run it, and agrees to be picked,
+runs. A user can force one: the ``backend=`` argument, else :func:`use_backend` (a context
+manager), else the ``NORMSCOPE_BACKEND`` environment variable. A forced backend that cannot run a
+call raises ValueError saying why -- it never silently falls back. :func:`last_backend` says
+which one ran.
 
 Running statistics live here too, between the two steps: with ``running=Running(...)`` the batch
 statistics update the running estimates (``use_input_stats=True``) or the running estimates
-replace them (``False``).
+replace them (``False``). :func:`update_running` is the one update rule every backend and layer
+uses.
+
+:func:`add_norm` is the fused residual form ``h = x + residual; y = norm(h)``: a backend that
+fuses the add (``Backend.fuses_residual``) gets the whole call; for any other the engine adds,
+then runs the plain call on the same backend.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -40,10 +40,19 @@ __all__ = [
     "Call",
     "Backend",
     "norm",
+    "add_norm",
+    "stats",
+    "apply",
     "register_backend",
     "backends",
     "use_backend",
     "last_backend",
+    "requested_backend",
+    "update_running",
+    "running_as_stats",
+    "recompute",
+    "tracing",
+    "position_mask",
 ]
 
 ENV_VAR = "NORMSCOPE_BACKEND"
@@ -66,7 +75,13 @@ class Running(NamedTuple):
 
 
 class Call(NamedTuple):
-    """Everything a backend needs for one normalization."""
+    """Everything a backend needs for one normalization.
+
+    With ``residual`` the call is the fused ``h = x + residual; y = norm(h)`` of :func:`add_norm`:
+    ``h`` is rounded to the residual's dtype (fp32 with ``residual_fp32``) before it is normalized,
+    and the scale is ``weight + weight_offset``. Only a backend with ``fuses_residual`` sees such a
+    call; for the others the engine adds first.
+    """
 
     x: Tensor
     scope: Resolved
@@ -75,34 +90,57 @@ class Call(NamedTuple):
     eps: float
     mask: Tensor | None
     running: Running | None
+    residual: Tensor | None = None
+    weight_offset: float = 0.0
+    residual_fp32: bool = False
+
+
+Runner = Callable[[Call], Tensor]
+
+
+def _anything(call: Call) -> str | None:
+    return None
 
 
 class Backend(NamedTuple):
     """A way to run calls.
 
-    ``why_not(call)`` returns None when the backend can run ``call``, else a short reason;
-    ``prepare(call)`` returns the function that runs it. Both may look only at the call's
-    *signature* -- the resolved scope (shape included), dtype, device type, which of mask,
-    running statistics, weight and bias are present, and which axes the mask broadcasts over --
-    because their answers are cached per signature (:func:`signature`). Strides are not in it: a
-    backend handles any layout itself.
+    * ``why_not(call)``: None when the backend runs ``call`` exactly (torch's numbers, or the
+      reference's where torch has no op), else a short reason. Forced and automatic choice both ask.
+    * ``prepare(call, automatic)``: the function that runs calls like ``call``; ``automatic`` says
+      whether the engine chose it (a backend may guard an automatic run, see the aten backend).
+    * ``why_not_auto(call)``: asked only by the automatic order, after ``why_not``: a reason not to
+      be *chosen* for a call it could run (a fast path not measured faster on this device).
+    * ``fuses_residual``: it runs :func:`add_norm` calls itself (else the engine adds first).
+
+    ``why_not``, ``why_not_auto`` and ``prepare`` may look only at the call's *signature* -- the
+    resolved scope (shape included), dtype, device, which of mask, running statistics, weight,
+    bias and residual are present, and which axes the mask broadcasts over -- because their
+    answers are cached per signature (:func:`signature`). Strides are not in it: a backend handles
+    any layout itself.
     """
 
     name: str
     why_not: Callable[[Call], str | None]
-    prepare: Callable[[Call], Callable[[Call], Tensor]]
+    prepare: Callable[[Call, bool], Runner]
+    why_not_auto: Callable[[Call], str | None] = _anything
+    fuses_residual: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
-# reference backend: moments -> (running statistics) -> rstd -> apply
+# what backends and layers share: running statistics, recomputation, tracing, masks
 
 
-def _update_running(call: Call, m: ref.Moments) -> None:
+def update_running(call: Call, m: ref.Moments) -> None:
+    """Fold one batch's moments into ``call.running`` (momentum, unbiased variance), in place.
+
+    Statistics may be finer than the buffers (InstanceNorm: one per sample and channel); the
+    buffers then take their average over the extra kept axes, as torch's instance_norm does.
+    The update is done in fp32 (fp64 for fp64 buffers) and rounded once into the buffers' dtype,
+    as torch's kernels do for half-precision buffers."""
     run, s = call.running, call.scope
     if run.mean is None or run.var is None or run.momentum == 0.0:
         return
-    # statistics may be finer than the buffers (InstanceNorm: one per sample and channel); the
-    # buffers hold their average over the extra kept axes, as torch's instance_norm does
     extra = tuple(d for d in range(len(s.shape)) if d not in s.reduce and d not in s.affine)
     count = m.count
     if isinstance(count, int) and count == 0:  # empty batch: no statistics (NaN), and torch leaves the buffers
@@ -117,11 +155,14 @@ def _update_running(call: Call, m: ref.Moments) -> None:
         if extra:
             mean, unbiased = mean.mean(extra, keepdim=True), unbiased.mean(extra, keepdim=True)
         f = run.momentum
-        run.mean.mul_(1 - f).add_(mean.reshape(run.mean.shape).to(run.mean.dtype), alpha=f)
-        run.var.mul_(1 - f).add_(unbiased.reshape(run.var.shape).to(run.var.dtype), alpha=f)
+        for buf, new in ((run.mean, mean), (run.var, unbiased)):
+            acc = ref.acc_dtype(buf.dtype)
+            upd = buf.to(acc) * (1 - f) + new.reshape(buf.shape).to(acc) * f
+            buf.copy_(upd)
 
 
-def _running_as_stats(call: Call) -> tuple[Tensor, Tensor]:
+def running_as_stats(call: Call) -> tuple[Tensor, Tensor]:
+    """``(mean, rstd)`` from the running buffers, shaped to broadcast against ``call.x``."""
     s, run = call.scope, call.running
     shape = [s.shape[d] if d in s.affine else 1 for d in range(len(s.shape))]
     dt = ref.acc_dtype(call.x.dtype)
@@ -129,149 +170,16 @@ def _running_as_stats(call: Call) -> tuple[Tensor, Tensor]:
     return mean, ref.rstd(run.var.to(dt).reshape(shape), call.eps)
 
 
-def _reference_run(call: Call) -> Tensor:
-    run = call.running
-    if run is not None and not run.use_input_stats:
-        mean, rstd = _running_as_stats(call)
-    else:
-        m = ref.moments(call.x, call.scope, call.mask)
-        if run is not None:
-            _update_running(call, m)
-        mean, rstd = m.mean, ref.rstd(m.var, call.eps, m.count)
-    return ref.apply(call.x, mean, rstd, call.scope, call.weight, call.bias)
-
-
-def _reference_why_not(call: Call) -> str | None:
-    if call.running is not None and not call.running.use_input_stats:
-        if call.running.mean is None or call.running.var is None:
-            return "evaluation with running statistics needs running mean and var"
-    return None
-
-
-# ----------------------------------------------------------------------------------------------
-# aten backend: only scopes that are exactly one of torch's fused ops
-
-
-def _aten_kind(call: Call) -> str | None:
-    """Which ATen op computes this call exactly, or None."""
-    s, ndim = call.scope, len(call.scope.shape)
-    if call.mask is not None or not s.centered and call.running is not None:
-        return None
-    reduce, affine = s.reduce, s.affine
-    every_but = lambda *kept: reduce == tuple(d for d in range(ndim) if d not in kept)  # noqa: E731
-    if s.groups == 1 and s.centered:
-        if ndim >= 2 and every_but(1) and affine in ((1,), ()):
-            return "batch_norm"
-        if ndim >= 2 and every_but(ndim - 1) and affine in ((ndim - 1,), ()):
-            return "batch_norm_last"
-        if ndim >= 3 and every_but(0, 1) and affine in ((1,), ()):
-            return "instance_norm"
-    if call.running is not None:
-        return None
-    if s.groups == 1 and reduce and affine in (reduce, ()):
-        if s.centered:
-            return "layer_norm"
-        if call.bias is None:
-            return "rms_norm"
-    # torch.group_norm splits axis 1: a grouping of any other axis is not its op
-    if s.centered and ndim >= 2 and every_but(0) and affine in ((1,), ()) and (s.groups == 1 or s.group_dim == 1):
-        return "group_norm"  # groups of channels (also one group: LayerNorm with per-channel affine)
-    return None
-
-
-def _aten_why_not(call: Call) -> str | None:
-    if _aten_kind(call) is None:
-        if call.mask is not None:
-            return "ATen has no masked normalization"
-        return "no ATen op computes this scope exactly"
-    return None
-
-
-def _aten_prepare(call: Call) -> Callable[[Call], Tensor]:
-    kind, s = _aten_kind(call), call.scope
-
-    def running(c: Call) -> tuple:
-        r = c.running
-        return (None, None, True, 0.0) if r is None else (r.mean, r.var, r.use_input_stats, r.momentum)
-
-    if kind == "batch_norm":
-
-        def run(c: Call) -> Tensor:
-            rm, rv, training, mom = running(c)
-            return torch.batch_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
-    elif kind == "batch_norm_last":  # (..., C): channels last, e.g. (B, S, D)
-
-        def run(c: Call) -> Tensor:
-            rm, rv, training, mom = running(c)
-            x2 = c.x.reshape(-1, c.x.shape[-1])
-            return torch.batch_norm(x2, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn()).reshape(c.x.shape)
-    elif kind == "instance_norm":
-
-        def run(c: Call) -> Tensor:
-            rm, rv, training, mom = running(c)
-            return torch.instance_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
-    elif kind == "group_norm":
-
-        def run(c: Call) -> Tensor:
-            return torch.group_norm(c.x, s.groups, c.weight, c.bias, c.eps, _cudnn())
-    else:
-        # layer_norm / rms_norm over any axes: move the reduced axes to the end (a view; free when
-        # they already are the last ones)
-        k = len(s.reduce)
-        ndim = len(s.shape)
-        tail = tuple(range(ndim - k, ndim))
-        shape = _static([s.shape[d] for d in s.reduce])
-        op = torch.layer_norm if kind == "layer_norm" else None
-        if s.reduce == tail:
-            if op is not None:
-
-                def run(c: Call) -> Tensor:
-                    return op(c.x, shape, c.weight, c.bias, c.eps, _cudnn())
-            else:
-
-                def run(c: Call) -> Tensor:
-                    return torch.rms_norm(c.x, shape, c.weight, c.eps)
-        else:
-
-            def run(c: Call) -> Tensor:
-                xm = c.x.movedim(s.reduce, tail)
-                if op is not None:
-                    y = op(xm, shape, c.weight, c.bias, c.eps, _cudnn())
-                else:
-                    y = torch.rms_norm(xm, shape, c.weight, c.eps)
-                return y.movedim(tail, s.reduce)
-
-    return run
-
-
-# torch's CPU kernels apply a normalization as one multiply-add, y = x * (rstd*w) + (b - mean*rstd*w).
-# When |mean| * rstd is large both terms are huge and cancel: at mean 1e4, std 1e-2 they are ~1e6, whose
-# fp32 spacing (0.06) is a few percent of the output's unit spread, although the statistics themselves
-# are accurate. Such inputs are rare and show in the statistics the kernels return anyway, so when the
-# engine *chooses* ATen for an fp32 CPU call it asks the native op for them and recomputes the rare
-# cancelling call in the (x - mean) * rstd form of the reference. A *forced* "aten" stays exactly torch.
-_CANCEL_LIMIT = 1024.0  # output error <~ 1024 * 2**-24 = 6e-5 of a unit, variance error <~ 1e-4
-
-
-def _tracing() -> bool:
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
-
-
-_INF = float("inf")
-
-
-def _cancels(mean: Tensor, rstd: Tensor) -> bool:
-    # two small ops on the per-scope statistics (detached: no autograd graph); this runs on every
-    # automatic fp32 CPU call, so it is kept to the cheapest form that measures max |mean| * rstd
-    if mean.numel() == 0:
-        return False
-    return torch.linalg.vector_norm(mean.detach() * rstd.detach(), _INF).item() > _CANCEL_LIMIT
-
-
-def _recompute(c: Call) -> Tensor:
-    """Run ``c`` on the reference from inside another backend's runner, and say so in last_backend()."""
+def recompute(call: Call) -> Tensor:
+    """Run ``call`` on the reference from inside another backend's runner, and say so in
+    :func:`last_backend` (a fast path that finds, at run time, that it cannot be exact)."""
     _last[0] = "reference"
-    return _reference_run(c)
+    return _BACKENDS["reference"].prepare(call, False)(call)
+
+
+def tracing() -> bool:
+    """Whether torch.compile (dynamo) or the TorchScript tracer is recording this call."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
 def position_mask(mask: Tensor, x: Tensor, d: int) -> Tensor | None:
@@ -283,90 +191,6 @@ def position_mask(mask: Tensor, x: Tensor, d: int) -> Tensor | None:
     return torch.broadcast_to(mask, x.shape).select(d, 0)
 
 
-def _guard_cancellation(call: Call, plain: Callable[[Call], Tensor]) -> Callable[[Call], Tensor]:
-    """Wrap the automatic ATen runner of an fp32 CPU call with the cancellation check above."""
-    if call.x.dtype != torch.float32 or call.x.device.type != "cpu":
-        return plain  # half types: output rounding dominates; CUDA: the check would synchronize
-    kind, s = _aten_kind(call), call.scope
-    if kind == "layer_norm":
-        k, ndim = len(s.reduce), len(s.shape)
-        tail = tuple(range(ndim - k, ndim))
-        shape = _static([s.shape[d] for d in s.reduce])
-        moved = s.reduce != tail
-
-        def run(c: Call) -> Tensor:
-            if _tracing():
-                return plain(c)
-            xm = c.x.movedim(s.reduce, tail) if moved else c.x
-            y, mean, rstd = torch.native_layer_norm(xm, shape, c.weight, c.bias, c.eps)
-            if _cancels(mean, rstd):
-                return _recompute(c)
-            return y.movedim(tail, s.reduce) if moved else y
-
-    elif kind in ("batch_norm", "batch_norm_last"):
-
-        def run(c: Call) -> Tensor:
-            r = c.running
-            if _tracing():
-                return plain(c)
-            if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
-                return _recompute(c) if _cancels(r.mean, torch.rsqrt(r.var + c.eps)) else plain(c)
-            rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
-            x = c.x if kind == "batch_norm" else c.x.reshape(-1, c.x.shape[-1])
-            y, mean, invstd = torch.native_batch_norm(x, c.weight, c.bias, rm, rv, True, mom, c.eps)
-            if _cancels(mean, invstd):  # the kernel already updated the running statistics
-                return _recompute(c._replace(running=None))
-            return y if kind == "batch_norm" else y.reshape(c.x.shape)
-
-    elif kind == "group_norm":
-
-        def run(c: Call) -> Tensor:
-            if _tracing():
-                return plain(c)
-            x = c.x
-            n, ch = x.shape[0], x.shape[1]
-            hw = x.numel() // max(n * ch, 1)
-            # as torch.group_norm: keep a channels_last input channels_last
-            cl = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
-            x = x.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
-            y, mean, rstd = torch.native_group_norm(x, c.weight, c.bias, n, ch, hw, s.groups, c.eps)
-            return _recompute(c) if _cancels(mean, rstd) else y
-
-    elif kind == "instance_norm":
-
-        def run(c: Call) -> Tensor:
-            if _tracing() or c.running is not None:
-                return plain(c)  # with running buffers torch's instance_norm averages them itself
-            # as torch.instance_norm: BatchNorm over (1, N*C, *)
-            x = c.x
-            n, ch = x.shape[0], x.shape[1]
-            w = None if c.weight is None else c.weight.repeat(n)
-            b = None if c.bias is None else c.bias.repeat(n)
-            xr = x.contiguous().view(1, n * ch, *x.shape[2:])
-            y, mean, invstd = torch.native_batch_norm(xr, w, b, None, None, True, 0.0, c.eps)
-            return _recompute(c) if _cancels(mean, invstd) else y.view(x.shape)
-
-    else:
-        return plain
-    return run
-
-
-def _cudnn() -> bool:
-    # read per call, as torch.nn.functional does: users toggle cuDNN at run time
-    return torch.backends.cudnn.enabled
-
-
-def _static(sizes: list) -> list:
-    """Sizes as Python ints. Under the TorchScript tracer (legacy ONNX export) ``x.shape`` holds
-    0-d tensors, and a traced ``normalized_shape`` cannot be exported with a dynamic axis; the
-    normalized axes are fixed by the layer's weight anyway, so freeze them (once, at prepare)."""
-    if not any(isinstance(n, Tensor) for n in sizes):
-        return sizes  # ints, or SymInts under torch.export (left symbolic)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        return [int(n) if isinstance(n, Tensor) else n for n in sizes]
-
-
 # ----------------------------------------------------------------------------------------------
 # registry and dispatch
 
@@ -374,23 +198,19 @@ _BACKENDS: dict[str, Backend] = {}
 _AUTO: list[str] = []
 _forced: list[str] = []  # stack of use_backend() names
 _last: list[str | None] = [None]
-_PLANS: dict[tuple, tuple[str, Callable[[Call], Tensor]]] = {}
+_PLANS: dict[tuple, tuple[str, Runner]] = {}
 _MAX_PLANS = 4096
 
 
-def register_backend(backend: Backend, *, auto_first: bool = False, before: str | None = None) -> None:
-    """Add a backend. ``auto_first`` puts it ahead of the others in the automatic order (fast
-    kernels that decline, through ``why_not``, what they cannot do better than ATen); ``before``
-    puts it just ahead of the named one; otherwise it goes last."""
+def register_backend(backend: Backend, *, before: str | None = None) -> None:
+    """Add a backend to the automatic order: just ahead of ``before``, else last.
+
+    :mod:`normscope.backends` registers the built-in ones in their order; use this for a backend
+    of your own (it must keep the :class:`Backend` contract)."""
     _BACKENDS[backend.name] = backend
     if backend.name in _AUTO:
         _AUTO.remove(backend.name)
-    if auto_first:
-        at = 0
-    elif before is not None and before in _AUTO:
-        at = _AUTO.index(before)
-    else:
-        at = len(_AUTO)
+    at = _AUTO.index(before) if before is not None and before in _AUTO else len(_AUTO)
     _AUTO.insert(at, backend.name)
     _PLANS.clear()
 
@@ -398,14 +218,6 @@ def register_backend(backend: Backend, *, auto_first: bool = False, before: str 
 def backends() -> list[str]:
     """Names of the registered backends, in automatic order."""
     return list(_AUTO)
-
-
-def _reference_prepare(call: Call) -> Callable[[Call], Tensor]:
-    return _reference_run
-
-
-register_backend(Backend("aten", _aten_why_not, _aten_prepare))
-register_backend(Backend("reference", _reference_why_not, _reference_prepare))
 
 
 @contextlib.contextmanager
@@ -426,12 +238,16 @@ def last_backend() -> str | None:
 
 
 def _check_backend_name(name: str, where: str) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"{where}: expected a backend name (str), got {type(name).__name__} {name!r}")
     if name != "auto" and name not in _BACKENDS:
         valid = ", ".join(["auto", *_BACKENDS])
         raise ValueError(f"{where}: unknown backend {name!r}; expected one of: {valid}")
 
 
-def _requested(backend: str | None) -> str:
+def requested_backend(backend: str | None = None) -> str:
+    """The backend a call asks for: ``backend`` if given, else the innermost :func:`use_backend`,
+    else ``NORMSCOPE_BACKEND``, else ``"auto"``."""
     if backend is not None:
         _check_backend_name(backend, "backend")
         return backend
@@ -446,7 +262,7 @@ def _requested(backend: str | None) -> str:
 
 def signature(call: Call) -> tuple:
     """What a backend's choice may depend on (see :class:`Backend`)."""
-    r = call.running
+    r, res = call.running, call.residual
     return (
         call.scope,
         call.x.dtype,
@@ -456,30 +272,76 @@ def signature(call: Call) -> tuple:
         None if r is None else (r.use_input_stats, r.mean is None, r.var is None),
         call.weight is None,
         call.bias is None,
+        None if res is None else (res.dtype, call.residual_fp32, call.weight_offset != 0.0),
     )
 
 
-def _plan(call: Call, name: str) -> tuple[str, Callable[[Call], Tensor]]:
+def _plain(call: Call) -> Call:
+    """The plain call a non-fusing backend runs for an add_norm call (``x`` stands in for ``h``:
+    the answers depend on the signature only, and ``h`` has ``x``'s shape)."""
+    return call._replace(residual=None, weight_offset=0.0, residual_fp32=False)
+
+
+def _why_not(b: Backend, call: Call, automatic: bool) -> str | None:
+    if call.residual is not None and not b.fuses_residual:
+        call = _plain(call)
+    reason = b.why_not(call)
+    if reason is None and automatic:
+        reason = b.why_not_auto(call)
+    return reason
+
+
+def _plan(call: Call, name: str) -> tuple[str, Runner]:
     automatic = name == "auto"
     if automatic:
+        reasons = {}
         for name in _AUTO:
-            if _BACKENDS[name].why_not(call) is None:
+            reasons[name] = _why_not(_BACKENDS[name], call, True)
+            if reasons[name] is None:
                 break
-        else:  # pragma: no cover - the reference runs every call it is given
-            raise ValueError(_BACKENDS["reference"].why_not(call))
+        else:
+            why = "; ".join(f"{n}: {r}" for n, r in reasons.items())
+            raise ValueError(f"no backend can run this normalization ({why})")
     else:
-        reason = _BACKENDS[name].why_not(call)
+        reason = _why_not(_BACKENDS[name], call, False)
         if reason is not None:
             raise ValueError(f"backend {name!r} cannot run this normalization: {reason}")
-    runner = _BACKENDS[name].prepare(call)
-    if automatic and name == "aten":
-        runner = _guard_cancellation(call, runner)
-    return name, runner
+    b = _BACKENDS[name]
+    if call.residual is None or b.fuses_residual:
+        return name, b.prepare(call, automatic)
+    return name, _adding(b.prepare(_plain(call), automatic))
 
 
-def dispatch(call: Call, backend: str | None = None) -> Tensor:
-    """Run ``call`` on the requested backend, or on the first automatic one that supports it."""
-    requested = _requested(backend)
+def _adding(inner: Runner) -> Runner:
+    """Run an add_norm call on a backend that does not fuse the add: add, then normalize."""
+
+    def run(c: Call) -> tuple[Tensor, Tensor]:
+        h = _add(c.x, c.residual, c.residual_fp32)
+        hn, w = h, c.weight
+        if w is not None and (c.weight_offset != 0.0 or w.dtype != h.dtype):
+            # the scale (w + offset) is formed in fp32, as the definition does, so a bf16 weight plus
+            # 1.0 is not rounded to bf16; the normalization then runs on h in fp32 too
+            acc = ref.acc_dtype(h.dtype)
+            hn, w = h.to(acc), w.to(acc) + c.weight_offset
+        y = inner(c._replace(x=hn, weight=w, residual=None, weight_offset=0.0, residual_fp32=False))
+        return y.to(c.x.dtype), h
+
+    return run
+
+
+def _add(x: Tensor, residual: Tensor, residual_fp32: bool) -> Tensor:
+    """``x + residual`` computed in fp32 (fp64 for fp64) and rounded once to the residual's dtype,
+    or kept in fp32 with ``residual_fp32``: the definition every backend of add_norm shares."""
+    acc = ref.acc_dtype(residual.dtype if x.dtype == residual.dtype else torch.float32)
+    out = torch.float32 if residual_fp32 and residual.dtype != torch.float64 else residual.dtype
+    if x.dtype == residual.dtype == out:
+        return x + residual  # torch rounds a half-precision sum once from fp32 too
+    return (x.to(acc) + residual.to(acc)).to(out)
+
+
+def dispatch(call: Call, backend: str | None = None):
+    """Run ``call`` on the requested backend, or on the first automatic one that takes it."""
+    requested = requested_backend(backend)
     if torch.compiler.is_compiling():
         # under dynamo the planning is traced once per graph anyway; storing it in _PLANS would be
         # a side effect on a dict keyed by trace-time objects (Resolved) that dynamo cannot replay,
@@ -523,6 +385,27 @@ def norm(
     """
     resolved = scope if isinstance(scope, Resolved) else scope.resolve(x.shape)
     return dispatch(Call(x, resolved, weight, bias, eps, mask, running), backend)
+
+
+def add_norm(
+    x: Tensor,
+    residual: Tensor,
+    scope: Scope | Resolved,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    weight_offset: float = 0.0,
+    residual_fp32: bool = False,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(norm(h), h)`` with ``h = x + residual`` rounded to the residual's dtype (fp32 with
+    ``residual_fp32``) and the scale ``weight + weight_offset``: the pre-norm block's add and norm,
+    on the backend :func:`norm` would pick (one fused pass where a backend fuses it). Inputs are
+    assumed valid (:func:`normscope.functional.fused_add_rms_norm` checks them)."""
+    resolved = scope if isinstance(scope, Resolved) else scope.resolve(x.shape)
+    call = Call(x, resolved, weight, bias, eps, None, None, residual, float(weight_offset), bool(residual_fp32))
+    return dispatch(call, backend)
 
 
 def stats(x: Tensor, scope: Scope | Resolved, mask: Tensor | None = None, eps: float = 0.0) -> tuple[Tensor, Tensor]:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import _checks as check
-from .engine import Running, norm, stats
+from .engine import Running, add_norm, norm, stats
 from .engine import apply as _apply
 from .scope import Scope
 
@@ -377,6 +377,76 @@ def adain(content: Tensor, style: Tensor | tuple[Tensor, Tensor], eps: float = 1
     return (y.to(dt) + s_mean.to(dt)).to(content.dtype)
 
 
-from .kernels.fused import fused_add_rms_norm  # noqa: E402  (re-exported: the fused residual + RMSNorm op)
+_RMS_LAST = Scope.rms()
+
+
+def fused_add_rms_norm(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    weight_offset: float = 0.0,
+    residual_fp32: bool = False,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""Add a residual and apply RMSNorm over the last axis; returns ``(normed, new_residual)``.
+
+    .. math::
+        h = x + r, \qquad y = \frac{h}{\sqrt{\mathrm{mean}(h^2) + \epsilon}} \cdot (w + \text{offset})
+
+    RMSNorm: Zhang & Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019. The fusion is
+    the one of pre-norm transformer blocks (``residual = residual + sublayer(...)`` followed by the
+    next block's norm). ``h`` is rounded to its dtype before it is normalized, exactly as "add, then
+    norm", so every backend gives the same residual stream; the Triton backend does both in one pass
+    (:mod:`normscope.kernels.rows`), any other adds and then normalizes. Like every op it obeys
+    ``backend=``, :func:`normscope.use_backend` and ``NORMSCOPE_BACKEND``, and reports
+    :func:`normscope.last_backend`. The plain-PyTorch definition is
+    :func:`normscope.kernels.fused.fused_add_rms_norm_ref`.
+
+    Args:
+        x: the sublayer output, shape ``(*, N)``.
+        residual: the residual stream, same shape as ``x``.
+        weight: per-feature scale of shape ``(N,)``, or None. Default: ``None``
+        eps: added to the mean square. Default: ``1e-6``
+        weight_offset: the scale is ``weight + weight_offset`` (1.0 for Gemma's ``(1 + w)``). Default: ``0.0``
+        residual_fp32: keep the new residual in fp32 (for bf16/fp16 models). Default: ``False``
+        backend: force a backend (``"triton"``, ``"aten"``, ``"reference"``, ...), or None for the
+            automatic choice. Default: ``None``
+
+    Shape:
+        - x, residual: ``(*, N)``; normed: like ``x``; new_residual: like ``residual`` (fp32 with
+          ``residual_fp32``).
+
+    Example::
+
+        >>> x, r = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+        >>> y, h = fused_add_rms_norm(x, r, torch.ones(8))
+        >>> torch.allclose(h, x + r)
+        True
+    """
+    where = "fused_add_rms_norm"
+    check.tensor(x, "x", where)
+    check.tensor(residual, "residual", where)
+    if residual.shape != x.shape:
+        raise ValueError(
+            f"{where}: expected `residual` of the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
+        )
+    if x.dim() == 0:
+        raise ValueError(f"{where}: expected `x` with at least 1 dimension, got a 0-d tensor")
+    for name, t in (("x", x), ("residual", residual)):
+        if not t.is_floating_point():
+            raise TypeError(f"{where}: expected a floating-point `{name}`, got {t.dtype}")
+    if residual.device != x.device:
+        raise ValueError(f"{where}: expected `residual` on {x.device}, got {residual.device}")
+    if weight is not None:
+        check.tensor(weight, "weight", where)
+        if tuple(weight.shape) != (x.shape[-1],):
+            raise ValueError(f"{where}: expected `weight` of shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+        if weight.device != x.device:
+            raise ValueError(f"{where}: expected `weight` on {x.device}, got {weight.device}")
+    options = {"weight_offset": weight_offset, "residual_fp32": residual_fp32, "backend": backend}
+    return add_norm(x, residual, _RMS_LAST, weight, None, eps, **options)
+
 
 __all__ += ["fused_add_rms_norm"]

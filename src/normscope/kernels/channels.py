@@ -323,12 +323,14 @@ def _setup_context(ctx, inputs, output):
     x3, weight, bias, mean_in, var_in, mask, eps = inputs
     _, mean, rstd, _, count = output
     ctx.save_for_backward(x3, weight, mean, rstd, mask, count)
-    ctx.training = mean_in is None
+    ctx.training, ctx.eps = mean_in is None, eps
     ctx.b_dtype = bias.dtype if bias is not None else None
 
 
 def _backward(ctx, dy, dmean, drstd, dvar, dcount):
     x3, weight, mean, rstd, mask, count = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
+        return _backward_differentiable(ctx, dy, x3, weight, mean, rstd, mask)
     dx, dw, db = channels_bwd(dy.contiguous(), x3, weight, mean, rstd, mask, count, ctx.training)
     return (
         dx,
@@ -336,6 +338,30 @@ def _backward(ctx, dy, dmean, drstd, dvar, dcount):
         db.to(ctx.b_dtype) if ctx.b_dtype is not None else None,
         None, None, None, None,
     )  # fmt: skip
+
+
+def _backward_differentiable(ctx, dy, x3, weight, mean, rstd, mask):
+    """The gradients as differentiable ops, for ``create_graph=True`` (double backward): the
+    kernel's backward has no derivative of its own, so differentiate the reference instead
+    (training: batch statistics recomputed from x; evaluation: the running ones, constants)."""
+    need = ctx.needs_input_grad
+    need_w = weight is not None and need[1]
+    wanted = [t for t, n in ((x3, need[0]), (weight, need_w)) if n]
+    dx = dw = db = None
+    if wanted:
+        with torch.enable_grad():
+            if ctx.training:
+                y = _ref_fwd(x3, weight, None, None, None, mask, ctx.eps)[0]
+            else:
+                acc = torch.float64 if x3.dtype == torch.float64 else torch.float32
+                y = (x3.to(acc) - mean.to(acc)[:, None]) * rstd.to(acc)[:, None]
+                y = (y * weight.to(acc)[:, None] if weight is not None else y).to(x3.dtype)
+            grads = list(torch.autograd.grad(y, wanted, dy.to(y.dtype), create_graph=True))
+        dx = grads.pop(0) if need[0] else None
+        dw = grads.pop(0).to(weight.dtype) if need_w else None
+    if ctx.b_dtype is not None and need[2]:
+        db = dy.sum((0, 2)).to(ctx.b_dtype)
+    return dx, dw, db, None, None, None, None
 
 
 channels_fwd.register_autograd(_backward, setup_context=_setup_context)

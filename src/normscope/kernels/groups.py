@@ -676,15 +676,35 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, groups, eps, centered = inputs
     _, mean, rstd = output
     ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.groups, ctx.centered = groups, centered
+    ctx.groups, ctx.centered, ctx.eps = groups, centered, eps
     ctx.b_dtype = bias.dtype if bias is not None else None
 
 
 def _backward(ctx, dy, dmean, drstd):
     x, weight, mean, rstd = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
+        return _backward_differentiable(ctx, dy, x, weight)
     dx, dw, db = groups_bwd(dy, x, weight, mean, rstd, ctx.groups, ctx.centered, ctx.b_dtype is not None)
     dw = dw.to(weight.dtype) if weight is not None else None
     db = db.to(ctx.b_dtype) if ctx.b_dtype is not None else None
+    return dx, dw, db, None, None, None
+
+
+def _backward_differentiable(ctx, dy, x, weight):
+    """The gradients as differentiable ops, for ``create_graph=True`` (double backward): the
+    kernel's backward has no derivative of its own, so differentiate the reference instead."""
+    need = ctx.needs_input_grad
+    need_w = weight is not None and need[1]
+    wanted = [t for t, n in ((x, need[0]), (weight, need_w)) if n]
+    dx = dw = db = None
+    if wanted:
+        with torch.enable_grad():
+            y = group_norm_ref(x, ctx.groups, weight, None, ctx.eps, ctx.centered)
+            grads = list(torch.autograd.grad(y, wanted, dy.to(y.dtype), create_graph=True))
+        dx = grads.pop(0) if need[0] else None
+        dw = grads.pop(0).to(weight.dtype) if need_w else None
+    if ctx.b_dtype is not None and need[2]:
+        db = dy.sum([0, *range(2, dy.dim())]).to(ctx.b_dtype)
     return dx, dw, db, None, None, None
 
 

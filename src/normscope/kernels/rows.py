@@ -451,6 +451,7 @@ def _ref_fwd(x, weight, bias, residual, eps, centered, weight_offset, residual_f
 
 
 def _ref_bwd(dy, dres, xs, weight, mean, rstd, centered, has_bias, weight_offset):
+    # differentiable in every argument (the double backward evaluates it with grad enabled)
     acc = torch.float64 if xs.dtype == torch.float64 else torch.float32
     xf, dyf = xs.to(acc), dy.to(acc)
     mean, rstd = mean.to(acc)[:, None], rstd.to(acc)[:, None]
@@ -553,7 +554,7 @@ def _setup_context(ctx, inputs, output):
     _, res, mean, rstd = output
     has_r = residual is not None
     ctx.save_for_backward(res if has_r else x, weight, mean, rstd)
-    ctx.centered, ctx.weight_offset = centered, weight_offset
+    ctx.centered, ctx.weight_offset, ctx.eps = centered, weight_offset, eps
     ctx.x_dtype = x.dtype
     ctx.r_dtype = residual.dtype if has_r else None
     ctx.b_dtype = bias.dtype if bias is not None else None
@@ -564,6 +565,8 @@ def _backward(ctx, dy, dres, dmean, drstd):
     xs, weight, mean, rstd = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros_like(xs)
+    if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
+        return _backward_differentiable(ctx, dy, dres, xs, weight)
     dres = dres.contiguous() if ctx.has_r and dres is not None else None
     ds, dw, db = rows_bwd(
         dy.contiguous(), dres, xs, weight, mean, rstd, ctx.centered, ctx.b_dtype is not None, ctx.weight_offset
@@ -572,6 +575,30 @@ def _backward(ctx, dy, dres, dmean, drstd):
     dr = ds.to(ctx.r_dtype) if ctx.has_r else None
     dw = dw.to(weight.dtype) if weight is not None else None
     db = db.to(ctx.b_dtype) if ctx.b_dtype is not None else None
+    return dx, dw, db, dr, None, None, None, None
+
+
+def _backward_differentiable(ctx, dy, dres, xs, weight):
+    """The gradients as differentiable ops, for ``create_graph=True`` (double backward, gradient
+    penalties): the kernel's backward has no derivative of its own, so this evaluates the closed
+    form of :func:`_ref_bwd` in plain torch ops, with the statistics recomputed from ``xs`` (the
+    saved ones are outputs whose gradient this op does not propagate). ``xs`` is the normalized
+    input: ``x``, or ``x + residual`` -- this op's own output, so second derivatives reach x and the
+    residual through it. (Not ``autograd.grad`` of the reference: on a saved output that re-enters
+    this very backward.)"""
+    acc = torch.float64 if xs.dtype == torch.float64 else torch.float32
+    xf = xs.to(acc)
+    mean = xf.mean(-1) if ctx.centered else torch.zeros(xf.shape[:-1], dtype=acc, device=xf.device)
+    rstd = torch.rsqrt((xf - mean[:, None]).square().mean(-1) + ctx.eps)
+    has_r = ctx.has_r and dres is not None
+    ds, dw, db = _ref_bwd(
+        dy, dres if has_r else None, xs, weight, mean, rstd, ctx.centered, ctx.b_dtype is not None, ctx.weight_offset
+    )
+    need = ctx.needs_input_grad
+    dx = ds.to(ctx.x_dtype) if need[0] else None
+    dr = ds.to(ctx.r_dtype) if ctx.has_r and need[3] else None
+    dw = dw.to(weight.dtype) if weight is not None and need[1] else None
+    db = db.to(ctx.b_dtype) if ctx.b_dtype is not None and need[2] else None
     return dx, dw, db, dr, None, None, None, None
 
 
@@ -614,4 +641,3 @@ def rows_norm(
     b = bias.reshape(-1) if bias is not None else None
     y, s, _, _ = rows_fwd(x2, w, b, r2, float(eps), bool(centered), float(weight_offset), bool(residual_fp32))
     return y.view(shape), (s.view(shape) if residual is not None else None)
-

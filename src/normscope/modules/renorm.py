@@ -90,7 +90,7 @@ class _BatchRenormMixin(_BatchNormMixin):
             r = (sigma_b / sigma).clamp(1.0 / rmax, rmax)
             d = ((m.mean - self.running_mean.reshape(shape).to(m.mean.dtype)) / sigma).clamp(-dmax, dmax)
         running = engine.Running(self.running_mean, self.running_var, factor, True)
-        engine._update_running(engine.Call(input, scope, None, None, self.eps, mask, running), m)
+        engine.update_running(engine.Call(input, scope, None, None, self.eps, mask, running), m)
         y = engine.apply(input, m.mean - d * sigma_b / r, r / sigma_b, scope, self.weight, self.bias)
         count_batch(self)
         return y

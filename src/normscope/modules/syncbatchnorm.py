@@ -38,7 +38,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .. import _checks as check
 from .. import functional as F
 from .. import reference as ref
-from ..engine import Call, Running, _update_running, norm
+from ..engine import Call, Running, norm, update_running
 from ..scope import Resolved, Scope
 from .batchnorm import count_batch, momentum_factor
 
@@ -159,7 +159,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         acc = x.dtype if fast else ref.acc_dtype(x.dtype)
         n_b, mean_b, var_b = (t.to(acc).reshape(shape) for t in (n, gmean, gvar))
         if running is not None:
-            _update_running(Call(x, s, None, None, eps, mask, running), ref.Moments(mean_b, var_b, n_b))
+            update_running(Call(x, s, None, None, eps, mask, running), ref.Moments(mean_b, var_b, n_b))
         ctx.group, ctx.name, ctx.has_bias, ctx.fast, ctx.eps = group, name, bias is not None, fast, eps
         if fast:
             mean, var = mean_b.reshape(c), var_b.reshape(c)

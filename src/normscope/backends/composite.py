@@ -42,11 +42,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import engine
-from . import reference as ref
-from .engine import Backend, Call
+from .. import engine
+from .. import reference as ref
+from ..engine import Backend, Call, Runner
+from . import reference as reference_backend
 
-__all__ = ["NAME", "register"]
+__all__ = ["NAME", "BACKEND"]
 
 NAME = "composite"
 
@@ -84,7 +85,7 @@ def _view(call: Call) -> _View | None:
 def why_not(call: Call) -> str | None:
     if call.mask is None:
         return "the composite backend runs masked scopes only (ATen runs the unmasked ones)"
-    if engine._tracing():
+    if engine.tracing():
         return "tracing: the reference traces without graph breaks"
     if call.running is not None and not call.running.use_input_stats:
         return "evaluation normalizes with the running statistics: no masked statistics to compute"
@@ -254,7 +255,7 @@ def _reference_grads(ctx, dy, x3, weight, bias):
     call = ctx.call
     inputs = (x3, weight, bias)
     need = [t is not None and n for t, n in zip(inputs, ctx.needs_input_grad[:3])]
-    y = engine._reference_run(call._replace(x=x3.view(call.x.shape), weight=weight, bias=bias, running=None))
+    y = reference_backend.run(call._replace(x=x3.view(call.x.shape), weight=weight, bias=bias, running=None))
     wanted = [t for t, n in zip(inputs, need) if n]
     grads = iter(torch.autograd.grad(y, wanted, dy.reshape(call.x.shape), create_graph=True, allow_unused=True))
     out = [next(grads) if n else None for n in need]
@@ -265,7 +266,7 @@ def _reference_grads(ctx, dy, x3, weight, bias):
 # the backend
 
 
-def prepare(call: Call):
+def prepare(call: Call, automatic: bool) -> Runner:
     v = _view(call)
 
     def run(c: Call) -> Tensor:
@@ -278,16 +279,14 @@ def prepare(call: Call):
         with torch.no_grad():
             st = _stats(x3.detach().to(acc), mf, v, c.eps)
             if not bool(st.finite):  # non-finite values somewhere: the reference keeps padding out exactly
-                return engine._recompute(c)
+                return engine.recompute(c)
         if c.running is not None:
             sh = c.scope.stat_shape
-            engine._update_running(c, ref.Moments(st.mean.reshape(sh), st.var.reshape(sh), st.count.reshape(sh)))
+            engine.update_running(c, ref.Moments(st.mean.reshape(sh), st.var.reshape(sh), st.count.reshape(sh)))
         y = _MaskedApply.apply(x3, c.weight, c.bias, st.d, st.shift, st.rstd, st.count, mf, v.groups, c)
         return y.view(shape)
 
     return run
 
 
-def register() -> None:
-    """Put the composite backend after ATen and before the reference in the automatic order."""
-    engine.register_backend(Backend(NAME, why_not, prepare), before="reference")
+BACKEND = Backend(NAME, why_not, prepare)

@@ -1,0 +1,234 @@
+"""The ``"aten"`` backend: PyTorch's own fused ops, for the scopes that are exactly one of them.
+
+``layer_norm``, ``rms_norm``, ``batch_norm`` (channel axis 1, or the last axis of a (..., C)
+input), ``instance_norm`` and ``group_norm``: a scope runs here only when one of these computes it
+exactly (same reduced axes, same affine axes, no mask). Then the numbers are torch's, bit for bit.
+
+One guard, only when the engine *chooses* ATen for an fp32 CPU call: torch's CPU kernels apply a
+normalization as one multiply-add, ``y = x * (rstd*w) + (b - mean*rstd*w)``. When ``|mean| * rstd``
+is large both terms are huge and cancel: at mean 1e4, std 1e-2 they are ~1e6, whose fp32 spacing
+(0.06) is a few percent of the output's unit spread, although the statistics themselves are
+accurate. Such inputs are rare and show in the statistics the kernels return anyway, so the
+automatic runner asks the native op for them and recomputes the rare cancelling call in the
+``(x - mean) * rstd`` form of the reference. A *forced* ``"aten"`` stays exactly torch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from .. import engine
+from ..engine import Backend, Call, Runner
+
+NAME = "aten"
+
+_CANCEL_LIMIT = 1024.0  # output error <~ 1024 * 2**-24 = 6e-5 of a unit, variance error <~ 1e-4
+_INF = float("inf")
+
+
+def kind(call: Call) -> str | None:
+    """Which ATen op computes this call exactly, or None."""
+    s, ndim = call.scope, len(call.scope.shape)
+    if call.mask is not None or not s.centered and call.running is not None:
+        return None
+    reduce, affine = s.reduce, s.affine
+    every_but = lambda *kept: reduce == tuple(d for d in range(ndim) if d not in kept)  # noqa: E731
+    if s.groups == 1 and s.centered:
+        if ndim >= 2 and every_but(1) and affine in ((1,), ()):
+            return "batch_norm"
+        if ndim >= 2 and every_but(ndim - 1) and affine in ((ndim - 1,), ()):
+            return "batch_norm_last"
+        if ndim >= 3 and every_but(0, 1) and affine in ((1,), ()):
+            return "instance_norm"
+    if call.running is not None:
+        return None
+    if s.groups == 1 and reduce and affine in (reduce, ()):
+        if s.centered:
+            return "layer_norm"
+        if call.bias is None:
+            return "rms_norm"
+    # torch.group_norm splits axis 1: a grouping of any other axis is not its op
+    if s.centered and ndim >= 2 and every_but(0) and affine in ((1,), ()) and (s.groups == 1 or s.group_dim == 1):
+        return "group_norm"  # groups of channels (also one group: LayerNorm with per-channel affine)
+    return None
+
+
+def why_not(call: Call) -> str | None:
+    if kind(call) is None:
+        if call.mask is not None:
+            return "ATen has no masked normalization"
+        return "no ATen op computes this scope exactly"
+    return None
+
+
+def _cudnn() -> bool:
+    # read per call, as torch.nn.functional does: users toggle cuDNN at run time
+    return torch.backends.cudnn.enabled
+
+
+def _static(sizes: list) -> list:
+    """Sizes as Python ints. Under the TorchScript tracer (legacy ONNX export) ``x.shape`` holds
+    0-d tensors, and a traced ``normalized_shape`` cannot be exported with a dynamic axis; the
+    normalized axes are fixed by the layer's weight anyway, so freeze them (once, at prepare)."""
+    if not any(isinstance(n, Tensor) for n in sizes):
+        return sizes  # ints, or SymInts under torch.export (left symbolic)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return [int(n) if isinstance(n, Tensor) else n for n in sizes]
+
+
+def _running(c: Call) -> tuple:
+    r = c.running
+    return (None, None, True, 0.0) if r is None else (r.mean, r.var, r.use_input_stats, r.momentum)
+
+
+def prepare(call: Call, automatic: bool) -> Runner:
+    plain = _plain(call)
+    return _guard_cancellation(call, plain) if automatic else plain
+
+
+def _plain(call: Call) -> Runner:
+    k, s = kind(call), call.scope
+    if k == "batch_norm":
+
+        def run(c: Call) -> Tensor:
+            rm, rv, training, mom = _running(c)
+            return torch.batch_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
+
+    elif k == "batch_norm_last":  # (..., C): channels last, e.g. (B, S, D)
+
+        def run(c: Call) -> Tensor:
+            rm, rv, training, mom = _running(c)
+            x2 = c.x.reshape(-1, c.x.shape[-1])
+            return torch.batch_norm(x2, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn()).reshape(c.x.shape)
+
+    elif k == "instance_norm":
+
+        def run(c: Call) -> Tensor:
+            rm, rv, training, mom = _running(c)
+            return torch.instance_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
+
+    elif k == "group_norm":
+        groups = s.groups
+
+        def run(c: Call) -> Tensor:
+            return torch.group_norm(c.x, groups, c.weight, c.bias, c.eps, _cudnn())
+
+    else:
+        # layer_norm / rms_norm over any axes: move the reduced axes to the end (a view; free when
+        # they already are the last ones)
+        ndim, nred = len(s.shape), len(s.reduce)
+        tail = tuple(range(ndim - nred, ndim))
+        shape = _static([s.shape[d] for d in s.reduce])
+        moved = s.reduce != tail
+        centered = k == "layer_norm"
+
+        def run(c: Call) -> Tensor:
+            xm = c.x.movedim(s.reduce, tail) if moved else c.x
+            if centered:
+                y = torch.layer_norm(xm, shape, c.weight, c.bias, c.eps, _cudnn())
+            else:
+                y = torch.rms_norm(xm, shape, c.weight, c.eps)
+            return y.movedim(tail, s.reduce) if moved else y
+
+    return run
+
+
+def _cancels(mean: Tensor, rstd: Tensor) -> bool:
+    # two small ops on the per-scope statistics (detached: no autograd graph); this runs on every
+    # automatic fp32 CPU call, so it is kept to the cheapest form that measures max |mean| * rstd
+    if mean.numel() == 0:
+        return False
+    return torch.linalg.vector_norm(mean.detach() * rstd.detach(), _INF).item() > _CANCEL_LIMIT
+
+
+def _guard_cancellation(call: Call, plain: Runner) -> Runner:
+    """Wrap the automatic ATen runner of an fp32 CPU call with the cancellation check above."""
+    if call.x.dtype != torch.float32 or call.x.device.type != "cpu":
+        return plain  # half types: output rounding dominates; CUDA: the check would synchronize
+    k, s = kind(call), call.scope
+    if call.scope.count == 0 or any(n == 0 for n in s.shape):
+        return plain  # empty input: torch's ops return early (the native ones would raise)
+    if k == "layer_norm":
+        ndim, nred = len(s.shape), len(s.reduce)
+        tail = tuple(range(ndim - nred, ndim))
+        shape = _static([s.shape[d] for d in s.reduce])
+        moved = s.reduce != tail
+
+        def run(c: Call) -> Tensor:
+            if engine.tracing() or _batched(c.x):
+                return plain(c)
+            xm = c.x.movedim(s.reduce, tail) if moved else c.x
+            y, mean, rstd = torch.native_layer_norm(xm, shape, c.weight, c.bias, c.eps)
+            if _cancels(mean, rstd):
+                return engine.recompute(c)
+            return y.movedim(tail, s.reduce) if moved else y
+
+    elif k in ("batch_norm", "batch_norm_last"):
+
+        def run(c: Call) -> Tensor:
+            r = c.running
+            if engine.tracing() or _batched(c.x):
+                return plain(c)
+            if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
+                return engine.recompute(c) if _cancels(r.mean, torch.rsqrt(r.var + c.eps)) else plain(c)
+            rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
+            x = c.x if k == "batch_norm" else c.x.reshape(-1, c.x.shape[-1])
+            y, mean, invstd = torch.native_batch_norm(x, c.weight, c.bias, rm, rv, True, mom, c.eps)
+            if _cancels(mean, invstd):  # the kernel already updated the running statistics
+                return engine.recompute(c._replace(running=None))
+            return y if k == "batch_norm" else y.reshape(c.x.shape)
+
+    elif k == "group_norm":
+        groups = s.groups
+
+        def run(c: Call) -> Tensor:
+            if engine.tracing() or _batched(c.x):
+                return plain(c)
+            x = c.x
+            n, ch = x.shape[0], x.shape[1]
+            hw = x.numel() // max(n * ch, 1)
+            # as torch.group_norm: keep a channels_last input channels_last
+            cl = _channels_last(x)
+            x = x.contiguous(memory_format=cl or torch.contiguous_format)
+            y, mean, rstd = torch.native_group_norm(x, c.weight, c.bias, n, ch, hw, groups, c.eps)
+            return engine.recompute(c) if _cancels(mean, rstd) else y
+
+    elif k == "instance_norm":
+
+        def run(c: Call) -> Tensor:
+            if engine.tracing() or _batched(c.x) or c.running is not None:
+                return plain(c)  # with running buffers torch's instance_norm averages them itself
+            # as torch.instance_norm: BatchNorm over (1, N*C, *)
+            x = c.x
+            n, ch = x.shape[0], x.shape[1]
+            w = None if c.weight is None else c.weight.repeat(n)
+            b = None if c.bias is None else c.bias.repeat(n)
+            xr = x.contiguous().view(1, n * ch, *x.shape[2:])
+            y, mean, invstd = torch.native_batch_norm(xr, w, b, None, None, True, 0.0, c.eps)
+            return engine.recompute(c) if _cancels(mean, invstd) else y.view(x.shape)
+
+    else:
+        return plain
+    return run
+
+
+def _channels_last(x: Tensor) -> torch.memory_format | None:
+    if x.is_contiguous():
+        return None
+    for fmt, nd in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if x.dim() == nd and x.is_contiguous(memory_format=fmt):
+            return fmt
+    return None
+
+
+def _batched(x: Tensor) -> bool:
+    """Inside a torch.func transform (vmap, grad, jacrev...): the check's ``.item()`` cannot run
+    under vmap, so the plain op runs -- torch's own numbers, as a forced "aten" would give."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+BACKEND = Backend(NAME, why_not, prepare)

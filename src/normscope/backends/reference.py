@@ -1,0 +1,42 @@
+"""The ``"reference"`` backend: :mod:`normscope.reference`'s plain PyTorch ops, any scope, any device.
+
+Last in the automatic order: it runs every call it is given (masks of any shape, uncentered
+scopes, any axes), so it is what runs where no fast path applies, and what every fast path is
+tested against. Its steps are the engine's two: moments -> (running statistics) -> rstd -> apply.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .. import engine
+from .. import reference as ref
+from ..engine import Backend, Call, Runner
+
+NAME = "reference"
+
+
+def run(call: Call) -> Tensor:
+    r = call.running
+    if r is not None and not r.use_input_stats:
+        mean, rstd = engine.running_as_stats(call)
+    else:
+        m = ref.moments(call.x, call.scope, call.mask)
+        if r is not None:
+            engine.update_running(call, m)
+        mean, rstd = m.mean, ref.rstd(m.var, call.eps, m.count)
+    return ref.apply(call.x, mean, rstd, call.scope, call.weight, call.bias)
+
+
+def why_not(call: Call) -> str | None:
+    r = call.running
+    if r is not None and not r.use_input_stats and (r.mean is None or r.var is None):
+        return "evaluation with running statistics needs running mean and var"
+    return None
+
+
+def prepare(call: Call, automatic: bool) -> Runner:
+    return run
+
+
+BACKEND = Backend(NAME, why_not, prepare)

@@ -1,0 +1,185 @@
+"""The ``"triton"`` backend: the one door into the fused kernels of :mod:`normscope.kernels`.
+
+Every Triton op -- LayerNorm/RMSNorm rows, the fused residual add + RMSNorm, GroupNorm/InstanceNorm
+groups, BatchNorm channels -- is reached only through here, and this module enforces the kernels'
+contract so that a call either gives torch's numbers or is declined with its reason:
+
+* **layout**: the kernels read a canonical view (unit-stride rows; contiguous or channels_last
+  (N, C, *); contiguous (outer, C, inner)). Inputs of any other strides -- sliced, transposed,
+  expanded (stride 0), offset storage -- are copied once by the kernel entry points; weights,
+  biases and masks, which the kernels index as dense 1-d arrays, are made contiguous here (a view
+  such as ``base[::2]`` or ``g.expand(n)`` is materialised: C elements, not the activation).
+* **dtypes**: float32/float16/bfloat16 input (statistics in fp32); anything else is declined.
+* **scopes**: the last axes with a per-element affine (rows), (N, C, *) groups with a per-channel
+  affine, per-channel statistics over every other axis (BatchNorm, masked too). Empty scopes, masks
+  on other scopes, running statistics on other scopes are declined.
+* **devices**: CUDA tensors; CPU tensors only under ``TRITON_INTERPRET=1`` (how the tests run them).
+* **double backward**: the kernels' backward is a closed form; when autograd asks for a
+  differentiable one (``create_graph=True``) the kernel modules differentiate their plain-PyTorch
+  reference of the same call instead (see ``kernels/rows.py``'s ``_backward``), so gradient
+  penalties work.
+
+Automatic choice (:mod:`.measured`): only on CUDA, and only for an op, dtype and scope size that a
+committed ``normscope bench`` table for this device class shows faster than ATen. With no table the
+kernels are opt-in: ``use_backend("triton")``, ``backend="triton"`` or ``NORMSCOPE_BACKEND=triton``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from .. import engine
+from .. import reference as ref
+from ..engine import Backend, Call, Runner
+from . import measured
+
+NAME = "triton"
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def why_not(call: Call) -> str | None:
+    """None when a kernel runs ``call`` exactly, else the reason it cannot."""
+    x = call.x
+    if not (x.device.type == "cuda" or x.device.type == "cpu" and _interpreting()):
+        return (
+            f"the Triton kernels run on CUDA tensors, got a {x.device.type} tensor (on CPU they run only "
+            "under TRITON_INTERPRET=1)"
+        )
+    if x.dtype not in _DTYPES:
+        return f"the kernels take float32/float16/bfloat16 input, got {x.dtype} (they accumulate in fp32)"
+    s = call.scope
+    if s.count == 0 or any(n == 0 for n in s.shape):
+        return "empty input or scopes of zero elements (torch returns them without a kernel)"
+    kind = _kind(s)
+    if kind is None:
+        return (
+            "no kernel for this scope: kernels exist for the last axes with a per-element affine "
+            "(LayerNorm/RMSNorm), for (N, C, *) groups with a per-channel affine (GroupNorm/InstanceNorm) "
+            "and for per-channel statistics over every other axis (BatchNorm)"
+        )
+    if call.residual is not None:
+        if kind[0] != "rows" or s.centered or call.bias is not None:
+            return "the fused residual add has a kernel only for RMSNorm over the last axes, without bias"
+        if call.residual.dtype not in _DTYPES:
+            return f"the kernels take a float32/float16/bfloat16 residual, got {call.residual.dtype}"
+    if call.mask is not None and kind[0] != "channels":
+        return "masked normalization has a kernel only for BatchNorm scopes (per-channel statistics)"
+    if call.running is not None and kind[0] != "channels":
+        return "running statistics have a kernel only for BatchNorm scopes"
+    if call.running is not None and not call.running.use_input_stats:
+        if call.running.mean is None or call.running.var is None:
+            return "evaluation with running statistics needs running mean and var"
+    return None
+
+
+def why_not_auto(call: Call) -> str | None:
+    """The automatic order takes a kernel only where a committed measurement shows it faster."""
+    if call.x.device.type != "cuda":
+        return "the kernels are chosen automatically only for CUDA tensors (here: forced, in the interpreter)"
+    return measured.why_not(op_name(call), call.x.dtype, call.scope.count, call.x.device)
+
+
+def op_name(call: Call) -> str:
+    """The measured-choice table's name for the kernel that runs ``call``."""
+    kind = _kind(call.scope)[0]
+    if kind == "rows":
+        if call.residual is not None:
+            return "fused_add_rms_norm"
+        return "layer_norm" if call.scope.centered else "rms_norm"
+    if kind == "groups":
+        return "group_norm"
+    return "masked_batch_norm" if call.mask is not None else "batch_norm"
+
+
+def _kind(s) -> tuple[str, int] | None:
+    """("rows", 0), ("groups", G), ("channels", d) or None: which canonical view a resolved scope maps onto."""
+    ndim, k = len(s.shape), len(s.reduce)
+    if s.groups == 1 and k and s.reduce == tuple(range(ndim - k, ndim)) and s.affine in ((), s.reduce):
+        return "rows", 0
+    if ndim >= 2 and s.groups == 1 and s.centered and len(s.reduce) == ndim - 1:
+        (d,) = set(range(ndim)) - set(s.reduce)
+        if s.affine in ((d,), ()):
+            return "channels", d  # BatchNorm: statistics per index of axis d over every other axis
+    if ndim >= 2 and s.affine in ((1,), ()):
+        if s.reduce == tuple(range(1, ndim)) and (s.groups == 1 or s.group_dim == 1):
+            return "groups", s.groups  # GroupNorm(G, C); G = 1: LayerNorm over (C, *), per-channel affine
+        if ndim >= 3 and s.groups == 1 and s.reduce == tuple(range(2, ndim)):
+            return "groups", s.shape[1]  # InstanceNorm: one group per channel
+    return None
+
+
+def _dense(t: Tensor | None) -> Tensor | None:
+    """A weight, bias or flag array as the dense 1-d memory the kernels index (a copy of a view)."""
+    if t is None:
+        return None
+    t = t.reshape(-1)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def prepare(call: Call, automatic: bool) -> Runner:
+    kind, arg = _kind(call.scope)
+    centered = call.scope.centered
+    if kind == "channels":
+        from ..kernels import channels as chn  # imports Triton (reads TRITON_INTERPRET) on first use
+
+        d = arg
+
+        def run_channels(c: Call) -> Tensor:
+            r, w, b = c.running, _dense(c.weight), _dense(c.bias)
+            if r is not None and not r.use_input_stats:
+                return chn.batch_norm_channels(c.x, d, w, b, c.eps, _dense(r.mean), _dense(r.var))[0]
+            pos_mask = None
+            if c.mask is not None:
+                pos_mask = engine.position_mask(c.mask, c.x, d)
+                if pos_mask is None:  # the mask varies along the channel axis: no kernel for that
+                    return engine.recompute(c)  # runs the reference and says so in last_backend()
+                pos_mask = pos_mask.contiguous()  # the kernel reads one flag per position from memory
+            y, mean, var, count = chn.batch_norm_channels(c.x, d, w, b, c.eps, mask=pos_mask)
+            if r is not None:  # the engine's own update rule (unbiased variance, momentum)
+                shape = c.scope.stat_shape
+                n = count if pos_mask is not None else c.scope.count
+                engine.update_running(c, ref.Moments(mean.reshape(shape), var.reshape(shape), n))
+            return y
+
+        return run_channels
+    if kind == "groups":
+        from ..kernels import groups as grp
+
+        def run_groups(c: Call) -> Tensor:
+            return grp.group_norm(c.x, arg, _dense(c.weight), _dense(c.bias), c.eps, centered)
+
+        return run_groups
+    from ..kernels import rows
+
+    n = call.scope.count
+    if call.residual is not None:
+
+        def run_fused(c: Call) -> tuple[Tensor, Tensor]:
+            return rows.rows_norm(
+                c.x,
+                _dense(c.weight),
+                None,
+                c.eps,
+                False,
+                residual=c.residual,
+                weight_offset=c.weight_offset,
+                residual_fp32=c.residual_fp32,
+                n=n,
+            )
+
+        return run_fused
+
+    def run_rows(c: Call) -> Tensor:
+        return rows.rows_norm(c.x, _dense(c.weight), _dense(c.bias), c.eps, centered, n=n)[0]
+
+    return run_rows
+
+
+BACKEND = Backend(NAME, why_not, prepare, why_not_auto, fuses_residual=True)
