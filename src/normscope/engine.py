@@ -81,6 +81,10 @@ class Call(NamedTuple):
     ``h`` is rounded to the residual's dtype (fp32 with ``residual_fp32``) before it is normalized,
     and the scale is ``weight + weight_offset``. Only a backend with ``fuses_residual`` sees such a
     call; for the others the engine adds first.
+
+    ``op`` names the torch op a layer stands for when two ops compute the same scope: GroupNorm(C, C)
+    resolves to InstanceNorm's scope, but torch runs it through ``group_norm`` (more accurate in half
+    precision, and it keeps channels_last), so ``op="group_norm"`` asks the aten backend for that op.
     """
 
     x: Tensor
@@ -93,6 +97,7 @@ class Call(NamedTuple):
     residual: Tensor | None = None
     weight_offset: float = 0.0
     residual_fp32: bool = False
+    op: str | None = None
 
 
 Runner = Callable[[Call], Tensor]
@@ -270,10 +275,50 @@ def signature(call: Call) -> tuple:
         # which axes the mask broadcasts over (a per-position mask vs one that varies by channel)
         None if call.mask is None else tuple(n == 1 for n in call.mask.shape),
         None if r is None else (r.use_input_stats, r.mean is None, r.var is None),
-        call.weight is None,
-        call.bias is None,
-        None if res is None else (res.dtype, call.residual_fp32, call.weight_offset != 0.0),
+        # shapes, not just presence: a plan is validated once per signature (see _validate)
+        None if call.weight is None else call.weight.shape,
+        None if call.bias is None else call.bias.shape,
+        None if r is None or r.mean is None else r.mean.shape,
+        None if r is None or r.var is None else r.var.shape,
+        None if res is None else (res.dtype, res.shape, call.residual_fp32, call.weight_offset != 0.0),
+        call.op,
     )
+
+
+def _validate(call: Call) -> None:
+    """What a backend may take for granted, checked once per signature (so never on the hot path):
+    weight, bias and running statistics fit the scope's affine axes -- a kernel indexing a wrong-size
+    buffer would read or write out of bounds -- and live on the input's device."""
+    s = call.scope
+    affine = tuple(s.shape[d] for d in s.affine)
+    n_aff = 1
+    for n in affine:
+        n_aff *= n
+    for name, t in (("weight", call.weight), ("bias", call.bias)):
+        if t is None:
+            continue
+        if not s.affine:
+            raise ValueError(f"norm: this scope has no affine axes, but `{name}` was given (shape {tuple(t.shape)})")
+        if tuple(t.shape) != affine and not (t.dim() == 1 and t.numel() == n_aff):
+            raise ValueError(
+                f"norm: expected `{name}` of shape {affine} (the scope's affine axes {s.affine} of an input of "
+                f"shape {tuple(s.shape)}), got {tuple(t.shape)}"
+            )
+    r = call.running
+    if r is not None:
+        if not s.affine and (r.mean is not None or r.var is not None):
+            raise ValueError("norm: running statistics need a scope with affine (kept, per-channel) axes")
+        for name, t in (("running.mean", r.mean), ("running.var", r.var)):
+            if t is not None and t.numel() != n_aff:
+                raise ValueError(
+                    f"norm: expected `{name}` with {n_aff} elements (one per index of the affine axes {s.affine} "
+                    f"of an input of shape {tuple(s.shape)}), got shape {tuple(t.shape)}"
+                )
+    if call.residual is not None and tuple(call.residual.shape) != tuple(s.shape):
+        raise ValueError(f"norm: expected `residual` of shape {tuple(s.shape)}, got {tuple(call.residual.shape)}")
+    for name, t in (("weight", call.weight), ("bias", call.bias), ("residual", call.residual), ("mask", call.mask)):
+        if t is not None and t.device != call.x.device:
+            raise ValueError(f"norm: expected `{name}` on {call.x.device}, got {t.device}")
 
 
 def _plain(call: Call) -> Call:
@@ -292,6 +337,7 @@ def _why_not(b: Backend, call: Call, automatic: bool) -> str | None:
 
 
 def _plan(call: Call, name: str) -> tuple[str, Runner]:
+    _validate(call)
     automatic = name == "auto"
     if automatic:
         reasons = {}
@@ -377,14 +423,17 @@ def norm(
     mask: Tensor | None = None,
     running: Running | None = None,
     backend: str | None = None,
+    op: str | None = None,
 ) -> Tensor:
     """Normalize ``x`` over ``scope``: the one engine behind every layer.
 
-    Inputs are assumed valid (layers and :func:`normscope.normalize` check them first); this is
-    the hot path.
+    Layers and :func:`normscope.normalize` check their arguments first, with messages in their
+    own terms; the engine checks once per call signature (shape, dtype, which tensors are given)
+    that weight, bias and running statistics fit the scope, so a wrong size raises ValueError
+    instead of reaching a kernel. ``op``: see :class:`Call`.
     """
     resolved = scope if isinstance(scope, Resolved) else scope.resolve(x.shape)
-    return dispatch(Call(x, resolved, weight, bias, eps, mask, running), backend)
+    return dispatch(Call(x, resolved, weight, bias, eps, mask, running, op=op), backend)
 
 
 def add_norm(

@@ -16,6 +16,7 @@ from torch import Tensor
 from . import _checks as check
 from .engine import Running, add_norm, norm, stats
 from .engine import apply as _apply
+from .engine import tracing as _tracing
 from .scope import Scope
 
 __all__ = [
@@ -87,7 +88,9 @@ def batch_norm(
         check.param(p, name, (c,), input, where)
     mask = check.mask(mask, input, channel_dim, where)
     if training and mask is not None:
-        if not bool(mask.any()):
+        # data-dependent: skipped for an empty batch (torch returns it empty), on meta tensors and
+        # while tracing (torch.compile would break the graph here; an all-False mask then gives the bias)
+        if mask.numel() and mask.device.type != "meta" and not _tracing() and not bool(mask.any()):
             raise ValueError(
                 f"{where}: expected at least one valid (True) element in `mask` when training, got an "
                 f"all-False mask of shape {tuple(mask.squeeze(channel_dim).shape)}"
@@ -229,7 +232,7 @@ def group_norm(
     check.param(weight, "weight", (c,), input, where)
     check.param(bias, "bias", (c,), input, where)
     mask = check.mask(mask, input, 1, where)
-    return norm(input, _group_scope(num_groups), weight, bias, eps, mask=mask, backend=backend)
+    return norm(input, _group_scope(num_groups), weight, bias, eps, mask=mask, backend=backend, op="group_norm")
 
 
 def local_response_norm(input: Tensor, size: int, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0) -> Tensor:

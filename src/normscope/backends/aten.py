@@ -42,7 +42,8 @@ def kind(call: Call) -> str | None:
         if ndim >= 2 and every_but(ndim - 1) and affine in ((ndim - 1,), ()):
             return "batch_norm_last"
         if ndim >= 3 and every_but(0, 1) and affine in ((1,), ()):
-            return "instance_norm"
+            # GroupNorm(C, C) has this scope too; torch runs it as group_norm (see Call.op)
+            return "group_norm" if call.op == "group_norm" and call.running is None else "instance_norm"
     if call.running is not None:
         return None
     if s.groups == 1 and reduce and affine in (reduce, ()):
@@ -112,7 +113,7 @@ def _plain(call: Call) -> Runner:
             return torch.instance_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
 
     elif k == "group_norm":
-        groups = s.groups
+        groups = _groups(s)
 
         def run(c: Call) -> Tensor:
             return torch.group_norm(c.x, groups, c.weight, c.bias, c.eps, _cudnn())
@@ -183,7 +184,7 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
             return y if k == "batch_norm" else y.reshape(c.x.shape)
 
     elif k == "group_norm":
-        groups = s.groups
+        groups = _groups(s)
 
         def run(c: Call) -> Tensor:
             if engine.tracing() or _batched(c.x):
@@ -214,6 +215,12 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
     else:
         return plain
     return run
+
+
+def _groups(s) -> int:
+    """torch.group_norm's num_groups for a scope it computes: one group per channel when the scope is
+    InstanceNorm's (a GroupNorm(C, C) call), else the scope's groups."""
+    return s.shape[1] if s.reduce == tuple(range(2, len(s.shape))) else s.groups
 
 
 def _channels_last(x: Tensor) -> torch.memory_format | None:

@@ -87,6 +87,10 @@ def why_not(call: Call) -> str | None:
         return "the composite backend runs masked scopes only (ATen runs the unmasked ones)"
     if engine.tracing():
         return "tracing: the reference traces without graph breaks"
+    if call.x.device.type == "meta" or _transformed():
+        return "meta tensors and torch.func transforms: the reference has no data-dependent step"
+    if any(n == 0 for n in call.scope.shape):
+        return "empty input (the reference returns it)"
     if call.running is not None and not call.running.use_input_stats:
         return "evaluation normalizes with the running statistics: no masked statistics to compute"
     v = _view(call)
@@ -97,6 +101,12 @@ def why_not(call: Call) -> str | None:
     if engine.position_mask(call.mask, call.x, v.channel_dim) is None:
         return "the mask varies along the channel axis (one flag per position is needed)"
     return None
+
+
+def _transformed() -> bool:
+    # inside torch.func.vmap/grad/jacrev: the finiteness check below (bool of a tensor) and the
+    # autograd.Function cannot run there; the reference is plain differentiable ops
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 # ----------------------------------------------------------------------------------------------
