@@ -367,6 +367,10 @@ def _backward_differentiable(ctx, dy, x3, weight, mean, rstd, mask):
 channels_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _dense(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t.reshape(-1).contiguous() if t is not None else None
+
+
 def batch_norm_channels(
     x: Tensor,
     channel_dim: int,
@@ -393,9 +397,9 @@ def batch_norm_channels(
     m2 = mask.reshape(outer, x3.shape[2]).to(torch.uint8) if mask is not None else None
     y, mean, _, var, count = channels_fwd(
         x3,
-        weight.reshape(-1) if weight is not None else None,
-        bias.reshape(-1) if bias is not None else None,
-        running_mean, running_var, m2, float(eps),
+        weight.reshape(-1).contiguous() if weight is not None else None,
+        bias.reshape(-1).contiguous() if bias is not None else None,
+        _dense(running_mean), _dense(running_var), m2, float(eps),
     )  # fmt: skip
     y = y.view(shape)
     return (y.contiguous(memory_format=torch.channels_last) if cl else y), mean, var, count

@@ -725,8 +725,8 @@ def group_norm(
     group_norm); any other strides are copied to contiguous NCHW once and give an NCHW output."""
     y, _, _ = groups_fwd(
         _laid_out(x),  # the copy, if any, happens here so that the saved x is already laid out
-        weight.reshape(-1) if weight is not None else None,
-        bias.reshape(-1) if bias is not None else None,
+        weight.reshape(-1).contiguous() if weight is not None else None,
+        bias.reshape(-1).contiguous() if bias is not None else None,
         int(groups), float(eps), bool(centered),
     )  # fmt: skip
     return y

@@ -637,7 +637,7 @@ def rows_norm(
     r2 = None
     if residual is not None:
         r2 = (residual if residual.stride(-1) == 1 else residual.contiguous()).reshape(-1, n)
-    w = weight.reshape(-1) if weight is not None else None
-    b = bias.reshape(-1) if bias is not None else None
+    w = weight.reshape(-1).contiguous() if weight is not None else None
+    b = bias.reshape(-1).contiguous() if bias is not None else None
     y, s, _, _ = rows_fwd(x2, w, b, r2, float(eps), bool(centered), float(weight_offset), bool(residual_fp32))
     return y.view(shape), (s.view(shape) if residual is not None else None)
