@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .cases import DTYPES, ROW_CASES
+from .cases import DTYPES, GROUPS, ROW_CASES
 
 #: colours per implementation, the same in every panel of the plot
 COLORS = {"normscope": "tab:green", "torch": "tab:red", "compile": "tab:blue", "liger": "tab:orange"}
@@ -155,8 +155,6 @@ def _scope_n(row: dict) -> int | None:
     if case in ROW_CASES:
         return shape[-1]
     if case.startswith("group_norm"):
-        from .cases import GROUPS
-
         return shape[1] // GROUPS * math.prod(shape[2:])
     if case == "batch_norm":
         return shape[0] * math.prod(shape[2:])
