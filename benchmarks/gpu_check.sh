@@ -152,8 +152,11 @@ if [[ "$mode" == bench || "$mode" == all ]]; then
     extra=(--interpret)
     export TRITON_INTERPRET=1
     say "bench: dry run: no measured-choice table (interpreted times mean nothing)"
-  else
+  elif grep -q '^device' "$outdir/env.txt"; then # env found a CUDA device: the table is measured there only
     extra=(--write-choice "$outdir/measured/")
+  else
+    extra=()
+    say "bench: no CUDA device: no measured-choice table"
   fi
   for dtypes in ${GPU_CHECK_DTYPES:-bf16 fp32}; do # the dtype that matters most for transformer norms first
     budget=$((limit - margin - SECONDS))
