@@ -10,7 +10,11 @@
 #           + benchmarks/compile_check.py                                                    ~3-5 min
 #   bench   env + `python -m normscope.bench --resume --budget-s B`: bf16 first, then fp32,
 #           B = what is left of the call's limit less a margin; complete run ~12-20 min, so it
-#           takes two or three calls (each resumes the JSON; nothing measured is redone)
+#           takes two or three calls (each resumes the JSON; nothing measured is redone).
+#           Each pass also writes the measured-choice table of everything measured so far
+#           (--write-choice): OUTDIR/measured/<device class>.json, copied to
+#           src/normscope/backends/measured/ -- commit that copy (from OUTDIR when the run was on
+#           a device machine whose working tree does not come back) to make the choice automatic
 #   all     tests, then bench with whatever time the call has left
 # OUTDIR    where logs and results go (default: $OUT when set, else benchmarks/results/gpu)
 # PREVIOUS  a folder with an earlier call's bench-cuda.json to continue (copied into OUTDIR first)
@@ -30,7 +34,8 @@
 #   python3 -m pip download --no-deps -d .whl liger-kernel==0.8.5
 #
 # Files in OUTDIR (at most 8 come back from a device call): env.txt, tests.log,
-# compile_check.log, bench.log, bench-cuda.json, bench-cuda.png (if matplotlib), summary.txt.
+# compile_check.log, bench.log, bench-cuda.json, bench-cuda.png (if matplotlib), summary.txt,
+# measured/<device class>.json (not in a dry run: the table is measured on CUDA only).
 # Exit status: 0 when every step that ran passed; the bench's PROBLEM lines are in summary.txt.
 
 set -uo pipefail
@@ -103,7 +108,7 @@ except ImportError:
 import normscope
 print("normscope", normscope.__version__, normscope.__file__, "backends", normscope.backends())
 from normscope import bench
-peers, version, absent = bench._liger_peers()
+peers, version, absent = bench.peers._liger_peers()
 print("liger-kernel", version if peers else f"absent: {absent}", f"(adapter checked against {bench.LIGER_CHECKED})")
 EOF
 } 2>&1 | tee "$outdir/env.txt"
@@ -146,8 +151,12 @@ if [[ "$mode" == bench || "$mode" == all ]]; then
   if [[ "$dry" == 1 ]]; then
     extra=(--interpret)
     export TRITON_INTERPRET=1
+    say "bench: dry run: no measured-choice table (interpreted times mean nothing)"
+  elif grep -q '^device' "$outdir/env.txt"; then # env found a CUDA device: the table is measured there only
+    extra=(--write-choice "$outdir/measured/")
   else
     extra=()
+    say "bench: no CUDA device: no measured-choice table"
   fi
   for dtypes in ${GPU_CHECK_DTYPES:-bf16 fp32}; do # the dtype that matters most for transformer norms first
     budget=$((limit - margin - SECONDS))
@@ -166,6 +175,12 @@ if [[ "$mode" == bench || "$mode" == all ]]; then
       say "bench $dtypes: FAILED (rc=$rc): see bench.log"
     fi
   done
+  tables=("$outdir"/measured/cuda-*.json)
+  if ((${#tables[@]})); then
+    mkdir -p src/normscope/backends/measured &&
+      cp "${tables[@]}" src/normscope/backends/measured/ &&
+      say "measured-choice table: ${tables[*]} (copied to src/normscope/backends/measured/)"
+  fi
   json=("$outdir"/bench-*.json)
   if ((${#json[@]})); then
     python3 - "${json[0]}" <<'EOF' 2>&1 | tee -a "$summary"

@@ -17,10 +17,10 @@ from normscope import bench
 
 @pytest.fixture
 def tiny(monkeypatch):
-    monkeypatch.setattr(bench, "NS_QUICK", (256,))
-    monkeypatch.setattr(bench, "QUICK_BYTES", 64 << 10)
-    monkeypatch.setitem(bench.MASKED, "quick", (2, 16, 32))
-    monkeypatch.setitem(bench.SPATIAL, "quick", (2, 64, 4, 4))
+    monkeypatch.setattr(bench.cases, "NS_QUICK", (256,))
+    monkeypatch.setattr(bench.cases, "QUICK_BYTES", 64 << 10)
+    monkeypatch.setitem(bench.cases.MASKED, "quick", (2, 16, 32))
+    monkeypatch.setitem(bench.cases.SPATIAL, "quick", (2, 64, 4, 4))
 
 
 def test_bench_cpu_subset_writes_wellformed_json(tmp_path, tiny, capsys):
@@ -128,7 +128,7 @@ def test_check_flags_a_peer_that_computes_something_else():
         "rms": lambda x, w, b: F.rms_norm(x, (32,), w, bench.EPS) + b,
         "raises": lambda x, w, b: 1 / 0,
     }
-    got = bench._check(impls, [x, w, b], eager, torch.float32)
+    got = bench.cases._check(impls, [x, w, b], eager, torch.float32)
     assert got["torch"]["ok"] and got["same"]["ok"] and got["same"]["max_err"] < 1e-5
     assert not got["no_bias"]["ok"] and not got["rms"]["ok"]
     assert got["raises"]["ok"] is None and got["raises"]["check_error"].startswith("ZeroDivisionError")
@@ -176,7 +176,7 @@ def _fake_liger(monkeypatch, calls):
 def test_liger_adapter_passes_the_like_for_like_arguments(monkeypatch):
     calls = []
     _fake_liger(monkeypatch, calls)
-    peers, version, absent = bench._liger_peers()
+    peers, version, absent = bench.peers._liger_peers()
     assert absent is None and version is not None
     assert set(peers) == {"layer_norm", "rms_norm", "add_rms_norm", "group_norm", "group_norm_cl"}
     x, r, w, b = torch.randn(4, 64), torch.randn(4, 64), torch.rand(64) + 0.5, torch.randn(64)
@@ -240,7 +240,7 @@ def test_cuda_timing_branch_calls_do_bench_and_the_memory_counters_as_they_exist
     assert callable(torch.cuda.max_memory_allocated)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 5 << 20)
     ran = []
-    ms, peak, err = bench._measure(lambda: lambda: ran.append(1), torch.device("cuda"), "full")
+    ms, peak, err = bench.timing._measure(lambda: lambda: ran.append(1), torch.device("cuda"), "full")
     assert (ms, peak, err) == (0.25, 4.0, None)
     assert seen == {"warmup": 25, "rep": 100, "return_mode": "median"} and len(ran) == 3
 
@@ -249,5 +249,150 @@ def test_measure_reports_a_closure_that_raises_while_being_built():
     def make():
         raise RuntimeError("Cannot launch Triton kernel since n = 131072 exceeds the recommended Triton blocksize")
 
-    ms, peak, err = bench._measure(make, torch.device("cpu"), "quick")
+    ms, peak, err = bench.timing._measure(make, torch.device("cpu"), "quick")
     assert ms is None and peak is None and err.startswith("RuntimeError: Cannot launch")
+
+
+# ---------------------------------------------------------------------------------------------
+# the measured-choice table (choice_table), on synthetic results whose answer is worked out by hand
+
+
+def _timed(case, dtype, n, fwd, fwdbwd, ok=True, impl="normscope (triton)", shape=None):
+    """The fwd and fwd+bwd rows of one configuration: (normscope ms, torch ms) per mode."""
+    shape = shape or [4, n]
+    rows = []
+    for mode, (ns_ms, torch_ms) in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
+        impls = {"normscope": {"ms": ns_ms, "error": None, "ok": ok}, "torch": {"ms": torch_ms, "error": None}}
+        rows.append(
+            {"case": case, "dtype": dtype, "mode": mode, "shape": shape, "n": n, "normscope_impl": impl, "impls": impls}
+        )
+    return rows
+
+
+def _cuda_report(results, failed=()):
+    return {
+        "device": "NVIDIA H100 80GB HBM3",
+        "device_type": "cuda",
+        "device_class": "cuda-sm90",
+        "interpret": False,
+        "torch": "2.11.0",
+        "triton": "3.6.0",
+        "results": results,
+        "failed": list(failed),
+    }
+
+
+def test_choice_table_keeps_measured_runs_where_triton_is_correct_and_faster_in_both_modes():
+    fast = ((1.0, 2.0), (1.0, 1.5))  # x2 fwd, x1.5 fwd+bwd
+    results = (
+        _timed("layer_norm", "bf16", 4096, (1.0, 1.4), (1.0, 1.2))  # x1.4, x1.2
+        + _timed("layer_norm", "bf16", 1024, *fast)
+        + _timed("layer_norm", "bf16", 8192, *fast)
+        + _timed("layer_norm", "bf16", 16384, (1.0, 3.0), (1.0, 0.9))  # faster fwd, slower fwd+bwd: a gap
+        + _timed("layer_norm", "bf16", 32768, *fast)
+        + _timed("layer_norm", "bf16", 65536, *fast, ok=False)  # wrong output: a gap
+        + _timed("layer_norm", "bf16", 131072, *fast)
+        + _timed("layer_norm", "bf16", 262144, *fast, impl="normscope (aten)")  # not the kernel: a gap
+        + _timed("layer_norm", "fp32", 1024, (2.0, 1.0), (1.0, 2.0))  # slower fwd: no entry at all
+        + _timed("add_rms_norm", "bf16", 512, *fast)
+        + _timed("add_rms_norm", "bf16", 2048, *fast)
+    )
+    table = bench.choice_table(_cuda_report(results), command="normscope bench --dtypes bf16", date="2026-11-23")
+    assert {k: v for k, v in table.items() if k != "choices"} == {
+        "schema": 1,
+        "device_class": "cuda-sm90",
+        "device_name": "NVIDIA H100 80GB HBM3",
+        "torch": "2.11.0",
+        "triton": "3.6.0",
+        "command": "normscope bench --dtypes bf16",
+        "date": "2026-11-23",
+    }
+    entry = lambda op, lo, hi, f, fb: {  # noqa: E731
+        "op": op, "dtype": "bfloat16", "n_min": lo, "n_max": hi, "speedup_fwd": f, "speedup_fwdbwd": fb
+    }  # fmt: skip
+    assert table["choices"] == [
+        entry("fused_add_rms_norm", 512, 2048, 2.0, 1.5),  # the bench's add_rms_norm, by the table's op name
+        entry("layer_norm", 1024, 8192, 1.4, 1.2),  # the minimum over the run
+        entry("layer_norm", 32768, 32768, 2.0, 1.5),
+        entry("layer_norm", 131072, 131072, 2.0, 1.5),
+    ]
+
+
+def test_choice_table_a_failed_or_half_measured_configuration_splits_a_run_and_nothing_is_extrapolated():
+    fast = ((1.0, 2.0), (1.0, 2.0))
+    results = _timed("rms_norm", "fp32", 256, *fast) + _timed("rms_norm", "fp32", 4096, *fast)
+    results += _timed("rms_norm", "fp32", 1024, *fast)[:1]  # fwd only: the budget ended before fwd+bwd
+    results += _timed("rms_norm", "fp32", 65536, *fast) + _timed("rms_norm", "fp32", 262144, *fast)
+    failed = [{"case": "rms_norm", "dtype": "fp32", "shape": [8, 131072], "error": "OutOfMemoryError"}]
+    got = [(c["n_min"], c["n_max"]) for c in bench.choice_table(_cuda_report(results, failed))["choices"]]
+    assert got == [(256, 256), (4096, 65536), (262144, 262144)]
+
+
+def test_choice_table_group_norm_needs_every_memory_format_and_derives_n_from_the_shape():
+    # no "n" in the rows (a report written before rows carried it): n = C/G * H * W = 256/32 * 56 * 56
+    nchw = _timed("group_norm", "bf16", 0, (1.0, 2.0), (1.0, 1.5), shape=[32, 256, 56, 56])
+    cl = _timed("group_norm_cl", "bf16", 0, (1.0, 1.2), (1.0, 1.1), shape=[32, 256, 56, 56])
+    bn = _timed("batch_norm", "bf16", 0, (1.0, 1.3), (1.0, 1.3), shape=[32, 256, 56, 56])
+    for row in nchw + cl + bn:
+        del row["n"]
+    table = bench.choice_table(_cuda_report(nchw + cl + bn))
+    assert [(c["op"], c["n_min"], c["speedup_fwd"], c["speedup_fwdbwd"]) for c in table["choices"]] == [
+        ("batch_norm", 32 * 56 * 56, 1.3, 1.3),
+        ("group_norm", 8 * 56 * 56, 1.2, 1.1),
+    ]
+    cl[1]["impls"]["torch"]["ms"] = 0.5  # channels_last slower in fwd+bwd: GroupNorm at that n no longer qualifies
+    assert [c["op"] for c in bench.choice_table(_cuda_report(nchw + cl + bn))["choices"]] == ["batch_norm"]
+
+
+def test_choice_table_refuses_a_report_not_measured_on_cuda():
+    with pytest.raises(ValueError, match="expected a report measured on CUDA"):
+        bench.choice_table({**_cuda_report([]), "device_type": "cpu"})
+    with pytest.raises(ValueError, match="expected a report measured on CUDA"):
+        bench.choice_table({**_cuda_report([]), "interpret": True})
+    with pytest.raises(ValueError, match="expected `device_class`"):
+        bench.choice_table({**_cuda_report([]), "device_class": None})
+
+
+def test_write_choice_from_a_cuda_json_with_plot_only_and_refused_for_a_cpu_run(tmp_path, capsys):
+    (tmp_path / "bench-cuda.json").write_text(
+        json.dumps({**_cuda_report(_timed("layer_norm", "bf16", 4096, (1.0, 1.5), (1.0, 1.25))), "copy_gbs": 1.0})
+    )
+    measured = tmp_path / "measured"
+    measured.mkdir()
+    assert bench.main(["--plot-only", "--device", "cuda", "--out", str(tmp_path), "--write-choice", str(measured)]) == 0
+    table = json.loads((measured / "cuda-sm90.json").read_text())
+    assert table["choices"] == [
+        {
+            "op": "layer_norm",
+            "dtype": "bfloat16",
+            "n_min": 4096,
+            "n_max": 4096,
+            "speedup_fwd": 1.5,
+            "speedup_fwdbwd": 1.25,
+        }
+    ]
+    assert table["command"].startswith("normscope bench --plot-only")
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--write-choice", str(measured)])
+    assert "--write-choice: the table is measured on CUDA; got device cpu" in capsys.readouterr().err
+
+
+def test_rows_carry_the_scope_size_n(tmp_path, tiny):
+    report = bench.run(
+        ["rms_norm", "group_norm", "batch_norm", "masked_batch_norm"], ["fp32"], "quick", torch.device("cpu"),
+        log=lambda s: None,
+    )  # fmt: skip
+    n = {r["case"]: r["n"] for r in report["results"]}
+    assert n["rms_norm"] == 256 and n["group_norm"] == 64 // bench.GROUPS * 4 * 4 and n["batch_norm"] == 2 * 4 * 4
+    # masked: the valid tokens of the (B, S) mask, between B * S/4 and B * S, counted by the run
+    assert 2 * 16 // 4 <= n["masked_batch_norm"] <= 2 * 16
+    assert report["device_class"] is None  # CPU: no device class, no table
+
+
+def test_help_is_plain_text_not_restructuredtext(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out and "::" not in out
+    assert "Benchmark normscope's kernels against PyTorch eager" in out and "--write-choice PATH" in out

@@ -27,15 +27,15 @@ pytestmark = [
 
 
 def _liger_importable() -> bool:
-    peers, _, _ = bench._liger_peers()
+    peers, _, _ = bench.peers._liger_peers()
     return peers is not None
 
 
 @pytest.fixture
 def tiny(monkeypatch):
-    monkeypatch.setattr(bench, "NS_INTERPRET", (64, 20000))  # 20000: normscope's looped path
-    monkeypatch.setitem(bench.SPATIAL, "interpret", (1, 64, 3, 2))
-    monkeypatch.setitem(bench.MASKED, "interpret", (2, 6, 8))
+    monkeypatch.setattr(bench.cases, "NS_INTERPRET", (64, 20000))  # 20000: normscope's looped path
+    monkeypatch.setitem(bench.cases.SPATIAL, "interpret", (1, 64, 3, 2))
+    monkeypatch.setitem(bench.cases.MASKED, "interpret", (2, 6, 8))
 
 
 def _dry_run(tmp_path, cases, dtypes, peers):
@@ -73,7 +73,7 @@ def test_dry_run_of_every_case_on_the_kernels(tmp_path, tiny):
 
 @pytest.mark.slow
 def test_dry_run_with_the_compile_peer(tmp_path, tiny, monkeypatch):
-    monkeypatch.setattr(bench, "NS_INTERPRET", (64,))
+    monkeypatch.setattr(bench.cases, "NS_INTERPRET", (64,))
     report = _dry_run(tmp_path, ["add_rms_norm", "group_norm_cl", "masked_batch_norm"], ["fp32"], ["torch", "compile"])
     for row in report["results"]:
         assert row["impls"]["compile"]["ok"] is True and row["impls"]["compile"]["ms"] > 0, row
@@ -91,7 +91,7 @@ def test_interpreter_shims_are_undone():
     from triton.runtime import interpreter
 
     before = interpreter._implicit_cvt
-    with bench._interpreter_shims():
+    with bench.peers._interpreter_shims():
         assert interpreter._implicit_cvt is not before
     assert interpreter._implicit_cvt is before
 
@@ -102,7 +102,7 @@ def test_interpreter_shims_are_undone():
 
 @pytest.mark.skipif(not _liger_importable(), reason="liger_kernel is not importable (the bench extra installs it)")
 def test_real_liger_through_the_adapter_matches_float64_torch():
-    peers, _, _ = bench._liger_peers()
+    peers, _, _ = bench.peers._liger_peers()
     g = torch.Generator().manual_seed(0)
     m, n, eps = 6, 48, bench.EPS
     x, r = torch.randn(m, n, generator=g), torch.randn(m, n, generator=g)
@@ -115,7 +115,7 @@ def test_real_liger_through_the_adapter_matches_float64_torch():
         "add_rms_norm": ((x, r, w), lambda x, r, w: (F.rms_norm(x + r, (n,), w, eps), x + r)),
         "group_norm": ((xs, ws, bs), lambda x, w, b: F.group_norm(x, bench.GROUPS, w, b, eps)),
     }
-    with bench._interpreter_shims():
+    with bench.peers._interpreter_shims():
         for case, (inputs, oracle) in cases.items():
             leaves = [t.clone().requires_grad_() for t in inputs]
             got = peers[case](*leaves)

@@ -209,3 +209,12 @@ def test_page_needs_no_network():
         text = static.joinpath(name).read_text()
         urls = set(re.findall(r"(?:https?:)?//[\w.-]+\.[a-z]{2,}[^\s\"')]*", text))
         assert urls <= {"http://www.w3.org/2000/svg"}, (name, urls)
+
+
+@pytest.mark.parametrize("layer", ["layer", "rms"])
+def test_layer_and_rms_on_nchw_of_rank_4_normalize_all_but_the_batch_axis(layer):
+    """(N, C, H, W): one scope per sample over (C, H, W), as torch's F.layer_norm(x, x.shape[1:]) -- the page
+    showed one scope per (sample, channel) and a difference of 1.35 to torch."""
+    r = scope_example({"layer": layer, "layout": "nchw", "shape": [2, 4, 2, 2]})
+    assert r["n_scopes"] == 2 and r["count"] == [16, 16]
+    assert r["check"]["against"].startswith("torch.nn.functional") and r["check"]["max_abs_diff"] < 1e-5

@@ -221,3 +221,30 @@ def test_draw_all_writes_every_layer(tmp_path):
     assert {"scopes-nchw.svg", "scopes-bsd.svg"} <= names
     for p in paths:
         ET.parse(p)
+
+
+def _caption(ax) -> str:
+    return next(t.get_text() for t in ax.texts if "scopes; shaded" in t.get_text())
+
+
+def test_draw_layer_norm_on_nchw_of_rank_4_is_one_scope_per_sample():
+    """LayerNorm over (C, H, W): a (2, 4, 2, 2) input has 2 scopes of 16 (it drew (H, W) only: 8 of 4)."""
+    pytest.importorskip("matplotlib")
+    from normscope.viz import draw
+
+    assert _caption(draw("layer", shape=(2, 4, 2, 2))) == "2 scopes; shaded: one scope of 16 elements"
+    assert _caption(draw("rms", shape=(2, 4, 2, 2))) == "2 scopes; shaded: one scope of 16 elements"
+    # the torch layer of the same configuration says the same
+    assert _caption(draw(nn.LayerNorm((4, 2, 2)), shape=(2, 4, 2, 2))) == "2 scopes; shaded: one scope of 16 elements"
+
+
+def test_draw_normscope_layer_norm_2d_normalizes_over_channels():
+    """normscope.LayerNorm2d is an nn.LayerNorm subclass over C, channels-first: (3, 6, 4) has 3 x 4 scopes of 6
+    channels (it was drawn as a LayerNorm over the last axis: 18 scopes of 4)."""
+    pytest.importorskip("matplotlib")
+    import normscope
+    from normscope.viz import draw
+
+    ax = draw(normscope.LayerNorm2d(6))
+    assert _caption(ax) == "12 scopes; shaded: one scope of 6 elements"
+    assert ax.get_title() == "LayerNorm2d (channels)"

@@ -25,25 +25,15 @@ import normscope
 
 from . import reference
 from ._term import Out, fmt, vec
+from .named import NAMED, scope_ids
 from .scope import Resolved, Scope
 
 __all__ = ["KINDS", "UsageError", "explain", "parse_layer", "render", "scope_ids", "axis_names", "example_values"]
 
-#: the layers ``explain`` knows, with the torch class each compares against
-KINDS = {
-    "batch": "BatchNorm",
-    "layer": "LayerNorm",
-    "instance": "InstanceNorm",
-    "group": "GroupNorm",
-    "rms": "RMSNorm",
-}
+#: the layers ``explain`` knows, with the torch class each compares against: the named layers that torch has
+KINDS = {name: e.torch_class for name, e in NAMED.items() if e.torch_class is not None}
 
-_ALIASES = {
-    "bn": "batch",
-    "ln": "layer",
-    "in": "instance",
-    "gn": "group",
-}
+_ALIASES = {alias: name for name in KINDS for alias in NAMED[name].aliases}
 
 #: largest input explain accepts: it is for examples a person reads, not for tensors
 MAX_ELEMENTS = 1 << 16
@@ -71,11 +61,9 @@ def parse_layer(name: str) -> tuple[str, int | None]:
             key = key[: -len(suffix)]
             break
     key = _ALIASES.get(key, key)
-    if key not in KINDS or (spatial is not None and key not in ("batch", "instance")):
-        names = (
-            ", ".join(KINDS)
-            + " (or torch names: BatchNorm1d/2d/3d, LayerNorm, InstanceNorm1d/2d/3d, GroupNorm, RMSNorm)"
-        )
+    if key not in KINDS or (spatial is not None and not NAMED[key].per_rank):
+        torch_names = ", ".join(f"{c}1d/2d/3d" if NAMED[k].per_rank else c for k, c in KINDS.items())
+        names = ", ".join(KINDS) + f" (or torch names: {torch_names})"
         raise UsageError("LAYER", f"unknown layer {name!r}; expected one of {names}")
     return key, spatial
 
@@ -94,20 +82,6 @@ def example_values(shape: Sequence[int]) -> Tensor:
     return (torch.randn(tuple(shape), generator=g) * 10).round() / 10
 
 
-def scope_ids(resolved: Resolved) -> Tensor:
-    """Which scope each element belongs to: an integer tensor shaped like the input.
-
-    The statistics have shape ``resolved.stat_shape`` (1 on every reduced axis, one entry per
-    group on a grouped axis); numbering their entries and broadcasting the numbers back over the
-    input gives each element the id of the mean and variance it is normalized with.
-    """
-    stat_shape = resolved.stat_shape
-    ids = torch.arange(math.prod(stat_shape)).reshape(stat_shape)
-    if resolved.groups > 1:  # one id per group: repeat it over the group's channels
-        ids = ids.repeat_interleave(resolved.shape[resolved.group_dim] // resolved.groups, dim=resolved.group_dim)
-    return ids.expand(resolved.shape)
-
-
 @dataclass(frozen=True)
 class _Setup:
     kind: str
@@ -118,19 +92,11 @@ class _Setup:
 
     @property
     def torch_name(self) -> str:
-        base = KINDS[self.kind]
-        if self.kind in ("batch", "instance"):
-            return f"{base}{max(len(self.shape) - 2, 1)}d"
-        return base
+        return NAMED[self.kind].torch_name(len(self.shape))
 
     def scope(self) -> Scope:
-        return {
-            "batch": lambda: Scope.batch(),
-            "instance": lambda: Scope.instance(),
-            "group": lambda: Scope.group(self.groups),
-            "layer": lambda: Scope.layer(self.last),
-            "rms": lambda: Scope.rms(self.last),
-        }[self.kind]()
+        # the (N, C, *) layout of the table; `last` matters to layer/rms only
+        return NAMED[self.kind].scope("nchw", len(self.shape), self.groups or 1, self.last or None)
 
     def layer_args(self) -> tuple[tuple, dict]:
         c = self.shape[1] if len(self.shape) > 1 else None

@@ -19,7 +19,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .. import engine, reference
@@ -132,7 +131,7 @@ def _validate(req: Any) -> dict:
             )
         mask = [_int(v, f"mask[{i}]", 0, n_axis) for i, v in enumerate(mask)]
     try:
-        scope = layer_scope(layer, layout, groups)
+        scope = layer_scope(layer, layout, groups, len(shape))
         resolved = scope.resolve(shape)
     except ValueError as e:  # e.g. groups not dividing the channels: the engine's own message
         raise ApiError(400, str(e)) from None
@@ -147,46 +146,6 @@ def _validate(req: Any) -> dict:
         "scope": scope,
         "resolved": resolved,
     }
-
-
-def _torch_equivalent(layer: str, layout: str, x: Tensor, groups: int, eps: float) -> tuple[Tensor, str]:
-    """The same normalization by torch.nn.functional, without normscope (no affine)."""
-    if layout == "nchw":
-        if layer == "batch":
-            return F.batch_norm(x, None, None, training=True, eps=eps), "torch.nn.functional.batch_norm"
-        if layer == "layer":
-            return F.layer_norm(x, x.shape[1:], eps=eps), "torch.nn.functional.layer_norm"
-        if layer == "instance":
-            return F.instance_norm(x, eps=eps), "torch.nn.functional.instance_norm"
-        if layer == "group":
-            return F.group_norm(x, groups, eps=eps), "torch.nn.functional.group_norm"
-        if layer == "rms":
-            return F.rms_norm(x, x.shape[1:], eps=eps), "torch.nn.functional.rms_norm"
-        if layer == "layer2d":
-            y = F.layer_norm(x.movedim(1, -1), (x.shape[1],), eps=eps).movedim(-1, 1)
-            return y, "torch.nn.functional.layer_norm over C (channels moved last)"
-    else:
-        b, s, d = x.shape
-        if layer == "batch":
-            return (
-                F.batch_norm(x.reshape(b * s, d), None, None, training=True, eps=eps).reshape(b, s, d),
-                "torch.nn.functional.batch_norm on (B·S, D)",
-            )
-        if layer == "layer":
-            return F.layer_norm(x, (d,), eps=eps), "torch.nn.functional.layer_norm"
-        if layer == "instance":
-            return (
-                F.instance_norm(x.transpose(1, 2), eps=eps).transpose(1, 2),
-                "torch.nn.functional.instance_norm on (B, D, S)",
-            )
-        if layer == "group":
-            return (
-                F.group_norm(x.transpose(1, 2), groups, eps=eps).transpose(1, 2),
-                "torch.nn.functional.group_norm on (B, D, S)",
-            )
-        if layer == "rms":
-            return F.rms_norm(x, (d,), eps=eps), "torch.nn.functional.rms_norm"
-    raise AssertionError(f"no torch equivalent for {layer!r} in {layout!r}")  # the registry and this table agree
 
 
 def _per_scope_float64(x: Tensor, ids: Tensor, centered: bool, eps: float) -> Tensor:
@@ -225,7 +184,7 @@ def scope_example(req: Any) -> dict:
     ref_y = None
     if mask is None:
         try:
-            ref_y, against = _torch_equivalent(v["layer"], layout, x, v["groups"], v["eps"])
+            ref_y, against = LAYERS[v["layer"]].torch_equivalent(x, layout, v["groups"], v["eps"])
         except (ValueError, RuntimeError) as e:
             # torch refuses some shapes the engine handles (one element per instance or channel)
             against = f"float64 per-scope formula (torch.nn.functional refused: {e})"

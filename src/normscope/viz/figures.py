@@ -14,6 +14,7 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
+from ..named import module_scope
 from ..scope import Scope
 from .scopes import (
     HIGHLIGHT,
@@ -52,36 +53,30 @@ def _shade(color: str, factor: float) -> tuple[float, float, float]:
     )
 
 
-def _module_scope(m: nn.Module, layout: str) -> tuple[Scope, str]:
-    """The picture scope of a torch/normscope norm layer (by type; torch's own classes work too)."""
-    if isinstance(m, nn.GroupNorm):
-        return layer_scope("group", layout, m.num_groups), f"GroupNorm (G={m.num_groups})"
-    if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-        # the layer's own normalized_shape decides how many trailing axes share statistics
-        k = len(m.normalized_shape)
-        centered = isinstance(m, nn.LayerNorm)
-        scope = Scope.layer(k) if centered else Scope.rms(k)
+def _module_scope(m: nn.Module, layout: str, ndim: int) -> tuple[Scope, str]:
+    """The picture scope of a torch/normscope norm layer (by type, from the table of named layers) and its title."""
+    try:
+        name, scope = module_scope(m, layout, ndim)
+    except TypeError:
+        raise TypeError(f"draw: expected a layer name, a Scope or a norm layer, got {type(m).__name__}") from None
+    if name == "group":
+        return scope, f"GroupNorm (G={m.num_groups})"
+    if name in ("layer", "rms"):
         return scope, f"{type(m).__name__}({tuple(m.normalized_shape)})"
-    for cls, name in (
-        (nn.modules.batchnorm._BatchNorm, "batch"),
-        (nn.modules.instancenorm._InstanceNorm, "instance"),
-    ):
-        if isinstance(m, cls):
-            return layer_scope(name, layout), LAYERS[name].title
-    raise TypeError(f"draw: expected a layer name, a Scope or a norm layer, got {type(m).__name__}")
+    return scope, LAYERS[name].title
 
 
-def _resolve_target(target, layout: str, groups: int) -> tuple[Scope, str]:
+def _resolve_target(target, layout: str, groups: int, ndim: int = 3) -> tuple[Scope, str]:
     if isinstance(target, Scope):
         return target, "custom scope"
     if isinstance(target, str):
         title = LAYERS[target].title if target in LAYERS else target
-        scope = layer_scope(target, layout, groups)
+        scope = layer_scope(target, layout, groups, ndim)
         if target == "group":
             title = f"GroupNorm (G={groups})"
         return scope, title
     if isinstance(target, nn.Module):
-        return _module_scope(target, layout)
+        return _module_scope(target, layout, ndim)
     raise TypeError(
         f"draw: expected a layer name {layer_names()}, a Scope or a norm layer, got {type(target).__name__}"
     )
@@ -228,8 +223,8 @@ def draw(
     view = view or ("cube" if layout == "nchw" else "slices")
     if view not in ("cube", "slices"):
         raise ValueError(f"draw: expected `view` to be 'cube' or 'slices', got {view!r}")
-    scope, default_title = _resolve_target(layer_or_scope, layout, groups)
     shape = tuple(shape) if shape is not None else default_shape(layout)
+    scope, default_title = _resolve_target(layer_or_scope, layout, groups, len(shape))
     ids = picture_ids(scope, shape, layout, mask)
     hl = _pick_highlight(ids, highlight)
     if ax is None:

@@ -1,6 +1,7 @@
 """Scope -> picture: which elements share one mean and variance, computed from the engine's scope.
 
-Nothing here knows what BatchNorm or GroupNorm *is*: :func:`scope_ids` reads only the
+Nothing here knows what BatchNorm or GroupNorm *is*: :func:`scope_ids` (from :mod:`normscope.named`, the
+table of named layers that explain and the explorer read too) reads only the
 :class:`~normscope.scope.Resolved` description (reduced axes, groups, grouped axis) that the engine
 itself computes with, so a new scope draws itself correctly without any drawing code of its own.
 
@@ -16,12 +17,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..scope import Resolved, Scope
+from ..named import LAYOUTS, NAMED, NamedLayer, check_layout, get, names, scope_ids
+from ..scope import Scope
 
 __all__ = [
     "PALETTE",
@@ -37,8 +38,6 @@ __all__ = [
     "axis_labels",
     "cube_faces",
 ]
-
-LAYOUTS = ("nchw", "bsd")
 
 # shared by the static pictures and the web page: a soft qualitative palette for the other
 # scopes (by order of first appearance) and one strong colour for the highlighted scope
@@ -63,103 +62,31 @@ _DEFAULT_SHAPE = {"nchw": (3, 6, 4), "bsd": (2, 5, 6)}
 _AXES = {"nchw": ("N", "C", "H·W"), "bsd": ("B", "S", "D")}
 
 
-@dataclass(frozen=True)
-class LayerSpec:
-    """A named layer of the picture registry: its scope in each layout (None: not meaningful there)."""
-
-    name: str
-    title: str
-    nchw: object  # callable (groups) -> Scope, or None
-    bsd: object
-    note: str
+#: the named layers: the one table of :mod:`normscope.named`, which explain and the explorer read too
+LAYERS = NAMED
+LayerSpec = NamedLayer  # the name this module gave the entries before the table moved to normscope.named
+layer_names = names
 
 
-LAYERS: dict[str, LayerSpec] = {
-    s.name: s
-    for s in (
-        LayerSpec(
-            "batch",
-            "BatchNorm",
-            lambda g: Scope.batch(),
-            lambda g: Scope.batch(channel_dim=-1),
-            "one mean/var per channel, over the batch and every position (in (B,S,D): per feature, "
-            "over every token of every sequence -- padding included unless masked)",
-        ),
-        LayerSpec(
-            "layer",
-            "LayerNorm",
-            lambda g: Scope.layer(2),
-            lambda g: Scope.layer(1),
-            "one mean/var per sample over (C, H·W); in (B,S,D) one per token, a strip over D",
-        ),
-        LayerSpec(
-            "instance",
-            "InstanceNorm",
-            lambda g: Scope.instance(),
-            lambda g: Scope(keep=(0, 2), affine=(2,)),
-            "one mean/var per (sample, channel), over the positions",
-        ),
-        LayerSpec(
-            "group",
-            "GroupNorm",
-            lambda g: Scope.group(g),
-            lambda g: Scope(keep=(0,), groups=g, group_dim=2, affine=(2,)),
-            "one mean/var per (sample, group of C/G channels), over the positions",
-        ),
-        LayerSpec(
-            "rms",
-            "RMSNorm",
-            lambda g: Scope.rms(2),
-            lambda g: Scope.rms(1),
-            "LayerNorm's scope without the mean: one mean square per sample (per token in (B,S,D))",
-        ),
-        LayerSpec(
-            "layer2d",
-            "LayerNorm2d (channels)",
-            lambda g: Scope.channels(),
-            None,
-            "channels-first LayerNorm (ConvNeXt): one mean/var per (sample, position), over C",
-        ),
-    )
-}
-
-
-def layer_names(layout: str | None = None) -> list[str]:
-    """Names of the registry, optionally only those meaningful in ``layout``."""
-    return [n for n, s in LAYERS.items() if layout is None or getattr(s, layout) is not None]
-
-
-def _check_layout(layout: str) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"expected `layout` to be one of {list(LAYOUTS)}, got {layout!r}")
-    return layout
-
-
-def layer_scope(name: str, layout: str = "nchw", groups: int = 2) -> Scope:
+def layer_scope(name: str, layout: str = "nchw", groups: int = 2, ndim: int = 3) -> Scope:
     """The engine scope of a named layer in a layout, e.g. ``layer_scope("group", "nchw", 2)``.
 
-    Raises ValueError listing the valid names for an unknown name, or when the layer has no meaning
-    in the layout (LayerNorm2d is channels-first).
+    ``ndim`` is the rank of the input (LayerNorm and RMSNorm in nchw normalize everything but the batch axis;
+    the default 3 is the picture's (N, C, H·W)). Raises ValueError listing the valid names for an unknown name,
+    or when the layer has no meaning in the layout (LayerNorm2d is channels-first).
     """
-    _check_layout(layout)
-    if name not in LAYERS:
-        raise ValueError(f"expected `layer` to be one of {list(LAYERS)}, got {name!r}")
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        raise ValueError(f"expected `groups` to be a positive int, got {groups!r}")
-    fn = getattr(LAYERS[name], layout)
-    if fn is None:
-        raise ValueError(f"layer {name!r} is not defined in layout {layout!r}: expected one of {layer_names(layout)}")
-    return fn(groups)
+    check_layout(layout)
+    return get(name).scope(layout, ndim, groups)
 
 
 def default_shape(layout: str) -> tuple[int, ...]:
     """The default picture shape of a layout: (N, C, H·W) = (3, 6, 4) or (B, S, D) = (2, 5, 6)."""
-    return _DEFAULT_SHAPE[_check_layout(layout)]
+    return _DEFAULT_SHAPE[check_layout(layout)]
 
 
 def axis_labels(layout: str) -> tuple[str, str, str]:
     """Axis names of a layout's three picture axes."""
-    return _AXES[_check_layout(layout)]
+    return _AXES[check_layout(layout)]
 
 
 def lengths_mask(shape: Sequence[int], lengths: Sequence[int], layout: str) -> Tensor:
@@ -169,7 +96,7 @@ def lengths_mask(shape: Sequence[int], lengths: Sequence[int], layout: str) -> T
     count positions in row-major H·W order (the picture's third axis) and the mask is (N, 1, H, W).
     True marks a valid element.
     """
-    _check_layout(layout)
+    check_layout(layout)
     shape = tuple(shape)
     lengths = list(lengths)
     if len(shape) < 3:
@@ -184,47 +111,6 @@ def lengths_mask(shape: Sequence[int], lengths: Sequence[int], layout: str) -> T
     if layout == "bsd":
         return valid.reshape(shape[0], shape[1], *([1] * (len(shape) - 2)))
     return valid.reshape(shape[0], 1, *shape[2:])
-
-
-def scope_ids(scope: Scope | Resolved, shape: Sequence[int], mask: Tensor | None = None) -> Tensor:
-    """For every element of a tensor of ``shape``, the id of the scope it belongs to.
-
-    Elements with the same id share one mean and variance. The id is the flat index into the
-    engine's statistics tensor (shape ``resolved.stat_shape``, as returned by
-    :func:`normscope.reference.moments`), so ``moments(x, r).mean.flatten()[ids]`` is each
-    element's mean. Elements excluded by ``mask`` (False) get -1.
-
-    Derived only from the resolved scope: a non-reduced axis indexes the statistics, a reduced axis
-    does not, and a grouped axis indexes them by ``channel // (C / groups)``.
-
-    Args:
-        scope: a :class:`Scope` (resolved against ``shape``) or an already resolved scope.
-        shape: the tensor shape.
-        mask: optional bool tensor broadcastable to ``shape``; True = valid. Default: None.
-
-    Shape:
-        returns a LongTensor of ``shape``.
-
-    Example::
-
-        >>> scope_ids(Scope.group(2), (1, 4, 2))[0]
-        tensor([[0, 0], [0, 0], [1, 1], [1, 1]])
-    """
-    shape = tuple(int(s) for s in shape)
-    r = scope if isinstance(scope, Resolved) else scope.resolve(shape)
-    if tuple(r.shape) != shape:
-        raise ValueError(f"expected a scope resolved for shape {shape}, got one resolved for {tuple(r.shape)}")
-    stat = r.stat_shape
-    ids = torch.arange(math.prod(stat)).reshape(stat)
-    if r.groups > 1:
-        # each group's statistic covers C/G consecutive channels of the grouped axis
-        ids = ids.repeat_interleave(shape[r.group_dim] // r.groups, dim=r.group_dim)
-    ids = ids.expand(shape).clone()
-    if mask is not None:
-        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-            raise TypeError(f"expected `mask` to be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
-        ids[~mask.expand(shape)] = -1
-    return ids
 
 
 # -- geometry of the cube, shared by the matplotlib figure and the web page ---------------------
@@ -246,7 +132,7 @@ def cube_faces(shape3: Sequence[int], layout: str = "nchw") -> list[dict]:
     ``{"index": flat element index, "face": "front"|"top"|"side", "points": [[x, y] * 4]}``
     in picture units (y up). Faces are ordered back to front, so painting in order is correct.
     """
-    _check_layout(layout)
+    check_layout(layout)
     if len(shape3) != 3:
         raise ValueError(f"expected a 3-d picture shape, got {tuple(shape3)}")
     a0, a1, a2 = (int(s) for s in shape3)

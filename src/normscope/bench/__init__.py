@@ -1,0 +1,222 @@
+"""``normscope bench``: normscope against PyTorch eager, torch.compile and Liger-Kernel, in one run.
+
+On CUDA every case is timed with ``triton.testing.do_bench`` (median), on CPU with repeated
+wall-clock medians. Each result reports the time, the achieved bandwidth for an *assumed* byte
+count (the minimum traffic of an ideal fused kernel, below), its ratio to every peer measured in
+the same run, its ratio to the device's copy bandwidth (a large ``dst.copy_(src)`` measured in the
+same run: the practical ceiling), the peak memory (CUDA), and the forward output's error against
+torch in fp32 (a peer that computes something else is flagged, not silently timed).
+
+Bytes assumed (``e`` = bytes per element of the input dtype, ``numel`` = elements of x):
+
+=====================  ==============  ===============================================
+case                   forward         forward + backward
+=====================  ==============  ===============================================
+layer_norm, rms_norm   2 numel e       5 numel e  (fwd: read x, write y; bwd: read x, dy, write dx)
+add_rms_norm           4 numel e       8 numel e  (fwd: read x, r, write y, h; bwd: read h, dy, dh, write dx)
+group_norm[_cl]        2 numel e       5 numel e
+batch_norm             2 numel e       5 numel e
+masked_batch_norm      2 numel e       5 numel e  (the (B, S) mask is not counted)
+=====================  ==============  ===============================================
+
+Weights, statistics and the second read of long rows are not counted: an implementation that
+needs them shows up as lower GB/s. ``normscope`` is the public API (``normscope.functional``),
+forced onto its Triton kernels wherever they can run (CUDA, ``--interpret``): the bench measures
+the kernels against ATen, and must not depend on the automatic choice its measurements decide.
+The JSON records what ran (``normscope_impl``) and, per row, ``n``: the elements of one
+normalized scope.
+
+``--write-choice PATH`` writes the measured-choice table (:func:`choice_table`) of a CUDA run:
+per op and dtype, the size ranges where the Triton kernels passed the check and beat torch eager
+in both forward and forward+backward. The engine chooses Triton automatically only there
+(``benchmarks/gpu_check.sh bench`` writes ``src/normscope/backends/measured/<device class>.json``).
+
+Peers: ``torch`` (eager), ``compile`` (``torch.compile`` of the same eager function; GPU, or
+``--interpret``), ``liger`` (Liger-Kernel's Triton autograd Functions, when ``liger_kernel`` is
+importable; see :func:`normscope.bench.peers._liger_peers` for the like-for-like choices).
+
+Modules: :mod:`~normscope.bench.cases` (sizes, inputs, the output check), :mod:`~normscope.bench.peers`
+(Liger-Kernel, the interpreter shims), :mod:`~normscope.bench.timing` (medians, :func:`run`),
+:mod:`~normscope.bench.report` (:func:`problems`, the plot, :func:`choice_table`).
+
+Usage::
+
+    python -m normscope.bench                     # full run on the GPU, writes benchmarks/results/
+    python -m normscope.bench --quick             # small sizes (CPU: about a minute)
+    python -m normscope.bench --cases layer_norm,rms_norm --dtypes bf16 --out /tmp/b
+    python -m normscope.bench --resume --budget-s 480 --out DIR   # continue DIR's JSON for 8 minutes
+    python -m normscope.bench --plot-only --out DIR               # redraw DIR's PNG from its JSON
+    TRITON_INTERPRET=1 python -m normscope.bench --interpret --out /tmp/dry
+
+``--interpret`` is the GPU run's dry run on a CPU: the same code paths at tiny sizes -- normscope
+forced onto its Triton kernels and Liger's kernels both in Triton's interpreter, torch.compile
+through inductor's CPU backend, every case, the JSON and the PNG. Its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from .cases import (
+    CASES,
+    DTYPES,
+    EPS,
+    GROUPS,
+    ROW_CASES,
+    plan,
+)
+from .peers import LIGER_CHECKED, PEERS
+from .report import choice_table, device_class, plot, problems, write_choice, write_json
+from .timing import copy_bandwidth, run, time_ms
+
+__all__ = [
+    "CASES",
+    "DTYPES",
+    "EPS",
+    "GROUPS",
+    "LIGER_CHECKED",
+    "PEERS",
+    "ROW_CASES",
+    "choice_table",
+    "copy_bandwidth",
+    "device_class",
+    "main",
+    "plan",
+    "plot",
+    "problems",
+    "run",
+    "time_ms",
+    "write_choice",
+    "write_json",
+]
+
+
+def _use_interpreter(p: argparse.ArgumentParser) -> None:
+    """--interpret: Triton must be imported (its kernels decorated) after TRITON_INTERPRET=1 is set."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if any(m == "triton" or m.startswith("triton.") for m in sys.modules):
+        p.error(
+            "--interpret: Triton was imported before TRITON_INTERPRET=1 was set, so its kernels are compiled, "
+            "not interpreted; run: TRITON_INTERPRET=1 python -m normscope.bench --interpret ..."
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+#: ``normscope bench --help``: plain text (the module docstring is reStructuredText for the docs)
+_DESCRIPTION = "Benchmark normscope's kernels against PyTorch eager, torch.compile and Liger-Kernel, in one run."
+_EPILOG = """examples:
+  normscope bench                        full run on the GPU, writes benchmarks/results/
+  normscope bench --quick                small sizes (CPU: about a minute)
+  normscope bench --cases layer_norm,rms_norm --dtypes bf16 --out /tmp/b
+  normscope bench --resume --budget-s 480 --out DIR     continue DIR's JSON for 8 minutes
+  normscope bench --plot-only --out DIR                 redraw DIR's PNG from its JSON
+  normscope bench --write-choice src/normscope/backends/measured/
+                                         also write the measured-choice table (CUDA runs)
+  TRITON_INTERPRET=1 normscope bench --interpret --out /tmp/dry
+                                         CPU dry run of the GPU code paths (times mean nothing)
+
+Times are medians (triton.testing.do_bench on CUDA). Each row reports GB/s for the minimum
+traffic of an ideal fused kernel, the ratio to every peer and to the device's copy bandwidth,
+and the forward output's error against torch in fp32."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(
+        prog="normscope bench",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", default="benchmarks/results", help="directory for bench-*.json and bench-*.png")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of: {', '.join(CASES)}")
+    p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated subset of: {', '.join(DTYPES)}")
+    p.add_argument(
+        "--peers",
+        default=None,
+        help=f"comma-separated subset of: {', '.join(PEERS)} (default: all on CUDA and with --interpret; torch on "
+        "plain CPU, where inductor needs a C++ toolchain and minutes, and Liger's kernels cannot run)",
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes (the default on CPU)")
+    p.add_argument(
+        "--interpret",
+        action="store_true",
+        help="CPU dry run of the GPU code paths at tiny sizes: normscope's and Liger's kernels in Triton's "
+        "interpreter, torch.compile on inductor's CPU backend (times mean nothing)",
+    )
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available; cpu with --interpret)")
+    p.add_argument("--resume", action="store_true", help="keep the rows of the JSON already in --out, run the rest")
+    p.add_argument("--budget-s", type=float, default=None, help="start no new configuration after this many seconds")
+    p.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON in --out, measure nothing")
+    p.add_argument("--strict", action="store_true", help="exit 1 when problems() finds any (see the log's end)")
+    p.add_argument(
+        "--write-choice",
+        metavar="PATH",
+        default=None,
+        help="also write the measured-choice table of a CUDA run (with --plot-only: of the JSON in --out) to PATH; "
+        "a directory gets <device class>.json, e.g. cuda-sm90.json",
+    )
+    a = p.parse_args(argv)
+    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
+    peers = [q.strip() for q in (a.peers or ",".join(PEERS)).split(",") if q.strip()]
+    bad = [c for c in cases if c not in CASES] + [d for d in dtypes if d not in DTYPES]
+    if bad:
+        p.error(f"unknown case/dtype {bad}; cases: {', '.join(CASES)}; dtypes: {', '.join(DTYPES)}")
+    if [q for q in peers if q not in PEERS]:
+        p.error(f"unknown peer {[q for q in peers if q not in PEERS]}; expected a subset of: {', '.join(PEERS)}")
+    if a.interpret and a.device not in (None, "cpu"):
+        p.error(f"--interpret runs on the CPU; got --device {a.device}")
+    if a.interpret:
+        _use_interpreter(p)
+    device = torch.device(a.device or ("cpu" if a.interpret else "cuda" if torch.cuda.is_available() else "cpu"))
+    level = "interpret" if a.interpret else "quick" if a.quick or device.type == "cpu" else "full"
+    if a.peers is None and device.type == "cpu" and not a.interpret:
+        peers = ["torch"]
+    out = Path(a.out)
+    stem = f"bench-{'' if level == 'full' else level + '-'}{device.type}"
+    path = out / f"{stem}.json"
+    previous = None
+    if a.plot_only or a.resume:
+        if path.exists():
+            previous = json.loads(path.read_text())
+        elif a.plot_only:
+            p.error(f"--plot-only: no {path} to plot")
+    if a.write_choice and not a.plot_only and (device.type != "cuda" or a.interpret):
+        where = "cpu (interpreted)" if a.interpret else device.type
+        p.error(f"--write-choice: the table is measured on CUDA; got device {where}")
+    command = shlex.join(["normscope", "bench", *argv])
+    if a.plot_only:
+        wrote = plot(previous, out / f"{stem}.png")
+        print(f"wrote {out / f'{stem}.png'}" if wrote else "no plot: matplotlib missing or no row cases")
+        if a.write_choice:
+            try:
+                print(f"wrote {write_choice(previous, a.write_choice, command)}")
+            except ValueError as e:
+                p.error(f"--write-choice: {e}")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    report = run(
+        cases, dtypes, level, device, peers=peers, previous=previous, budget_s=a.budget_s,
+        on_config=lambda rep: write_json(path, rep),
+    )  # fmt: skip
+    write_json(path, report)
+    wrote = [str(path)]
+    if plot(report, out / f"{stem}.png"):
+        wrote.append(str(out / f"{stem}.png"))
+    if a.write_choice:
+        wrote.append(str(write_choice(report, a.write_choice, command)))
+    print("wrote " + ", ".join(wrote))
+    found = problems(report)
+    for line in found:
+        print(f"PROBLEM {line}")
+    print(f"{len(report['results'])} rows, {len(found)} problems, complete: {report['complete']}")
+    return 1 if a.strict and found else 0

@@ -1,0 +1,201 @@
+"""The bench's cases: sizes per level, the inputs and implementations of each case, and the
+forward check of every implementation against torch eager.
+
+Each case builder returns ``(inputs, impls, (bytes_fwd, bytes_fwdbwd), shape, normscope label or None, eager,
+n)``, where ``n`` is the number of elements in one normalized scope (what the measured-choice table is keyed by:
+the row length for LayerNorm/RMSNorm, C/G x H x W for GroupNorm, N x H x W -- valid positions only when masked --
+for BatchNorm).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import normscope
+from normscope import functional as nf
+
+ROW_CASES = ("layer_norm", "rms_norm", "add_rms_norm")
+CASES = (*ROW_CASES, "group_norm", "group_norm_cl", "batch_norm", "masked_batch_norm")
+NS_FULL = (256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+NS_QUICK = (256, 4096)
+#: --interpret: 20000 > normscope's MAX_FUSED_N (its looped path), 70000 > Liger's 65536 limit (its error path)
+NS_INTERPRET = (64, 20000, 70000)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EPS = 1e-5
+GROUPS = 32
+#: bytes of x per row case: >= 256 MB on the GPU (past every cache), 1 MB in --quick mode, 16 KB interpreted
+FULL_BYTES, QUICK_BYTES, INTERPRET_BYTES = 256 << 20, 1 << 20, 16 << 10
+#: (N, C, H, W) of the GroupNorm / BatchNorm cases and (B, S, D) of masked BatchNorm, per level
+SPATIAL = {"full": (32, 256, 56, 56), "quick": (2, 64, 16, 16), "interpret": (2, 64, 4, 4)}
+MASKED = {"full": (64, 1024, 1024), "quick": (4, 64, 128), "interpret": (2, 8, 16)}
+#: forward output vs torch in fp32: allowed error is 2 x torch's own (same dtype) + ATOL x (1 + max |y|)
+CHECK_ATOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def plan(cases, dtypes, level: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The (case, dtype, shape) configurations of a run, in order."""
+    ns = {"full": NS_FULL, "quick": NS_QUICK, "interpret": NS_INTERPRET}[level]
+    target = {"full": FULL_BYTES, "quick": QUICK_BYTES, "interpret": INTERPRET_BYTES}[level]
+    out = []
+    for case in cases:
+        for dname in dtypes:
+            if case in ROW_CASES:
+                e = torch.empty((), dtype=DTYPES[dname]).element_size()
+                out += [(case, dname, (max(1, math.ceil(target / (n * e))), n)) for n in ns]
+            else:
+                out.append((case, dname, MASKED[level] if case == "masked_batch_norm" else SPATIAL[level]))
+    return out
+
+
+def _randn(shape, g: torch.Generator, device, dtype) -> torch.Tensor:
+    return torch.randn(shape, generator=g, device=device).to(dtype)
+
+
+def _ns(fn: Callable, kernels: bool) -> Callable:
+    """normscope as called in the run: forced onto the Triton backend where its kernels can run (CUDA, or
+    ``--interpret``): the run measures the kernels against ATen, so it must not depend on the automatic
+    choice that its own measurements decide. Elsewhere (plain CPU) the automatic choice."""
+    if not kernels:
+        return fn
+
+    def forced(*args):
+        with normscope.use_backend("triton"):
+            return fn(*args)
+
+    return forced
+
+
+def _rows_case(case: str, m: int, n: int, dtype, device, peers: dict, kernels: bool):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = _randn((m, n), g, device, dtype)
+    w = (torch.rand(n, generator=g, device=device) + 0.5).to(dtype)
+    b = _randn(n, g, device, dtype)
+    e = x.element_size()
+    impls: dict[str, Callable] = {}
+    ns_label = None  # the engine's choice, read after the check's call
+    if case == "layer_norm":
+        inputs = [x, w, b]
+        eager = lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS)  # noqa: E731
+        impls["normscope"] = _ns(lambda x, w, b: nf.layer_norm(x, (n,), w, b, EPS), kernels)
+        nbytes = (2 * m * n * e, 5 * m * n * e)
+    elif case == "rms_norm":
+        inputs = [x, w]
+        eager = lambda x, w: F.rms_norm(x, (n,), w, EPS)  # noqa: E731
+        impls["normscope"] = _ns(lambda x, w: nf.rms_norm(x, (n,), w, EPS), kernels)
+        nbytes = (2 * m * n * e, 5 * m * n * e)
+    else:  # add_rms_norm: the unfused peer is "h = x + r; rms_norm(h)"
+        r = _randn((m, n), g, device, dtype)
+        inputs = [x, r, w]
+
+        def eager(x, r, w):
+            h = x + r
+            return F.rms_norm(h, (n,), w, EPS), h
+
+        # name the backend: the call fails rather than quietly running something else than the label says
+        backend = "triton" if kernels else "reference"
+        impls["normscope"] = lambda x, r, w: nf.fused_add_rms_norm(x, r, w, EPS, backend=backend)
+        ns_label = f"normscope ({backend})"
+        nbytes = (4 * m * n * e, 8 * m * n * e)
+    _add_peers(impls, eager, case, peers)
+    return inputs, impls, nbytes, (m, n), ns_label, eager, n
+
+
+def _spatial_case(case: str, shape, dtype, device, peers: dict, kernels: bool):
+    g = torch.Generator(device=device).manual_seed(0)
+    c = shape[1] if case != "masked_batch_norm" else shape[-1]
+    w = (torch.rand(c, generator=g, device=device) + 0.5).to(dtype)
+    b = _randn(c, g, device, dtype)
+    impls: dict[str, Callable] = {}
+    if case.startswith("group_norm"):
+        x = _randn(shape, g, device, dtype)
+        if case == "group_norm_cl":
+            x = x.contiguous(memory_format=torch.channels_last)
+        inputs = [x, w, b]
+        eager = lambda x, w, b: F.group_norm(x, GROUPS, w, b, EPS)  # noqa: E731
+        impls["normscope"] = _ns(lambda x, w, b: nf.group_norm(x, GROUPS, w, b, EPS), kernels)
+    elif case == "batch_norm":
+        x = _randn(shape, g, device, dtype)
+        inputs = [x, w.float(), b.float()]  # cuDNN batch norm wants fp32 parameters with half input
+        eager = lambda x, w, b: F.batch_norm(x, None, None, w, b, True, 0.1, EPS)  # noqa: E731
+        impls["normscope"] = _ns(lambda x, w, b: nf.batch_norm(x, None, None, w, b, True, 0.1, EPS), kernels)
+    else:  # masked BatchNorm1d on (B, S, D): statistics per feature over the valid tokens
+        bsz, s, _ = shape
+        x = _randn(shape, g, device, dtype)
+        lengths = torch.randint(s // 4, s + 1, (bsz,), generator=g, device=device)
+        mask = (torch.arange(s, device=device)[None, :] < lengths[:, None])[..., None]
+        inputs = [x, w, b]
+
+        def eager(x, w, b):
+            mf = mask.to(torch.float32)
+            xf = x.float()
+            cnt = mf.sum((0, 1))
+            mean = (xf * mf).sum((0, 1)) / cnt
+            var = ((xf - mean).square() * mf).sum((0, 1)) / cnt
+            return ((xf - mean) * torch.rsqrt(var + EPS) * w.float() + b.float()).to(x.dtype)
+
+        impls["normscope"] = _ns(
+            lambda x, w, b: nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, eps=EPS, mask=mask), kernels
+        )
+    _add_peers(impls, eager, case, peers)
+    numel, e = math.prod(shape), inputs[0].element_size()
+    if case.startswith("group_norm"):
+        n = shape[1] // GROUPS * math.prod(shape[2:])
+    elif case == "batch_norm":
+        n = shape[0] * math.prod(shape[2:])
+    else:
+        n = int(lengths.sum())  # the valid tokens: the masked positions are not in any scope
+    return inputs, impls, (2 * numel * e, 5 * numel * e), tuple(shape), None, eager, n
+
+
+def _add_peers(impls: dict, eager: Callable, case: str, peers: dict) -> None:
+    if "torch" in peers:
+        impls["torch"] = eager
+    if "compile" in peers:
+        impls["compile"] = torch.compile(eager, dynamic=False)
+    liger = peers.get("liger")
+    if liger is not None and case in liger:
+        impls["liger"] = liger[case]
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+
+
+def _check(impls: dict, inputs: list, eager: Callable, dtype) -> dict[str, dict]:
+    """Each implementation's forward outputs against torch eager on fp32 copies of the inputs.
+
+    Returns per implementation ``max_err`` (largest absolute error over the outputs) and ``ok``:
+    within twice torch's own error in the same dtype plus ``CHECK_ATOL[dtype] * (1 + max |y|)``.
+    An implementation that raises gets ``ok: None`` and ``check_error`` (its timing says the same).
+    """
+    with torch.no_grad():
+        want = eager(*[t.float() for t in inputs])
+        want = want if isinstance(want, tuple) else (want,)
+        errs: dict[str, float | str] = {}
+        for name, fn in impls.items():
+            try:
+                got = fn(*inputs)
+            except Exception as exc:  # noqa: BLE001
+                errs[name] = _error(exc)
+                continue
+            got = got if isinstance(got, tuple) else (got,)
+            if len(got) != len(want) or any(a.shape != b.shape for a, b in zip(got, want)):
+                errs[name] = (
+                    f"outputs of shapes {[tuple(a.shape) for a in got]}, torch: {[tuple(b.shape) for b in want]}"
+                )
+                continue
+            errs[name] = max((a.float() - b).abs().max().item() for a, b in zip(got, want))
+    scale = max(b.abs().max().item() for b in want)
+    own = errs.get("torch") if isinstance(errs.get("torch"), float) else 0.0
+    bound = 2 * own + CHECK_ATOL.get(dtype, 1e-4) * (1 + scale)
+    out = {}
+    for name, err in errs.items():
+        if isinstance(err, str):
+            out[name] = {"max_err": None, "ok": None, "check_error": err}  # raised: no output to check
+        else:
+            out[name] = {"max_err": err, "ok": bool(err <= bound)}  # NaN fails
+    return out

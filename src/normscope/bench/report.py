@@ -1,0 +1,266 @@
+"""Reading a bench report: what should not be trusted (:func:`problems`), the log line of a row,
+the plot, the JSON file, and the measured-choice table the engine's automatic choice reads
+(:func:`choice_table`)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from .cases import DTYPES, GROUPS, ROW_CASES
+
+#: colours per implementation, the same in every panel of the plot
+COLORS = {"normscope": "tab:green", "torch": "tab:red", "compile": "tab:blue", "liger": "tab:orange"}
+
+
+def problems(report: dict) -> list[str]:
+    """What should stop a reader trusting the report: normscope failing or not on its kernels where
+    they should run, and any implementation whose forward output fails the check."""
+    out = [
+        f"{f['case']} {f['dtype']} {'x'.join(map(str, f['shape']))}: failed: {f['error']}"
+        for f in report.get("failed", [])
+    ]
+    for r in report["results"]:
+        where = f"{r['case']} {r['dtype']} {r['mode']} {'x'.join(map(str, r['shape']))}"
+        for name, e in r["impls"].items():
+            if name == "normscope" and (e.get("error") or e.get("check_error")):
+                out.append(f"{where}: normscope failed: {e.get('error') or e.get('check_error')}")
+            if e.get("ok") is False:
+                if report.get("interpret") and name == "liger" and r["dtype"] != "fp32":
+                    continue  # known: the interpreter's half-precision arithmetic (see _interpreter_shims)
+                detail = e.get("check_error") or f"max error {e.get('max_err'):.3g}"
+                out.append(f"{where}: {name} output does not match torch ({detail})")
+        wants_kernel = report["device_type"] == "cuda" or report.get("interpret")
+        if wants_kernel and r.get("normscope_impl") != "normscope (triton)":
+            out.append(f"{where}: normscope ran {r.get('normscope_impl')!r}, not its Triton kernels")
+    return out
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+def _format_row(row: dict) -> str:
+    parts = []
+    for name, e in row["impls"].items():
+        if e.get("ms") is None:
+            parts.append(f"{name}: failed ({e['error']})")
+        else:
+            s = f"{name} {e['ms']:.3g} ms {e['gbs']:.3g} GB/s ({e['frac_of_copy']:.0%} copy)"
+            if name != "normscope" and e.get("normscope_speedup"):
+                s += f" x{e['normscope_speedup']:.2f}"
+            if e.get("ok") is False:
+                s += " MISMATCH"
+            parts.append(s)
+    shape = "x".join(map(str, row["shape"]))
+    return f"{row['case']:<18} {row['dtype']:<4} {row['mode']:<7} {shape:<16} | " + " | ".join(parts)
+
+
+def plot(report: dict, path: Path) -> bool:
+    """GB/s against N per implementation, one panel per (row case, dtype, mode). False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in report["results"] if r["case"] in ROW_CASES]
+    panels = sorted({(r["case"], r["dtype"], r["mode"]) for r in rows})
+    if not panels:
+        return False
+    cols = 2
+    fig, axes = plt.subplots(
+        math.ceil(len(panels) / cols), cols, figsize=(11, 3.2 * math.ceil(len(panels) / cols)), squeeze=False
+    )
+    for ax, key in zip(axes.flat, panels):
+        sel = sorted((r for r in rows if (r["case"], r["dtype"], r["mode"]) == key), key=lambda r: r["shape"][1])
+        names = sorted({n for r in sel for n in r["impls"]})
+        for name in names:
+            pts = [(r["shape"][1], r["impls"][name]["gbs"]) for r in sel if r["impls"].get(name, {}).get("gbs")]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name, color=COLORS.get(name))
+        ax.axhline(report["copy_gbs"], color="gray", ls="--", lw=1, label="copy")
+        ax.set_xscale("log", base=2)
+        ax.set_title(" ".join(key), fontsize=9)
+        ax.set_xlabel("N (row length)")
+        ax.set_ylabel("GB/s")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    title = f"normscope bench -- {report['device']}"
+    if report.get("interpret"):
+        title += " (Triton interpreter dry run: times mean nothing)"
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))  # room for the suptitle
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_json(path: Path, report: dict) -> None:
+    """Atomically: a run killed mid-write (a device's time limit) leaves the previous complete file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# the measured-choice table: where Triton is measured correct and faster than ATen on a device class
+
+#: bench case -> the op name of the choice table (both GroupNorm memory formats are one op: an entry
+#: covers a size range only where every format measured there qualifies)
+CHOICE_OPS = {
+    "layer_norm": "layer_norm",
+    "rms_norm": "rms_norm",
+    "add_rms_norm": "fused_add_rms_norm",
+    "group_norm": "group_norm",
+    "group_norm_cl": "group_norm",
+    "batch_norm": "batch_norm",
+    "masked_batch_norm": "masked_batch_norm",
+}
+CHOICE_SCHEMA = 1
+
+
+def device_class(device: torch.device | None = None) -> str:
+    """``"cuda-sm90"`` for a compute capability 9.0 GPU: the key of the measured-choice tables."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"cuda-sm{major}{minor}"
+
+
+def _scope_n(row: dict) -> int | None:
+    """Elements in one normalized scope of a row (``row["n"]``; derived from the shape for reports
+    written before rows carried it, except masked BatchNorm, whose valid count only the run knew)."""
+    if "n" in row:
+        return int(row["n"])
+    shape, case = row["shape"], row["case"]
+    if case in ROW_CASES:
+        return shape[-1]
+    if case.startswith("group_norm"):
+        return shape[1] // GROUPS * math.prod(shape[2:])
+    if case == "batch_norm":
+        return shape[0] * math.prod(shape[2:])
+    return None
+
+
+def _speedups(rows: list[dict]) -> tuple[float, float] | None:
+    """(torch ms / triton ms) for fwd and fwd+bwd when every row of one (op, dtype, n) qualifies, else None.
+
+    A row qualifies when normscope ran its Triton kernels, its forward output passed the check, and both
+    it and torch eager have a time; the speedup must be > 1 in both modes."""
+    best: dict[str, float] = {}
+    for row in rows:
+        ns, eager = row["impls"].get("normscope", {}), row["impls"].get("torch", {})
+        if row.get("normscope_impl") != "normscope (triton)" or ns.get("ok") is not True:
+            return None
+        if not ns.get("ms") or not eager.get("ms") or ns.get("error") or eager.get("error"):
+            return None
+        speedup = eager["ms"] / ns["ms"]
+        if not speedup > 1:
+            return None
+        best[row["mode"]] = min(speedup, best.get(row["mode"], math.inf))
+    if set(best) != {"fwd", "fwd+bwd"}:
+        return None  # a mode not measured (a budget cut it short): not shown faster in both
+    return best["fwd"], best["fwd+bwd"]
+
+
+def choice_table(report: dict, *, device_class: str | None = None, command: str = "", date: str | None = None) -> dict:
+    """The measured-choice table of a CUDA bench report: per (op, dtype), the size ranges where
+    normscope's Triton kernels are correct and faster than torch eager in both forward and forward+backward.
+
+    For each (op, dtype) the measured scope sizes ``n`` are sorted; an ``n`` qualifies when every row
+    measured at it (fwd and fwd+bwd, every memory format of GroupNorm) ran the Triton kernels, passed the
+    output check and beat torch eager's median. Each maximal run of consecutive qualifying measured ``n``
+    becomes one entry, ``n_min``/``n_max`` its measured end points (nothing is extrapolated), its speedups
+    (torch ms / triton ms) the minimum over the run. A configuration listed under ``failed`` counts as a
+    measured ``n`` that does not qualify (it splits a run).
+
+    Args:
+        report: what :func:`normscope.bench.run` returns (or its JSON).
+        device_class: e.g. ``"cuda-sm90"``. Default: ``report["device_class"]``.
+        command: the bench command line that measured the report. Default: "".
+        date: ``YYYY-MM-DD``. Default: today (UTC).
+
+    Raises:
+        ValueError: a report not measured on CUDA, or one with no device class to name the table by.
+    """
+    if report.get("device_type") != "cuda" or report.get("interpret"):
+        raise ValueError(
+            "choice_table: expected a report measured on CUDA (device_type 'cuda', not interpreted), got device_type "
+            f"{report.get('device_type')!r}, interpret {report.get('interpret')!r}"
+        )
+    device_class = device_class or report.get("device_class")
+    if not device_class:
+        raise ValueError("choice_table: expected `device_class` such as 'cuda-sm90' (the report has none), got None")
+    by_key: dict[tuple[str, str], dict[int, list[dict] | None]] = defaultdict(dict)
+    for row in report["results"]:
+        n = _scope_n(row)
+        if row["case"] not in CHOICE_OPS or n is None:
+            continue
+        slot = by_key[(CHOICE_OPS[row["case"]], row["dtype"])]
+        if slot.get(n, []) is not None:
+            slot.setdefault(n, []).append(row)
+    for f in report.get("failed", []):
+        n = _scope_n({"case": f["case"], "shape": f["shape"]})
+        if f["case"] in CHOICE_OPS and n is not None:
+            by_key[(CHOICE_OPS[f["case"]], f["dtype"])][n] = None  # measured, failed: never qualifies
+    choices = []
+    for (op, dname), sizes in sorted(by_key.items()):
+        run: list[tuple[int, tuple[float, float]]] = []
+        for n in [*sorted(sizes), None]:  # None: the end, closes the last run
+            sp = _speedups(sizes[n]) if n is not None and sizes[n] is not None else None
+            if sp is not None:
+                run.append((n, sp))
+                continue
+            if run:
+                choices.append(
+                    {
+                        "op": op,
+                        "dtype": str(DTYPES[dname]).removeprefix("torch."),
+                        "n_min": run[0][0],
+                        "n_max": run[-1][0],
+                        "speedup_fwd": round(min(s[0] for _, s in run), 3),
+                        "speedup_fwdbwd": round(min(s[1] for _, s in run), 3),
+                    }
+                )
+            run = []
+    return {
+        "schema": CHOICE_SCHEMA,
+        "device_class": device_class,
+        "device_name": report["device"],
+        "torch": report["torch"],
+        "triton": report["triton"],
+        "command": command,
+        "date": date or datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "choices": choices,
+    }
+
+
+def write_choice(report: dict, path: str | os.PathLike, command: str) -> Path:
+    """Write :func:`choice_table` to ``path``; a directory (existing, or given with a trailing ``/``)
+    gets ``<device_class>.json``. Returns the file written."""
+    table = choice_table(report, command=command)
+    target = Path(path)
+    if target.is_dir() or str(path).endswith(("/", os.sep)):
+        target = target / f"{table['device_class']}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_json(target, table)
+    return target
