@@ -191,6 +191,16 @@ DIFFERENCES: tuple[Difference, ...] = (
 )
 
 
+_DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "differences.md")
+
+
+def test_every_difference_is_documented():
+    with open(_DOC, encoding="utf-8") as f:
+        headings = {line[3:].strip() for line in f if line.startswith("## ")}
+    missing = [d.section for d in DIFFERENCES if d.section not in headings]
+    assert not missing, f"DIFFERENCES cites sections that docs/differences.md lacks: {missing}"
+
+
 def _difference(name: str, x) -> Difference | None:
     for d in DIFFERENCES:
         if fnmatch.fnmatchcase(name, d.ops) and isinstance(x, Tensor) and d.applies(x):
