@@ -36,14 +36,18 @@ def kind(call: Call) -> str | None:
         return None
     reduce, affine = s.reduce, s.affine
     every_but = lambda *kept: reduce == tuple(d for d in range(ndim) if d not in kept)  # noqa: E731
+    if call.op == "group_norm" and call.running is None and s.centered and ndim >= 2 and affine in ((1,), ()):
+        # a GroupNorm layer's call: torch runs group_norm even where another op has the same scope
+        # (GroupNorm(C, C) is InstanceNorm's scope; GroupNorm(1, C) on (N, C) is LayerNorm's)
+        if every_but(0) and (s.groups == 1 or s.group_dim == 1) or ndim >= 3 and every_but(0, 1):
+            return "group_norm"
     if s.groups == 1 and s.centered:
         if ndim >= 2 and every_but(1) and affine in ((1,), ()):
             return "batch_norm"
         if ndim >= 2 and every_but(ndim - 1) and affine in ((ndim - 1,), ()):
             return "batch_norm_last"
         if ndim >= 3 and every_but(0, 1) and affine in ((1,), ()):
-            # GroupNorm(C, C) has this scope too; torch runs it as group_norm (see Call.op)
-            return "group_norm" if call.op == "group_norm" and call.running is None else "instance_norm"
+            return "instance_norm"
     if call.running is not None:
         return None
     if s.groups == 1 and reduce and affine in (reduce, ()):

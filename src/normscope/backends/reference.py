@@ -17,15 +17,18 @@ NAME = "reference"
 
 
 def run(call: Call) -> Tensor:
-    r = call.running
+    r, x = call.running, call.x
+    # one cast to the accumulation dtype: the gradient's two paths (through the statistics and
+    # through the normalized value) then meet in fp32 and are rounded to a half type once, not twice
+    xf = x.to(ref.acc_dtype(x.dtype))
     if r is not None and not r.use_input_stats:
         mean, rstd = engine.running_as_stats(call)
     else:
-        m = ref.moments(call.x, call.scope, call.mask)
+        m = ref.moments(xf, call.scope, call.mask)
         if r is not None:
             engine.update_running(call, m)
         mean, rstd = m.mean, ref.rstd(m.var, call.eps, m.count)
-    return ref.apply(call.x, mean, rstd, call.scope, call.weight, call.bias)
+    return ref.apply(xf, mean, rstd, call.scope, call.weight, call.bias).to(x.dtype)
 
 
 def why_not(call: Call) -> str | None:
