@@ -71,15 +71,31 @@ class _BatchRenormMixin(_BatchNormMixin):
         frac = min(step / self.warmup_iters, 1.0)
         return 1.0 + (self.rmax - 1.0) * frac, self.dmax * frac
 
+    def _limits(self, dtype: torch.dtype) -> tuple[Tensor, Tensor] | tuple[float, float]:
+        """:meth:`limits` at this step, read from ``num_batches_tracked`` (the steps before this
+        one) as tensors: ``int()`` of the counter would break a torch.compile graph, and a meta
+        tensor has no value to read."""
+        if self.warmup_iters <= 0:
+            return self.rmax, self.dmax
+        frac = (self.num_batches_tracked.to(dtype) / self.warmup_iters).clamp(max=1.0)
+        return 1.0 + (self.rmax - 1.0) * frac, self.dmax * frac
+
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         if not self.training:  # inference is BatchNorm's: the running statistics
             return super().forward(input, mask)
         name = type(self).__name__
         self._check_input_dim(input)
+        check.tensor(input, "input", name)  # an int/bool input would come back as int
         mask = check.mask(mask, input, self.channel_dim, name)
         if mask is not None and not bool(mask.any()):
             raise ValueError(f"{name}: expected at least one valid (True) element in `mask` when training, got none")
-        rmax, dmax = self.limits(int(self.num_batches_tracked))  # steps before this one
+        if mask is None and input.numel() // self.num_features == 1:
+            # torch's BatchNorm rule: one value has no variance to estimate (r and d would be 0/0)
+            raise ValueError(
+                f"{name}: expected more than 1 value per channel when training, got input of shape "
+                f"{tuple(input.shape)} (1 value per channel)"
+            )
+        rmax, dmax = self._limits(ref.acc_dtype(input.dtype))
         factor = momentum_factor(self)
         scope = Scope.batch(self.channel_dim).resolve(tuple(input.shape))
         m = ref.moments(input, scope, mask)
