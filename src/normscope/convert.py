@@ -207,7 +207,10 @@ def convert(
     # named_modules() lists a shared module once, so a parent shared by two paths is visited once;
     # the list keeps every old module alive, so no id is reused while `done` is consulted
     for parent_path, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
+        # _modules, not named_children(): that skips a second name of the same child
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
             path = f"{parent_path}.{name}" if parent_path else name
             if id(child) not in done:
                 done[id(child)] = replace(path, child) if match(path, child) else None

@@ -95,7 +95,10 @@ def _replace(model: nn.Module, match: Callable[[nn.Module], bool], make: Callabl
     # layer after the surgery, as it was before
     made: dict[int, nn.Module] = {}
     for parent in list(model.modules()):  # modules() visits a shared module once, not its parents
-        for child_name, child in list(parent.named_children()):
+        # _modules, not named_children(): that skips a second name of the same child
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
             if id(child) in made:
                 setattr(parent, child_name, made[id(child)])
             elif match(child):
