@@ -73,10 +73,16 @@ class _BatchRenormMixin(_BatchNormMixin):
 
     def _limits(self, dtype: torch.dtype) -> tuple[Tensor, Tensor] | tuple[float, float]:
         """:meth:`limits` at this step, read from ``num_batches_tracked`` (the steps before this
-        one) as tensors: ``int()`` of the counter would break a torch.compile graph, and a meta
-        tensor has no value to read."""
+        one): as tensors, since a meta tensor (and torch.export's fake one) has no value to read,
+        and eager then needs no device sync."""
         if self.warmup_iters <= 0:
             return self.rmax, self.dmax
+        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            # torch.compile: read the counter as a Python number (dynamo specializes on it: one
+            # graph per warm-up step, then the full limits). As tensors, the limits would be
+            # recomputed in the backward from the counter after this step's increment (an
+            # AOTAutograd partitioner behaviour, see docs/beyond.md), giving wrong gradients
+            return self.limits(int(self.num_batches_tracked))
         frac = (self.num_batches_tracked.to(dtype) / self.warmup_iters).clamp(max=1.0)
         return 1.0 + (self.rmax - 1.0) * frac, self.dmax * frac
 
