@@ -303,6 +303,8 @@ def test_convert_sync_batchnorm_carries_state():
 
 
 def test_bad_input_errors():
+    with pytest.raises(ValueError, match=r"expected `eps` > 0 when training"):
+        normscope.SyncBatchNorm(3, eps=0.0)(torch.randn(2, 3, 5))
     bn = normscope.SyncBatchNorm(3)
     with pytest.raises(ValueError, match="expected input with 3 channels"):
         bn(torch.randn(2, 4, 5))

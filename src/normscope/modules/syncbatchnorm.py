@@ -349,6 +349,8 @@ class SyncBatchNorm(_BatchNorm):
                 f"got {input.shape[1]} (input shape {tuple(input.shape)})"
             )
         m = check.mask(mask, input, 1, name)
+        if self.training and not self.eps > 0:  # F.batch_norm's check, for the synchronized path too
+            raise ValueError(f"{name}: expected `eps` > 0 when training (batch statistics normalize), got {self.eps!r}")
 
         factor = momentum_factor(self)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
