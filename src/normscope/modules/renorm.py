@@ -17,6 +17,28 @@ from ..scope import Scope
 from .batchnorm import BatchNorm1d, _BatchNormMixin, count_batch, momentum_factor
 
 
+@torch.library.custom_op("normscope::batch_renorm_correction", mutates_args=())
+def _correction(
+    mean_b: Tensor, sigma_b: Tensor, running_mean: Tensor, running_var: Tensor, eps: float, rmax: Tensor, dmax: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Batch Renorm's ``(r, d)`` from the batch and running statistics (constants for autograd).
+
+    An opaque op on purpose. Computed with plain ops, r and d were *recomputed* in a
+    torch.compile backward from ``running_mean``/``running_var`` (AOTAutograd treats a buffer
+    input as free to re-read), by then already overwritten by this step's update: gradients
+    0.4-4% off eager's. The partitioner does not recompute a custom op; it saves its outputs.
+    """
+    sigma = (running_var.to(sigma_b.dtype) + eps).sqrt()
+    r = (sigma_b / sigma).clamp(1.0 / rmax, rmax)
+    d = ((mean_b - running_mean.to(mean_b.dtype)) / sigma).clamp(-dmax, dmax)
+    return r, d
+
+
+@_correction.register_fake
+def _(mean_b, sigma_b, running_mean, running_var, eps, rmax, dmax):
+    return torch.empty_like(sigma_b), torch.empty_like(mean_b)
+
+
 class _BatchRenormMixin(_BatchNormMixin):
     r"""BatchNorm's state and evaluation; in training, batch statistics corrected towards the
     running ones by ``r`` and ``d`` (stop-gradient):
@@ -74,15 +96,9 @@ class _BatchRenormMixin(_BatchNormMixin):
     def _limits(self, dtype: torch.dtype) -> tuple[Tensor, Tensor] | tuple[float, float]:
         """:meth:`limits` at this step, read from ``num_batches_tracked`` (the steps before this
         one): as tensors, since a meta tensor (and torch.export's fake one) has no value to read,
-        and eager then needs no device sync."""
+        ``int()`` would make torch.compile guard on every step, and eager needs no device sync."""
         if self.warmup_iters <= 0:
             return self.rmax, self.dmax
-        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-            # torch.compile: read the counter as a Python number (dynamo specializes on it: one
-            # graph per warm-up step, then the full limits). As tensors, the limits would be
-            # recomputed in the backward from the counter after this step's increment (an
-            # AOTAutograd partitioner behaviour, see docs/beyond.md), giving wrong gradients
-            return self.limits(int(self.num_batches_tracked))
         frac = (self.num_batches_tracked.to(dtype) / self.warmup_iters).clamp(max=1.0)
         return 1.0 + (self.rmax - 1.0) * frac, self.dmax * frac
 
@@ -108,9 +124,20 @@ class _BatchRenormMixin(_BatchNormMixin):
         sigma_b = (m.var + self.eps).sqrt()
         shape = scope.stat_shape
         with torch.no_grad():  # r and d are constants for the gradient (the paper's stop_gradient)
-            sigma = (self.running_var.reshape(shape).to(sigma_b.dtype) + self.eps).sqrt()
-            r = (sigma_b / sigma).clamp(1.0 / rmax, rmax)
-            d = ((m.mean - self.running_mean.reshape(shape).to(m.mean.dtype)) / sigma).clamp(-dmax, dmax)
+            lim = [
+                torch.full((), v, dtype=sigma_b.dtype, device=sigma_b.device)
+                if isinstance(v, float)
+                else v.to(sigma_b.dtype)
+                for v in (rmax, dmax)
+            ]
+            r, d = _correction(
+                m.mean.detach(),
+                sigma_b.detach(),
+                self.running_mean.reshape(shape),
+                self.running_var.reshape(shape),
+                self.eps,
+                *lim,
+            )
         running = engine.Running(self.running_mean, self.running_var, factor, True)
         engine._update_running(engine.Call(input, scope, None, None, self.eps, mask, running), m)
         y = engine.apply(input, m.mean - d * sigma_b / r, r / sigma_b, scope, self.weight, self.bias)
