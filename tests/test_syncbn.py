@@ -106,9 +106,15 @@ def _worker(rank: int, world: int, store: str, cases: dict, out_dir: str, fail_r
 
 
 def _run_group(tmp_path, world: int, cases: dict, fail_rank: int | None = None, timeout: float = 90.0) -> list:
+    return _spawn(_worker, tmp_path, world, (cases, str(tmp_path), fail_rank), fail_rank, timeout)
+
+
+def _spawn(target, tmp_path, world: int, args: tuple, fail_rank: int | None, timeout: float) -> list:
+    """Run ``target(rank, world, store, *args)`` in ``world`` processes, bounded by ``timeout``;
+    return each rank's saved results."""
     ctx = mp.get_context("spawn")
     store = str(tmp_path / "store")
-    procs = [ctx.Process(target=_worker, args=(r, world, store, cases, str(tmp_path), fail_rank)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, store, *args)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -384,25 +390,7 @@ def test_ddp_on_cpu_training_step_mismatch_and_mask_rule(tmp_path):
             ),
         },
     }
-    ctx = mp.get_context("spawn")
-    store = str(tmp_path / "store")
-    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, store, data, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} still running after 120 s (a collective hung)"
-    got = []
-    for r in range(2):
-        err = tmp_path / f"rank{r}.err"
-        assert (tmp_path / f"rank{r}.pt").exists(), err.read_text() if err.exists() else "no traceback"
-        got.append(torch.load(tmp_path / f"rank{r}.pt"))
+    got = _spawn(_ddp_worker, tmp_path, 2, (data, str(tmp_path)), None, 120.0)
 
     # reference: one process, torch.nn BatchNorm2d on the concatenated batch, the summed loss, and
     # DDP's gradient averaging (the mean over ranks of each rank's local gradient)
