@@ -62,14 +62,28 @@ def _worker(rank: int, world: int, store: str, cases: dict, out_dir: str, fail_r
                 fwd = {k: counts[k] - before[k] for k in counts}
                 (y * dy).sum().backward()
                 bwd = {k: counts[k] - before[k] - fwd[k] for k in counts}
-                steps.append({"y": y.detach(), "dx": x.grad, "dw": bn.weight.grad.clone(), "db": bn.bias.grad.clone(),
-                              "fwd": fwd, "bwd": bwd})
+                steps.append(
+                    {
+                        "y": y.detach(),
+                        "dx": x.grad,
+                        "dw": bn.weight.grad.clone(),
+                        "db": bn.bias.grad.clone(),
+                        "fwd": fwd,
+                        "bwd": bwd,
+                    }
+                )
                 bn.zero_grad()
             bn.eval()
             before = sum(counts.values())
             ev = bn(case["eval_x"][rank])
-            results[name] = {"steps": steps, "rm": bn.running_mean.clone(), "rv": bn.running_var.clone(),
-                             "nbt": int(bn.num_batches_tracked), "eval": ev, "eval_comm": sum(counts.values()) - before}
+            results[name] = {
+                "steps": steps,
+                "rm": bn.running_mean.clone(),
+                "rv": bn.running_var.clone(),
+                "nbt": int(bn.num_batches_tracked),
+                "eval": ev,
+                "eval_comm": sum(counts.values()) - before,
+            }
         if fail_rank is not None:
             if rank == fail_rank:
                 torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -92,9 +106,15 @@ def _worker(rank: int, world: int, store: str, cases: dict, out_dir: str, fail_r
 
 
 def _run_group(tmp_path, world: int, cases: dict, fail_rank: int | None = None, timeout: float = 90.0) -> list:
+    return _spawn(_worker, tmp_path, world, (cases, str(tmp_path), fail_rank), fail_rank, timeout)
+
+
+def _spawn(target, tmp_path, world: int, args: tuple, fail_rank: int | None, timeout: float) -> list:
+    """Run ``target(rank, world, store, *args)`` in ``world`` processes, bounded by ``timeout``;
+    return each rank's saved results."""
     ctx = mp.get_context("spawn")
     store = str(tmp_path / "store")
-    procs = [ctx.Process(target=_worker, args=(r, world, store, cases, str(tmp_path), fail_rank)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, store, *args)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -194,7 +214,9 @@ def _compare(name: str, got: list, ref: dict, atol: float) -> None:
             st = got[r][name]["steps"][s]
             close(st["y"], rs["y"][r], f"output, step {s}, rank {r}")
             close(st["dx"], rs["dx"][r], f"input gradient, step {s}, rank {r}")
-            assert st["fwd"] == {"all_gather": 1, "all_reduce": 0}, f"{name}: forward collectives {st['fwd']}"
+            # the first synchronized step of a layer also exchanges the channel counts (a header)
+            want = 2 if s == 0 else 1
+            assert st["fwd"] == {"all_gather": want, "all_reduce": 0}, f"{name}: forward collectives {st['fwd']}"
             assert st["bwd"] == {"all_gather": 0, "all_reduce": 1}, f"{name}: backward collectives {st['bwd']}"
         # per-rank parameter gradients are local; their sum is the global-batch gradient
         close(sum(got[r][name]["steps"][s]["dw"] for r in range(world)), rs["dw"], f"weight gradient, step {s}")
@@ -255,7 +277,10 @@ def test_outside_a_process_group_is_batchnorm():
     torch.manual_seed(0)
     x = torch.randn(6, C, H, W)
     ours, theirs = normscope.SyncBatchNorm(C), torch.nn.BatchNorm2d(C)
-    assert isinstance(ours, torch.nn.SyncBatchNorm)
+    # a BatchNorm for isinstance checks, but not a torch.nn.SyncBatchNorm: DistributedDataParallel
+    # refuses every instance of that class on CPU
+    assert isinstance(ours, torch.nn.modules.batchnorm._BatchNorm)
+    assert not isinstance(ours, torch.nn.SyncBatchNorm)
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     for _ in range(2):
         torch.testing.assert_close(ours(x), theirs(x))
@@ -284,6 +309,8 @@ def test_convert_sync_batchnorm_carries_state():
 
 
 def test_bad_input_errors():
+    with pytest.raises(ValueError, match=r"expected `eps` > 0 when training"):
+        normscope.SyncBatchNorm(3, eps=0.0)(torch.randn(2, 3, 5))
     bn = normscope.SyncBatchNorm(3)
     with pytest.raises(ValueError, match="expected input with 3 channels"):
         bn(torch.randn(2, 4, 5))
@@ -291,3 +318,101 @@ def test_bad_input_errors():
         bn(torch.randn(2, 3, 5), torch.ones(2, 5))
     with pytest.raises(ValueError, match="mask"):
         bn(torch.randn(2, 3, 5), torch.ones(2, 3, 5, dtype=torch.bool))
+
+
+def _ddp_worker(rank: int, world: int, store: str, data: dict, out_dir: str) -> None:
+    """DDP on CPU with a training step; mismatched channel counts; masks deciding the rule together."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20)
+    )
+    results: dict = {}
+    try:
+        # 1. the docs/sync.md example: convert, wrap in DDP (CPU), one SGD step
+        torch.manual_seed(0)  # the same initial model on every rank
+        model = torch.nn.Sequential(torch.nn.Conv2d(2, C, 1), torch.nn.BatchNorm2d(C), torch.nn.ReLU())
+        model = normscope.SyncBatchNorm.convert_sync_batchnorm(model).double()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        x, dy = data["x"][rank], data["dy"][rank]
+        y = ddp(x)
+        (y * dy).sum().backward()
+        opt.step()
+        results["ddp"] = {
+            "y": y.detach(),
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        }
+        # 2. different channel counts on the two ranks: a clear ValueError on both, in bounded time
+        bn = normscope.SyncBatchNorm(C + rank, dtype=torch.float64)
+        t0 = time.perf_counter()
+        try:
+            bn(torch.randn(4, C + rank, 2, dtype=torch.float64))
+            results["mismatch"] = {"error": None}
+        except Exception as err:  # noqa: BLE001 - recorded for the parent to inspect
+            results["mismatch"] = {"error": f"{type(err).__name__}: {err}", "seconds": time.perf_counter() - t0}
+        # 3. rank 0 holds an empty masked batch, rank 1 one unmasked value per channel: with a mask on
+        # any rank the rule is "at least one valid value" on every rank (no one raises, as one
+        # process with that mask); then every mask all-False: every rank raises
+        for case, (x, mask) in data["masked"].items():
+            bn = normscope.SyncBatchNorm(C, dtype=torch.float64)
+            try:
+                y = bn(x[rank], mask[rank])
+                y.sum().backward()
+                results[case] = {"error": None, "rm": bn.running_mean.clone()}
+            except ValueError as err:
+                results[case] = {"error": str(err)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_on_cpu_training_step_mismatch_and_mask_rule(tmp_path):
+    g = torch.Generator().manual_seed(11)
+    sizes = [3, 5]
+    xs = [torch.randn(n, 2, H, W, generator=g, dtype=torch.float64) for n in sizes]
+    dys = [torch.randn(n, C, H, W, generator=g, dtype=torch.float64) for n in sizes]
+    empty_mask = torch.zeros(0, 2, dtype=torch.bool)
+    data = {
+        "x": xs,
+        "dy": dys,
+        "masked": {
+            "one_value": (
+                [torch.randn(0, C, 2, dtype=torch.float64), torch.randn(1, C, 1, dtype=torch.float64)],
+                [empty_mask, None],
+            ),
+            "no_valid": (
+                [torch.randn(0, C, 2, dtype=torch.float64), torch.randn(2, C, 2, dtype=torch.float64)],
+                [empty_mask, torch.zeros(2, 2, dtype=torch.bool)],
+            ),
+        },
+    }
+    got = _spawn(_ddp_worker, tmp_path, 2, (data, str(tmp_path)), None, 120.0)
+
+    # reference: one process, torch.nn BatchNorm2d on the concatenated batch, the summed loss, and
+    # DDP's gradient averaging (the mean over ranks of each rank's local gradient)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Conv2d(2, C, 1), torch.nn.BatchNorm2d(C), torch.nn.ReLU()).double()
+    y = ref(torch.cat(xs))
+    (y * torch.cat(dys)).sum().backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad / 2  # each rank's loss is its share; DDP averages over 2 ranks
+    for r in range(2):
+        torch.testing.assert_close(got[r]["ddp"]["y"], y.detach().split(sizes)[r])
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[r]["ddp"]["params"][k], v, msg=lambda m, k=k, r=r: f"rank {r}, {k}: {m}")
+
+    for r in range(2):
+        e = got[r]["mismatch"]["error"]
+        assert e is not None and e.startswith("ValueError") and "rank 0: 3, rank 1: 4" in e, e
+        assert got[r]["mismatch"]["seconds"] < 15
+        assert got[r]["one_value"]["error"] is None, got[r]["one_value"]["error"]
+        assert "at least one valid" in (got[r]["no_valid"]["error"] or ""), got[r]["no_valid"]
+    # one valid value per channel over the group: its mean enters running_mean on both ranks
+    x1 = data["masked"]["one_value"][0][1]
+    torch.testing.assert_close(got[0]["one_value"]["rm"], 0.1 * x1.reshape(C))
+    torch.testing.assert_close(got[1]["one_value"]["rm"], 0.1 * x1.reshape(C))

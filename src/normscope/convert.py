@@ -1,9 +1,9 @@
 """Model surgery: replace the normalization layers of any ``nn.Module`` in place.
 
-    model, report = normscope.convert(model)                       # torch.nn -> normscope, lossless
-    model, report = normscope.convert(model, to="group:32", where=torch.nn.BatchNorm2d)
-    model, report = normscope.convert(model, to="dyt", where=lambda name, m: "encoder" in name)
-    print(report)
+model, report = normscope.convert(model)                       # torch.nn -> normscope, lossless
+model, report = normscope.convert(model, to="group:32", where=torch.nn.BatchNorm2d)
+model, report = normscope.convert(model, to="dyt", where=lambda name, m: "encoder" in name)
+print(report)
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ def _namesakes() -> dict[type, Callable[[nn.Module], nn.Module]]:
     # torch >= 2.13 can drop the bias alone (keyword-only ``bias=False``); pass it only then, so
     # older torch versions keep working
     nobias = lambda m, affine: {"bias": False} if affine and getattr(m, "bias", 0) is None else {}  # noqa: E731
-    bn = lambda cls: lambda m: cls(  # noqa: E731
-        m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats, **nobias(m, m.affine)
+    bn = lambda cls: (
+        lambda m: cls(  # noqa: E731
+            m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats, **nobias(m, m.affine)
+        )
     )
     table: dict[type, Callable[[nn.Module], nn.Module]] = {
         nn.BatchNorm1d: bn(M.BatchNorm1d),
@@ -198,13 +200,23 @@ def convert(
     if match("", model):
         new = replace("", model)
         return (new if new is not None else model), report
+    # one decision per module object: a layer reached by several paths (tied, shared) is judged
+    # at its first path and, if replaced, every path gets the same new layer -- the model keeps
+    # its sharing (one Replacement in the report, under the first path)
+    done: dict[int, nn.Module | None] = {}
+    # named_modules() lists a shared module once, so a parent shared by two paths is visited once;
+    # the list keeps every old module alive, so no id is reused while `done` is consulted
     for parent_path, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
+        # _modules, not named_children(): that skips a second name of the same child
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
             path = f"{parent_path}.{name}" if parent_path else name
-            if match(path, child):
-                new = replace(path, child)
-                if new is not None:
-                    setattr(parent, name, new)
+            if id(child) not in done:
+                done[id(child)] = replace(path, child) if match(path, child) else None
+            new = done[id(child)]
+            if new is not None:
+                setattr(parent, name, new)
     return model, report
 
 

@@ -7,7 +7,6 @@ engine (:func:`normscope.engine.norm`). Every function also takes ``backend=`` (
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -37,11 +36,42 @@ _BATCH_LAST = Scope.batch(-1)
 _INSTANCE = Scope.instance()
 
 
-@functools.lru_cache(maxsize=256)
+_GROUP_SCOPES: dict[int, Scope] = {}
+
+
 def _group_scope(num_groups: int) -> Scope:
     # building a frozen Scope (validation + hash) costs ~3 us, a third of the layer's Python
-    # overhead at small shapes (benchmarks/cpu_overhead.py); scopes are immutable, so share them
-    return Scope.group(num_groups)
+    # overhead at small shapes (benchmarks/cpu_overhead.py); scopes are immutable, so share them.
+    # A plain dict, not functools.lru_cache, which dynamo warns about on every compile; under
+    # compile the scope is built once per trace, so the cache is skipped there
+    if torch.compiler.is_compiling() or not isinstance(num_groups, int):
+        return Scope.group(num_groups)
+    scope = _GROUP_SCOPES.get(num_groups)
+    if scope is None:
+        if len(_GROUP_SCOPES) >= 256:
+            _GROUP_SCOPES.clear()
+        scope = _GROUP_SCOPES[num_groups] = Scope.group(num_groups)
+    return scope
+
+
+def _check_momentum_eps(momentum: object, eps: object, use_input_stats: bool, where: str) -> None:
+    """torch's checks of ``momentum`` and ``eps``, with the expected value in the message.
+
+    torch: ``momentum`` must be a float (None is a TypeError, not "no update"); ``eps`` must be
+    positive when the batch statistics normalize (eps = 0 divides a constant channel by 0) and
+    non-negative otherwise.
+    """
+    if not isinstance(momentum, (int, float)) or isinstance(momentum, bool):
+        raise TypeError(
+            f"{where}: expected `momentum` to be a float (the running-statistics update factor; "
+            f"the layers' momentum=None is their own cumulative average), got {momentum!r}"
+        )
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"{where}: expected `eps` to be a float, got {eps!r}")
+    if use_input_stats and where == "batch_norm" and not eps > 0:
+        raise ValueError(f"{where}: expected `eps` > 0 when training (batch statistics normalize), got {eps!r}")
+    if not eps >= 0:  # NaN too
+        raise ValueError(f"{where}: expected `eps` >= 0, got {eps!r}")
 
 
 def _layer_scope(k: int, centered: bool) -> Scope:
@@ -81,6 +111,7 @@ def batch_norm(
     where = "batch_norm"
     check.tensor(input, "input", where)
     check.channels_first(input, 2, where)
+    _check_momentum_eps(momentum, eps, training, where)
     if channel_dim not in (1, -1, input.dim() - 1):
         raise ValueError(f"{where}: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
     c = input.shape[channel_dim]
@@ -107,7 +138,7 @@ def batch_norm(
         mask = None  # the running statistics normalize every position alike: ATen's fused path
     running = None
     if running_mean is not None or running_var is not None or not training:
-        running = Running(running_mean, running_var, 0.0 if momentum is None else float(momentum), training)
+        running = Running(running_mean, running_var, float(momentum), training)
     scope = _BATCH if channel_dim == 1 else _BATCH_LAST
     return norm(input, scope, weight, bias, eps, mask=mask, running=running, backend=backend)
 
@@ -137,6 +168,7 @@ def instance_norm(
     where = "instance_norm"
     check.tensor(input, "input", where)
     check.channels_first(input, 3, where)
+    _check_momentum_eps(momentum, eps, use_input_stats, where)
     c = input.shape[1]
     for name, p in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
         check.param(p, name, (c,), input, where)

@@ -14,9 +14,10 @@ the degenerate groupings canonicalised so that equal scopes compare equal::
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
+
+import torch
 
 __all__ = ["Scope", "Resolved"]
 
@@ -50,8 +51,7 @@ class Scope:
     def __post_init__(self) -> None:
         if (self.reduce is None) == (self.keep is None):
             raise ValueError(
-                f"Scope needs exactly one of `reduce` and `keep`, got reduce={self.reduce!r}, "
-                f"keep={self.keep!r}"
+                f"Scope needs exactly one of `reduce` and `keep`, got reduce={self.reduce!r}, keep={self.keep!r}"
             )
         axes = self.reduce if self.reduce is not None else self.keep
         if len(set(axes)) != len(axes):
@@ -70,12 +70,14 @@ class Scope:
     @classmethod
     def layer(cls, ndims: int = 1) -> Scope:
         """LayerNorm: the last ``ndims`` axes of each sample; affine over the same axes."""
+        _check_ndims(ndims, "Scope.layer")
         axes = tuple(range(-ndims, 0))
         return cls(reduce=axes, affine=axes)
 
     @classmethod
     def rms(cls, ndims: int = 1) -> Scope:
         """RMSNorm: as LayerNorm, without the mean."""
+        _check_ndims(ndims, "Scope.rms")
         axes = tuple(range(-ndims, 0))
         return cls(reduce=axes, centered=False, affine=axes)
 
@@ -107,12 +109,20 @@ class Scope:
         Raises ValueError (naming the axis and the rank) when an axis does not exist, or when the
         grouped axis does not split evenly.
         """
-        try:
+        if torch.compiler.is_compiling():
+            # traced once per graph, so a cache buys nothing; and dynamo would guard on the cache
+            # dict (and warns on an lru_cache); symbolic sizes are unhashable anyway
             return _resolve(self, shape)
-        except TypeError:
-            # symbolic sizes (torch.export / torch.compile with dynamic dims) are unhashable, so
-            # they cannot key the cache; resolving them uncached keeps those dims dynamic
-            return _resolve.__wrapped__(self, shape)
+        key = (self, tuple(shape))
+        try:
+            hit = _RESOLVED.get(key)
+        except TypeError:  # symbolic sizes outside dynamo (make_fx tracing): unhashable, uncached
+            return _resolve(self, shape)
+        if hit is None:
+            if len(_RESOLVED) >= _CACHE_SIZE:  # bounded like the lru_cache it replaces, cruder
+                _RESOLVED.clear()
+            hit = _RESOLVED[key] = _resolve(self, shape)
+        return hit
 
 
 @dataclass(frozen=True)
@@ -156,6 +166,13 @@ class Resolved:
         return tuple(a if a < d else a + 1 for a in self.reduce if a != d) + (d + 1,)
 
 
+def _check_ndims(ndims: object, where: str) -> None:
+    # 0 would reduce nothing (every element its own scope: all-zero output) and -k would silently
+    # mean "the last k" through range(); neither is a normalization
+    if not isinstance(ndims, int) or isinstance(ndims, bool) or ndims < 1:
+        raise ValueError(f"{where}: expected `ndims` to be a positive int (how many trailing axes), got {ndims!r}")
+
+
 def _norm_axis(axis: int, ndim: int, what: str) -> int:
     if not -ndim <= axis < ndim:
         raise ValueError(
@@ -165,7 +182,11 @@ def _norm_axis(axis: int, ndim: int, what: str) -> int:
     return axis % ndim
 
 
-@functools.lru_cache(maxsize=4096)
+# resolve() runs on every call of every layer: eager calls share resolutions through this dict
+_RESOLVED: dict[tuple[Scope, tuple[int, ...]], Resolved] = {}
+_CACHE_SIZE = 4096
+
+
 def _resolve(scope: Scope, shape: tuple[int, ...]) -> Resolved:
     shape = tuple(shape)  # a torch.Size hashes like the tuple; store the plain tuple
     ndim = len(shape)
@@ -183,8 +204,7 @@ def _resolve(scope: Scope, shape: tuple[int, ...]) -> Resolved:
         channels = shape[gdim]
         if channels % groups:
             raise ValueError(
-                f"expected the number of channels (axis {gdim}, got {channels}) to be divisible by "
-                f"groups={groups}"
+                f"expected the number of channels (axis {gdim}, got {channels}) to be divisible by groups={groups}"
             )
         if groups == channels:  # one channel a group: the channel axis simply is not reduced
             reduce.discard(gdim)

@@ -8,15 +8,17 @@ them. Scope: :meth:`normscope.Scope.batch` with ``Running(use_input_stats=False)
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
+from .. import _checks as check
 from ..engine import Running, norm
 from ..scope import Scope
 
-_BATCH = Scope.batch(1)
+_SCOPES = {1: Scope.batch(1), -1: Scope.batch(-1)}
 
 
 class FrozenBatchNorm2d(nn.Module):
@@ -29,11 +31,13 @@ class FrozenBatchNorm2d(nn.Module):
     (N, C, *) input, so it also freezes BatchNorm1d/3d (see :func:`freeze_batchnorm`).
 
     Args:
-        num_features: channels C at dim 1.
+        num_features: channels C.
         eps: added to the running variance. Default: 1e-5.
+        channel_dim: the channel axis: 1, or -1 for channels-last input such as (B, S, D) (what
+            :func:`freeze_batchnorm` gives a ``BatchNorm1d(channel_dim=-1)``). Default: 1.
 
     Shape:
-        - Input: (N, C, *). Output: same shape.
+        - Input: (N, C, *); (N, *, C) with ``channel_dim=-1``. Output: same shape.
 
     Example::
 
@@ -42,52 +46,76 @@ class FrozenBatchNorm2d(nn.Module):
         >>> y = frozen(torch.randn(2, 64, 8, 8))
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None) -> None:
+    channel_dim: int = 1  # a class attribute: the default adds nothing to __dict__ or repr
+
+    def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None, *, channel_dim: int = 1) -> None:
         super().__init__()
         if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
             raise ValueError(f"FrozenBatchNorm2d: expected `num_features` to be a positive int, got {num_features!r}")
+        if channel_dim not in (1, -1):
+            raise ValueError(f"FrozenBatchNorm2d: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
+        if channel_dim != 1:
+            self.channel_dim = channel_dim
         kw = {"device": device, "dtype": dtype}
         self.num_features, self.eps = num_features, eps
         self.register_buffer("weight", torch.ones(num_features, **kw))
         self.register_buffer("bias", torch.zeros(num_features, **kw))
         self.register_buffer("running_mean", torch.zeros(num_features, **kw))
         self.register_buffer("running_var", torch.ones(num_features, **kw))
-        # the class to restore on unfreeze_batchnorm (not state: a plain attribute)
+        # the class and the constructor options (momentum, rmax...) that unfreeze_batchnorm
+        # restores (not state: plain attributes)
         self.source_cls: type[nn.Module] | None = None
+        self.source_options: dict[str, object] = {}
 
     def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
         state_dict.pop(prefix + "num_batches_tracked", None)  # a BatchNorm checkpoint's counter
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def extra_repr(self) -> str:
-        return f"{self.num_features}, eps={self.eps}"
+        s = f"{self.num_features}, eps={self.eps}"
+        return s if self.channel_dim == 1 else f"{s}, channel_dim={self.channel_dim}"
 
     def forward(self, input: Tensor) -> Tensor:
-        name, c = type(self).__name__, self.num_features
-        if not isinstance(input, Tensor):
-            raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
-        if input.dim() < 2 or input.shape[1] != c:
+        name, c, cd = type(self).__name__, self.num_features, self.channel_dim
+        check.tensor(input, "input", name)
+        if input.dim() < 2 or input.shape[cd] != c:
+            layout = f"(N, {c}, *)" if cd == 1 else f"(N, *, {c})"
             raise ValueError(
-                f"{name}({c}): expected input of shape (N, {c}, *) with {c} channels at dim 1, "
+                f"{name}({c}): expected input of shape {layout} with {c} channels at dim {cd}, "
                 f"got shape {tuple(input.shape)}"
             )
         running = Running(self.running_mean, self.running_var, 0.0, False)
-        return norm(input, _BATCH, self.weight, self.bias, self.eps, running=running)
+        return norm(input, _SCOPES[cd], self.weight, self.bias, self.eps, running=running)
 
 
 def _replace(model: nn.Module, match: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]) -> nn.Module:
     if match(model):
         return make(model)
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if match(child):
-                setattr(parent, child_name, make(child))
+    # one replacement per module object: a layer reached by two paths (tied, shared) stays one
+    # layer after the surgery, as it was before
+    made: dict[int, nn.Module] = {}
+    for parent in list(model.modules()):  # modules() visits a shared module once, not its parents
+        # _modules, not named_children(): that skips a second name of the same child
+        for child_name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            if id(child) in made:
+                setattr(parent, child_name, made[id(child)])
+            elif match(child):
+                made[id(child)] = make(child)
+                setattr(parent, child_name, made[id(child)])
     return model
+
+
+# constructor keywords of normscope's BatchNorm family kept as instance attributes (channel_dim
+# only when not the class default 1; rmax/dmax/warmup_iters on BatchRenorm)
+_OPTIONS = ("channel_dim", "rmax", "dmax", "warmup_iters")
 
 
 def _frozen_from(bn: nn.Module) -> FrozenBatchNorm2d:
     ref = bn.running_mean if bn.running_mean is not None else bn.weight
-    frozen = FrozenBatchNorm2d(bn.num_features, bn.eps, device=ref.device, dtype=ref.dtype)
+    cd = getattr(bn, "channel_dim", 1)
+    frozen = FrozenBatchNorm2d(bn.num_features, bn.eps, device=ref.device, dtype=ref.dtype, channel_dim=cd)
     with torch.no_grad():
         if bn.running_mean is not None:
             frozen.running_mean.copy_(bn.running_mean)
@@ -97,6 +125,9 @@ def _frozen_from(bn: nn.Module) -> FrozenBatchNorm2d:
         if bn.bias is not None:
             frozen.bias.copy_(bn.bias)
     frozen.source_cls = type(bn)
+    # what the frozen layer has no use for but the trainable one needs back
+    frozen.source_options = {"momentum": bn.momentum}
+    frozen.source_options.update({k: getattr(bn, k) for k in _OPTIONS if k in vars(bn)})
     frozen.train(bn.training)  # no effect on a frozen layer, but restored by unfreeze_batchnorm
     return frozen
 
@@ -104,7 +135,9 @@ def _frozen_from(bn: nn.Module) -> FrozenBatchNorm2d:
 def freeze_batchnorm(model: nn.Module) -> nn.Module:
     """Replace every BatchNorm (``torch.nn`` or normscope, 1d/2d/3d, SyncBatchNorm, BatchRenorm)
     that tracks running statistics by a :class:`FrozenBatchNorm2d` carrying its running
-    statistics, weight and bias (ones/zeros when ``affine=False``). In place; returns the model
+    statistics, weight and bias (ones/zeros when ``affine=False``) and its channel axis
+    (``channel_dim=-1`` included). A layer shared by several paths becomes one frozen layer
+    shared by the same paths. In place; returns the model
     (the new layer itself when ``model`` is a BatchNorm). A BatchNorm without running statistics
     (``track_running_stats=False``) has nothing to freeze and is left alone.
 
@@ -126,7 +159,15 @@ def _unfrozen_from(frozen: FrozenBatchNorm2d) -> nn.Module:
         # the normscope namesake: same state, the engine behind it
         cls = {nn.BatchNorm1d: BatchNorm1d, nn.BatchNorm2d: BatchNorm2d, nn.BatchNorm3d: BatchNorm3d}[cls]
     ref = frozen.running_mean
-    bn = cls(frozen.num_features, eps=frozen.eps, device=ref.device, dtype=ref.dtype)
+    options = dict(getattr(frozen, "source_options", {}))
+    if frozen.channel_dim != 1:
+        options["channel_dim"] = frozen.channel_dim
+    if "channel_dim" in options and not _takes(cls, "channel_dim"):
+        if options["channel_dim"] != 1:  # e.g. a hand-built FrozenBatchNorm2d(channel_dim=-1)
+            cls = BatchNorm1d
+        else:
+            del options["channel_dim"]
+    bn = cls(frozen.num_features, eps=frozen.eps, device=ref.device, dtype=ref.dtype, **options)
     with torch.no_grad():
         for name in ("weight", "bias", "running_mean", "running_var"):
             getattr(bn, name).copy_(getattr(frozen, name))
@@ -134,9 +175,15 @@ def _unfrozen_from(frozen: FrozenBatchNorm2d) -> nn.Module:
     return bn
 
 
+def _takes(cls: type, name: str) -> bool:
+    return name in inspect.signature(cls.__init__).parameters
+
+
 def unfreeze_batchnorm(model: nn.Module) -> nn.Module:
     """Undo :func:`freeze_batchnorm`: every :class:`FrozenBatchNorm2d` becomes a trainable
     BatchNorm (the class it was frozen from -- a torch.nn BatchNorm comes back as its normscope
     namesake -- else :class:`normscope.BatchNorm2d`) with ``affine=True`` and running statistics,
-    carrying all four values. In place; returns the model."""
+    carrying all four values and the options it was frozen with (``momentum``, ``channel_dim``,
+    BatchRenorm's ``rmax``/``dmax``/``warmup_iters``). A layer shared by several paths stays
+    one layer. In place; returns the model."""
     return _replace(model, lambda m: isinstance(m, FrozenBatchNorm2d), _unfrozen_from)

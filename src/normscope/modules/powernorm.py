@@ -127,16 +127,20 @@ class PowerNorm(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        for n, v in (("num_features", num_features), ("warmup_iters", warmup_iters + 1)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"PowerNorm: expected `{n}` to be a positive int, got {v!r}")
+        _int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        if not _int(num_features) or num_features < 1:
+            raise ValueError(f"PowerNorm: expected `num_features` to be a positive int, got {num_features!r}")
+        if not _int(warmup_iters) or warmup_iters < 0:
+            raise ValueError(f"PowerNorm: expected `warmup_iters` to be a non-negative int, got {warmup_iters!r}")
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
+            # eps is all that keeps an all-zero feature (padding, a dead unit) from dividing by 0
+            raise ValueError(f"PowerNorm: expected `eps` to be a positive number, got {eps!r}")
         for n, v in (("alpha_fwd", alpha_fwd), ("alpha_bkw", alpha_bkw)):
-            if not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
                 raise ValueError(f"PowerNorm: expected `{n}` in [0, 1], got {v!r}")
-        if group_scaling is not None and (not isinstance(group_scaling, int) or num_features % max(group_scaling, 1)
-                                          or group_scaling < 1):
+        if group_scaling is not None and (not _int(group_scaling) or group_scaling < 1 or num_features % group_scaling):
             raise ValueError(
-                f"PowerNorm: expected `group_scaling` to be None or a positive divisor of num_features="
+                f"PowerNorm: expected `group_scaling` to be None or a positive int dividing num_features="
                 f"{num_features}, got {group_scaling!r}"
             )
         if channel_dim not in (1, -1):
@@ -171,6 +175,11 @@ class PowerNorm(nn.Module):
             f"channel_dim={self.channel_dim}"
         )
 
+    def _eval(self, x: Tensor, scope: Resolved) -> Tensor:
+        """The running quadratic mean, as a constant statistic."""
+        rstd = ref.rstd(self.running_phi.reshape(scope.stat_shape).to(ref.acc_dtype(x.dtype)), self.eps)
+        return engine.apply(x, torch.zeros_like(rstd), rstd, scope, self.weight, self.bias)
+
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         name, c, cd = "PowerNorm", self.num_features, self.channel_dim
         check.tensor(input, "input", name)
@@ -184,23 +193,29 @@ class PowerNorm(nn.Module):
         if self.group_scaling is not None:  # the reference's GroupScaling1D, eps fixed at 1e-5 as there
             x = engine.norm(x, self._gs_scope, eps=1e-5)
         scope = self._scope.resolve(tuple(x.shape))
-        if not self.training:  # the running quadratic mean, as a constant statistic
-            rstd = ref.rstd(self.running_phi.reshape(scope.stat_shape).to(ref.acc_dtype(x.dtype)), self.eps)
-            return engine.apply(x, torch.zeros_like(rstd), rstd, scope, self.weight, self.bias)
+        if not self.training:
+            return self._eval(x, scope)
+        if x.numel() == 0:
+            # no token, no statistic: the state stays as it was (a zero quadratic mean would enter
+            # running_phi), and the output is empty anyway
+            return self._eval(x, scope)
         if mask is not None and not bool(mask.any()):
             raise ValueError(f"{name}: expected at least one valid (True) element in `mask` when training, got none")
         self.num_batches_tracked.add_(1)
-        it = int(self.num_batches_tracked)
+        # the step as a tensor: int() of a buffer would break a torch.compile graph, and on a
+        # meta tensor has no value at all
+        it = self.num_batches_tracked.to(torch.float64)
         # the statistic is a constant for autograd: the approximate backward replaces its gradient
         with torch.no_grad():
             phi_b = ref.moments(x.detach(), scope, mask).var
             phi_run = self.running_phi.reshape(scope.stat_shape).to(phi_b.dtype)
             rstd_bwd = ref.rstd(phi_b, self.eps)
-            rstd_fwd = rstd_bwd if it <= self.warmup_iters else ref.rstd(phi_run, self.eps)
+            rstd_fwd = torch.where(it <= self.warmup_iters, rstd_bwd, ref.rstd(phi_run, self.eps))
             new = phi_b.reshape(self.running_phi.shape).to(self.running_phi.dtype)
-            if it < self.warmup_iters:
-                self.running_phi.mul_((it - 1) / it).add_(new / it)
-            self.running_phi.mul_(self.alpha_fwd).add_((1 - self.alpha_fwd) * new)
+            # during warm-up (it < warmup_iters) running_phi is first the cumulative average
+            cum = self.running_phi * ((it - 1) / it).to(new.dtype) + new / it.to(new.dtype)
+            phi = torch.where(it < self.warmup_iters, cum, self.running_phi)
+            self.running_phi.copy_(phi * self.alpha_fwd + (1 - self.alpha_fwd) * new)
         z = _PowerFunction.apply(x, rstd_fwd, rstd_bwd, self.ema_gz, scope, mask, self.alpha_bkw)
         if self.weight is None:
             return z

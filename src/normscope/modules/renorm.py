@@ -17,6 +17,28 @@ from ..scope import Scope
 from .batchnorm import BatchNorm1d, _BatchNormMixin, count_batch, momentum_factor
 
 
+@torch.library.custom_op("normscope::batch_renorm_correction", mutates_args=())
+def _correction(
+    mean_b: Tensor, sigma_b: Tensor, running_mean: Tensor, running_var: Tensor, eps: float, rmax: Tensor, dmax: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Batch Renorm's ``(r, d)`` from the batch and running statistics (constants for autograd).
+
+    An opaque op on purpose. Computed with plain ops, r and d were *recomputed* in a
+    torch.compile backward from ``running_mean``/``running_var`` (AOTAutograd treats a buffer
+    input as free to re-read), by then already overwritten by this step's update: gradients
+    0.4-4% off eager's. The partitioner does not recompute a custom op; it saves its outputs.
+    """
+    sigma = (running_var.to(sigma_b.dtype) + eps).sqrt()
+    r = (sigma_b / sigma).clamp(1.0 / rmax, rmax)
+    d = ((mean_b - running_mean.to(mean_b.dtype)) / sigma).clamp(-dmax, dmax)
+    return r, d
+
+
+@_correction.register_fake
+def _(mean_b, sigma_b, running_mean, running_var, eps, rmax, dmax):
+    return torch.empty_like(sigma_b), torch.empty_like(mean_b)
+
+
 class _BatchRenormMixin(_BatchNormMixin):
     r"""BatchNorm's state and evaluation; in training, batch statistics corrected towards the
     running ones by ``r`` and ``d`` (stop-gradient):
@@ -71,24 +93,51 @@ class _BatchRenormMixin(_BatchNormMixin):
         frac = min(step / self.warmup_iters, 1.0)
         return 1.0 + (self.rmax - 1.0) * frac, self.dmax * frac
 
+    def _limits(self, dtype: torch.dtype) -> tuple[Tensor, Tensor] | tuple[float, float]:
+        """:meth:`limits` at this step, read from ``num_batches_tracked`` (the steps before this
+        one): as tensors, since a meta tensor (and torch.export's fake one) has no value to read,
+        ``int()`` would make torch.compile guard on every step, and eager needs no device sync."""
+        if self.warmup_iters <= 0:
+            return self.rmax, self.dmax
+        frac = (self.num_batches_tracked.to(dtype) / self.warmup_iters).clamp(max=1.0)
+        return 1.0 + (self.rmax - 1.0) * frac, self.dmax * frac
+
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         if not self.training:  # inference is BatchNorm's: the running statistics
             return super().forward(input, mask)
         name = type(self).__name__
         self._check_input_dim(input)
+        check.tensor(input, "input", name)  # an int/bool input would come back as int
         mask = check.mask(mask, input, self.channel_dim, name)
         if mask is not None and not bool(mask.any()):
             raise ValueError(f"{name}: expected at least one valid (True) element in `mask` when training, got none")
-        rmax, dmax = self.limits(int(self.num_batches_tracked))  # steps before this one
+        if mask is None and input.numel() // self.num_features == 1:
+            # torch's BatchNorm rule: one value has no variance to estimate (r and d would be 0/0)
+            raise ValueError(
+                f"{name}: expected more than 1 value per channel when training, got input of shape "
+                f"{tuple(input.shape)} (1 value per channel)"
+            )
+        rmax, dmax = self._limits(ref.acc_dtype(input.dtype))
         factor = momentum_factor(self)
         scope = Scope.batch(self.channel_dim).resolve(tuple(input.shape))
         m = ref.moments(input, scope, mask)
         sigma_b = (m.var + self.eps).sqrt()
         shape = scope.stat_shape
         with torch.no_grad():  # r and d are constants for the gradient (the paper's stop_gradient)
-            sigma = (self.running_var.reshape(shape).to(sigma_b.dtype) + self.eps).sqrt()
-            r = (sigma_b / sigma).clamp(1.0 / rmax, rmax)
-            d = ((m.mean - self.running_mean.reshape(shape).to(m.mean.dtype)) / sigma).clamp(-dmax, dmax)
+            lim = [
+                torch.full((), v, dtype=sigma_b.dtype, device=sigma_b.device)
+                if isinstance(v, float)
+                else v.to(sigma_b.dtype)
+                for v in (rmax, dmax)
+            ]
+            r, d = _correction(
+                m.mean.detach(),
+                sigma_b.detach(),
+                self.running_mean.reshape(shape),
+                self.running_var.reshape(shape),
+                self.eps,
+                *lim,
+            )
         running = engine.Running(self.running_mean, self.running_var, factor, True)
         engine.update_running(engine.Call(input, scope, None, None, self.eps, mask, running), m)
         y = engine.apply(input, m.mean - d * sigma_b / r, r / sigma_b, scope, self.weight, self.bias)

@@ -8,7 +8,8 @@ It is the engine's two steps with a collective in between: :func:`normscope.refe
 gives each rank its local per-channel ``(count, mean, M2)``, one ``all_gather`` exchanges them,
 Chan et al.'s parallel formula combines them, and :func:`normscope.reference.apply` normalizes.
 The backward needs two global per-channel sums (``sum dy`` and ``sum dy * x_hat``), exchanged in
-one ``all_reduce``. So: exactly one collective per forward and one per backward, on any backend
+one ``all_reduce``. So: one collective per forward (two on a layer's first step, which also
+checks that every rank has the same channel count) and one per backward, on any backend
 (gloo on CPU, NCCL on GPU). Unmasked fp32/fp64 inputs run the same steps on ATen's fused
 BatchNorm kernels instead of the reference (see :class:`_SyncBatchNormFn`).
 
@@ -19,16 +20,19 @@ sum of squared deviations from its *own* mean, and Chan's combination
 
     n = sum n_r,   mean = sum n_r mean_r / n,   M2 = sum M2_r + sum n_r (mean_r - mean)^2
 
-adds only non-negative terms. The payload is ``world * 3 * C`` numbers, exchanged in fp64 so that
+adds only non-negative terms. The payload is ``world * 4 * C`` numbers (with a has-mask flag), exchanged in fp64 so that
 counts above 2^24 stay exact -- smaller than one activation row.
 
-Limits: every rank of the group must call ``forward`` (and ``backward``) the same number of times
-with the same number of channels, as with any collective. A rank that fails or never arrives makes
-the others raise once the process group's ``timeout`` expires (or at once when its connection
-drops); the error says which collective of which layer failed.
+Limits: every rank of the group must call ``forward`` (and ``backward``) the same number of times,
+as with any collective; ranks with different channel counts all raise ValueError on the first
+step. A rank that fails or never arrives makes the others raise once the process group's
+``timeout`` expires (or at once when its connection drops); the error says which collective of
+which layer failed.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,17 +103,28 @@ def _local_sums(x: Tensor, dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
 
 
 def _gather_combine(local: Tensor, world: int, group, name: str, x: Tensor, masked: bool) -> tuple[Tensor, ...]:
-    """All-gather every rank's (count, mean, M2) and combine them (Chan et al.): global n, mean, var (fp64, (C,))."""
+    """All-gather every rank's (count, mean, M2, has-mask) and combine them (Chan et al.): global
+    n, mean, var (fp64, (C,))."""
     c = local.shape[1]
-    gathered = torch.empty((world, 3, c), dtype=local.dtype, device=local.device)
+    flag = torch.full((1, c), float(masked), dtype=local.dtype, device=local.device)
+    local = torch.cat((local, flag))  # (4, C): count, mean, M2, and whether this rank has a mask
+    gathered = torch.empty((world, 4, c), dtype=local.dtype, device=local.device)
     try:
         dist.all_gather(list(gathered.unbind(0)), local, group=group)
     except Exception as err:  # noqa: BLE001 - any backend error means a peer is gone
         raise _collective_failed(f"all_gather of batch statistics in {name}.forward", group, err) from err
-    n_r, mean_r, m2_r = gathered.unbind(1)  # (world, C) each
+    n_r, mean_r, m2_r, masked_r = gathered.unbind(1)  # (world, C) each
     n = n_r.sum(0)
-    if not masked and bool((n <= 1).any()):
-        # the same global count on every rank, so every rank raises here: no one is left waiting
+    # every rank decides from the same gathered numbers, so every rank raises (or none does): a
+    # rank's own mask must not change the rule, or a rank with an empty masked batch would wait
+    # in the backward for a peer that raised
+    if bool(masked_r.any()):
+        if bool((n == 0).any()):
+            raise ValueError(
+                f"{name}: expected at least one valid (True) element in `mask` in the global batch when "
+                f"training, got none (local input shape {tuple(x.shape)}, world size {world})"
+            )
+    elif bool((n <= 1).any()):
         raise ValueError(
             f"{name}: expected more than 1 value per channel in the global batch when training, got "
             f"{int(n.min())} (local input shape {tuple(x.shape)}, world size {world})"
@@ -117,6 +132,29 @@ def _gather_combine(local: Tensor, world: int, group, name: str, x: Tensor, mask
     mean = (n_r * mean_r).sum(0) / n.clamp_min(1)
     m2 = m2_r.sum(0) + (n_r * (mean_r - mean).square()).sum(0)
     return n, mean, m2 / n.clamp_min(1)
+
+
+def _check_peers(c: int, group, world: int, name: str, device: torch.device) -> None:
+    """Exchange a fixed-size header (the channel count) before the first payload of a layer.
+
+    The payloads are ``C`` wide; ranks that disagree on ``C`` would all_gather buffers of
+    different sizes, which gloo answers with an abort on one rank and garbage on another. A header
+    of one number per rank has the same size everywhere, so every rank sees every channel count
+    and raises the same ValueError. ``C`` is a layer's constant (``num_features``), so one exchange
+    per layer suffices; dtypes may differ between ranks (payloads are exchanged in fp64).
+    """
+    header = torch.tensor([c], dtype=torch.int64, device=device)
+    gathered = torch.empty((world, 1), dtype=torch.int64, device=device)
+    try:
+        dist.all_gather(list(gathered.unbind(0)), header, group=group)
+    except Exception as err:  # noqa: BLE001
+        raise _collective_failed(f"all_gather of channel counts in {name}.forward", group, err) from err
+    counts = gathered[:, 0].tolist()
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"{name}: expected the same number of channels on every rank of the process group, got "
+            f"{', '.join(f'rank {r}: {n}' for r, n in enumerate(counts))} (this is rank {dist.get_rank(group)})"
+        )
 
 
 def _all_reduce(sums: Tensor, group, name: str) -> None:
@@ -190,10 +228,11 @@ class _SyncBatchNormFn(torch.autograd.Function):
         dyf, xhat = dy.to(acc), (x.to(acc) - mean) * rstd
         sum_dy = dyf.sum(dims)
         sum_dy_xhat = (dyf * xhat).sum(dims)
-        sums = torch.cat((sum_dy, sum_dy_xhat))
+        sums = torch.cat((sum_dy, sum_dy_xhat)).double()  # fp64 on every rank and path: one layout
         grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
         grad_bias = sum_dy.to(dy.dtype) if ctx.has_bias and ctx.needs_input_grad[3] else None
         _all_reduce(sums, ctx.group, ctx.name)
+        sums = sums.to(acc)
         g_dy, g_dyx = sums[:c].reshape(shape), sums[c:].reshape(shape)
         valid = 1.0 if mask is None else mask.to(acc)
         scale = rstd if weight is None else rstd * weight.to(acc).reshape(shape)
@@ -211,10 +250,13 @@ class _SyncBatchNormFn(torch.autograd.Function):
             )
         else:  # ATen's kernel does not accept an empty batch; this rank still joins the all_reduce
             sum_dy = sum_dy_xhat = torch.zeros(c, dtype=x.dtype, device=x.device)
-        sums = torch.cat((sum_dy, sum_dy_xhat))
+        # fp64 whatever the input dtype: ranks may run different paths (a mask, bf16 on one rank),
+        # and an all_reduce whose ranks disagree on the dtype corrupts memory in gloo
+        sums = torch.cat((sum_dy, sum_dy_xhat)).double()
         grad_weight = sum_dy_xhat.clone() if weight is not None and ctx.needs_input_grad[2] else None
         grad_bias = sum_dy.clone() if ctx.has_bias and ctx.needs_input_grad[3] else None
         _all_reduce(sums, ctx.group, ctx.name)
+        sums = sums.to(x.dtype)
         if not x.numel():
             return torch.zeros_like(x), None, grad_weight, grad_bias, None, None, None, None, None
         # dx = w * rstd * dy + c1 * x_hat + c2 with the global sums: the x_hat part is an
@@ -231,18 +273,22 @@ def _cudnn() -> bool:
     return torch.backends.cudnn.enabled
 
 
-class SyncBatchNorm(nn.SyncBatchNorm):
+class SyncBatchNorm(_BatchNorm):
     r"""Batch Normalization with statistics over the batch of every process in a group.
 
     .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \gamma + \beta
 
     with mean and biased variance per channel over the *concatenation* of every rank's batch (and
-    positions). Subclasses :class:`torch.nn.SyncBatchNorm` (same arguments, buffers, state_dict,
-    ``isinstance``) and replaces ``forward``; unlike torch's it runs on CPU (gloo) as well as GPU
-    (NCCL) and is exact when ranks hold different batch sizes, masks, or an empty batch: output,
+    positions). Same arguments, buffers and state_dict as :class:`torch.nn.SyncBatchNorm`, and like
+    it a subclass of torch's ``_BatchNorm`` (so ``isinstance`` checks for BatchNorm layers, torch's
+    ``convert_sync_batchnorm`` and :func:`normscope.freeze_batchnorm` see it) but deliberately *not*
+    of ``torch.nn.SyncBatchNorm``: ``DistributedDataParallel`` refuses every instance of that class
+    on CPU ("SyncBatchNorm layers only work with GPU modules", a limit of torch's CUDA-only
+    kernels, not of this layer). Unlike torch's it runs on CPU (gloo) as well as GPU (NCCL), inside
+    DDP or not, and is exact when ranks hold different batch sizes, masks, or an empty batch: output,
     input gradient and running statistics (unbiased with the global count) equal BatchNorm on the
     concatenated batch, and the per-rank weight/bias gradients sum to BatchNorm's (DDP averages
-    them as usual). One ``all_gather`` of ``3 * C`` numbers per forward, one ``all_reduce`` of
+    them as usual). One ``all_gather`` of ``4 * C`` numbers per forward, one ``all_reduce`` of
     ``2 * C`` per backward; see the module docstring for the numerics.
 
     Outside an initialized process group, or with world size 1, it is :class:`normscope.BatchNorm2d`
@@ -269,6 +315,30 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         >>> y = model(x)
     """
 
+    # whether this layer's ranks have confirmed they agree on the channel count (_check_peers);
+    # a class attribute: not state, not in __dict__ until the first synchronized step
+    _peers_checked: bool = False
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: Any | None = None,
+        device=None,
+        dtype=None,
+        **kw,
+    ) -> None:
+        # **kw: torch's keyword-only arguments of the running version (``bias=`` since 2.13)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **kw)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"{type(self).__name__}: expected at least 2D input (N, C, *), got {input.dim()}D input")
+
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         name = type(self).__name__
         check.tensor(input, "input", name)
@@ -279,6 +349,8 @@ class SyncBatchNorm(nn.SyncBatchNorm):
                 f"got {input.shape[1]} (input shape {tuple(input.shape)})"
             )
         m = check.mask(mask, input, 1, name)
+        if self.training and not self.eps > 0:  # F.batch_norm's check, for the synchronized path too
+            raise ValueError(f"{name}: expected `eps` > 0 when training (batch statistics normalize), got {self.eps!r}")
 
         factor = momentum_factor(self)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
@@ -289,6 +361,9 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         group = self.process_group or (dist.group.WORLD if dist.is_available() and dist.is_initialized() else None)
         world = _group_size(group) if self.training else 1
         if world > 1:
+            if not self._peers_checked:
+                _check_peers(self.num_features, group, world, name, input.device)
+                self._peers_checked = True
             running = Running(rm, rv, float(factor), True) if rm is not None and rv is not None else None
             y = _SyncBatchNormFn.apply(input, m, self.weight, self.bias, self.eps, group, world, running, name)
         elif m is None:  # exactly normscope.BatchNorm*d
