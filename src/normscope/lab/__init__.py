@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -190,6 +191,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _out_dir(a.out)
     except ValueError as err:
         p.error(f"argument --out: {err}")
+    missing = [m for m in ("matplotlib", "sklearn") if importlib.util.find_spec(m) is None]
+    if missing:  # say so before any run, not as a traceback from deep inside the first experiment
+        need = " and ".join(missing)
+        sys.stderr.write(f"normscope lab: needs {need}, which is not installed (pip install 'normscope[lab]')\n")
+        return 1
     try:
         run(a.experiments, mode=mode, out=a.out, seeds=a.seeds, force=a.force)
     except KeyboardInterrupt:
