@@ -168,8 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     g = p.add_mutually_exclusive_group()
     for m, h in (("quick", "minutes on 2 CPU cores (default)"), ("full", "hours"), ("smoke", "seconds (CI)")):
         g.add_argument(f"--{m}", dest="mode", action="store_const", const=m, help=h)
-    p.add_argument("--seeds", type=_seeds, default=None, metavar="K",
-                   help=f"number of seeds, 1 to {MAX_SEEDS} (default: per mode)")
+    p.add_argument(
+        "--seeds", type=_seeds, default=None, metavar="K", help=f"number of seeds, 1 to {MAX_SEEDS} (default: per mode)"
+    )
     p.add_argument("--out", default="lab-out", help="output directory (default: lab-out)")
     p.add_argument("--force", action="store_true", help="recompute runs found in the cache")
     p.add_argument("--list", action="store_true", help="list the experiments and exit")

@@ -90,8 +90,9 @@ def _launch(cfg: dict, variants: list[str], seed: int) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rank0.json")
-        ctx = mp.start_processes(_worker, args=(_free_port(), cfg, variants, seed, out), nprocs=WORLD, join=False,
-                                 start_method=_START)
+        ctx = mp.start_processes(
+            _worker, args=(_free_port(), cfg, variants, seed, out), nprocs=WORLD, join=False, start_method=_START
+        )
         try:
             while not ctx.join():
                 pass
