@@ -33,6 +33,35 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+#: optional packages -> the extra that installs them, for the "not installed" message
+_EXTRA_OF = {
+    "matplotlib": "viz",
+    "sklearn": "lab",
+    "rich": "cli",
+    "numpy": "cli",
+    "triton": "kernels",
+    "liger_kernel": "bench",
+    "transformers": "integrations",
+    "onnx": "integrations",
+    "onnxruntime": "integrations",
+    "onnxscript": "integrations",
+}
+
+
+def _missing_dependency(e: ImportError) -> str | None:
+    """The one-line message for an optional third-party package that is not installed, else None
+    (an import error inside normscope itself is a bug and keeps its traceback)."""
+    cause = e if isinstance(e, ModuleNotFoundError) else e.__cause__
+    if not isinstance(cause, ModuleNotFoundError) or not cause.name:
+        return None
+    top = cause.name.split(".")[0]
+    if top == "normscope":
+        return None
+    extra = _EXTRA_OF.get(top)
+    how = f"pip install 'normscope[{extra}]'" if extra else 'pip install -e ".[dev]"'
+    return f"needs the package {top!r}, which is not installed ({how})"
+
+
 def _shape(text: str) -> tuple[int, ...]:
     try:  # "2,3,2,2" or "2x3x2x2"
         shape = tuple(int(s) for s in text.strip().replace("x", ",").split(","))
@@ -133,14 +162,35 @@ def _run_lazy(name: str, argv: list[str]) -> int:
     if entry is None:
         print(f"normscope {name}: {module_name} has no main(argv) function", file=sys.stderr)
         return 1
-    rc = entry(argv)
+    try:
+        rc = entry(argv)
+    except ImportError as e:
+        # an optional dependency imported on first use (matplotlib when drawing, ...): one line, the extra
+        message = _missing_dependency(e)
+        if message is None:
+            raise
+        print(f"normscope {name}: {message}", file=sys.stderr)
+        return 1
     return int(rc or 0)
 
 
-def _tour(args: argparse.Namespace) -> int:
+def _writable_dir(text: str, argument: str, parser: argparse.ArgumentParser) -> None:
+    """Create the output directory ``text`` now, before any work, or exit 2 naming ``argument``."""
+    path = os.path.abspath(text)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        parser.error(f"argument {argument}: cannot create the directory {text!r}: {e.strerror or e}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        parser.error(f"argument {argument}: cannot write into {text!r}: permission denied")
+
+
+def _tour(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from . import tour
     from ._term import Out
 
+    if args.pictures:
+        _writable_dir(args.pictures, "--pictures", parser)
     sections = tour.run()
     result = tour.as_json(sections)
     if args.json:
@@ -157,7 +207,17 @@ def _tour(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
-        viz.draw_all(args.pictures)
+        try:
+            viz.draw_all(args.pictures)
+        except ImportError as e:
+            message = _missing_dependency(e)
+            if message is None:
+                raise
+            print(f"normscope tour --pictures: {message}", file=sys.stderr)
+            return 1
+        except OSError as e:
+            print(f"normscope tour: error: argument --pictures: cannot write: {e.strerror or e}", file=sys.stderr)
+            return 2
         if not args.json:
             print(f"pictures written to {args.pictures}")
     return 0 if result["passed"] else 1
@@ -195,7 +255,7 @@ def _main(argv: list[str]) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command == "tour":
-        return _tour(args)
+        return _tour(args, parser._subparsers._group_actions[0].choices["tour"])
     if args.command == "explain":
         sub = parser._subparsers._group_actions[0].choices["explain"]  # errors read "normscope explain: ..."
         return _explain(args, sub)

@@ -4,6 +4,7 @@
     get_norm("group:32", 256)                  # GroupNorm(32, 256)
     get_norm("layer", 768, eps=1e-6)           # LayerNorm(768, eps=1e-6)
     get_norm(functools.partial(normscope.BatchNorm2d, momentum=0.01), 64)
+    get_norm("layernorm2d", 96)                # timm's names work too (see TIMM_NAMES)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["get_norm", "norm_names", "register_norm", "NormSpec"]
+__all__ = ["get_norm", "norm_names", "register_norm", "NormSpec", "TIMM_NAMES"]
 
 NormSpec = str | type | functools.partial | Callable[..., nn.Module]
 
@@ -29,6 +30,16 @@ def register_norm(name: str, target: str | Callable[..., nn.Module]) -> None:
     ``"package.module:Attribute"`` import path."""
     if not isinstance(name, str) or not name or ":" in name:
         raise ValueError(f"register_norm: expected a non-empty name without ':', got {name!r}")
+    # checked now, not at the first get_norm: a typo here would otherwise surface far from its cause
+    if isinstance(target, str):
+        module, sep, attr = target.partition(":")
+        if not (sep and module and attr):
+            raise ValueError(f"register_norm: expected `target` as 'package.module:Attribute', got {target!r}")
+    elif not callable(target):
+        raise TypeError(
+            f"register_norm: expected `target` to be a layer class, a factory f(num_channels, **kwargs) or a "
+            f"'package.module:Attribute' string, got {type(target).__name__} {target!r}"
+        )
     _REGISTRY[name.lower()] = target
 
 
@@ -51,6 +62,41 @@ def _group(num_channels: int, num_groups: int | None = None, **kw: Any) -> nn.Mo
 
 def _identity(num_channels: int, **kw: Any) -> nn.Module:
     return nn.Identity()
+
+
+def _group1(num_channels: int, **kw: Any) -> nn.Module:
+    from .modules import GroupNorm
+
+    return GroupNorm(1, num_channels, **kw)
+
+
+def _eps_default(target: str, eps: float) -> Callable[..., nn.Module]:
+    # timm's own classes default to a different eps than torch's (LayerNorm, LayerNorm2d and RmsNorm
+    # use 1e-6): under timm's name, compute what timm's layer computes
+    def factory(num_channels: int, **kw: Any) -> nn.Module:
+        module, _, attr = target.partition(":")
+        kw.setdefault("eps", eps)
+        return getattr(importlib.import_module(module), attr)(num_channels, **kw)
+
+    factory.__name__ = f"{target.rpartition(':')[2]}(eps={eps:g})"
+    return factory
+
+
+#: timm's ``create_norm`` names (timm.layers.get_norm_layer) -> what they build there. Each
+#: resolves to the normscope layer computing the same thing, with timm's defaults. Not mapped,
+#: because normscope has no layer for them: the *fp32 variants (``layernormfp32``, ...), ``rmsnorm2d``
+#: and ``simplenorm*``.
+TIMM_NAMES: dict[str, str] = {
+    "batchnorm": "torch.nn.BatchNorm2d",
+    "batchnorm2d": "torch.nn.BatchNorm2d",
+    "batchnorm1d": "torch.nn.BatchNorm1d",
+    "groupnorm": "timm GroupNorm(C, num_groups=32, eps=1e-5)",
+    "groupnorm1": "timm GroupNorm1(C): one group, eps=1e-5",
+    "layernorm": "timm LayerNorm(C, eps=1e-6)",
+    "layernorm2d": "timm LayerNorm2d(C, eps=1e-6): LayerNorm over C of (N, C, H, W)",
+    "rmsnorm": "timm RmsNorm(C, eps=1e-6)",
+    "frozenbatchnorm2d": "torchvision.ops.misc.FrozenBatchNorm2d(C, eps=1e-5)",
+}
 
 
 for _name, _target in {
@@ -76,17 +122,29 @@ for _name, _target in {
     "dyt": "normscope.modules:DyT",
     "none": _identity,
     "identity": _identity,
+    # timm's names (TIMM_NAMES)
+    "batchnorm": "normscope.modules:BatchNorm2d",
+    "batchnorm2d": "normscope.modules:BatchNorm2d",
+    "batchnorm1d": "normscope.modules:BatchNorm1d",
+    "groupnorm": _group,
+    "groupnorm1": _group1,
+    "layernorm": _eps_default("normscope.modules:LayerNorm", 1e-6),
+    "layernorm2d": "normscope.modules:LayerNorm2d",  # its eps default is already timm's 1e-6
+    "rmsnorm": _eps_default("normscope.modules:RMSNorm", 1e-6),
+    "frozenbatchnorm2d": "normscope.modules:FrozenBatchNorm2d",
 }.items():
     register_norm(_name, _target)
 
 
 def _resolve_name(name: str) -> tuple[Callable[..., nn.Module], dict[str, Any]]:
     key, _, arg = name.strip().lower().partition(":")
+    if key not in _REGISTRY and key.replace("_", "") in _REGISTRY:  # timm drops underscores: "group_norm"
+        key = key.replace("_", "")
     if key not in _REGISTRY:
         raise ValueError(f"get_norm: unknown norm {name!r}; expected one of: {', '.join(norm_names())} (or 'group:G')")
     extra: dict[str, Any] = {}
     if arg:
-        if key != "group" or not arg.isdigit() or int(arg) < 1:
+        if key not in ("group", "groupnorm") or not arg.isdigit() or int(arg) < 1:
             raise ValueError(f"get_norm: {name!r}: only 'group:G' takes an argument, G a positive int")
         extra["num_groups"] = int(arg)
     target = _REGISTRY[key]

@@ -86,12 +86,29 @@ def example_input(shape: tuple[int, ...], seed: int) -> Tensor:
     return torch.round(x * 100) / 100
 
 
-def _validate(req: Any) -> dict:
+_F32_TINY = torch.finfo(torch.float32).tiny
+
+
+def _check_body(req: Any) -> None:
+    """Types of a request body, checked before any lookup: a list or object where a name belongs
+    (``{"layer": [1]}``) must be a 400, not an unhashable-type error deep inside."""
     if not isinstance(req, dict):
         raise ApiError(400, f"expected a JSON object, got {type(req).__name__}")
     unknown = sorted(set(req) - _FIELDS)
     if unknown:
         raise ApiError(400, f"unknown field(s) {unknown}: expected some of {sorted(_FIELDS)}")
+    for name in ("layer", "layout"):
+        if name in req and not isinstance(req[name], str):
+            raise ApiError(400, f"expected `{name}` to be a string, got {type(req[name]).__name__} {req[name]!r:.60}")
+    eps = req.get("eps", 1e-5)
+    # the example is computed in float32: an eps that rounds to 0 (or to a subnormal) there would
+    # divide by zero and send NaN, which is not JSON
+    if isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < _F32_TINY:
+        raise ApiError(400, f"expected `eps` to be at least {_F32_TINY:.4g} (float32's smallest normal), got {eps!r}")
+
+
+def _validate(req: Any) -> dict:
+    _check_body(req)
     layout = req.get("layout", "nchw")
     if layout not in LAYOUTS:
         raise ApiError(400, f"expected `layout` to be one of {list(LAYOUTS)}, got {layout!r}")

@@ -8,29 +8,76 @@ Routes::
     POST /api/scope        a worked example (normscope.explorer.api.scope_example)
 
 Limits, because the server answers whatever a browser on this machine sends it: request bodies are
-capped (413), tensors are capped by the API (413), each connection has a socket timeout (a slow
-client cannot hold a thread), and the Host header must name this server (a DNS-rebinding page on
-another origin cannot read the API). It binds to 127.0.0.1 unless told otherwise.
+capped (413), tensors are capped by the API (413), a malformed body gets a 4xx with a JSON message,
+and the listen backlog takes a burst of hundreds of simultaneous connections (each then gets its
+own daemon thread). Each *read* has a socket timeout, so a client that goes silent is dropped; one
+that trickles a byte at a time can still hold its thread (and only its own) for as long as it keeps
+sending -- the server is for one person's browser, not for the open internet.
+
+Addresses: it binds to 127.0.0.1 unless told otherwise; IPv6 addresses (``::1``, ``::``) get an
+IPv6 socket. The Host header must name this server -- a loopback name, the bound address, any IP
+address when bound to all interfaces (``0.0.0.0`` / ``::``), this machine's host name then, or a
+name passed in ``allowed`` (``--allow-host``) -- which stops a DNS-rebinding page on another origin from reading
+the API. That check is **not access control**: anyone who can reach the port can use the page, so
+bind to a non-loopback address only on a network you trust.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import socket
 import threading
+from collections.abc import Iterable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 
 from .api import LIMITS, ApiError, layers_info, scope_example
 
-__all__ = ["make_server", "serve_in_thread", "Handler"]
+__all__ = ["make_server", "serve_in_thread", "Handler", "address_family", "allowed_hosts", "host_name"]
 
 _STATIC = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
-_LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+_WILDCARD = frozenset({"0.0.0.0", "::", ""})
+
+
+def address_family(host: str) -> socket.AddressFamily:
+    """AF_INET6 for an IPv6 address (``::1``, ``::``, ``fe80::1%eth0``), else AF_INET (an IPv4
+    address or a host name, which the stdlib server resolves to IPv4)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return socket.AF_INET
+    return socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+
+
+def host_name(header: str) -> str:
+    """The name part of a Host header: ``"[::1]:8765"`` -> ``"::1"``, ``"Example.org.:80"`` -> ``"example.org"``."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        h = h[1 : h.find("]")] if "]" in h else h[1:]
+    elif h.count(":") == 1:
+        h = h.split(":", 1)[0]
+    return h.rstrip(".")
+
+
+def allowed_hosts(bound: str, extra: Iterable[str] = ()) -> frozenset[str]:
+    """The Host names a server bound to ``bound`` answers (a wildcard bind also answers any IP address).
+
+    Loopback names always; the bound address itself; for a wildcard bind, this machine's host name
+    and (see :meth:`Handler._host_ok`) any IP address, since the page is then meant to be opened
+    from other machines by address. A DNS-rebinding page always arrives under *its* name, which is
+    in none of these.
+    """
+    names = set(_LOOPBACK) | {host_name(h) for h in extra} | {bound.lower()}
+    if bound in _WILDCARD:
+        names.add(socket.gethostname().lower())  # not getfqdn: that may wait on DNS
+    return frozenset(names - {""})
 
 
 def _static(name: str) -> bytes:
@@ -39,8 +86,10 @@ def _static(name: str) -> bytes:
 
 class Handler(BaseHTTPRequestHandler):
     server_version = "normscope-explorer"
-    timeout = 10  # seconds a client may idle mid-request before its socket is closed
+    timeout = 10  # seconds a client may idle mid-request (per read) before its socket is closed
     quiet = True
+    hosts: frozenset[str] = _LOOPBACK
+    any_ip = False  # bound to all interfaces: a Host that is an IP address is fine
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the stdlib's signature
         if not self.quiet:
@@ -64,16 +113,26 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _json(self, status: int, obj: object, close: bool = False) -> None:
-        self._send(status, json.dumps(obj, separators=(",", ":")).encode(), "application/json", close)
+        try:  # bare NaN/Infinity is not JSON: the page's parser would fail on it
+            body = json.dumps(obj, separators=(",", ":"), allow_nan=False)
+        except ValueError:
+            status, body = 422, json.dumps({"error": "the result is not finite (NaN or inf)", "status": 422})
+        self._send(status, body.encode(), "application/json", close)
 
     def _error(self, status: int, message: str, close: bool = False) -> None:
         self._json(status, {"error": message, "status": status}, close)
 
     def _host_ok(self) -> bool:
-        host = (self.headers.get("Host") or "").strip()
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        bound = self.server.server_address[0]
-        return name in _LOOPBACK or name == bound
+        name = host_name(self.headers.get("Host") or "")
+        if name in self.hosts:
+            return True
+        if self.any_ip:
+            try:
+                ipaddress.ip_address(name.split("%", 1)[0])
+            except ValueError:
+                return False
+            return True
+        return False
 
     # -- routes -------------------------------------------------------------------------------------
 
@@ -145,6 +204,8 @@ class Handler(BaseHTTPRequestHandler):
             req = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             return self._error(HTTPStatus.BAD_REQUEST, f"expected a JSON body: {e}")
+        except ValueError as e:  # an integer of thousands of digits: Python's int-digits limit
+            return self._error(HTTPStatus.BAD_REQUEST, f"expected a JSON body with reasonable numbers: {e}")
         except RecursionError:  # "[[[[..." within the size limit still nests too deep for json
             return self._error(HTTPStatus.BAD_REQUEST, "expected a JSON body: nested too deeply")
         try:
@@ -157,18 +218,30 @@ class Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # Ctrl-C must not wait for idle keep-alive connections
-    request_queue_size = 16
+    # the listen backlog: connections the kernel holds until the accept loop takes them. At 16, a
+    # burst of 200 page loads had a hundred reset; the kernel caps it at net.core.somaxconn anyway
+    request_queue_size = 1024
 
 
 def make_server(
-    host: str = "127.0.0.1", port: int = 0, quiet: bool = True, timeout: float = 10.0
+    host: str = "127.0.0.1",
+    port: int = 0,
+    quiet: bool = True,
+    timeout: float = 10.0,
+    allowed: Iterable[str] = (),
 ) -> ThreadingHTTPServer:
     """A bound (not yet serving) explorer server; ``port=0`` picks a free port (``server.server_port``).
 
-    ``timeout`` is the socket timeout of each connection, in seconds.
+    ``timeout`` is the socket timeout of each read, in seconds. ``allowed`` adds Host names the
+    server answers to (see :func:`allowed_hosts`; this is not access control).
     """
-    handler = type("BoundHandler", (Handler,), {"quiet": quiet, "timeout": timeout})
-    return _Server((host, port), handler)
+    handler = type(
+        "BoundHandler",
+        (Handler,),
+        {"quiet": quiet, "timeout": timeout, "hosts": allowed_hosts(host, allowed), "any_ip": host in _WILDCARD},
+    )
+    server_cls = type("BoundServer", (_Server,), {"address_family": address_family(host)})
+    return server_cls((host, port), handler)
 
 
 def serve_in_thread(

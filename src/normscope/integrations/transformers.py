@@ -23,10 +23,17 @@ reduction order; see docs/integrations.md for what that means for fp32 and bf16 
 
 Each patched class is checked on a random probe (fp32 and bf16) against the module it replaces
 before any swap (``verify=True``); a class whose outputs differ is left alone and reported.
+
+``patch_classes("llama", ...)`` does the same at class level, before a model exists (like
+Liger-Kernel's ``apply_liger_kernel_to_llama()``): it replaces the family's RMSNorm class in its
+``transformers.models.<family>.modeling_<family>`` module, so every model built afterwards --
+``from_pretrained`` included -- is built with normscope's layers. Same probe, same report;
+``unpatch_classes()`` restores the originals.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 import torch
@@ -35,14 +42,47 @@ from torch import Tensor, nn
 from .. import functional as F
 from ..modules import LayerNorm, RMSNorm
 
-__all__ = ["LlamaRMSNorm", "GemmaRMSNorm", "PatchReport", "patch", "LLAMA_FAMILY", "GEMMA_FAMILY"]
+__all__ = [
+    "LlamaRMSNorm",
+    "GemmaRMSNorm",
+    "PatchReport",
+    "patch",
+    "patch_classes",
+    "unpatch_classes",
+    "FAMILIES",
+    "LLAMA_FAMILY",
+    "GEMMA_FAMILY",
+]
 
 # class names whose forward was read in transformers 4.4x-5.x and matches the formula above
 LLAMA_FAMILY = frozenset(
-    {"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm", "Qwen3RMSNorm",
-     "Phi3RMSNorm"}
+    {
+        "LlamaRMSNorm",
+        "MistralRMSNorm",
+        "MixtralRMSNorm",
+        "Qwen2RMSNorm",
+        "Qwen2MoeRMSNorm",
+        "Qwen3RMSNorm",
+        "Phi3RMSNorm",
+    }
 )
 GEMMA_FAMILY = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
+
+#: model type (``config.model_type``, the ``transformers.models.<type>`` package) -> its RMSNorm class name
+FAMILIES = {
+    "llama": "LlamaRMSNorm",
+    "mistral": "MistralRMSNorm",
+    "mixtral": "MixtralRMSNorm",
+    "qwen2": "Qwen2RMSNorm",
+    "qwen2_moe": "Qwen2MoeRMSNorm",
+    "qwen3": "Qwen3RMSNorm",
+    "phi3": "Phi3RMSNorm",
+    "gemma": "GemmaRMSNorm",
+    "gemma2": "Gemma2RMSNorm",
+    "gemma3": "Gemma3RMSNorm",
+}
+# (module, class name) -> the original class, for unpatch_classes
+_ORIGINAL_CLASSES: dict[tuple[str, str], type] = {}
 
 
 class LlamaRMSNorm(RMSNorm):
@@ -228,3 +268,80 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
             setattr(parent, child_name, new)
             report.replaced[cls.__name__] = report.replaced.get(cls.__name__, 0) + 1
     return report
+
+
+def patch_classes(*model_types: str, verify: bool = True) -> PatchReport:
+    """Make ``transformers`` build normscope's RMSNorm for these model families, before any model exists.
+
+    Replaces ``transformers.models.<type>.modeling_<type>.<Family>RMSNorm`` by :class:`LlamaRMSNorm`
+    or :class:`GemmaRMSNorm`, so models built afterwards (``Model(config)``, ``from_pretrained``) hold
+    normscope layers; models built before are untouched (use :func:`patch` for those). Each class
+    is first checked with the same probe as :func:`patch`, on a small instance with random weights.
+
+    Args:
+        *model_types: keys of :data:`FAMILIES` (``"llama"``, ``"qwen2"``, ``"gemma"``, ...). Default: all.
+        verify: probe each class against the original first; a class that differs is left alone
+            and reported. Default: True.
+
+    Returns:
+        A :class:`PatchReport`: ``replaced[class name] = 1`` per class replaced, ``skipped`` with why.
+
+    Example::
+
+        >>> from normscope.integrations.transformers import patch_classes
+        >>> print(patch_classes("llama"))
+        >>> model = LlamaForCausalLM.from_pretrained(path)   # built with normscope's LlamaRMSNorm
+    """
+    unknown = [t for t in model_types if t not in FAMILIES]
+    if unknown:
+        raise ValueError(f"patch_classes: unknown model type(s) {unknown}; expected some of {sorted(FAMILIES)}")
+    report = PatchReport()
+    for model_type in model_types or tuple(FAMILIES):
+        name = FAMILIES[model_type]
+        module_name = f"transformers.models.{model_type}.modeling_{model_type}"
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            report.skipped[name] = f"{module_name} is not importable ({e})"
+            continue
+        original = getattr(module, name, None)
+        if original is None:
+            report.skipped[name] = f"{module_name} has no {name}"
+            continue
+        if original in (LlamaRMSNorm, GemmaRMSNorm):  # patched already
+            report.replaced[name] = 1
+            continue
+        new_cls = GemmaRMSNorm if name in GEMMA_FAMILY else LlamaRMSNorm
+        if verify:
+            why = _verify_class(original)
+            if why is not None:
+                report.skipped[name] = why
+                continue
+        _ORIGINAL_CLASSES.setdefault((module_name, name), original)
+        setattr(module, name, new_cls)
+        report.replaced[name] = 1
+    return report
+
+
+def unpatch_classes() -> list[str]:
+    """Undo :func:`patch_classes`: put the original classes back; returns their names."""
+    restored = []
+    for (module_name, name), original in list(_ORIGINAL_CLASSES.items()):
+        setattr(importlib.import_module(module_name), name, original)
+        restored.append(name)
+        del _ORIGINAL_CLASSES[(module_name, name)]
+    return restored
+
+
+def _verify_class(original: type) -> str | None:
+    # a small instance with random weights (Gemma's zero-initialized offsets would hide a wrong 1 + w)
+    try:
+        old = original(64, eps=1e-6)
+    except TypeError as e:
+        return f"constructor differs from (hidden_size, eps=...): {e}"
+    with torch.no_grad():
+        old.weight.copy_(torch.randn(old.weight.shape, generator=torch.Generator().manual_seed(1)))
+    new = _replacement(old)
+    if new is None:
+        return "no normscope equivalent"
+    return _verify(old, new)

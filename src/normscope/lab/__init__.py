@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -29,7 +31,10 @@ from pathlib import Path
 from .core import MODES, Context, deterministic, versions, write_json
 from .verdicts import Verdict, skipped
 
-__all__ = ["EXPERIMENTS", "run", "main"]
+__all__ = ["EXPERIMENTS", "MAX_SEEDS", "run", "main"]
+
+#: seeds are 0..K-1, each a full training run: more than this is a typo, not an experiment
+MAX_SEEDS = 1000
 
 # experiment name -> module (imported lazily: an experiment's import cost is paid only if it runs)
 EXPERIMENTS = {
@@ -54,9 +59,24 @@ def _check(experiments: Sequence[str] | None, mode: str, seeds: int | None) -> l
     bad = [n for n in names if n not in EXPERIMENTS]
     if bad:
         raise ValueError(f"normscope.lab.run: unknown experiment(s) {bad}; expected some of {list(EXPERIMENTS)}")
-    if seeds is not None and (not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1):
-        raise ValueError(f"normscope.lab.run: expected `seeds` to be a positive int, got {seeds!r}")
+    if seeds is not None and (not isinstance(seeds, int) or isinstance(seeds, bool) or not 1 <= seeds <= MAX_SEEDS):
+        raise ValueError(f"normscope.lab.run: expected `seeds` to be an int in [1, {MAX_SEEDS}], got {seeds!r}")
     return names
+
+
+def _out_dir(out: str | Path) -> Path:
+    """``out`` as a directory we can write, created if needed; ValueError naming it otherwise."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"expected `out` to be a directory, got {str(path)!r}, which is a file")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = e.strerror or e
+        raise ValueError(f"expected `out` to be a directory that can be created, got {str(path)!r}: {why}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"expected `out` to be a writable directory, got {str(path)!r} (permission denied)")
+    return path
 
 
 def run_one(name: str, mode: str, out: Path, seeds: int | None = None, force: bool = False) -> dict:
@@ -68,7 +88,10 @@ def run_one(name: str, mode: str, out: Path, seeds: int | None = None, force: bo
     ctx = Context(name, out / name, mode, list(range(k)), force=force, version=getattr(mod, "VERSION", "1"))
     t0 = time.perf_counter()
     with deterministic(threads=1):
-        metrics = mod.execute(ctx, cfg)
+        try:
+            metrics = mod.execute(ctx, cfg)
+        finally:
+            ctx.progress.close()
         try:
             vs: list[Verdict] = mod.verdicts(metrics)
         except (KeyError, TypeError, ValueError) as err:  # a missing piece leaves the rule without input
@@ -113,7 +136,7 @@ def run(experiments: Sequence[str] | None = None, mode: str = "quick", out: str 
     experiments already finished keep their results and the report is still written.
     """
     names = _check(experiments, mode, seeds)
-    out = Path(out)
+    out = _out_dir(out)
     results: dict[str, dict] = {}
     try:
         for name in names:
@@ -127,6 +150,16 @@ def run(experiments: Sequence[str] | None = None, mode: str = "quick", out: str 
     return results
 
 
+def _seeds(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if not 1 <= k <= MAX_SEEDS:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_SEEDS}], got {text!r}")
+    return k
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``normscope lab`` command line; returns the exit status."""
     p = argparse.ArgumentParser(prog="normscope lab", description=__doc__.split("\n\n")[0])
@@ -135,19 +168,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     g = p.add_mutually_exclusive_group()
     for m, h in (("quick", "minutes on 2 CPU cores (default)"), ("full", "hours"), ("smoke", "seconds (CI)")):
         g.add_argument(f"--{m}", dest="mode", action="store_const", const=m, help=h)
-    p.add_argument("--seeds", type=int, default=None, metavar="K", help="number of seeds (default: per mode)")
+    p.add_argument(
+        "--seeds", type=_seeds, default=None, metavar="K", help=f"number of seeds, 1 to {MAX_SEEDS} (default: per mode)"
+    )
     p.add_argument("--out", default="lab-out", help="output directory (default: lab-out)")
     p.add_argument("--force", action="store_true", help="recompute runs found in the cache")
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
     a = p.parse_args(argv)
     if a.list:
-        for name in EXPERIMENTS:
-            print(f"{name:16} {_module(name).TITLE}")
+        try:
+            for name in EXPERIMENTS:
+                print(f"{name:16} {_module(name).TITLE}", flush=True)
+        except BrokenPipeError:  # `--list | head -3`: the reader left; no traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    mode = a.mode or "quick"
+    # every argument checked before any work; errors raised later are the lab's, not usage errors
     try:
-        run(a.experiments, mode=a.mode or "quick", out=a.out, seeds=a.seeds, force=a.force)
+        _check(a.experiments, mode, a.seeds)
     except ValueError as err:
-        p.error(str(err))
+        p.error(str(err).removeprefix("normscope.lab.run: "))
+    try:
+        _out_dir(a.out)
+    except ValueError as err:
+        p.error(f"argument --out: {err}")
+    missing = [m for m in ("matplotlib", "sklearn") if importlib.util.find_spec(m) is None]
+    if missing:  # say so before any run, not as a traceback from deep inside the first experiment
+        need = " and ".join(missing)
+        sys.stderr.write(f"normscope lab: needs {need}, which is not installed (pip install 'normscope[lab]')\n")
+        return 1
+    try:
+        run(a.experiments, mode=mode, out=a.out, seeds=a.seeds, force=a.force)
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted: finished experiments and runs are kept; re-run to continue\n")
         return 130

@@ -86,11 +86,41 @@ def _worker(rank: int, port: int, cfg: dict, variants: list[str], seed: int, out
 def _launch(cfg: dict, variants: list[str], seed: int) -> dict:
     import torch.multiprocessing as mp
 
+    from .core import InterruptedWithResult
+
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rank0.json")
-        mp.start_processes(_worker, args=(_free_port(), cfg, variants, seed, out), nprocs=WORLD, join=True,
-                           start_method=_START)
+        ctx = mp.start_processes(
+            _worker, args=(_free_port(), cfg, variants, seed, out), nprocs=WORLD, join=False, start_method=_START
+        )
+        try:
+            while not ctx.join():
+                pass
+        except KeyboardInterrupt:
+            # the ranks are our children, not torch's: without this they train on (and the parent
+            # waits for them at exit) for minutes after Ctrl-C
+            _stop(ctx.processes)
+            try:  # rank 0 had written the finished run: keep it (a half-written file is no result)
+                result = json.loads(Path(out).read_text())
+            except (OSError, ValueError):
+                raise KeyboardInterrupt from None
+            raise InterruptedWithResult(result) from None
+        except BaseException:
+            _stop(ctx.processes)
+            raise
         return json.loads(Path(out).read_text())
+
+
+def _stop(processes: list, grace: float = 5.0) -> None:
+    """Terminate (SIGTERM), then kill what is still alive after ``grace`` seconds."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(grace)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def execute(ctx: Context, cfg: dict) -> dict:

@@ -31,6 +31,10 @@ from .scopes import (
 
 __all__ = ["draw", "draw_all", "picture_ids", "PALETTE", "HIGHLIGHT"]
 
+#: the most elements a picture may have: one cell is drawn per element, and beyond this the picture is
+#: unreadable and drawing it takes minutes and gigabytes (the explorer's limit too)
+MAX_ELEMENTS = 4096
+
 PADDING = "#d9d9d9"
 EDGE = "#4a4a4a"
 _SHADE = {"front": 1.0, "top": 1.12, "side": 0.82}  # light from the top-left: a cube, not a hexagon
@@ -94,6 +98,7 @@ def picture_ids(
     (see :func:`normscope.viz.scopes.lengths_mask`).
     """
     shape = tuple(int(s) for s in shape)
+    _check_shape(shape, "shape")
     if layout == "bsd" and len(shape) != 3:
         raise ValueError(f"expected a (B, S, D) shape for layout 'bsd', got {shape}")
     if layout == "nchw" and len(shape) < 3:
@@ -308,6 +313,29 @@ def draw_all(directory: str | os.PathLike, fmt: str = "png", groups: int = 2) ->
     return written
 
 
+def _check_shape(shape: Sequence[int], what: str) -> None:
+    if any(s < 1 for s in shape):
+        raise ValueError(f"expected `{what}` to have positive sizes, got {list(shape)}")
+    n = 1
+    for s in shape:
+        n *= s
+    if n > MAX_ELEMENTS:
+        raise ValueError(
+            f"expected `{what}` to have at most {MAX_ELEMENTS} elements (one cell each in the picture), "
+            f"got {list(shape)} = {n} elements"
+        )
+
+
+def _writable(path: Path, what: str) -> None:
+    """Create ``path`` (a directory) if needed and check that files can be written into it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"argument {what}: cannot create the directory {str(path)!r}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OSError(f"argument {what}: cannot write into {str(path)!r}: permission denied")
+
+
 def _int_list(text: str, what: str) -> list[int]:
     try:
         vals = [int(t) for t in text.replace("x", ",").split(",") if t.strip()]
@@ -333,12 +361,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--all-dir", default=None, help="write every picture (draw_all) into this directory instead")
     args = p.parse_args(argv)
     try:
+        if args.groups < 1:
+            raise ValueError(f"expected `--groups` to be a positive integer, got {args.groups}")
         if args.all_dir:
+            _writable(Path(args.all_dir), "--all-dir")
             for path in draw_all(args.all_dir, groups=args.groups):
                 print(path)
             return 0
         shape = _int_list(args.shape, "--shape") if args.shape else None
+        if shape is not None:
+            _check_shape(shape, "--shape")
         mask = _int_list(args.mask, "--mask") if args.mask else None
+        if mask is not None and any(v < 0 for v in mask):
+            raise ValueError(f"expected `--mask` to be non-negative lengths, got {mask}")
+        if args.output is not None:
+            _writable(Path(args.output).resolve().parent, "-o/--output")
         names = layer_names(args.layout) if args.layers == ["all"] else args.layers
         for n in names:
             if n not in LAYERS:
@@ -351,5 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_save(fig, out))
     except (ValueError, TypeError) as e:
         print(f"normscope draw: error: {e}", file=__import__("sys").stderr)
+        return 2
+    except OSError as e:  # an output that cannot be written: say which, not a traceback
+        msg = str(e) if str(e).startswith("argument ") else f"argument -o/--output: cannot write: {e.strerror or e}"
+        print(f"normscope draw: error: {msg}", file=__import__("sys").stderr)
         return 2
     return 0

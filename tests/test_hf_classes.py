@@ -1,0 +1,95 @@
+"""The class-level Hugging Face patch: applied before a model exists, it makes ``Model(config)``
+and ``from_pretrained`` build normscope layers, with the same logits as the unpatched model.
+
+No downloads: the checkpoint is a tiny random model saved to a temporary directory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from normscope.integrations import transformers as hf
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install normscope[integrations])"
+)
+
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=100)
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    hf.unpatch_classes()
+
+
+def _norms(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+@pytest.mark.parametrize(
+    "model_type,make,ours",
+    [
+        ("llama", lambda t: (t.LlamaConfig(**SMALL, num_key_value_heads=2), t.LlamaForCausalLM), hf.LlamaRMSNorm),
+        (
+            "qwen3",
+            lambda t: (t.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=8), t.Qwen3ForCausalLM),
+            hf.LlamaRMSNorm,
+        ),
+        (
+            "gemma",
+            lambda t: (t.GemmaConfig(**SMALL, num_key_value_heads=2, head_dim=8), t.GemmaForCausalLM),
+            hf.GemmaRMSNorm,
+        ),
+    ],
+)
+def test_from_pretrained_after_patch_classes_builds_normscope_layers(tmp_path, model_type, make, ours):
+    config, cls = make(transformers)
+    torch.manual_seed(0)
+    reference = cls(config).eval()
+    with torch.no_grad():  # random norm weights: Gemma's zero offsets would hide a wrong 1 + weight
+        for m in _norms(reference):
+            m.weight.normal_()
+    reference.save_pretrained(tmp_path)
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    assert not any(isinstance(m, ours) for m in reference.modules())
+
+    report = hf.patch_classes(model_type)
+    name = hf.FAMILIES[model_type]
+    assert report.replaced == {name: 1} and not report.skipped, str(report)
+
+    loaded = cls.from_pretrained(tmp_path).eval()
+    norms = _norms(loaded)
+    assert norms and all(type(m) is ours for m in norms), {type(m).__name__ for m in norms}
+    with torch.no_grad():
+        got = loaded(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    built = cls(config)  # plain construction too
+    assert all(type(m) is ours for m in _norms(built))
+
+    assert hf.unpatch_classes() == [name]
+    assert not any(isinstance(m, ours) for m in cls(config).modules())
+
+
+def test_patch_classes_skips_a_class_that_computes_something_else(monkeypatch):
+    import transformers.models.llama.modeling_llama as modeling
+
+    class WrongRMSNorm(modeling.LlamaRMSNorm):
+        def forward(self, x):
+            return super().forward(x) * 1.01
+
+    WrongRMSNorm.__name__ = "LlamaRMSNorm"  # a changed forward under the family's name
+    monkeypatch.setattr(modeling, "LlamaRMSNorm", WrongRMSNorm)
+    report = hf.patch_classes("llama")
+    assert report.replaced == {} and "differ" in report.skipped["LlamaRMSNorm"]
+    assert modeling.LlamaRMSNorm is WrongRMSNorm  # left alone
+
+
+def test_patch_classes_all_families_and_bad_names():
+    report = hf.patch_classes()
+    assert set(report.replaced) | set(report.skipped) == set(hf.FAMILIES.values())
+    assert "normscope patched" in str(report)
+    with pytest.raises(ValueError, match="unknown model type"):
+        hf.patch_classes("llama3000")
