@@ -323,8 +323,11 @@ def _groups_cl_apply_kernel(
     Y += base
     mean, rstd = _cl_group_stats(X, PMEAN, PM2, n, g, gmask, G, Cg, HW, chunk, splits, eps, BLOCK_P, CENTERED)
     rows = n * G + g
-    tl.store(MEAN + rows, mean, mask=gmask & (sp == 0))
-    tl.store(RSTD + rows, rstd, mask=gmask & (sp == 0))
+    # split 0 stores the statistics. A branch, not `mask=gmask & (sp == 0)`: a block mask ANDed with a
+    # scalar predicate holds int32 in Triton's interpreter, which 3.9's tl.store rejects
+    if sp == 0:
+        tl.store(MEAN + rows, mean, mask=gmask)
+        tl.store(RSTD + rows, rstd, mask=gmask)
     os_ = tl.arange(0, BLOCK_S)
     for c0 in range(0, Cg, BLOCK_C):
         ch, cmask = _cl_offsets(g, c0, Cg, G, BLOCK_G, BLOCK_C)

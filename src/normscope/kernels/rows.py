@@ -65,16 +65,27 @@ def interpreting() -> bool:
 def _fix_interpreter_index() -> None:
     """Triton <= 3.8's interpreter turns a scalar into an int with ``int(array_of_shape_(1,))``,
     which NumPy >= 2.4 refuses, so every loop with a runtime bound fails on CPU. Triton 3.9 fixed
-    it (``.squeeze()``); do the same for older versions. Only the CPU interpreter is touched."""
+    it (``.squeeze()``); do the same for older versions. Only the CPU interpreter is touched.
+
+    ``_patch_lang_tensor`` is private and changed shape: up to 3.5 it is ``(tensor)`` and sets
+    attributes directly; from 3.6 it is ``(tensor, scope)`` and sets them through ``scope`` (which
+    restores them afterwards). The wrapper passes on whatever it is given and sets ``__index__`` the
+    same way the original did."""
     from triton.runtime import interpreter
 
     orig = getattr(interpreter, "_patch_lang_tensor", None)
     if orig is None or getattr(orig, "_normscope_fixed", False):
         return
 
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patched(tensor, *scope):
+        orig(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     patched._normscope_fixed = True
     interpreter._patch_lang_tensor = patched
