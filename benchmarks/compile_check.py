@@ -15,10 +15,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from normscope.kernels import channels as CH
+from normscope.kernels import config as KC
 from normscope.kernels import groups as G
 from normscope.kernels import rows as R
 
 TARGET = GPUTarget("cuda", 90, 32)
+#: the BatchNorm kernels' tile as launched (kernels/config.py) for C >= CHANNELS_MAX_BLOCK_C channels
+BP, BC = KC.CHANNELS_BLOCK_P, KC.CHANNELS_MAX_BLOCK_C
 failures = 0
 
 
@@ -69,8 +72,8 @@ for dt in ("fp32", "bf16"):
         check(G._groups_bwd_kernel, sig, cval, f"groups bwd {dt} {cval}")
         # channels_last tiles (BLOCK_S, BLOCK_G, BLOCK_C): 4 groups of 16 channels for every flag; the
         # InstanceNorm shape (64 groups of 1) and one wide group (1 of 64) with all flags set and the most
-        # splits _cl_config allows them (BLOCK_P: min(CL_PROGRAMS, CL_TILE // BLOCK_G)); and the tiny tiles
-        # of tests/test_kernels_groups_cl.py, which NORMSCOPE_TEST_DEVICE=cuda runs compiled
+        # splits _cl_config allows them (BLOCK_P: min(GROUPS_CL_PROGRAMS, GROUPS_CL_TILE // BLOCK_G)); and
+        # the tiny tiles of tests/test_kernels_groups_cl.py, which NORMSCOPE_TEST_DEVICE=cuda runs compiled
         dims = {"G": "i32", "C": "i32", "Cg": "i32", "HW": "i32", "chunk": "i32", "splits": "i32"}
         blocks = ("BLOCK_S", "BLOCK_G", "BLOCK_C")
         for tile in ((32, 4, 16), (32, 64, 1), (32, 1, 64), (2, 2, 2), (2, 4, 1), (2, 1, 4)):
@@ -81,7 +84,7 @@ for dt in ("fp32", "bf16"):
                 sig = {"X": p, "PMEAN": "*fp32", "PM2": "*fp32", **dims, **csig}
                 check(G._groups_cl_stats_kernel, sig, cval, f"groups cl stats {dt} {cval}")
             names = (*blocks, "BLOCK_P", "CENTERED", "HAS_WEIGHT", "HAS_BIAS")
-            bp = 8 if tile == (32, 4, 16) else min(G.CL_PROGRAMS, G.CL_TILE // tile[1])
+            bp = 8 if tile == (32, 4, 16) else min(KC.GROUPS_CL_PROGRAMS, KC.GROUPS_CL_TILE // tile[1])
             csig, cval = const(names, (*tile, bp, centered, has_w, has_b))
             sig = {"X": p, "W": p, "B": p, "Y": p, "PMEAN": "*fp32", "PM2": "*fp32", "MEAN": "*fp32", "RSTD": "*fp32",
                    **dims, "eps": "fp32", **csig}
@@ -97,22 +100,22 @@ for dt in ("fp32", "bf16"):
                 check(G._groups_cl_bwd_dx_kernel, sig, cval, f"groups cl bwd dx {dt} {cval}")
 
     for has_m in (False, True):
-        csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_MASK"), (256, 32, has_m))
+        csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_MASK"), (BP, BC, has_m))
         sig = {"X": p, "MASK": "*u8", "PMEAN": "*fp32", "PM2": "*fp32", "PCNT": "*fp32", "C": "i32", "inner": "i32",
                "P": "i32", "chunk": "i32", **csig}
         check(CH._stats_kernel, sig, cval, f"channels stats {dt} {cval}")
-    csig, cval = const(("BLOCK_P", "BLOCK_C"), (256, 32))
+    csig, cval = const(("BLOCK_P", "BLOCK_C"), (BP, BC))
     sig = {"DY": p, "X": p, "MEAN": "*fp32", "RSTD": "*fp32", "PSDY": "*fp32", "PSDYX": "*fp32",
            "C": "i32", "inner": "i32", "P": "i32", "chunk": "i32", **csig}
     check(CH._bwd_sums_kernel, sig, cval, f"channels bwd sums {dt}")
     for has_w, has_b in itertools.product([False, True], repeat=2):
-        csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_WEIGHT", "HAS_BIAS"), (256, 32, has_w, has_b))
+        csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_WEIGHT", "HAS_BIAS"), (BP, BC, has_w, has_b))
         sig = {"X": p, "Y": p, "MEAN": "*fp32", "RSTD": "*fp32", "W": "*fp32", "B": "*fp32",
                "C": "i32", "inner": "i32", "P": "i32", **csig}
         check(CH._apply_kernel, sig, cval, f"channels apply {dt} {cval}")
     for has_w, training, has_m in itertools.product([False, True], repeat=3):
         names = ("BLOCK_P", "BLOCK_C", "HAS_WEIGHT", "TRAINING", "HAS_MASK")
-        csig, cval = const(names, (256, 32, has_w, training, has_m))
+        csig, cval = const(names, (BP, BC, has_w, training, has_m))
         sig = {"DY": p, "X": p, "MASK": "*u8", "MEAN": "*fp32", "RSTD": "*fp32", "W": "*fp32", "SDY": "*fp32",
                "SDYX": "*fp32", "DX": p, "COUNT": "*fp32", "C": "i32", "inner": "i32", "P": "i32", **csig}
         check(CH._bwd_dx_kernel, sig, cval, f"channels bwd dx {dt} {cval}")

@@ -33,6 +33,7 @@ import normscope  # noqa: E402
 from normscope import functional as nf  # noqa: E402
 from normscope.functional import fused_add_rms_norm  # noqa: E402
 from normscope.kernels import channels as CH  # noqa: E402
+from normscope.kernels import config as KC  # noqa: E402
 from normscope.kernels import fused_add_rms_norm_ref  # noqa: E402
 from normscope.kernels import groups as G  # noqa: E402
 from normscope.kernels import rows as R  # noqa: E402
@@ -50,7 +51,7 @@ def _interpreter_env():
 def path(request, monkeypatch):
     """Run a test on the single-block path and, with an 8-element limit, on the looped one."""
     if request.param == "looped":
-        monkeypatch.setattr(R, "MAX_FUSED_N", 8)
+        monkeypatch.setattr(KC, "ROWS_MAX_FUSED_N", 8)
     return request.param
 
 
@@ -130,7 +131,7 @@ def test_low_precision_error_at_most_twice_torch(path, dtype, centered):
 
 
 def test_long_rows_with_default_knobs():
-    # N = 1000 fits one 1024 block; N = 20000 > MAX_FUSED_N takes the looped path at full chunk size
+    # N = 1000 fits one 1024 block; N = 20000 > ROWS_MAX_FUSED_N takes the looped path at full chunk size
     for n in (1000, 20000):
         x = torch.randn(2, n, device=DEV) * 2 + 3
         w, b = torch.randn(n, device=DEV), torch.randn(n, device=DEV)
@@ -148,7 +149,7 @@ def test_large_offset_small_spread_normalizes_to_unit_variance(path):
 
 
 def test_weight_gradient_is_deterministic(path, monkeypatch):
-    monkeypatch.setattr(R, "TILE", 64)  # one row per block, so that several programs share the rows
+    monkeypatch.setattr(KC, "ROWS_TILE", 64)  # one row per block, so that several programs share the rows
     g = torch.Generator().manual_seed(4)
     m, n = 12, 33  # 4 programs (the interpreter's cap), each with its own partial row of dW
     x = torch.randn(m, n, generator=g).to(DEV)
@@ -295,9 +296,9 @@ def test_compiles_without_graph_breaks():
 
 @pytest.fixture(params=["one-tile", "tiles"])
 def tiles(request, monkeypatch):
-    """Whole groups in one tile, and (TILE = 8) groups walked in many partial tiles."""
+    """Whole groups in one tile, and (GROUPS_TILE = 8) groups walked in many partial tiles."""
     if request.param == "tiles":
-        monkeypatch.setattr(G, "TILE", 8)
+        monkeypatch.setattr(KC, "GROUPS_TILE", 8)
     return request.param
 
 
@@ -413,7 +414,7 @@ def test_groups_op_registrations_and_compile():
 
 @pytest.mark.parametrize("shape", [(6, 5), (4, 3, 7), (3, 4, 5, 2)])
 def test_batch_norm_training_eval_and_running_stats_match_torch(shape, monkeypatch):
-    monkeypatch.setattr(CH, "BLOCK_P", 4)  # several position chunks: the two-stage reduction
+    monkeypatch.setattr(KC, "CHANNELS_BLOCK_P", 4)  # several position chunks: the two-stage reduction
     g = torch.Generator().manual_seed(len(shape))
     c = shape[1]
     x = (torch.randn(shape, generator=g) * 2 + 100).to(DEV).requires_grad_()  # a large offset too
@@ -492,7 +493,7 @@ def test_channels_op_registrations():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_masked_batch_norm_matches_the_reference(dtype, monkeypatch):
-    monkeypatch.setattr(CH, "BLOCK_P", 4)
+    monkeypatch.setattr(KC, "CHANNELS_BLOCK_P", 4)
     g = torch.Generator().manual_seed(13)
     b_, s_, d_ = 3, 7, 5
     x = (torch.randn(b_, s_, d_, generator=g) + 50).to(DEV).requires_grad_()

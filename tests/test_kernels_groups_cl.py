@@ -30,6 +30,7 @@ DEV = torch.device(TEST_DEVICE)
 
 import normscope  # noqa: E402
 from normscope import functional as nf  # noqa: E402
+from normscope.kernels import config as KC  # noqa: E402
 from normscope.kernels import groups as G  # noqa: E402
 
 # eps=0 and masked padding lanes make numpy warn inside the interpreter (never stored)
@@ -94,8 +95,9 @@ def tiles(request, monkeypatch):
 
 
 def _tiny_tiles(monkeypatch):
-    for name, value in (("CL_TILE", 8), ("CL_WIDTH", 4), ("CL_PROGRAMS", 12), ("CL_MIN_SPLIT", 1)):
-        monkeypatch.setattr(G, name, value)
+    knobs = (("GROUPS_CL_TILE", 8), ("GROUPS_CL_WIDTH", 4), ("GROUPS_CL_PROGRAMS", 12), ("GROUPS_CL_MIN_SPLIT", 1))
+    for name, value in knobs:
+        monkeypatch.setattr(KC, name, value)
 
 
 def test_tiny_tiles_really_loop(tiles):

@@ -25,7 +25,8 @@ Limits
   (B, S, D) sequences); other masks run on the reference.
 * Non-contiguous input (channels_last 4-D included) is copied to contiguous first.
 * The ``(outer, inner)`` index arithmetic (``//``, ``%``) hides contiguity from the compiler, so
-  NCHW loads are not vectorised: correct, not yet fast. Block sizes are heuristics, not measured.
+  NCHW loads are not vectorised: correct, not yet fast. Block sizes and warps (``CHANNELS_*`` in
+  :mod:`normscope.kernels.config`) are heuristics, not measured on a GPU.
 """
 
 from typing import Optional
@@ -35,14 +36,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import config
 from .rows import _chan_combine, _next_pow2, _sm_count, use_kernel
 
 __all__ = ["batch_norm_channels"]
-
-#: Positions per tile (times BLOCK_C channels).
-BLOCK_P = 256
-#: Channels per tile (at most).
-MAX_BLOCK_C = 32
 
 
 @triton.jit
@@ -174,31 +171,33 @@ def _bwd_dx_kernel(
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
 
 
-def _launch(x3: Tensor, device_programs: int = 4) -> tuple[int, int, int, int, int]:
-    """(C, inner, P, BLOCK_C, chunk) for the reduction grids."""
+def _launch(x3: Tensor) -> tuple[int, int, int, int, int, int]:
+    """(C, inner, P, BLOCK_P, BLOCK_C, chunk) for the grids (settings: ``CHANNELS_*`` in kernels/config.py)."""
     outer, c, inner = x3.shape
     p = outer * inner
-    block_c = min(MAX_BLOCK_C, _next_pow2(c))
+    block_p = config.CHANNELS_BLOCK_P
+    block_c = min(config.CHANNELS_MAX_BLOCK_C, _next_pow2(c))
     if x3.is_cuda:
-        # enough chunks to fill the machine twice over with the channel blocks
-        want = max(1, 2 * _sm_count(x3.device.index or 0) // triton.cdiv(c, block_c))
+        # enough chunks to give every SM CHANNELS_PROGRAMS_PER_SM programs with the channel blocks
+        sms = _sm_count(x3.device.index or 0)
+        want = max(1, config.CHANNELS_PROGRAMS_PER_SM * sms // triton.cdiv(c, block_c))
     else:
-        want = device_programs
-    chunk = max(BLOCK_P, triton.cdiv(triton.cdiv(p, want), BLOCK_P) * BLOCK_P)
-    return c, inner, p, block_c, chunk
+        want = config.INTERPRETER_PROGRAMS
+    chunk = max(block_p, triton.cdiv(triton.cdiv(p, want), block_p) * block_p)
+    return c, inner, p, block_p, block_c, chunk
 
 
 def _batch_stats(x3: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """Per-channel mean, biased variance (fp32) and count (valid positions, a 0-d fp32 tensor) of
     a contiguous (outer, C, inner) tensor; ``mask``: None or one uint8 flag per position."""
-    c, inner, p, block_c, chunk = _launch(x3)
+    c, inner, p, block_p, block_c, chunk = _launch(x3)
     chunks = triton.cdiv(p, chunk)
     pmean = torch.empty((chunks, c), dtype=torch.float32, device=x3.device)
     pm2 = torch.empty((chunks, c), dtype=torch.float32, device=x3.device)
     pcnt = torch.empty((chunks, 1), dtype=torch.float32, device=x3.device)
     _stats_kernel[(chunks, triton.cdiv(c, block_c))](
         x3, mask if mask is not None else x3, pmean, pm2, pcnt, c, inner, p, chunk,
-        BLOCK_P=BLOCK_P, BLOCK_C=block_c, HAS_MASK=mask is not None, num_warps=4,
+        BLOCK_P=block_p, BLOCK_C=block_c, HAS_MASK=mask is not None, num_warps=config.CHANNELS_WARPS,
     )  # fmt: skip
     # stage 2: Chan's combination of the chunks, in a fixed order
     count = pcnt.sum()
@@ -258,11 +257,11 @@ def channels_fwd(
         mean, var = mean_in.float().clone(), var_in.float().clone()
         count = torch.tensor(float(outer * inner), device=x3.device)
         rstd = torch.rsqrt(var + eps)
-    _, _, p, block_c, _ = _launch(x3)
-    _apply_kernel[(triton.cdiv(p, BLOCK_P), triton.cdiv(c, block_c))](
+    _, _, p, block_p, block_c, _ = _launch(x3)
+    _apply_kernel[(triton.cdiv(p, block_p), triton.cdiv(c, block_c))](
         x3, y, mean, rstd, weight if weight is not None else x3, bias if bias is not None else x3,
-        c, inner, p, BLOCK_P=BLOCK_P, BLOCK_C=block_c,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, num_warps=4,
+        c, inner, p, BLOCK_P=block_p, BLOCK_C=block_c,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, num_warps=config.CHANNELS_WARPS,
     )  # fmt: skip
     return y, mean, rstd, var, count
 
@@ -276,8 +275,14 @@ def _channels_fwd_fake(x3, weight, bias, mean_in, var_in, mask, eps):
 
 @torch.library.custom_op("normscope::channels_bwd", mutates_args=())
 def channels_bwd(
-    dy: Tensor, x3: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor, mask: Optional[Tensor],
-    count: Tensor, training: bool,
+    dy: Tensor,
+    x3: Tensor,
+    weight: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    mask: Optional[Tensor],
+    count: Tensor,
+    training: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, sum(dy * xhat), sum(dy)) per channel, fp32 sums (dW and dB)."""
     outer, c, inner = x3.shape
@@ -295,20 +300,21 @@ def channels_bwd(
                 corr = corr * mask.to(acc)[:, None, :]
             dx = dyf - corr
         return (dx * scale[:, None]).to(x3.dtype), sdyx.float(), sdy.float()
-    _, _, _, block_c, chunk = _launch(x3)
+    _, _, _, block_p, block_c, chunk = _launch(x3)
     chunks = triton.cdiv(p, chunk)
     psdy = torch.empty((chunks, c), dtype=torch.float32, device=x3.device)
     psdyx = torch.empty((chunks, c), dtype=torch.float32, device=x3.device)
     _bwd_sums_kernel[(chunks, triton.cdiv(c, block_c))](
-        dy, x3, mean, rstd, psdy, psdyx, c, inner, p, chunk, BLOCK_P=BLOCK_P, BLOCK_C=block_c, num_warps=4
-    )
+        dy, x3, mean, rstd, psdy, psdyx, c, inner, p, chunk,
+        BLOCK_P=block_p, BLOCK_C=block_c, num_warps=config.CHANNELS_WARPS,
+    )  # fmt: skip
     sdy, sdyx = psdy.sum(0), psdyx.sum(0)  # deterministic second stage
     dx = torch.empty_like(x3)
-    _bwd_dx_kernel[(triton.cdiv(p, BLOCK_P), triton.cdiv(c, block_c))](
+    _bwd_dx_kernel[(triton.cdiv(p, block_p), triton.cdiv(c, block_c))](
         dy, x3, mask if mask is not None else x3, mean, rstd, weight if weight is not None else x3, sdy, sdyx, dx,
         count, c, inner, p,
-        BLOCK_P=BLOCK_P, BLOCK_C=block_c, HAS_WEIGHT=weight is not None, TRAINING=training,
-        HAS_MASK=mask is not None, num_warps=4,
+        BLOCK_P=block_p, BLOCK_C=block_c, HAS_WEIGHT=weight is not None, TRAINING=training,
+        HAS_MASK=mask is not None, num_warps=config.CHANNELS_WARPS,
     )  # fmt: skip
     return dx, sdyx, sdy
 

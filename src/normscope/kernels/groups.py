@@ -20,14 +20,14 @@ so group g of sample n is a strided tile -- rows are positions, columns the chan
 torch's CPU ``group_norm`` returns for such input. A program takes one sample, a block of
 ``BLOCK_G`` adjacent groups and one *split* of the positions, and walks it in
 ``(BLOCK_S, BLOCK_G, BLOCK_C)`` tiles, channels fastest: a tile row is one contiguous run of up to
-``CL_WIDTH`` channels, so loads coalesce even when a group is narrow (InstanceNorm's ``Cg = 1``
-would otherwise read one element per row). ``BLOCK_C = next_pow2(Cg)`` (capped at ``CL_WIDTH``;
+``GROUPS_CL_WIDTH`` channels, so loads coalesce even when a group is narrow (InstanceNorm's ``Cg = 1``
+would otherwise read one element per row). ``BLOCK_C = next_pow2(Cg)`` (capped at ``GROUPS_CL_WIDTH``;
 wider groups are walked in channel blocks), so a non-power-of-two ``Cg`` leaves masked lanes.
 
 Why split the positions (a two-stage scheme rather than one program per group): ``N * G`` programs
 is 64 for a batch of 2 at G = 32 -- under half an H100's 132 SMs, each program walking a whole
 group alone. The positions are cut into ``splits`` chunks of whole tiles so that about
-``CL_PROGRAMS`` programs run (each holding at least ``CL_MIN_SPLIT`` elements; small inputs get one
+``GROUPS_CL_PROGRAMS`` programs run (each holding at least ``GROUPS_CL_MIN_SPLIT`` elements; small inputs get one
 split). The second stage is deterministic and costs no extra pass over x:
 
 * forward: stage 1 writes each split's per-group (mean, M2) -- on values shifted by the group's
@@ -49,7 +49,8 @@ Limits
   NCHW there (it normalizes a ``.contiguous()`` view).
 * Two passes over every group (x twice in the forward, x and dy twice each in the backward); a
   group small enough for registers would need one read -- not specialised yet.
-* Parameters (``TILE``, ``CL_*``, warps, the split heuristic) are heuristics, not measured on a GPU.
+* Launch settings (``GROUPS_TILE``, ``GROUPS_CL_*``, warps, the split heuristic) live in
+  :mod:`normscope.kernels.config`; they are heuristics, not measured on a GPU.
 """
 
 from typing import Optional
@@ -59,19 +60,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import config
 from .rows import _chan_combine, _next_pow2, use_kernel
 
 __all__ = ["group_norm", "group_norm_ref"]
-
-#: Elements per tile.
-TILE = 2048
-#: channels_last kernels: elements per tile; most channels per tile row (a power of two: whole groups
-#: side by side, so that a row of the tile is one contiguous run of memory); programs to aim for when
-#: splitting positions; fewest elements a split of a group block should hold.
-CL_TILE = 2048
-CL_WIDTH = 64
-CL_PROGRAMS = 1024
-CL_MIN_SPLIT = 8192
 
 
 @triton.jit
@@ -323,8 +315,11 @@ def _groups_cl_apply_kernel(
     Y += base
     mean, rstd = _cl_group_stats(X, PMEAN, PM2, n, g, gmask, G, Cg, HW, chunk, splits, eps, BLOCK_P, CENTERED)
     rows = n * G + g
-    tl.store(MEAN + rows, mean, mask=gmask & (sp == 0))
-    tl.store(RSTD + rows, rstd, mask=gmask & (sp == 0))
+    # split 0 stores the statistics. A branch, not `mask=gmask & (sp == 0)`: a block mask ANDed with a
+    # scalar predicate holds int32 in Triton's interpreter, which 3.9's tl.store rejects
+    if sp == 0:
+        tl.store(MEAN + rows, mean, mask=gmask)
+        tl.store(RSTD + rows, rstd, mask=gmask)
     os_ = tl.arange(0, BLOCK_S)
     for c0 in range(0, Cg, BLOCK_C):
         ch, cmask = _cl_offsets(g, c0, Cg, G, BLOCK_G, BLOCK_C)
@@ -438,10 +433,15 @@ def _groups_cl_bwd_dx_kernel(
             tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+def _warps(tile: int) -> int:
+    return min(config.GROUPS_MAX_WARPS, max(1, tile // config.GROUPS_WARP_ELEMS))
+
+
 def _blocks(cg: int, hw: int) -> tuple[int, int, int]:
-    bs = min(_next_pow2(hw), TILE)
-    bc = max(1, min(_next_pow2(cg), TILE // bs))
-    return bc, bs, min(8, max(1, bc * bs // 256))
+    """(BLOCK_C, BLOCK_S, num_warps) of the NCHW kernels (settings: kernels/config.py)."""
+    bs = min(_next_pow2(hw), config.GROUPS_TILE)
+    bc = max(1, min(_next_pow2(cg), config.GROUPS_TILE // bs))
+    return bc, bs, _warps(bc * bs)
 
 
 def _view(x: Tensor, groups: int) -> tuple[int, int, int]:
@@ -450,16 +450,18 @@ def _view(x: Tensor, groups: int) -> tuple[int, int, int]:
 
 
 def _cl_config(n: int, groups: int, cg: int, hw: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_S, BLOCK_G, BLOCK_C, num_warps, chunk, splits) of the channels_last kernels."""
-    bc = min(_next_pow2(cg), CL_WIDTH)  # a wider group is walked in several channel blocks
-    bg = min(_next_pow2(groups), CL_WIDTH // bc)
-    bs = max(1, min(_next_pow2(hw), CL_TILE // (bg * bc)))
+    """(BLOCK_S, BLOCK_G, BLOCK_C, num_warps, chunk, splits) of the channels_last kernels (settings:
+    ``GROUPS_CL_*`` in kernels/config.py)."""
+    tile, width = config.GROUPS_CL_TILE, config.GROUPS_CL_WIDTH
+    bc = min(_next_pow2(cg), width)  # a wider group is walked in several channel blocks
+    bg = min(_next_pow2(groups), width // bc)
+    bs = max(1, min(_next_pow2(hw), tile // (bg * bc)))
     programs = n * triton.cdiv(groups, bg)
-    most = max(1, hw * bg * cg // CL_MIN_SPLIT)  # splits that still hold CL_MIN_SPLIT elements each
+    most = max(1, hw * bg * cg // config.GROUPS_CL_MIN_SPLIT)  # splits that still hold that many elements
     # every program loads its groups' partials from all splits: keep that (BLOCK_G, splits) block <= a tile
-    splits = max(1, min(triton.cdiv(CL_PROGRAMS, programs), most, triton.cdiv(hw, bs), CL_TILE // bg))
+    splits = max(1, min(triton.cdiv(config.GROUPS_CL_PROGRAMS, programs), most, triton.cdiv(hw, bs), tile // bg))
     chunk = triton.cdiv(triton.cdiv(hw, splits), bs) * bs  # positions per split, whole tiles
-    return bs, bg, bc, min(8, max(1, bs * bg * bc // 256)), chunk, triton.cdiv(hw, chunk)
+    return bs, bg, bc, _warps(bs * bg * bc), chunk, triton.cdiv(hw, chunk)
 
 
 def _cl_format(x: Tensor) -> Optional[torch.memory_format]:

@@ -23,16 +23,17 @@ its own row of a ``(programs, N)`` buffer, and one ``.sum(0)`` finishes them -- 
 
 Limits and trade-offs
 ---------------------
-* Rows with ``next_pow2(N) <= MAX_FUSED_N`` (16K elements) live in registers: one read of x, one
+* Rows with ``next_pow2(N) <= ROWS_MAX_FUSED_N`` (16K elements) live in registers: one read of x, one
   write of y. Longer rows (any length; 262K is tested in the benchmark) take the looped path: one
-  program per row walks the row in chunks of ``LOOP_BLOCK`` -- statistics pass, then a normalize
+  program per row walks the row in chunks of ``ROWS_LOOP_BLOCK`` -- statistics pass, then a normalize
   pass that reads x again (usually from L2) -- so they move about 1.5x the minimal bytes.
 * Long-row backward keeps each program's dW/dB partial in global memory (read-modify-write per
   row): extra traffic of ``8N`` bytes per row when a weight is present.
 * fp64 inputs are declined by the engine backend (the kernels accumulate in fp32); the reference
   runs them.
-* ``MAX_FUSED_N`` / ``LOOP_BLOCK`` are module-level knobs so tests can force the looped path on
-  tiny rows.
+* Launch settings (``ROWS_MAX_FUSED_N``, ``ROWS_LOOP_BLOCK``, tile, warps, backward programs) live
+  in :mod:`normscope.kernels.config`, read at launch, so tests can force the looped path on tiny
+  rows; none is measured on a GPU yet.
 
 Every kernel has a plain-PyTorch reference next to it (:func:`rows_ref`); on a CPU tensor without
 ``TRITON_INTERPRET=1`` the registered ops run that reference.
@@ -47,14 +48,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["rows_norm", "rows_ref", "MAX_FUSED_N", "LOOP_BLOCK"]
+from . import config
 
-#: Longest row (rounded up to a power of two) kept in registers by one program.
-MAX_FUSED_N = 16384
-#: Chunk length of the looped path for longer rows.
-LOOP_BLOCK = 4096
-#: Elements per program in the single-block path (several short rows share one program).
-TILE = 4096
+__all__ = ["rows_norm", "rows_ref"]
 
 
 def interpreting() -> bool:
@@ -65,16 +61,27 @@ def interpreting() -> bool:
 def _fix_interpreter_index() -> None:
     """Triton <= 3.8's interpreter turns a scalar into an int with ``int(array_of_shape_(1,))``,
     which NumPy >= 2.4 refuses, so every loop with a runtime bound fails on CPU. Triton 3.9 fixed
-    it (``.squeeze()``); do the same for older versions. Only the CPU interpreter is touched."""
+    it (``.squeeze()``); do the same for older versions. Only the CPU interpreter is touched.
+
+    ``_patch_lang_tensor`` is private and changed shape: up to 3.5 it is ``(tensor)`` and sets
+    attributes directly; from 3.6 it is ``(tensor, scope)`` and sets them through ``scope`` (which
+    restores them afterwards). The wrapper passes on whatever it is given and sets ``__index__`` the
+    same way the original did."""
     from triton.runtime import interpreter
 
     orig = getattr(interpreter, "_patch_lang_tensor", None)
     if orig is None or getattr(orig, "_normscope_fixed", False):
         return
 
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patched(tensor, *scope):
+        orig(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     patched._normscope_fixed = True
     interpreter._patch_lang_tensor = patched
@@ -327,14 +334,14 @@ def _next_pow2(n: int) -> int:
 
 
 def _config(N: int) -> tuple[int, int, bool, int]:
-    """(BLOCK_M, BLOCK_N, looped, num_warps) for rows of length N."""
+    """(BLOCK_M, BLOCK_N, looped, num_warps) for rows of length N (settings: kernels/config.py)."""
     block = _next_pow2(N)
-    if block <= MAX_FUSED_N:
-        block_m = max(1, min(64, TILE // block))
-        warps = min(16, max(1, block_m * block // 1024))
+    if block <= config.ROWS_MAX_FUSED_N:
+        block_m = max(1, min(config.ROWS_MAX_BLOCK_M, config.ROWS_TILE // block))
+        warps = min(config.ROWS_MAX_WARPS, max(1, block_m * block // config.ROWS_WARP_ELEMS))
         return block_m, block, False, _next_pow2(warps)
-    chunk = min(LOOP_BLOCK, MAX_FUSED_N)
-    return 1, chunk, True, min(16, max(1, chunk // 512))
+    chunk = min(config.ROWS_LOOP_BLOCK, config.ROWS_MAX_FUSED_N)
+    return 1, chunk, True, _next_pow2(min(config.ROWS_MAX_WARPS, max(1, chunk // config.ROWS_LOOP_WARP_ELEMS)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -346,7 +353,7 @@ def _programs(x: Tensor, work: int, per_sm: int) -> int:
     """How many persistent programs the backward uses (deterministic for a given device)."""
     if x.is_cuda:
         return max(1, min(work, _sm_count(x.device.index or 0) * per_sm))
-    return max(1, min(work, 4))  # the interpreter runs programs one after the other
+    return max(1, min(work, config.INTERPRETER_PROGRAMS))
 
 
 def _rows_fwd_impl(x, weight, bias, residual, eps, centered, weight_offset, residual_fp32):
@@ -394,12 +401,12 @@ def _rows_bwd_impl(dy, dres, xs, weight, mean, rstd, centered, has_bias, weight_
         return dx, dw if has_w else xs.new_empty(0), db if has_bias else xs.new_empty(0)
     block_m, block_n, looped, warps = _config(N)
     if looped:
-        progs = _programs(xs, M, 2)
+        progs = _programs(xs, M, config.ROWS_LOOP_BWD_PROGRAMS_PER_SM)
         rows_per_prog = 0  # unused: the looped path strides over rows
         alloc = torch.zeros
     else:
         blocks = triton.cdiv(M, block_m)
-        progs = _programs(xs, blocks, 4)
+        progs = _programs(xs, blocks, config.ROWS_BWD_PROGRAMS_PER_SM)
         rows_per_prog = triton.cdiv(blocks, progs) * block_m
         progs = triton.cdiv(M, rows_per_prog)
         alloc = torch.empty

@@ -1,0 +1,84 @@
+"""Launch settings of the Triton kernels (rows, groups, channels), in one place.
+
+Every value here is a heuristic -- a guess from the kernels' shape and the usual Triton rules of
+thumb -- and **none has been measured on a GPU yet**: no GPU has run these kernels. Each comment
+says what the setting trades; ``normscope bench`` on a GPU host is how they should be chosen, and a
+value changed after such a measurement should say so (device, command, figures) next to it.
+
+The kernels read these names at launch time (``config.ROWS_TILE``, never a copy taken at import),
+so a test or an experiment can set one for a single call::
+
+    monkeypatch.setattr(config, "ROWS_MAX_FUSED_N", 8)   # force the looped path on tiny rows
+
+Sizes in elements are powers of two (``tl.arange`` needs them).
+"""
+
+# ---- rows: LayerNorm / RMSNorm over the last axis (kernels/rows.py)
+
+#: Longest row (rounded up to a power of two) one program keeps in registers: one read of x. Longer
+#: rows take the looped path (x read twice) but a larger value spills registers. Unmeasured.
+ROWS_MAX_FUSED_N = 16384
+#: Chunk length of the looped path: larger chunks mean fewer loop trips, but more registers per
+#: program. Unmeasured.
+ROWS_LOOP_BLOCK = 4096
+#: Elements per program on the single-block path: short rows are packed ``TILE // next_pow2(N)`` to a
+#: program, so that a program has enough work (fewer, fuller programs vs. fewer programs to spread
+#: over the SMs). Unmeasured.
+ROWS_TILE = 4096
+#: Most short rows per program (caps ``ROWS_TILE // BLOCK_N`` for very short rows). Unmeasured.
+ROWS_MAX_BLOCK_M = 64
+#: Elements per warp on the single-block path (``num_warps = tile elements / this``, a power of two):
+#: more warps hide latency, fewer leave more registers per thread. Unmeasured.
+ROWS_WARP_ELEMS = 1024
+#: The same for one chunk of the looped path. Unmeasured.
+ROWS_LOOP_WARP_ELEMS = 512
+#: Most warps of a rows program. Unmeasured.
+ROWS_MAX_WARPS = 16
+#: Backward programs per SM, single-block path: every program writes one fp32 partial row of dW/dB,
+#: so more programs mean more parallelism but a larger partial buffer to sum. Unmeasured.
+ROWS_BWD_PROGRAMS_PER_SM = 4
+#: Backward programs per SM, looped path (each keeps its partial dW/dB row in global memory).
+#: Unmeasured.
+ROWS_LOOP_BWD_PROGRAMS_PER_SM = 2
+
+# ---- groups: GroupNorm / InstanceNorm on (N, C, *) (kernels/groups.py)
+
+#: Elements per tile of the contiguous (NCHW) kernels: one program walks its whole group in tiles of
+#: this size (larger: fewer loop trips, more registers). Unmeasured.
+GROUPS_TILE = 2048
+#: Elements per warp of every groups kernel (``num_warps = tile elements / this``). Unmeasured.
+GROUPS_WARP_ELEMS = 256
+#: Most warps of a groups program. Unmeasured.
+GROUPS_MAX_WARPS = 8
+#: channels_last kernels: elements per (positions, groups, channels) tile. Unmeasured.
+GROUPS_CL_TILE = 2048
+#: channels_last kernels: most channels in one tile row, whole groups side by side, so that a row is
+#: one contiguous run of memory (InstanceNorm's one-channel groups still load coalesced rows); wider
+#: rows mean fewer, longer memory transactions but fewer positions per tile. Unmeasured.
+GROUPS_CL_WIDTH = 64
+#: channels_last kernels: programs to aim for when the positions are split (``N * G`` alone is 64 at
+#: batch 2, G = 32): more splits fill the GPU but add partials every program re-reads. Unmeasured.
+GROUPS_CL_PROGRAMS = 1024
+#: channels_last kernels: fewest elements one split of a group block holds, so that a split's work
+#: outweighs its share of the second (combining) stage. Unmeasured.
+GROUPS_CL_MIN_SPLIT = 8192
+
+# ---- channels: BatchNorm, statistics per channel (kernels/channels.py)
+
+#: Positions per tile (times up to ``CHANNELS_MAX_BLOCK_C`` channels); also the granularity of the
+#: position chunks of the two-stage reduction. Unmeasured.
+CHANNELS_BLOCK_P = 256
+#: Most channels per tile: wider tiles read more channels per position (NCHW: strided), narrower ones
+#: make more channel blocks. Unmeasured.
+CHANNELS_MAX_BLOCK_C = 32
+#: Warps of every channels program. Unmeasured.
+CHANNELS_WARPS = 4
+#: Reduction programs per SM (position chunks x channel blocks): more chunks fill the GPU but make
+#: the ``(chunks, C)`` partial buffers the second stage sums larger. Unmeasured.
+CHANNELS_PROGRAMS_PER_SM = 2
+
+# ---- the CPU interpreter (TRITON_INTERPRET=1)
+
+#: Programs the backward and BatchNorm reductions use in the interpreter, which runs programs one
+#: after the other: a few, so that tests still exercise the multi-program (partial-sum) paths.
+INTERPRETER_PROGRAMS = 4
