@@ -37,7 +37,7 @@ def config(mode: str) -> dict:
                 "steps": 20, "warmup": 10, "lrs": [1e-3], "n_chars": 50_000, "seeds": 1}
     if mode == "quick":
         return {"depths": [2, 4, 8, 16, 32], "grad_seeds": 3, "d": 64, "seq": 32, "batch": 16, "train_depth": 6,
-                "encdec_depth": 6, "steps": 200, "warmup": 60, "lrs": [1e-3, 3e-3, 1e-2], "n_chars": 300_000,
+                "encdec_depth": 6, "steps": 100, "warmup": 30, "lrs": [1e-3, 3e-3, 1e-2], "n_chars": 300_000,
                 "seeds": 3}
     return {"depths": [2, 4, 6, 8, 12, 16, 24, 32], "grad_seeds": 5, "d": 128, "seq": 128, "batch": 32,
             "train_depth": 12, "encdec_depth": 6, "steps": 4000, "warmup": 1000, "lrs": [5e-4, 1e-3, 3e-3, 1e-2],
