@@ -26,11 +26,11 @@ def test_batch_size_rule_v2_outcomes():
     # BN's rise within twice its seed spread: not enough
     assert V.batch_size_rule_v2({32: (3.0, 2.0), 2: (6.0, 0.5)}, gn_flat).outcome == NOT_REPRODUCED
     # GN rises as much as BN
-    assert V.batch_size_rule_v2({32: (3.0, 0.4), 2: (8.0, 0.5)}, {32: (3.0, 0.3), 2: (7.0, 0.3)}).outcome \
-        == NOT_REPRODUCED
+    assert (
+        V.batch_size_rule_v2({32: (3.0, 0.4), 2: (8.0, 0.5)}, {32: (3.0, 0.3), 2: (7.0, 0.3)}).outcome == NOT_REPRODUCED
+    )
     # GN falling as the batch shrinks does not count against the claim
-    assert V.batch_size_rule_v2({32: (3.5, 0.4), 2: (8.0, 0.5)}, {32: (3.0, 0.3), 2: (2.0, 0.3)}).outcome \
-        == REPRODUCED
+    assert V.batch_size_rule_v2({32: (3.5, 0.4), 2: (8.0, 0.5)}, {32: (3.0, 0.3), 2: (2.0, 0.3)}).outcome == REPRODUCED
     # gate: GN(32) more than 1 point from BN(32) -> inconclusive, whatever BN does
     assert _inconclusive(V.batch_size_rule_v2({32: (3.0, 0.4), 2: (8.0, 0.5)}, {32: (9.0, 3.0), 2: (3.0, 0.3)}))
     assert V.batch_size_rule_v2({32: (3.0, 0.4), 2: (math.nan, 0.5)}, gn_flat).outcome == NOT_REPRODUCED
@@ -57,8 +57,10 @@ def test_prenorm_rules_v2_outcomes():
     flat = {"encoder": 1.1, "decoder": 0.9}
     assert V.prenorm_grad_rule_v2({"encoder": 1.5, "decoder": 3.0}, flat).outcome == REPRODUCED
     assert V.prenorm_grad_rule_v2({"encoder": 1.5, "decoder": 1.5}, flat).outcome == NOT_REPRODUCED
-    assert V.prenorm_grad_rule_v2({"encoder": 1.5, "decoder": 3.0}, {"encoder": 0.3, "decoder": 1.0}).outcome \
+    assert (
+        V.prenorm_grad_rule_v2({"encoder": 1.5, "decoder": 3.0}, {"encoder": 0.3, "decoder": 1.0}).outcome
         == NOT_REPRODUCED
+    )
     assert V.depth_rule(0.02, -0.42).outcome == REPRODUCED
     assert V.depth_rule(0.3, -0.42).outcome == NOT_REPRODUCED
     assert V.depth_rule(0.0, -0.1).outcome == NOT_REPRODUCED
@@ -66,8 +68,10 @@ def test_prenorm_rules_v2_outcomes():
 
 def _grid(post_fail: float, post_loss: float, pre_fail0: float = 0.0) -> dict:
     ok = {"loss": 2.0, "failed": 0.0}
-    return {"0.001": {"post": ok, "post+warmup": ok, "pre": {"loss": 2.0, "failed": pre_fail0}},
-            "0.01": {"post": {"loss": post_loss, "failed": post_fail}, "post+warmup": ok, "pre": ok}}
+    return {
+        "0.001": {"post": ok, "post+warmup": ok, "pre": {"loss": 2.0, "failed": pre_fail0}},
+        "0.01": {"post": {"loss": post_loss, "failed": post_fail}, "post+warmup": ok, "pre": ok},
+    }
 
 
 def test_warmup_rule_v2_outcomes():
@@ -118,8 +122,9 @@ def test_docs_table_is_generated_from_result_json(tmp_path):
 
     v = {"claim": "c", "published": "p", "measured": "m 1.23", "outcome": REPRODUCED, "rule": "r"}
     (tmp_path / "padding").mkdir()
-    (tmp_path / "padding" / "result.json").write_text(json.dumps(
-        {"experiment": "padding", "verdicts": [v], "seeds": [0, 1, 2], "wall_s": 12.5, "mode": "quick"}))
+    (tmp_path / "padding" / "result.json").write_text(
+        json.dumps({"experiment": "padding", "verdicts": [v], "seeds": [0, 1, 2], "wall_s": 12.5, "mode": "quick"})
+    )
     table = markdown_table(tmp_path)
     assert "| padding | c | m 1.23 | reproduced | 3 |" in table
     assert "padding 12 s" in table
