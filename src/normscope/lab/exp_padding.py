@@ -42,8 +42,8 @@ def config(mode: str) -> dict:
                 "fluct_steps": 10, "n_chars": 50_000, "vocab_words": 200, "seeds": 1, "bucketed": True,
                 "norms": ["layer", "batch", "batch-masked", "power"]}
     if mode == "quick":
-        return {"n_train": 4000, "n_test": 1000, "d": 32, "depth": 2, "steps": 400, "batch": 32, "lr": 2e-3,
-                "fluct_steps": 300, "n_chars": 300_000, "vocab_words": 2000, "seeds": 3, "bucketed": True,
+        return {"n_train": 4000, "n_test": 1000, "d": 32, "depth": 2, "steps": 200, "batch": 32, "lr": 2e-3,
+                "fluct_steps": 150, "n_chars": 300_000, "vocab_words": 2000, "seeds": 3, "bucketed": True,
                 "norms": ["layer", "batch", "batch-masked", "power"]}
     return {"n_train": 20000, "n_test": 4000, "d": 64, "depth": 4, "steps": 4000, "batch": 32, "lr": 1e-3,
             "fluct_steps": 2000, "n_chars": 2_000_000, "vocab_words": 4000, "seeds": 5, "bucketed": True,
