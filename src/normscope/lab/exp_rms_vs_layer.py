@@ -39,8 +39,8 @@ def config(mode: str) -> dict:
         return {"op_shape": [256, 64], "op_reps": 5, "op_blocks": 3, "d": 32, "depths": [1, 2], "quality_depth": 2,
                 "seq": 32, "batch": 8, "steps": 20, "lr": 3e-3, "n_chars": 50_000, "seeds": 1}
     if mode == "quick":
-        return {"op_shape": [4096, 512], "op_reps": 15, "op_blocks": 3, "d": 64, "depths": [2, 6, 12],
-                "quality_depth": 6, "seq": 32, "batch": 16, "steps": 150, "lr": 3e-3, "n_chars": 300_000, "seeds": 3}
+        return {"op_shape": [4096, 512], "op_reps": 15, "op_blocks": 3, "d": 64, "depths": [2, 4, 8],
+                "quality_depth": 4, "seq": 32, "batch": 16, "steps": 150, "lr": 3e-3, "n_chars": 300_000, "seeds": 3}
     return {"op_shape": [8192, 1024], "op_reps": 100, "op_blocks": 5, "d": 128, "depths": [2, 6, 12, 24],
             "quality_depth": 6, "seq": 128, "batch": 32, "steps": 4000, "lr": 1e-3, "n_chars": 2_000_000, "seeds": 5}
 
