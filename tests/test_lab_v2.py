@@ -128,3 +128,12 @@ def test_docs_table_is_generated_from_result_json(tmp_path):
     table = markdown_table(tmp_path)
     assert "| padding | c | m 1.23 | reproduced | 3 |" in table
     assert "padding 12 s" in table
+
+
+def test_smoke_records_one_thread_and_judges_nothing(tmp_path):
+    import normscope.lab as lab
+
+    torch.set_num_threads(2)  # the runner must record the 1 thread its runs used, not the caller's setting
+    r = lab.run_one("contrast-style", "smoke", tmp_path)
+    assert r["versions"]["torch_threads"] == "1"
+    assert r["verdicts"] and all(v["outcome"] == V.NOT_JUDGED for v in r["verdicts"])
