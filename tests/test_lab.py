@@ -41,7 +41,8 @@ def test_every_experiment_writes_result_plots_and_verdicts(smoke):
         assert r["verdicts"], name
         for v in r["verdicts"]:
             assert VERDICT_KEYS <= set(v)
-            assert v["outcome"] in (REPRODUCED, NOT_REPRODUCED) or v["outcome"].startswith("skipped: "), v
+            # smoke runs barely train: their rules run but judge nothing (issue 16)
+            assert v["outcome"] == verdicts.NOT_JUDGED or v["outcome"].startswith("skipped: "), v
         assert r["plots"], name
         for p in r["plots"]:
             data = (out / name / p).read_bytes()

@@ -98,3 +98,50 @@ def unigram_entropy(data: Tensor, vocab: int = 128) -> float:
     p = torch.bincount(data, minlength=vocab).double()
     p = p[p > 0] / p.sum()
     return float(-(p * p.log()).sum())
+
+
+@functools.lru_cache(maxsize=2)
+def cluttered_digits(size: int = 16, noise: float = 0.5, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A harder digits task, still generated from sklearn's digits (nothing downloaded): each 8x8
+    digit is pasted at a random position on a ``size`` x ``size`` canvas and Gaussian pixel noise
+    of std ``noise`` (in units of the standardized digits) is added. The placement and the noise
+    are drawn once (fixed ``seed``), so train and test are fixed sets: (N, 1, size, size)."""
+    xtr, ytr, xte, yte = digits()
+    g = torch.Generator().manual_seed(seed)
+
+    def paste(x: Tensor) -> Tensor:
+        n = len(x)
+        out = torch.zeros(n, 1, size, size)
+        ij = torch.randint(0, size - 8 + 1, (n, 2), generator=g)
+        for k in range(n):
+            i, j = int(ij[k, 0]), int(ij[k, 1])
+            out[k, :, i:i + 8, j:j + 8] = x[k] - x[k].min()  # background 0 on the canvas
+        out = out + noise * torch.randn(out.shape, generator=g)
+        return out
+
+    a, b = paste(xtr), paste(xte)
+    mu, sd = a.mean(), a.std()
+    return (a - mu) / sd, ytr, (b - mu) / sd, yte
+
+
+@functools.lru_cache(maxsize=4)
+def word_sentences(n_chars: int, vocab_words: int, max_len: int = 32
+                   ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor], int]:
+    """Word-level "sentences" of variable length: the non-empty lines of the standard library's
+    source (:func:`stdlib_text`), split into words and punctuation, the ``vocab_words`` most
+    frequent kept (id 1 = unknown word, 0 = pad), lines of 2..``max_len`` words. Returns
+    ((train tokens, train mask), (val tokens, val mask), vocabulary size); the last 10% of the
+    lines are validation."""
+    import collections
+    import re
+
+    lines = [re.findall(r"\w+|[^\w\s]", ln) for ln in stdlib_text(n_chars).decode("ascii").splitlines()]
+    lines = [ln[:max_len] for ln in lines if len(ln) >= 2]
+    counts = collections.Counter(w for ln in lines for w in ln)
+    ids = {w: i + 2 for i, (w, _) in enumerate(counts.most_common(vocab_words))}
+    tok = torch.zeros(len(lines), max_len, dtype=torch.long)
+    for i, ln in enumerate(lines):
+        tok[i, : len(ln)] = torch.tensor([ids.get(w, 1) for w in ln])
+    mask = torch.arange(max_len)[None, :] < torch.tensor([len(ln) for ln in lines])[:, None]
+    cut = int(len(lines) * 0.9)
+    return (tok[:cut], mask[:cut]), (tok[cut:], mask[cut:]), vocab_words + 2

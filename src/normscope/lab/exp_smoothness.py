@@ -51,7 +51,7 @@ def config(mode: str) -> dict:
                 "seeds": 1}
     if mode == "quick":
         return {"steps": 400, "probe_every": 25, "etas": [0.05, 0.1, 0.2, 0.4], "probe_batch": 256, "lr": 0.05,
-                "width": 32, "seeds": 2}
+                "width": 32, "seeds": 3}
     return {"steps": 3000, "probe_every": 100, "etas": [0.05, 0.1, 0.2, 0.3, 0.4], "probe_batch": 512, "lr": 0.05,
             "width": 64, "seeds": 5}
 
@@ -154,7 +154,7 @@ def plot(ctx: Context, cfg: dict, metrics: dict) -> None:
                         alpha=0.8, label=VARIANTS[r["variant"]] if r["seed"] == 0 else None)
         ax.set_yscale("log")
         ax.set_xlabel("training step")
-        ax.set_title(title)
+        ax.set_title(f"{title} (n={len(ctx.seeds)} seeds)")
         ax.grid(alpha=0.3)
     axes[0].legend()
     ctx.savefig(fig, "smoothness")

@@ -34,7 +34,7 @@ def config(mode: str) -> dict:
     if mode == "smoke":
         return {"epochs": 1, "n_train": 64, "width": 8, "seeds": 1}
     if mode == "quick":
-        return {"epochs": 3, "n_train": None, "width": 32, "seeds": 1}
+        return {"epochs": 3, "n_train": None, "width": 32, "seeds": 3}
     return {"epochs": 10, "n_train": None, "width": 32, "seeds": 3}
 
 
@@ -154,7 +154,7 @@ def plot(ctx: Context, cfg: dict, metrics: dict) -> None:
         if v not in metrics["err"]:
             ax.text(0.98, 0.95, f"{VARIANTS[v]}: skipped", transform=ax.transAxes, ha="right", va="top", fontsize=8)
     ax.set_ylabel("test error (%)")
-    ax.set_title(f"{WORLD} ranks x {PER_RANK} images, gradients all-reduced")
+    ax.set_title(f"{WORLD} ranks x {PER_RANK} images, gradients all-reduced (n={len(ctx.seeds)} seeds)")
     ctx.savefig(fig, "sync")
 
 

@@ -220,3 +220,68 @@ def lm_eval(model: nn.Module, val: Tensor, seq: int, max_batches: int = 16) -> f
         total += float(lm_loss(model, x[i:i + 32], y[i:i + 32])) * len(x[i:i + 32])
     v = total / max(n, 1)
     return v if math.isfinite(v) else float("inf")
+
+
+def _mha(q_in: Tensor, kv_in: Tensor, q_lin: nn.Linear, kv_lin: nn.Linear, proj: nn.Linear, heads: int,
+         causal: bool) -> Tensor:
+    b, s, d = q_in.shape
+    q = q_lin(q_in).view(b, s, heads, d // heads).transpose(1, 2)
+    k, v = kv_lin(kv_in).view(b, kv_in.shape[1], 2, heads, d // heads).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class DecoderBlock(nn.Module):
+    """A Transformer decoder layer: causal self-attention, cross-attention to the encoder's
+    output, feed-forward; each sub-layer with a Pre-LN or Post-LN residual (Xiong et al. 2020)."""
+
+    def __init__(self, d: int, heads: int, norm: str, prenorm: bool) -> None:
+        super().__init__()
+        self.heads, self.prenorm = heads, prenorm
+        self.sq, self.skv, self.sproj = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+        self.cq, self.ckv, self.cproj = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+        self.ff1, self.ff2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.n1, self.n2, self.n3 = (make(norm, d, "tokens") for _ in range(3))
+
+    def forward(self, x: Tensor, mem: Tensor) -> Tensor:
+        subs = [lambda h: _mha(h, h, self.sq, self.skv, self.sproj, self.heads, True),
+                lambda h: _mha(h, mem, self.cq, self.ckv, self.cproj, self.heads, False),
+                lambda h: self.ff2(F.gelu(self.ff1(h)))]
+        for f, n in zip(subs, (self.n1, self.n2, self.n3)):
+            x = x + f(n(x)) if self.prenorm else n(x + f(x))
+        return x
+
+
+class EncoderDecoder(nn.Module):
+    """The original Transformer's shape at small width: ``depth`` encoder layers (:class:`Block`,
+    bidirectional) and ``depth`` decoder layers (:class:`DecoderBlock`), Pre-LN (with final norms)
+    or Post-LN, Xavier-normal init and zero biases as in Xiong et al. 2020."""
+
+    def __init__(self, vocab: int, d: int = 64, depth: int = 6, heads: int = 4, max_len: int = 64,
+                 norm: str = "layer", prenorm: bool = False) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(max_len, d) * 0.02)
+        self.encoder = nn.ModuleList(Block(d, heads, norm, prenorm, causal=False) for _ in range(depth))
+        self.decoder = nn.ModuleList(DecoderBlock(d, heads, norm, prenorm) for _ in range(depth))
+        self.enc_final = make(norm if prenorm else "none", d, "tokens")
+        self.dec_final = make(norm if prenorm else "none", d, "tokens")
+        self.head = nn.Linear(d, vocab)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_normal_(m.weight)
+                nn.init.zeros_(m.bias)
+        nn.init.normal_(self.tok.weight, std=d ** -0.5)
+
+    def embed(self, t: Tensor) -> Tensor:
+        return self.tok(t) * math.sqrt(self.tok.embedding_dim) + self.pos[: t.shape[1]]
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        mem = self.embed(src)
+        for blk in self.encoder:
+            mem = blk(mem)
+        mem = self.enc_final(mem)
+        x = self.embed(tgt_in)
+        for blk in self.decoder:
+            x = blk(x, mem)
+        return self.head(self.dec_final(x))

@@ -34,7 +34,9 @@ def load_results(out: Path) -> list[dict]:
 
 
 def _cls(outcome: str) -> str:
-    return "ok" if outcome == "reproduced" else "skip" if outcome.startswith("skipped") else "no"
+    if outcome == "reproduced":
+        return "ok"
+    return "skip" if outcome.startswith(("skipped", "inconclusive", "not judged")) else "no"
 
 
 def _img(path: Path) -> str:
@@ -107,3 +109,34 @@ def summary_table(out: str | Path) -> str:
         if i == 0:
             lines.append("-" * (sum(widths) + 6 + 8))
     return "\n".join(lines)
+
+
+BEGIN, END = "<!-- lab-table:begin (generated from result.json) -->", "<!-- lab-table:end -->"
+
+
+def markdown_table(out: str | Path) -> str:
+    """The docs' results table, every cell copied from ``<out>/<experiment>/result.json``
+    (``verdicts[i].claim``, ``.measured``, ``.outcome``, ``len(seeds)``, ``wall_s``): no number in
+    it is typed by hand."""
+    rows = ["| experiment | claim | measured | verdict | seeds |", "|---|---|---|---|---|"]
+    walls = []
+    for r in load_results(Path(out)):
+        walls.append(f"{r['experiment']} {r['wall_s']:.0f} s")
+        for v in r["verdicts"]:
+            cells = (r["experiment"], v["claim"], v["measured"], v["outcome"], str(len(r["seeds"])))
+            rows.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(rows) + "\n\nWall time per experiment (`wall_s`): " + ", ".join(walls) + ".\n"
+
+
+def update_doc(doc: str | Path, out: str | Path) -> None:
+    """Replace the text between the lab-table markers in ``doc`` with :func:`markdown_table`."""
+    doc = Path(doc)
+    text = doc.read_text()
+    i, j = text.index(BEGIN) + len(BEGIN), text.index(END)
+    doc.write_text(text[:i] + "\n" + markdown_table(out) + text[j:])
+
+
+if __name__ == "__main__":  # python -m normscope.lab.report docs/lab docs/lab.md
+    import sys
+
+    update_doc(sys.argv[2], sys.argv[1])
