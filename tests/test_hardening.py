@@ -206,3 +206,13 @@ def test_meta_tensors_run_masked_batch_norm_and_layers():
     assert nf.batch_norm(xm, None, None, training=True, mask=mask).shape == (2, 4, 5)
     for layer in (normscope.BatchNorm1d(4), normscope.GroupNorm(2, 4), normscope.LayerNorm(5)):
         assert layer.to("meta")(xm).shape == (2, 4, 5)
+
+
+def test_torchscript_trace_works_and_script_is_refused_as_documented():
+    m = normscope.LayerNorm(5)
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        traced = torch.jit.trace(m, (x,), check_trace=False)
+    torch.testing.assert_close(traced(x * 3 + 1), F.layer_norm(x * 3 + 1, (5,), m.weight, m.bias))
+    with pytest.raises(torch.jit.frontend.NotSupportedError):
+        torch.jit.script(m)

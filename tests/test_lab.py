@@ -66,6 +66,8 @@ def test_missing_norms_are_skipped_not_substituted(smoke):
     _, results = smoke
     pad = results["padding"]
     for name in ("power", "dyt"):
+        if name not in pad["config"]["norms"]:
+            continue  # this mode's design leaves it out (smoke runs the four norms its rule reads)
         why = norms.available(name, 8, "tokens")
         if why:  # not in this normscope: recorded as skipped, never run as something else
             assert name in pad["skipped"] and "needs" in pad["skipped"][name]
