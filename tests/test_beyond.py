@@ -386,7 +386,7 @@ def test_registry_names_classes_partials():
     bn = normscope.get_norm(functools.partial(normscope.BatchNorm1d, momentum=0.01), 8)
     assert bn.momentum == 0.01 and bn.num_features == 8
     with pytest.raises(ValueError, match="expected one of: .*batch.*layer2d"):
-        normscope.get_norm("batchnorm", 8)
+        normscope.get_norm("batchnrom", 8)  # ("batchnorm" is timm's name now: it resolves)
     with pytest.raises(ValueError, match="group:G"):
         normscope.get_norm("layer:3", 8)
     with pytest.raises(ValueError, match="divisible"):
