@@ -15,6 +15,7 @@ automatic runner asks the native op for them and recomputes the rare cancelling 
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from .. import engine
 from ..engine import Backend, Call, Runner
+from . import rms
 
 NAME = "aten"
 
@@ -61,6 +63,21 @@ def why_not(call: Call) -> str | None:
         if call.mask is not None:
             return "ATen has no masked normalization"
         return "no ATen op computes this scope exactly"
+    return None
+
+
+def why_not_auto(call: Call) -> str | None:
+    """Leave large CPU RMS scopes to the composite backend's one-reduction form (:mod:`.rms`),
+    which ``benchmarks/results/cpu_rms.json`` measured faster than ``torch.rms_norm`` there
+    (forward and forward+backward); under tracing torch.compile fuses torch's op itself."""
+    if (
+        kind(call) == "rms_norm"
+        and call.x.device.type == "cpu"
+        and not engine.tracing()
+        and rms.takes(call) is None
+        and math.prod(call.scope.shape) >= rms.MIN_AUTO_ELEMENTS
+    ):
+        return "composite's RMS rows are measured faster on CPU at this size (benchmarks/results/cpu_rms.json)"
     return None
 
 
@@ -231,4 +248,4 @@ def _batched(x: Tensor) -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
-BACKEND = Backend(NAME, why_not, prepare)
+BACKEND = Backend(NAME, why_not, prepare, why_not_auto)
