@@ -92,7 +92,7 @@ def why_not(call: Call) -> str | None:
     if call.mask is None:
         if rms.takes(call) is None:
             return None
-        return "the composite backend runs masked scopes and unmasked RMS rows only (ATen runs the other unmasked ones)"
+        return "the composite backend runs unmasked RMS rows and masked scopes only (ATen runs the other unmasked ones)"
     if engine.tracing():
         return "tracing: the reference traces without graph breaks"
     if call.running is not None and not call.running.use_input_stats:
