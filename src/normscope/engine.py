@@ -53,6 +53,10 @@ __all__ = [
     "recompute",
     "tracing",
     "position_mask",
+    "plan",
+    "run",
+    "layer_plan",
+    "remember_layer_plan",
 ]
 
 ENV_VAR = "NORMSCOPE_BACKEND"
@@ -200,6 +204,8 @@ _forced: list[str] = []  # stack of use_backend() names
 _last: list[str | None] = [None]
 _PLANS: dict[tuple, tuple[str, Runner]] = {}
 _MAX_PLANS = 4096
+# layers' plans per input signature (:func:`layer_plan`); cleared with _PLANS
+_LAYER_PLANS: dict[tuple, tuple[Resolved, tuple[str, Runner]]] = {}
 
 
 def register_backend(backend: Backend, *, before: str | None = None) -> None:
@@ -213,6 +219,7 @@ def register_backend(backend: Backend, *, before: str | None = None) -> None:
     at = _AUTO.index(before) if before is not None and before in _AUTO else len(_AUTO)
     _AUTO.insert(at, backend.name)
     _PLANS.clear()
+    _LAYER_PLANS.clear()
 
 
 def backends() -> list[str]:
@@ -339,32 +346,65 @@ def _add(x: Tensor, residual: Tensor, residual_fp32: bool) -> Tensor:
     return (x.to(acc) + residual.to(acc)).to(out)
 
 
-def dispatch(call: Call, backend: str | None = None):
-    """Run ``call`` on the requested backend, or on the first automatic one that takes it."""
+def plan(call: Call, backend: str | None = None) -> tuple[str, Runner]:
+    """``(name, runner)``: the backend that :func:`dispatch` runs ``call`` on and its runner, from
+    the plan cache (planned afresh, uncached, while tracing or for symbolic sizes). A runner serves
+    every call with the same :func:`signature`; layers keep it per input signature (:mod:`normscope.modules._hot`)."""
     requested = requested_backend(backend)
     if torch.compiler.is_compiling():
         # under dynamo the planning is traced once per graph anyway; storing it in _PLANS would be
         # a side effect on a dict keyed by trace-time objects (Resolved) that dynamo cannot replay,
         # which breaks torch.compile(fullgraph=True)
-        plan = _plan(call, requested)
-        _last[0] = plan[0]
-        return plan[1](call)
+        return _plan(call, requested)
     key = (signature(call), requested)
     try:
-        plan = _PLANS.get(key)
+        found = _PLANS.get(key)
     except TypeError:
         # symbolic sizes (torch.export / torch.compile with dynamic dims, e.g. ONNX export with a
         # dynamic batch) are unhashable: choose afresh, uncached -- this runs once, at trace time
-        plan = _plan(call, requested)
-        _last[0] = plan[0]
-        return plan[1](call)
-    if plan is None:
-        plan = _plan(call, requested)
+        return _plan(call, requested)
+    if found is None:
+        found = _plan(call, requested)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        _PLANS[key] = plan
-    _last[0] = plan[0]
-    return plan[1](call)
+        _PLANS[key] = found
+    return found
+
+
+def run(planned: tuple[str, Runner], call: Call):
+    """Run ``call`` with a plan from :func:`plan` (and say so in :func:`last_backend`)."""
+    _last[0] = planned[0]
+    return planned[1](call)
+
+
+def layer_plan(key: tuple) -> tuple[Resolved, tuple[str, Runner]] | None:
+    """What a layer remembered with :func:`remember_layer_plan` for ``key``, or None.
+
+    The hot path of a layer: ``key`` holds everything its argument checks, its scope's resolution
+    and the plan depend on -- the layer's configuration, the input's shape, dtype and device, its
+    parameters' shapes, dtypes and devices, and :func:`requested_backend` -- so a call with a known
+    key skips all three and runs the runner directly."""
+    return _LAYER_PLANS.get(key)
+
+
+def remember_layer_plan(key: tuple, call: Call) -> None:
+    """Remember the resolved scope and plan of ``call`` (which has just run, its arguments checked)
+    under ``key`` (see :func:`layer_plan`). Nothing is remembered while tracing: dynamo traces the
+    checked path instead."""
+    if torch.compiler.is_compiling() or tracing():
+        return
+    try:
+        found = (call.scope, plan(call))
+        if len(_LAYER_PLANS) >= _MAX_PLANS:
+            _LAYER_PLANS.clear()
+        _LAYER_PLANS[key] = found
+    except TypeError:  # symbolic sizes: nothing to remember
+        pass
+
+
+def dispatch(call: Call, backend: str | None = None):
+    """Run ``call`` on the requested backend, or on the first automatic one that takes it."""
+    return run(plan(call, backend), call)
 
 
 def norm(

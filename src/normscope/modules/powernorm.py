@@ -133,8 +133,9 @@ class PowerNorm(nn.Module):
         for n, v in (("alpha_fwd", alpha_fwd), ("alpha_bkw", alpha_bkw)):
             if not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ValueError(f"PowerNorm: expected `{n}` in [0, 1], got {v!r}")
-        if group_scaling is not None and (not isinstance(group_scaling, int) or num_features % max(group_scaling, 1)
-                                          or group_scaling < 1):
+        if group_scaling is not None and (
+            not isinstance(group_scaling, int) or num_features % max(group_scaling, 1) or group_scaling < 1
+        ):
             raise ValueError(
                 f"PowerNorm: expected `group_scaling` to be None or a positive divisor of num_features="
                 f"{num_features}, got {group_scaling!r}"
