@@ -150,7 +150,7 @@ def test_torch_compile_fullgraph():
 
 def test_automatic_choice_follows_the_measured_size():
     # below rms.MIN_AUTO_ELEMENTS torch's op runs; from it on, the composite rows (the committed
-    # measurement is benchmarks/results/cpu_rms.json); a forced "aten" stays torch's op
+    # measurement is benchmarks/results/cpu_speed.json); a forced "aten" stays torch's op
     small = torch.randn(2, 64)
     F.rms_norm(small, (64,))
     assert normscope.last_backend() == "aten"

@@ -127,3 +127,18 @@ def test_torch_compile_of_a_layer_that_ran_eagerly():
     ln(x)
     compiled = torch.compile(ln, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), nn.functional.layer_norm(x, (16,), ln.weight, ln.bias))
+
+
+@pytest.mark.parametrize("rows", [8, 600], ids=["list", "torch_ops"])  # either side of aten._LIST_MAX
+def test_cancellation_check_is_exact_past_the_bound(rows):
+    # means past the cheap bound (max |mean| <= 1024 * sqrt(eps)) but |mean| * rstd far below the
+    # limit stay on ATen; one scope over the limit among many goes to the reference
+    ln = normscope.LayerNorm(32)
+    g = torch.Generator().manual_seed(2)
+    x = 10.0 + torch.randn(rows, 32, generator=g)  # mean 10, rstd ~1: product ~10
+    ln(x)
+    ln(x)
+    assert normscope.last_backend() == "aten"
+    x[rows // 2] = 1e4 + 1e-2 * torch.randn(32, generator=g)
+    ln(x)
+    assert normscope.last_backend() == "reference"

@@ -19,11 +19,11 @@ Double backward: the backward above is a closed form of the first derivative. Wh
 for a differentiable one (``create_graph=True``) it differentiates the reference computation of the
 same rows instead, so higher-order gradients are exact (as :mod:`.composite` does for masks).
 
-Speed: measured against ``F.rms_norm`` by ``benchmarks/cpu_overhead.py`` (the ``RMSNorm:large``
-case and ``--rms-sizes``); ``benchmarks/results/cpu_rms.json`` is the committed measurement that
-makes it the automatic choice on CPU from :data:`MIN_AUTO_ELEMENTS` elements (see
-:func:`normscope.backends.aten.why_not_auto`). Below that the per-call cost of an
-``autograd.Function`` outweighs the saved passes and torch's op runs.
+Speed: measured against ``F.rms_norm`` by ``benchmarks/cpu_overhead.py`` (cases ``RMSNorm:large``,
+``RMSNorm-bf16:large`` and ``RMSNorm(RxN):rows``, the sizes around the threshold);
+``benchmarks/results/cpu_speed.json`` is the committed measurement that makes it the automatic
+choice on CPU from :data:`MIN_AUTO_ELEMENTS` elements (see :func:`normscope.backends.aten.why_not_auto`).
+Below that the per-call cost of an ``autograd.Function`` outweighs the saved passes and torch's op runs.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from . import reference as reference_backend
 __all__ = ["MIN_AUTO_ELEMENTS", "takes", "prepare"]
 
 #: Smallest input (elements) for which the automatic order picks this path on a CPU:
-#: benchmarks/results/cpu_rms.json measured it faster than ``F.rms_norm`` (forward and
+#: benchmarks/results/cpu_speed.json measured it faster than ``F.rms_norm`` (forward and
 #: forward+backward) from 32 x 1024 elements up, and slower at 32 x 64 (per-call cost).
 MIN_AUTO_ELEMENTS = 32 * 1024
 
