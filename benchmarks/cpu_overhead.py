@@ -102,7 +102,7 @@ def _cases() -> list[Case]:
         Case("RMSNorm(64)", "small", (32, 64), lambda m: m.RMSNorm(64)),
         Case("RMSNorm-bf16", "large", (8192, 1024), lambda m: m.RMSNorm(1024, dtype=torch.bfloat16), torch.bfloat16),
     ]
-    for rows in (16, 32, 64, 256):
+    for rows in (16, 64, 256, 1024, 2048):
         out.append(Case(f"RMSNorm({rows}x1024)", "rows", (rows, 1024), lambda m: m.RMSNorm(1024)))
     return out
 
