@@ -53,6 +53,10 @@ __all__ = [
     "recompute",
     "tracing",
     "position_mask",
+    "plan",
+    "run",
+    "layer_plan",
+    "remember_layer_plan",
 ]
 
 ENV_VAR = "NORMSCOPE_BACKEND"
@@ -205,6 +209,8 @@ _forced: list[str] = []  # stack of use_backend() names
 _last: list[str | None] = [None]
 _PLANS: dict[tuple, tuple[str, Runner]] = {}
 _MAX_PLANS = 4096
+# layers' plans per input signature (:func:`layer_plan`); cleared with _PLANS
+_LAYER_PLANS: dict[tuple, tuple[Resolved, tuple[str, Runner]]] = {}
 
 
 def register_backend(backend: Backend, *, before: str | None = None) -> None:
@@ -218,6 +224,7 @@ def register_backend(backend: Backend, *, before: str | None = None) -> None:
     at = _AUTO.index(before) if before is not None and before in _AUTO else len(_AUTO)
     _AUTO.insert(at, backend.name)
     _PLANS.clear()
+    _LAYER_PLANS.clear()
 
 
 def backends() -> list[str]:
@@ -250,6 +257,21 @@ def _check_backend_name(name: str, where: str) -> None:
         raise ValueError(f"{where}: unknown backend {name!r}; expected one of: {valid}")
 
 
+def _environ_get() -> str | None:
+    """``os.environ.get(ENV_VAR)``, read on every call (users set it at run time) but without the
+    ``KeyError`` that ``os.environ.get`` raises and catches inside when the variable is unset -- the
+    usual case: that cost ~1.2 µs a call, a measurable share of a small layer's per-call cost
+    (benchmarks/cpu_overhead.py); the mapping's own dict of encoded names answers in ~0.06 µs."""
+    data = getattr(os.environ, "_data", None)
+    if data is None:  # not CPython's os._Environ
+        return os.environ.get(ENV_VAR)
+    value = data.get(_ENV_KEY)
+    return None if value is None else os.environ.decodevalue(value)
+
+
+_ENV_KEY = os.environ.encodekey(ENV_VAR) if hasattr(os.environ, "encodekey") else ENV_VAR
+
+
 def requested_backend(backend: str | None = None) -> str:
     """The backend a call asks for: ``backend`` if given, else the innermost :func:`use_backend`,
     else ``NORMSCOPE_BACKEND``, else ``"auto"``."""
@@ -258,7 +280,7 @@ def requested_backend(backend: str | None = None) -> str:
         return backend
     if _forced:
         return _forced[-1]
-    env = os.environ.get(ENV_VAR)
+    env = _environ_get()
     if env:
         _check_backend_name(env, f"environment variable {ENV_VAR}")
         return env
@@ -385,32 +407,65 @@ def _add(x: Tensor, residual: Tensor, residual_fp32: bool) -> Tensor:
     return (x.to(acc) + residual.to(acc)).to(out)
 
 
-def dispatch(call: Call, backend: str | None = None):
-    """Run ``call`` on the requested backend, or on the first automatic one that takes it."""
+def plan(call: Call, backend: str | None = None) -> tuple[str, Runner]:
+    """``(name, runner)``: the backend that :func:`dispatch` runs ``call`` on and its runner, from
+    the plan cache (planned afresh, uncached, while tracing or for symbolic sizes). A runner serves
+    every call with the same :func:`signature`; layers keep it per input signature (:mod:`normscope.modules._hot`)."""
     requested = requested_backend(backend)
     if torch.compiler.is_compiling():
         # under dynamo the planning is traced once per graph anyway; storing it in _PLANS would be
         # a side effect on a dict keyed by trace-time objects (Resolved) that dynamo cannot replay,
         # which breaks torch.compile(fullgraph=True)
-        plan = _plan(call, requested)
-        _last[0] = plan[0]
-        return plan[1](call)
+        return _plan(call, requested)
     key = (signature(call), requested)
     try:
-        plan = _PLANS.get(key)
+        found = _PLANS.get(key)
     except TypeError:
         # symbolic sizes (torch.export / torch.compile with dynamic dims, e.g. ONNX export with a
         # dynamic batch) are unhashable: choose afresh, uncached -- this runs once, at trace time
-        plan = _plan(call, requested)
-        _last[0] = plan[0]
-        return plan[1](call)
-    if plan is None:
-        plan = _plan(call, requested)
+        return _plan(call, requested)
+    if found is None:
+        found = _plan(call, requested)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        _PLANS[key] = plan
-    _last[0] = plan[0]
-    return plan[1](call)
+        _PLANS[key] = found
+    return found
+
+
+def run(planned: tuple[str, Runner], call: Call):
+    """Run ``call`` with a plan from :func:`plan` (and say so in :func:`last_backend`)."""
+    _last[0] = planned[0]
+    return planned[1](call)
+
+
+def layer_plan(key: tuple) -> tuple[Resolved, tuple[str, Runner]] | None:
+    """What a layer remembered with :func:`remember_layer_plan` for ``key``, or None.
+
+    The hot path of a layer: ``key`` holds everything its argument checks, its scope's resolution
+    and the plan depend on -- the layer's configuration, the input's shape, dtype and device, its
+    parameters' shapes, dtypes and devices, and :func:`requested_backend` -- so a call with a known
+    key skips all three and runs the runner directly."""
+    return _LAYER_PLANS.get(key)
+
+
+def remember_layer_plan(key: tuple, call: Call) -> None:
+    """Remember the resolved scope and plan of ``call`` (which has just run, its arguments checked)
+    under ``key`` (see :func:`layer_plan`). Nothing is remembered while tracing: dynamo traces the
+    checked path instead."""
+    if torch.compiler.is_compiling() or tracing():
+        return
+    try:
+        found = (call.scope, plan(call))
+        if len(_LAYER_PLANS) >= _MAX_PLANS:
+            _LAYER_PLANS.clear()
+        _LAYER_PLANS[key] = found
+    except TypeError:  # symbolic sizes: nothing to remember
+        pass
+
+
+def dispatch(call: Call, backend: str | None = None):
+    """Run ``call`` on the requested backend, or on the first automatic one that takes it."""
+    return run(plan(call, backend), call)
 
 
 def norm(

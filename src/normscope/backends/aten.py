@@ -15,6 +15,7 @@ automatic runner asks the native op for them and recomputes the rare cancelling 
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -22,11 +23,11 @@ from torch import Tensor
 
 from .. import engine
 from ..engine import Backend, Call, Runner
+from . import rms
 
 NAME = "aten"
 
 _CANCEL_LIMIT = 1024.0  # output error <~ 1024 * 2**-24 = 6e-5 of a unit, variance error <~ 1e-4
-_INF = float("inf")
 
 
 def kind(call: Call) -> str | None:
@@ -66,6 +67,21 @@ def why_not(call: Call) -> str | None:
         if call.mask is not None:
             return "ATen has no masked normalization"
         return "no ATen op computes this scope exactly"
+    return None
+
+
+def why_not_auto(call: Call) -> str | None:
+    """Leave large CPU RMS scopes to the composite backend's one-reduction form (:mod:`.rms`),
+    which ``benchmarks/results/cpu_speed.json`` measured faster than ``torch.rms_norm`` there
+    (forward and forward+backward); under tracing torch.compile fuses torch's op itself."""
+    if (
+        kind(call) == "rms_norm"
+        and call.x.device.type == "cpu"
+        and not engine.tracing()
+        and rms.takes(call) is None
+        and math.prod(call.scope.shape) >= rms.MIN_AUTO_ELEMENTS
+    ):
+        return "composite's RMS rows are measured faster on CPU at this size (benchmarks/results/cpu_speed.json)"
     return None
 
 
@@ -142,12 +158,30 @@ def _plain(call: Call) -> Runner:
     return run
 
 
-def _cancels(mean: Tensor, rstd: Tensor) -> bool:
-    # two small ops on the per-scope statistics (detached: no autograd graph); this runs on every
-    # automatic fp32 CPU call, so it is kept to the cheapest form that measures max |mean| * rstd
-    if mean.numel() == 0:
+_LIST_MAX = 512  # statistics up to this many values are read as a Python list, larger ones with torch ops
+
+
+def _cancels(mean: Tensor, eps: float, rstd: Tensor | None = None, var: Tensor | None = None) -> bool:
+    """Whether ``max |mean| * rstd`` exceeds the limit (``rstd`` given, or ``rsqrt(var + eps)``).
+
+    This runs on every automatic fp32 CPU call, so it settles the ordinary call with a bound on the
+    means alone: ``rstd <= 1/sqrt(eps)``, so no scope can cancel while ``max |mean| <= limit *
+    sqrt(eps)`` (3.2 at eps 1e-5). The answer is exact either way: the bound only ever says "no";
+    past it the exact maximum decides. Small statistics (the per-call cost that matters) are read
+    as one Python list -- a single copy; torch or numpy ops on 32 values cost several times more
+    here (numpy's small reductions and BLAS dot were measured slower still) -- larger ones with two
+    torch reductions, negligible beside the normalization of that many scopes. CPU only: reading a
+    value is a copy, not a device synchronisation."""
+    m = (mean.detach() if mean.requires_grad else mean).reshape(-1)
+    bound = _CANCEL_LIMIT * math.sqrt(eps)
+    if m.numel() <= _LIST_MAX:
+        values = m.tolist()
+        if not values or (max(values) <= bound and min(values) >= -bound):
+            return False
+    elif float(torch.linalg.vector_norm(m, math.inf)) <= bound:
         return False
-    return torch.linalg.vector_norm(mean.detach() * rstd.detach(), _INF).item() > _CANCEL_LIMIT
+    r = (rstd if rstd is not None else torch.rsqrt(var + eps)).detach().reshape(-1)
+    return float(torch.linalg.vector_norm(m * r, math.inf)) > _CANCEL_LIMIT
 
 
 def _guard_cancellation(call: Call, plain: Runner) -> Runner:
@@ -168,7 +202,7 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
                 return plain(c)
             xm = c.x.movedim(s.reduce, tail) if moved else c.x
             y, mean, rstd = torch.native_layer_norm(xm, shape, c.weight, c.bias, c.eps)
-            if _cancels(mean, rstd):
+            if _cancels(mean, c.eps, rstd):
                 return engine.recompute(c)
             return y.movedim(tail, s.reduce) if moved else y
 
@@ -179,11 +213,11 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
             if engine.tracing() or _batched(c.x):
                 return plain(c)
             if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
-                return engine.recompute(c) if _cancels(r.mean, torch.rsqrt(r.var + c.eps)) else plain(c)
+                return engine.recompute(c) if _cancels(r.mean, c.eps, var=r.var) else plain(c)
             rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
             x = c.x if k == "batch_norm" else c.x.reshape(-1, c.x.shape[-1])
             y, mean, invstd = torch.native_batch_norm(x, c.weight, c.bias, rm, rv, True, mom, c.eps)
-            if _cancels(mean, invstd):  # the kernel already updated the running statistics
+            if _cancels(mean, c.eps, invstd):  # the kernel already updated the running statistics
                 return engine.recompute(c._replace(running=None))
             return y if k == "batch_norm" else y.reshape(c.x.shape)
 
@@ -200,7 +234,7 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
             cl = _channels_last(x)
             x = x.contiguous(memory_format=cl or torch.contiguous_format)
             y, mean, rstd = torch.native_group_norm(x, c.weight, c.bias, n, ch, hw, groups, c.eps)
-            return engine.recompute(c) if _cancels(mean, rstd) else y
+            return engine.recompute(c) if _cancels(mean, c.eps, rstd) else y
 
     elif k == "instance_norm":
 
@@ -214,7 +248,7 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
             b = None if c.bias is None else c.bias.repeat(n)
             xr = x.contiguous().view(1, n * ch, *x.shape[2:])
             y, mean, invstd = torch.native_batch_norm(xr, w, b, None, None, True, 0.0, c.eps)
-            return engine.recompute(c) if _cancels(mean, invstd) else y.view(x.shape)
+            return engine.recompute(c) if _cancels(mean, c.eps, invstd) else y.view(x.shape)
 
     else:
         return plain
@@ -242,4 +276,4 @@ def _batched(x: Tensor) -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
-BACKEND = Backend(NAME, why_not, prepare)
+BACKEND = Backend(NAME, why_not, prepare, why_not_auto)

@@ -29,9 +29,14 @@ Higher-order gradients: the backward is a closed form of the first derivative. W
 for a differentiable backward (``create_graph=True``), it recomputes the call on the reference and
 differentiates that, so double backward is exact, not silently zero.
 
+Unmasked RMS scopes (RMSNorm) run here too, with one reduction each way and a closed-form backward
+(:mod:`.rms`): on a CPU that is measured faster than torch's ``rms_norm``, which the automatic order
+therefore leaves to this backend at large shapes (:func:`.aten.why_not_auto`).
+
 Not covered (declined, so the next backend runs them): masks that vary along the channel axis,
-uncentered (RMS) scopes, any other scope shape, and tracing (``torch.compile`` / ``torch.jit``: the
-reference traces without graph breaks; this backend synchronizes once per call to check finiteness).
+masked uncentered (RMS) scopes, any other scope shape, and masked scopes under tracing
+(``torch.compile`` / ``torch.jit``: the reference traces without graph breaks; the masked path
+synchronizes once per call to check finiteness).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from .. import engine
 from .. import reference as ref
 from ..engine import Backend, Call, Runner
 from . import reference as reference_backend
+from . import rms
 
 __all__ = ["NAME", "BACKEND"]
 
@@ -84,7 +90,9 @@ def _view(call: Call) -> _View | None:
 
 def why_not(call: Call) -> str | None:
     if call.mask is None:
-        return "the composite backend runs masked scopes only (ATen runs the unmasked ones)"
+        if rms.takes(call) is None:
+            return None
+        return "the composite backend runs unmasked RMS rows and masked scopes only (ATen runs the other unmasked ones)"
     if engine.tracing():
         return "tracing: the reference traces without graph breaks"
     if call.x.device.type == "meta" or _transformed():
@@ -277,6 +285,8 @@ def _reference_grads(ctx, dy, x3, weight, bias):
 
 
 def prepare(call: Call, automatic: bool) -> Runner:
+    if call.mask is None:
+        return rms.prepare(call)
     v = _view(call)
 
     def run(c: Call) -> Tensor:

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from .. import engine
 from .. import functional as F
+from ..engine import Call, Running
+from ..scope import Scope
+from . import _hot
 
 
 def momentum_factor(bn: nn.Module) -> float:
@@ -54,23 +58,31 @@ class _BatchNormMixin:
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         """Normalize ``input``; ``mask`` (optional, bool, the input's shape without the channel
         axis, True = valid) restricts the statistics and the running update to valid elements."""
-        self._check_input_dim(input)
         factor = momentum_factor(self)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep_running = not self.training or self.track_running_stats
+        rm = self.running_mean if keep_running else None
+        rv = self.running_var if keep_running else None
+        w, b = self.weight, self.bias
+        # the class too: its _check_input_dim accepts its own ranks only
+        config = (type(self), self.num_features, self.channel_dim, use_batch_stats, self.eps)
+        k = _hot.key(config, input, w, b, rm, rv) if mask is None else None
+        hot = _hot.get(k)
+        running = None
+        if rm is not None or rv is not None or not use_batch_stats:  # as functional.batch_norm
+            running = Running(rm, rv, float(factor), use_batch_stats)
+        if hot is not None:  # this signature was checked, resolved and planned before
+            y = engine.run(hot[1], Call(input, hot[0], w, b, self.eps, None, running))
+            count_batch(self)
+            return y
+        self._check_input_dim(input)
         y = F.batch_norm(
-            input,
-            self.running_mean if keep_running else None,
-            self.running_var if keep_running else None,
-            self.weight,
-            self.bias,
-            use_batch_stats,
-            factor,
-            self.eps,
-            mask=mask,
-            channel_dim=self.channel_dim,
+            input, rm, rv, w, b, use_batch_stats, factor, self.eps, mask=mask, channel_dim=self.channel_dim
         )
         count_batch(self)
+        if k is not None:
+            scope = Scope.batch(self.channel_dim).resolve(input.shape)
+            _hot.remember(k, Call(input, scope, w, b, self.eps, None, running))
         return y
 
 

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor, nn
 
 from .. import _checks as check
+from .. import engine
 from .. import functional as F
+from ..engine import Call
+from ..scope import Scope
+from . import _hot
+
+# RMSNorm's eps=None: the machine epsilon of the dtype statistics are computed in (functional.rms_norm)
+_RMS_EPS = {torch.float64: torch.finfo(torch.float64).eps}
+_FP32_EPS = torch.finfo(torch.float32).eps
 
 
 class LayerNorm(nn.LayerNorm):
@@ -45,7 +54,15 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(shape, eps, elementwise_affine, bias, device, dtype)
 
     def forward(self, input: Tensor) -> Tensor:
-        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        w, b = self.weight, self.bias
+        k = _hot.key(("layer", self.normalized_shape, self.eps), input, w, b)
+        hot = _hot.get(k)
+        if hot is not None:  # this signature was checked, resolved and planned before
+            return engine.run(hot[1], Call(input, hot[0], w, b, self.eps, None, None))
+        y = F.layer_norm(input, self.normalized_shape, w, b, self.eps)
+        scope = Scope.layer(len(self.normalized_shape)).resolve(input.shape)
+        _hot.remember(k, Call(input, scope, w, b, self.eps, None, None))
+        return y
 
 
 class RMSNorm(nn.RMSNorm):
@@ -78,7 +95,20 @@ class RMSNorm(nn.RMSNorm):
         super().__init__(shape, eps, elementwise_affine, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        w = self.weight
+        k = _hot.key(("rms", self.normalized_shape, self.eps), x, w)
+        hot = _hot.get(k)
+        eps = self.eps
+        if hot is not None:  # this signature was checked, resolved and planned before
+            if eps is None:
+                eps = _RMS_EPS.get(x.dtype, _FP32_EPS)
+            return engine.run(hot[1], Call(x, hot[0], w, None, eps, None, None))
+        y = F.rms_norm(x, self.normalized_shape, w, eps)
+        if eps is None:
+            eps = _RMS_EPS.get(x.dtype, _FP32_EPS)
+        scope = Scope.rms(len(self.normalized_shape)).resolve(x.shape)
+        _hot.remember(k, Call(x, scope, w, None, eps, None, None))
+        return y
 
 
 class GroupNorm(nn.GroupNorm):
@@ -124,12 +154,20 @@ class GroupNorm(nn.GroupNorm):
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         """Normalize ``input``; ``mask`` (optional, bool, ``(N, *)``, True = valid) restricts each
         group's statistics to valid positions."""
+        w, b = self.weight, self.bias
+        k = _hot.key(("group", self.num_groups, self.num_channels, self.eps), input, w, b) if mask is None else None
+        hot = _hot.get(k)
+        if hot is not None:  # this signature was checked, resolved and planned before
+            return engine.run(hot[1], Call(input, hot[0], w, b, self.eps, None, None))
         if isinstance(input, Tensor) and input.dim() >= 2 and input.shape[1] != self.num_channels:
             raise ValueError(
                 f"GroupNorm({self.num_groups}, {self.num_channels}): expected input with "
                 f"{self.num_channels} channels at dim 1, got {input.shape[1]} (input shape {tuple(input.shape)})"
             )
-        return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps, mask=mask)
+        y = F.group_norm(input, self.num_groups, w, b, self.eps, mask=mask)
+        if k is not None:
+            _hot.remember(k, Call(input, Scope.group(self.num_groups).resolve(input.shape), w, b, self.eps, None, None))
+        return y
 
 
 class LocalResponseNorm(nn.LocalResponseNorm):

@@ -1,0 +1,163 @@
+"""The composite backend's RMSNorm rows (normscope.backends.rms): one reduction each way, closed-form backward.
+
+Every output and gradient is compared with float64 (torch's own ``F.rms_norm`` run in float64 -- an
+independent computation) and with torch at the same dtype: the error against float64 may be at most
+about twice torch's own (the flash-attention criterion), plus a small floor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as tF
+
+import normscope
+import normscope.functional as F
+from normscope.backends import aten, rms
+
+FLOOR = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _run(fn, x, w, gy):
+    xi = x.detach().clone().requires_grad_()
+    wi = None if w is None else w.detach().clone().requires_grad_()
+    y = fn(xi, wi)
+    y.backward(gy.to(y.dtype))
+    return y.detach(), xi.grad, None if wi is None else wi.grad
+
+
+def _check_against_fp64_and_torch(x, w, k, eps=1e-6, fn=None):
+    shape = tuple(x.shape[-k:])
+    g = torch.Generator().manual_seed(7)
+    gy = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    fn = fn or (lambda xi, wi: F.rms_norm(xi, shape, wi, eps, backend="composite"))
+    ours = _run(fn, x, w, gy)
+    assert normscope.last_backend() == "composite"
+    theirs = _run(lambda xi, wi: tF.rms_norm(xi, shape, wi, eps), x, w, gy)
+    exact = _run(lambda xi, wi: tF.rms_norm(xi, shape, wi, eps), x.double(), None if w is None else w.double(), gy)
+    for name, o, t, e in zip(("y", "dx", "dw"), ours, theirs, exact):
+        if e is None:
+            assert o is None and t is None
+            continue
+        assert o.dtype == t.dtype and o.shape == t.shape, name
+        err = (o.double() - e).abs().max().item() if e.numel() else 0.0
+        ref_err = (t.double() - e).abs().max().item() if e.numel() else 0.0
+        scale = e.abs().max().item() if e.numel() else 1.0
+        assert err <= 2 * ref_err + FLOOR[x.dtype] * max(scale, 1.0), (name, err, ref_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape,k", [((4, 64), 1), ((3, 7, 127), 1), ((1, 1), 1), ((5, 3, 11), 2), ((257, 33), 1)])
+@pytest.mark.parametrize("affine", [True, False], ids=["weight", "no_weight"])
+def test_matches_float64_and_torch(dtype, shape, k, affine):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    w = (torch.randn(shape[-k:], generator=g)).to(dtype) if affine else None
+    _check_against_fp64_and_torch(x, w, k)
+
+
+def test_large_offset_and_large_rows():
+    # no mean is subtracted, so a large offset is a large root mean square; rows longer than a
+    # BLAS block and an offset of 1e4 must still give torch's numbers
+    g = torch.Generator().manual_seed(1)
+    x = 1e4 + 1e-2 * torch.randn(16, 5000, generator=g)
+    w = torch.randn(5000, generator=g)
+    _check_against_fp64_and_torch(x, w, 1)
+
+
+def test_fp32_weight_with_bf16_input_and_non_contiguous_input():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 48, generator=g).to(torch.bfloat16).t()  # (48, 64), transposed strides
+    w = torch.randn(64, generator=g)  # fp32 weight on bf16 input: torch's rms_norm accepts any dtype
+    _check_against_fp64_and_torch(x, w, 1)
+
+
+def test_inner_axis_scope():
+    # RMS over axis 0 of (5, 6): the reduced axis is moved last (a view), normalized, moved back
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+    y = normscope.normalize(x, dims=0, centered=False, weight=w, eps=1e-6, backend="composite")
+    assert normscope.last_backend() == "composite"
+    expected = x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + 1e-6) * w.view(5, 1)
+    torch.testing.assert_close(y, expected)
+    gy = torch.randn(5, 6, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad(y, (x, w), gy)
+    want = torch.autograd.grad(expected, (x, w), gy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_empty_input():
+    x = torch.randn(0, 64, requires_grad=True)
+    w = torch.ones(64, requires_grad=True)
+    y = F.rms_norm(x, (64,), w, 1e-6, backend="composite")
+    assert y.shape == (0, 64)
+    y.sum().backward()
+    assert x.grad.shape == (0, 64)
+    torch.testing.assert_close(w.grad, torch.zeros(64))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_gradcheck_and_double_backward(affine):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, generator=g, dtype=torch.float64, requires_grad=True) if affine else None
+    inputs = (x, w) if affine else (x,)
+
+    def fn(*args):
+        return F.rms_norm(args[0], (7,), args[1] if affine else None, 1e-5, backend="composite")
+
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+    # and the second derivative is torch's
+    gy = torch.randn(3, 7, generator=g, dtype=torch.float64)
+    dx = torch.autograd.grad(fn(*inputs), x, gy, create_graph=True)[0]
+    dx_t = torch.autograd.grad(tF.rms_norm(x, (7,), w, 1e-5), x, gy, create_graph=True)[0]
+    torch.testing.assert_close(dx, dx_t)
+    torch.testing.assert_close(torch.autograd.grad(dx.sum(), x)[0], torch.autograd.grad(dx_t.sum(), x)[0])
+
+
+def test_no_grad_forward_matches():
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(6, 33, generator=g), torch.randn(33, generator=g)
+    with torch.no_grad():
+        y = F.rms_norm(x, (33,), w, 1e-6, backend="composite")
+    torch.testing.assert_close(y, tF.rms_norm(x, (33,), w, 1e-6))
+
+
+def test_vmap_runs_the_reference():
+    x = torch.randn(4, 3, 16, dtype=torch.float64)
+    y = torch.func.vmap(lambda t: F.rms_norm(t, (16,), None, 1e-6, backend="composite"))(x)
+    assert normscope.last_backend() == "reference"
+    torch.testing.assert_close(y, tF.rms_norm(x, (16,), None, 1e-6))
+
+
+def test_torch_compile_fullgraph():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(8, 32, generator=g)
+    w = torch.randn(32, generator=g)
+
+    def fn(xi, wi):
+        return F.rms_norm(xi, (32,), wi, 1e-6, backend="composite")
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got = _run(compiled, x, w, torch.ones(8, 32))
+    want = _run(lambda xi, wi: tF.rms_norm(xi, (32,), wi, 1e-6), x, w, torch.ones(8, 32))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_automatic_choice_follows_the_measured_size():
+    # below rms.MIN_AUTO_ELEMENTS torch's op runs; from it on, the composite rows (the committed
+    # measurement is benchmarks/results/cpu_speed.json); a forced "aten" stays torch's op
+    small = torch.randn(2, 64)
+    F.rms_norm(small, (64,))
+    assert normscope.last_backend() == "aten"
+    rows = -(-rms.MIN_AUTO_ELEMENTS // 128)
+    large = torch.randn(rows, 128)
+    F.rms_norm(large, (128,))
+    assert normscope.last_backend() == "composite"
+    F.rms_norm(large, (128,), backend="aten")
+    assert normscope.last_backend() == "aten"
+    assert aten.why_not_auto is aten.BACKEND.why_not_auto

@@ -1,0 +1,144 @@
+"""The layers' hot path (modules/_hot.py): a signature seen before skips checks, resolution and
+planning -- and must still give torch's numbers, honour a forced backend, reject bad input and keep
+the cancellation check."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import normscope
+
+LAYERS = [
+    ("LayerNorm", lambda m: m.LayerNorm(16), (4, 16)),
+    ("RMSNorm", lambda m: m.RMSNorm(16), (4, 16)),
+    ("GroupNorm", lambda m: m.GroupNorm(2, 8), (3, 8, 5)),
+    ("BatchNorm1d", lambda m: m.BatchNorm1d(8), (6, 8)),
+    ("BatchNorm2d", lambda m: m.BatchNorm2d(8), (2, 8, 3, 3)),
+]
+
+
+@pytest.mark.parametrize("name,make,shape", LAYERS, ids=[c[0] for c in LAYERS])
+def test_repeated_calls_match_torch_in_train_and_eval(name, make, shape):
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = make(normscope), make(nn)
+    for train in (True, True, True, False, False):
+        ours.train(train), theirs.train(train)
+        x = torch.randn(shape, generator=g, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        y, y_t = ours(x), theirs(x2)
+        torch.testing.assert_close(y, y_t)
+        gy = torch.randn(shape, generator=g)
+        y.backward(gy), y_t.backward(gy)
+        torch.testing.assert_close(x.grad, x2.grad)
+    for (n, b), (_, b_t) in zip(ours.named_buffers(), theirs.named_buffers()):
+        torch.testing.assert_close(b, b_t, msg=n)
+
+
+def test_forced_backend_between_calls_is_honoured():
+    ln, x = normscope.LayerNorm(16), torch.randn(4, 16)
+    ln(x)
+    ln(x)
+    assert normscope.last_backend() == "aten"
+    with normscope.use_backend("reference"):
+        y = ln(x)
+        assert normscope.last_backend() == "reference"
+    torch.testing.assert_close(y, nn.functional.layer_norm(x, (16,), ln.weight, ln.bias))
+    ln(x)
+    assert normscope.last_backend() == "aten"
+
+
+def test_environment_backend_read_per_call(monkeypatch):
+    gn, x = normscope.GroupNorm(2, 8), torch.randn(3, 8, 5)
+    gn(x)
+    monkeypatch.setenv("NORMSCOPE_BACKEND", "reference")
+    gn(x)
+    assert normscope.last_backend() == "reference"
+
+
+def test_bad_input_after_a_good_call_still_raises():
+    gn = normscope.GroupNorm(2, 8)
+    gn(torch.randn(3, 8, 5))
+    with pytest.raises(ValueError, match="expected input with 8 channels"):
+        gn(torch.randn(3, 6, 5))
+    # a BatchNorm1d that saw a 4D-shaped signature must not let BatchNorm2d's check be skipped, nor
+    # the other way round: the layer's class is part of the key
+    normscope.BatchNorm2d(8)(torch.randn(2, 8, 3, 3))
+    with pytest.raises(ValueError, match="expected 2D or 3D input"):
+        normscope.BatchNorm1d(8)(torch.randn(2, 8, 3, 3))
+    # a parameter changed after the first call (dtype, shape) is checked again
+    ln = normscope.LayerNorm(16)
+    x = torch.randn(4, 16)
+    ln(x)
+    ln.weight.data = torch.ones(16, dtype=torch.float64)
+    with pytest.raises(TypeError, match="weight"):
+        ln(x)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        ln([1.0] * 16)
+
+
+def test_dtype_change_replans():
+    ln = normscope.LayerNorm(16)
+    x = torch.randn(4, 16)
+    ln(x)
+    ln.double()
+    y = ln(x.double())
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, nn.functional.layer_norm(x.double(), (16,), ln.weight, ln.bias))
+
+
+CANCELLING = [
+    (lambda: normscope.LayerNorm(64), (8, 64), lambda x, m: nn.functional.layer_norm(x, (64,), None, None)),
+    (lambda: normscope.GroupNorm(2, 4), (2, 4, 16), lambda x, m: nn.functional.group_norm(x, 2, None, None)),
+]
+
+
+@pytest.mark.parametrize("make,shape,exact", CANCELLING, ids=["LayerNorm", "GroupNorm"])
+def test_cancellation_check_on_the_hot_path_one_scope_is_enough(make, shape, exact):
+    # one scope with mean 1e4 / std 1e-2 among ordinary ones: the exact max |mean| * rstd catches it
+    layer = make()
+    g = torch.Generator().manual_seed(1)
+    ordinary = torch.randn(shape, generator=g)
+    layer(ordinary)
+    layer(ordinary)
+    assert normscope.last_backend() == "aten"
+    x = torch.randn(shape, generator=g)
+    x[0] = 1e4 + 1e-2 * x[0]
+    y = layer(x)
+    assert normscope.last_backend() == "reference"
+    # float64 from torch (weight ones, bias zeros at initialization); fp32 cannot hold a mean of 1e4
+    # closer than 5e-4, i.e. 0.05 of this scope's unit, so that is the bound
+    torch.testing.assert_close(y.double(), exact(x.double(), layer), atol=0.1, rtol=0)
+
+
+def test_pickle_and_deepcopy_after_calls():
+    ln, x = normscope.LayerNorm(16), torch.randn(4, 16)
+    ln(x)
+    for clone in (pickle.loads(pickle.dumps(ln)), copy.deepcopy(ln)):
+        torch.testing.assert_close(clone(x), ln(x))
+
+
+def test_torch_compile_of_a_layer_that_ran_eagerly():
+    ln, x = normscope.LayerNorm(16), torch.randn(4, 16)
+    ln(x)
+    compiled = torch.compile(ln, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), nn.functional.layer_norm(x, (16,), ln.weight, ln.bias))
+
+
+@pytest.mark.parametrize("rows", [8, 600], ids=["list", "torch_ops"])  # either side of aten._LIST_MAX
+def test_cancellation_check_is_exact_past_the_bound(rows):
+    # means past the cheap bound (max |mean| <= 1024 * sqrt(eps)) but |mean| * rstd far below the
+    # limit stay on ATen; one scope over the limit among many goes to the reference
+    ln = normscope.LayerNorm(32)
+    g = torch.Generator().manual_seed(2)
+    x = 10.0 + torch.randn(rows, 32, generator=g)  # mean 10, rstd ~1: product ~10
+    ln(x)
+    ln(x)
+    assert normscope.last_backend() == "aten"
+    x[rows // 2] = 1e4 + 1e-2 * torch.randn(32, generator=g)
+    ln(x)
+    assert normscope.last_backend() == "reference"
