@@ -216,9 +216,16 @@ def test_fused_add_rms_norm_reports_and_obeys_the_backend(monkeypatch):
     monkeypatch.setenv(engine.ENV_VAR, "reference")
     nf.fused_add_rms_norm(x, r, w)
     assert normscope.last_backend() == "reference"
-    monkeypatch.setenv(engine.ENV_VAR, "composite")
-    with pytest.raises(ValueError, match="composite.*cannot run"):
-        nf.fused_add_rms_norm(x, r, w)  # a forced backend that cannot run it raises, never falls back
+    monkeypatch.setenv(engine.ENV_VAR, "composite")  # composite's CPU RMSNorm: add, then its one-pass norm
+    y, h = nf.fused_add_rms_norm(x, r, w)
+    assert normscope.last_backend() == "composite"
+    torch.testing.assert_close(y, want_y)
+    if normscope.backends.TRITON:
+        monkeypatch.setenv(engine.ENV_VAR, "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU tensor the kernels cannot take
+        with pytest.raises(ValueError, match="triton.*cannot run"):
+            nf.fused_add_rms_norm(x, r, w)  # a forced backend that cannot run it raises, never falls back
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv(engine.ENV_VAR)
     with pytest.raises(ValueError, match="unknown backend"):
         nf.fused_add_rms_norm(x, r, w, backend="cudnn")

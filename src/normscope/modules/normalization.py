@@ -158,7 +158,7 @@ class GroupNorm(nn.GroupNorm):
         k = _hot.key(("group", self.num_groups, self.num_channels, self.eps), input, w, b) if mask is None else None
         hot = _hot.get(k)
         if hot is not None:  # this signature was checked, resolved and planned before
-            return engine.run(hot[1], Call(input, hot[0], w, b, self.eps, None, None))
+            return engine.run(hot[1], Call(input, hot[0], w, b, self.eps, None, None, op="group_norm"))
         if isinstance(input, Tensor) and input.dim() >= 2 and input.shape[1] != self.num_channels:
             raise ValueError(
                 f"GroupNorm({self.num_groups}, {self.num_channels}): expected input with "
@@ -166,7 +166,8 @@ class GroupNorm(nn.GroupNorm):
             )
         y = F.group_norm(input, self.num_groups, w, b, self.eps, mask=mask)
         if k is not None:
-            _hot.remember(k, Call(input, Scope.group(self.num_groups).resolve(input.shape), w, b, self.eps, None, None))
+            scope = Scope.group(self.num_groups).resolve(input.shape)
+            _hot.remember(k, Call(input, scope, w, b, self.eps, None, None, op="group_norm"))
         return y
 
 
