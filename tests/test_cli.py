@@ -341,7 +341,8 @@ def test_cpu_overhead_benchmark_smoke(tmp_path, capsys, monkeypatch):
         bench.main(["--quick", "--cases", "LayerNorm:small,GroupNorm:small", "--rounds", "2", "--out", str(out)]) == 0
     )
     doc = json.loads(out.read_text())
-    assert [r["case"] for r in doc["results"]] == ["LayerNorm:small", "GroupNorm:small"]
+    got = [(r["case"], r["mode"]) for r in doc["results"]]
+    assert got == [(c, m) for c in ("LayerNorm:small", "GroupNorm:small") for m in ("fwd", "fwdbwd")]
     assert doc["machine"]["torch"] == torch.__version__ and doc["machine"]["torch_threads"] >= 1
     for r in doc["results"]:
         assert len(r["samples_us"]["torch"]) == len(r["samples_us"]["normscope"]) == 2

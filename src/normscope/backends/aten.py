@@ -24,6 +24,7 @@ from torch import Tensor
 from .. import engine
 from ..engine import Backend, Call, Runner
 from . import rms
+from ._layout import channels_last
 
 NAME = "aten"
 
@@ -173,7 +174,7 @@ def _cancels(mean: Tensor, eps: float, rstd: Tensor | None = None, var: Tensor |
     torch reductions, negligible beside the normalization of that many scopes. CPU only: reading a
     value is a copy, not a device synchronisation."""
     m = (mean.detach() if mean.requires_grad else mean).reshape(-1)
-    bound = _CANCEL_LIMIT * math.sqrt(eps)
+    bound = _CANCEL_LIMIT * math.sqrt(eps) if eps > 0 else 0.0  # eps <= 0 (torch allows it): rstd is unbounded
     if m.numel() <= _LIST_MAX:
         values = m.tolist()
         if not values or (max(values) <= bound and min(values) >= -bound):
@@ -231,7 +232,7 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
             n, ch = x.shape[0], x.shape[1]
             hw = x.numel() // max(n * ch, 1)
             # as torch.group_norm: keep a channels_last input channels_last
-            cl = _channels_last(x)
+            cl = channels_last(x)
             x = x.contiguous(memory_format=cl or torch.contiguous_format)
             y, mean, rstd = torch.native_group_norm(x, c.weight, c.bias, n, ch, hw, groups, c.eps)
             return engine.recompute(c) if _cancels(mean, c.eps, rstd) else y
@@ -259,15 +260,6 @@ def _groups(s) -> int:
     """torch.group_norm's num_groups for a scope it computes: one group per channel when the scope is
     InstanceNorm's (a GroupNorm(C, C) call), else the scope's groups."""
     return s.shape[1] if s.reduce == tuple(range(2, len(s.shape))) else s.groups
-
-
-def _channels_last(x: Tensor) -> torch.memory_format | None:
-    if x.is_contiguous():
-        return None
-    for fmt, nd in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
-        if x.dim() == nd and x.is_contiguous(memory_format=fmt):
-            return fmt
-    return None
 
 
 def _batched(x: Tensor) -> bool:

@@ -38,6 +38,7 @@ from .. import reference as ref
 from ..engine import Call, Runner
 from ..scope import Scope
 from . import reference as reference_backend
+from ._layout import channels_last
 
 __all__ = ["MIN_AUTO_ELEMENTS", "takes", "prepare"]
 
@@ -148,6 +149,8 @@ def prepare(call: Call) -> Runner:
         else:  # nothing to differentiate: skip the autograd.Function's per-call cost
             y = _forward(x2, w, c.eps)[0]
         y = y.view(xm.shape)
-        return y.movedim(tail, s.reduce) if moved else y
+        y = y.movedim(tail, s.reduce) if moved else y
+        fmt = channels_last(c.x)
+        return y if fmt is None else y.contiguous(memory_format=fmt)  # torch keeps the input's layout
 
     return run

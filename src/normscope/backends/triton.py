@@ -35,6 +35,7 @@ from .. import engine
 from .. import reference as ref
 from ..engine import Backend, Call, Runner
 from . import measured
+from ._layout import channels_last
 
 NAME = "triton"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -115,16 +116,6 @@ def _kind(s) -> tuple[str, int] | None:
     return None
 
 
-def _channels_last(x: Tensor) -> torch.memory_format | None:
-    """channels_last / channels_last_3d when ``x`` is laid out so (and not also contiguous)."""
-    if x.is_contiguous():
-        return None
-    for fmt, nd in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
-        if x.dim() == nd and x.is_contiguous(memory_format=fmt):
-            return fmt
-    return None
-
-
 def _dense(t: Tensor | None) -> Tensor | None:
     """A weight, bias or flag array as the dense 1-d memory the kernels index (a copy of a view)."""
     if t is None:
@@ -188,7 +179,7 @@ def prepare(call: Call, automatic: bool) -> Runner:
 
     def run_rows(c: Call) -> Tensor:
         y = rows.rows_norm(c.x, _dense(c.weight), _dense(c.bias), c.eps, centered, n=n)[0]
-        fmt = _channels_last(c.x)
+        fmt = channels_last(c.x)
         return y if fmt is None else y.contiguous(memory_format=fmt)  # torch keeps the input's layout
 
     return run_rows

@@ -22,7 +22,7 @@ ROW_CASES = ("layer_norm", "rms_norm", "add_rms_norm")
 CASES = (*ROW_CASES, "group_norm", "group_norm_cl", "batch_norm", "masked_batch_norm")
 NS_FULL = (256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 NS_QUICK = (256, 4096)
-#: --interpret: 20000 > normscope's MAX_FUSED_N (its looped path), 70000 > Liger's 65536 limit (its error path)
+#: --interpret: 20000 > normscope's ROWS_MAX_FUSED_N (its looped path), 70000 > Liger's 65536 limit (its error path)
 NS_INTERPRET = (64, 20000, 70000)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EPS = 1e-5
