@@ -216,3 +216,30 @@ def test_torchscript_trace_works_and_script_is_refused_as_documented():
     torch.testing.assert_close(traced(x * 3 + 1), F.layer_norm(x * 3 + 1, (5,), m.weight, m.bias))
     with pytest.raises(torch.jit.frontend.NotSupportedError):
         torch.jit.script(m)
+
+
+@pytest.mark.parametrize("name", ["PowerNorm", "BatchRenorm1d", "BatchNorm1d"])
+def test_masked_layers_compile_fullgraph_in_training(name):
+    import copy
+
+    g = torch.Generator().manual_seed(3)
+    if name == "PowerNorm":
+        eager, x, mask = normscope.PowerNorm(4), torch.randn(3, 5, 4, generator=g), torch.rand(3, 5, generator=g) > 0.3
+    else:
+        eager = getattr(normscope, name)(4)
+        x, mask = torch.randn(3, 4, 5, generator=g), torch.rand(3, 5, generator=g) > 0.3
+    mask[0, 0] = True
+    mod = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(mod, fullgraph=True, backend="aot_eager")  # a graph break raises
+    for _ in range(2):
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ye, yc = eager(xe, mask=mask), compiled(xc, mask=mask)
+        torch.testing.assert_close(yc, ye)
+        ye.square().sum().backward()
+        yc.square().sum().backward()
+        torch.testing.assert_close(xc.grad, xe.grad)
+    for (k, be), (_, bc) in zip(eager.named_buffers(), mod.named_buffers()):
+        torch.testing.assert_close(bc, be, msg=k)
+    with pytest.raises(ValueError, match="at least one valid"):  # eager still refuses an all-False mask
+        eager(x, mask=torch.zeros_like(mask))

@@ -123,3 +123,16 @@ def trailing(x: Tensor, shape: tuple[int, ...], where: str) -> None:
             f"{where}: expected input whose last {k} dimension(s) are normalized_shape={list(shape)}, "
             f"got input of shape {tuple(x.shape)}"
         )
+
+
+def all_masked(mask: Tensor | None) -> bool:
+    """Whether ``mask`` is given, non-empty and has no valid (True) element -- the training-time error
+    of masked layers. Data-dependent, so it is not asked (False) where it cannot be answered without
+    harm: on meta tensors (no values) and while torch.compile / the TorchScript tracer records (a Python
+    bool of a tensor breaks the graph); an all-False mask there normalizes with no valid element and
+    returns the bias. An empty batch is not "all masked": it returns empty, as torch does."""
+    if mask is None or not mask.numel() or mask.device.type == "meta":
+        return False
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return not bool(mask.any())

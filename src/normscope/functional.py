@@ -15,7 +15,6 @@ from torch import Tensor
 from . import _checks as check
 from .engine import Running, add_norm, norm, stats
 from .engine import apply as _apply
-from .engine import tracing as _tracing
 from .scope import Scope
 
 __all__ = [
@@ -119,9 +118,7 @@ def batch_norm(
         check.param(p, name, (c,), input, where)
     mask = check.mask(mask, input, channel_dim, where)
     if training and mask is not None:
-        # data-dependent: skipped for an empty batch (torch returns it empty), on meta tensors and
-        # while tracing (torch.compile would break the graph here; an all-False mask then gives the bias)
-        if mask.numel() and mask.device.type != "meta" and not _tracing() and not bool(mask.any()):
+        if check.all_masked(mask):  # not asked on meta tensors or while tracing (see its docstring)
             raise ValueError(
                 f"{where}: expected at least one valid (True) element in `mask` when training, got an "
                 f"all-False mask of shape {tuple(mask.squeeze(channel_dim).shape)}"

@@ -199,7 +199,7 @@ class PowerNorm(nn.Module):
             # no token, no statistic: the state stays as it was (a zero quadratic mean would enter
             # running_phi), and the output is empty anyway
             return self._eval(x, scope)
-        if mask is not None and not bool(mask.any()):
+        if check.all_masked(mask):  # not asked on meta tensors or while tracing
             raise ValueError(f"{name}: expected at least one valid (True) element in `mask` when training, got none")
         self.num_batches_tracked.add_(1)
         # the step as a tensor: int() of a buffer would break a torch.compile graph, and on a

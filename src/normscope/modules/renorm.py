@@ -109,7 +109,7 @@ class _BatchRenormMixin(_BatchNormMixin):
         self._check_input_dim(input)
         check.tensor(input, "input", name)  # an int/bool input would come back as int
         mask = check.mask(mask, input, self.channel_dim, name)
-        if mask is not None and not bool(mask.any()):
+        if check.all_masked(mask):  # not asked on meta tensors or while tracing
             raise ValueError(f"{name}: expected at least one valid (True) element in `mask` when training, got none")
         if mask is None and input.numel() // self.num_features == 1:
             # torch's BatchNorm rule: one value has no variance to estimate (r and d would be 0/0)
