@@ -189,7 +189,10 @@ def test_masked_batch_norm_under_torch_func_grad_and_vmap():
     def f(t):
         return nf.batch_norm(t, None, None, training=True, mask=mask).square().mul(torch.arange(5.0)).sum()
 
-    got = torch.func.grad(f)(x)
+    f(x)  # an eager call first: its plan (the composite backend) is cached for this signature ...
+    assert normscope.last_backend() == "composite"
+    got = torch.func.grad(f)(x)  # ... and must still run inside the transform
+    assert normscope.last_backend() == "reference"
     xr = x.clone().requires_grad_()
     with normscope.use_backend("reference"):
         (want,) = torch.autograd.grad(f(xr), xr)

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import engine
+
 
 def tensor(x: object, name: str, where: str) -> Tensor:
     if not isinstance(x, Tensor):
@@ -133,6 +135,6 @@ def all_masked(mask: Tensor | None) -> bool:
     returns the bias. An empty batch is not "all masked": it returns empty, as torch does."""
     if mask is None or not mask.numel() or mask.device.type == "meta":
         return False
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+    if engine.tracing():
         return False
     return not bool(mask.any())

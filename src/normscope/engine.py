@@ -52,6 +52,7 @@ __all__ = [
     "running_as_stats",
     "recompute",
     "tracing",
+    "transformed",
     "position_mask",
     "plan",
     "run",
@@ -189,6 +190,14 @@ def recompute(call: Call) -> Tensor:
 def tracing() -> bool:
     """Whether torch.compile (dynamo) or the TorchScript tracer is recording this call."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def transformed() -> bool:
+    """Whether this call runs inside a torch.func transform (vmap, grad, jacrev, ...): there a Python
+    bool of a tensor (``.item()``) cannot run under vmap, nor an autograd.Function without
+    ``setup_context``. Asked at run time, never in ``why_not``: plans are cached per signature, and
+    one signature is called both inside and outside transforms."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def position_mask(mask: Tensor, x: Tensor, d: int) -> Tensor | None:
@@ -452,7 +461,7 @@ def remember_layer_plan(key: tuple, call: Call) -> None:
     """Remember the resolved scope and plan of ``call`` (which has just run, its arguments checked)
     under ``key`` (see :func:`layer_plan`). Nothing is remembered while tracing: dynamo traces the
     checked path instead."""
-    if torch.compiler.is_compiling() or tracing():
+    if tracing():
         return
     try:
         found = (call.scope, plan(call))

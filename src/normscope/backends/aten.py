@@ -199,7 +199,7 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
         moved = s.reduce != tail
 
         def run(c: Call) -> Tensor:
-            if engine.tracing() or _batched(c.x):
+            if engine.tracing() or engine.transformed():
                 return plain(c)
             xm = c.x.movedim(s.reduce, tail) if moved else c.x
             y, mean, rstd = torch.native_layer_norm(xm, shape, c.weight, c.bias, c.eps)
@@ -211,7 +211,7 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
 
         def run(c: Call) -> Tensor:
             r = c.running
-            if engine.tracing() or _batched(c.x):
+            if engine.tracing() or engine.transformed():
                 return plain(c)
             if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
                 return engine.recompute(c) if _cancels(r.mean, c.eps, var=r.var) else plain(c)
@@ -226,7 +226,7 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
         groups = _groups(s)
 
         def run(c: Call) -> Tensor:
-            if engine.tracing() or _batched(c.x):
+            if engine.tracing() or engine.transformed():
                 return plain(c)
             x = c.x
             n, ch = x.shape[0], x.shape[1]
@@ -240,7 +240,7 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
     elif k == "instance_norm":
 
         def run(c: Call) -> Tensor:
-            if engine.tracing() or _batched(c.x) or c.running is not None:
+            if engine.tracing() or engine.transformed() or c.running is not None:
                 return plain(c)  # with running buffers torch's instance_norm averages them itself
             # as torch.instance_norm: BatchNorm over (1, N*C, *)
             x = c.x
@@ -260,12 +260,6 @@ def _groups(s) -> int:
     """torch.group_norm's num_groups for a scope it computes: one group per channel when the scope is
     InstanceNorm's (a GroupNorm(C, C) call), else the scope's groups."""
     return s.shape[1] if s.reduce == tuple(range(2, len(s.shape))) else s.groups
-
-
-def _batched(x: Tensor) -> bool:
-    """Inside a torch.func transform (vmap, grad, jacrev...): the check's ``.item()`` cannot run
-    under vmap, so the plain op runs -- torch's own numbers, as a forced "aten" would give."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 BACKEND = Backend(NAME, why_not, prepare, why_not_auto)

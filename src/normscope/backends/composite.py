@@ -95,8 +95,8 @@ def why_not(call: Call) -> str | None:
         return "the composite backend runs unmasked RMS rows and masked scopes only (ATen runs the other unmasked ones)"
     if engine.tracing():
         return "tracing: the reference traces without graph breaks"
-    if call.x.device.type == "meta" or _transformed():
-        return "meta tensors and torch.func transforms: the reference has no data-dependent step"
+    if call.x.device.type == "meta":
+        return "meta tensors: the reference has no data-dependent step"
     if any(n == 0 for n in call.scope.shape):
         return "empty input (the reference returns it)"
     if call.running is not None and not call.running.use_input_stats:
@@ -109,12 +109,6 @@ def why_not(call: Call) -> str | None:
     if engine.position_mask(call.mask, call.x, v.channel_dim) is None:
         return "the mask varies along the channel axis (one flag per position is needed)"
     return None
-
-
-def _transformed() -> bool:
-    # inside torch.func.vmap/grad/jacrev: the finiteness check below (bool of a tensor) and the
-    # autograd.Function cannot run there; the reference is plain differentiable ops
-    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -290,6 +284,10 @@ def prepare(call: Call, automatic: bool) -> Runner:
     v = _view(call)
 
     def run(c: Call) -> Tensor:
+        if engine.transformed():
+            # inside torch.func: the finiteness check (a bool of a tensor) and the autograd.Function
+            # cannot run there; the reference is plain differentiable ops
+            return engine.recompute(c)
         shape = tuple(c.x.shape)
         d = v.channel_dim
         o, ch, i = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1 :])

@@ -136,7 +136,7 @@ def prepare(call: Call) -> Runner:
     n = math.prod([s.shape[d] for d in s.reduce])
 
     def run(c: Call) -> Tensor:
-        if torch._C._functorch.peek_interpreter_stack() is not None:
+        if engine.transformed():
             # vmap / grad transforms: an autograd.Function in the forward(ctx) style cannot run
             # inside them; the reference's plain ops can
             return engine.recompute(c)
