@@ -14,3 +14,12 @@ def channels_last(x: Tensor) -> torch.memory_format | None:
         if x.dim() == nd and x.is_contiguous(memory_format=fmt):
             return fmt
     return None
+
+
+def reduced_last(scope) -> tuple[tuple[int, ...], bool]:
+    """``(tail, moved)`` for ops that normalize the last axes (layer_norm, rms_norm, the RMS rows):
+    ``tail`` are the last ``len(scope.reduce)`` axes, and ``moved`` says whether the reduced axes
+    must be moved there first (``x.movedim(scope.reduce, tail)``, a view)."""
+    ndim, nred = len(scope.shape), len(scope.reduce)
+    tail = tuple(range(ndim - nred, ndim))
+    return tail, scope.reduce != tail

@@ -24,7 +24,7 @@ from torch import Tensor
 from .. import engine
 from ..engine import Backend, Call, Runner
 from . import rms
-from ._layout import channels_last
+from ._layout import channels_last, reduced_last
 
 NAME = "aten"
 
@@ -142,10 +142,8 @@ def _plain(call: Call) -> Runner:
     else:
         # layer_norm / rms_norm over any axes: move the reduced axes to the end (a view; free when
         # they already are the last ones)
-        ndim, nred = len(s.shape), len(s.reduce)
-        tail = tuple(range(ndim - nred, ndim))
+        tail, moved = reduced_last(s)
         shape = _static([s.shape[d] for d in s.reduce])
-        moved = s.reduce != tail
         centered = k == "layer_norm"
 
         def run(c: Call) -> Tensor:
@@ -193,10 +191,8 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
     if not engine.tracing() and (s.count == 0 or any(n == 0 for n in s.shape)):
         return plain  # empty input: torch's ops return early (the native ones would raise)
     if k == "layer_norm":
-        ndim, nred = len(s.shape), len(s.reduce)
-        tail = tuple(range(ndim - nred, ndim))
+        tail, moved = reduced_last(s)
         shape = _static([s.shape[d] for d in s.reduce])
-        moved = s.reduce != tail
 
         def run(c: Call) -> Tensor:
             if engine.tracing() or engine.transformed():

@@ -38,7 +38,7 @@ from .. import reference as ref
 from ..engine import Call, Runner
 from ..scope import Scope
 from . import reference as reference_backend
-from ._layout import channels_last
+from ._layout import channels_last, reduced_last
 
 __all__ = ["MIN_AUTO_ELEMENTS", "takes", "prepare"]
 
@@ -130,9 +130,7 @@ def prepare(call: Call) -> Runner:
     """The runner of an RMS call (``takes(call)`` is None): the reduced axes moved last (a view,
     free when they already are), the input as (rows, N), one :class:`_RMSRows`."""
     s = call.scope
-    ndim, nred = len(s.shape), len(s.reduce)
-    tail = tuple(range(ndim - nred, ndim))
-    moved = s.reduce != tail
+    tail, moved = reduced_last(s)
     n = math.prod([s.shape[d] for d in s.reduce])
 
     def run(c: Call) -> Tensor:
