@@ -466,17 +466,11 @@ def fused_add_rms_norm(
         )
     if x.dim() == 0:
         raise ValueError(f"{where}: expected `x` with at least 1 dimension, got a 0-d tensor")
-    for name, t in (("x", x), ("residual", residual)):
-        if not t.is_floating_point():
-            raise TypeError(f"{where}: expected a floating-point `{name}`, got {t.dtype}")
     if residual.device != x.device:
         raise ValueError(f"{where}: expected `residual` on {x.device}, got {residual.device}")
     if weight is not None:
-        check.tensor(weight, "weight", where)
-        if tuple(weight.shape) != (x.shape[-1],):
-            raise ValueError(f"{where}: expected `weight` of shape ({x.shape[-1]},), got {tuple(weight.shape)}")
-        if weight.device != x.device:
-            raise ValueError(f"{where}: expected `weight` on {x.device}, got {weight.device}")
+        check.tensor(weight, "weight", where)  # floating point
+        check.param(weight, "weight", (x.shape[-1],), x, where, any_dtype=True)  # shape, device
     options = {"weight_offset": weight_offset, "residual_fp32": residual_fp32, "backend": backend}
     return add_norm(x, residual, _RMS_LAST, weight, None, eps, **options)
 
