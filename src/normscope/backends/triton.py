@@ -6,9 +6,10 @@ contract so that a call either gives torch's numbers or is declined with its rea
 
 * **layout**: the kernels read a canonical view (unit-stride rows; contiguous or channels_last
   (N, C, *); contiguous (outer, C, inner)). Inputs of any other strides -- sliced, transposed,
-  expanded (stride 0), offset storage -- are copied once by the kernel entry points; weights,
-  biases and masks, which the kernels index as dense 1-d arrays, are made contiguous here (a view
-  such as ``base[::2]`` or ``g.expand(n)`` is materialised: C elements, not the activation).
+  expanded (stride 0), offset storage -- are copied once by the kernel entry points, which also
+  pass weights, biases and running buffers through :func:`normscope.kernels.rows.dense` (a view
+  such as ``base[::2]`` or ``g.expand(n)`` is materialised: C elements, not the activation); masks
+  are made contiguous here. Outputs keep a channels_last input's layout, as torch's do.
 * **dtypes**: float32/float16/bfloat16 input (statistics in fp32); anything else is declined.
 * **scopes**: the last axes with a per-element affine (rows), (N, C, *) groups with a per-channel
   affine, per-channel statistics over every other axis (BatchNorm, masked too). Empty scopes, masks
@@ -116,14 +117,6 @@ def _kind(s) -> tuple[str, int] | None:
     return None
 
 
-def _dense(t: Tensor | None) -> Tensor | None:
-    """A weight, bias or flag array as the dense 1-d memory the kernels index (a copy of a view)."""
-    if t is None:
-        return None
-    t = t.reshape(-1)
-    return t if t.is_contiguous() else t.contiguous()
-
-
 def prepare(call: Call, automatic: bool) -> Runner:
     kind, arg = _kind(call.scope)
     centered = call.scope.centered
@@ -133,9 +126,9 @@ def prepare(call: Call, automatic: bool) -> Runner:
         d = arg
 
         def run_channels(c: Call) -> Tensor:
-            r, w, b = c.running, _dense(c.weight), _dense(c.bias)
+            r, w, b = c.running, c.weight, c.bias
             if r is not None and not r.use_input_stats:
-                return chn.batch_norm_channels(c.x, d, w, b, c.eps, _dense(r.mean), _dense(r.var))[0]
+                return chn.batch_norm_channels(c.x, d, w, b, c.eps, r.mean, r.var)[0]
             pos_mask = None
             if c.mask is not None:
                 pos_mask = engine.position_mask(c.mask, c.x, d)
@@ -154,7 +147,7 @@ def prepare(call: Call, automatic: bool) -> Runner:
         from ..kernels import groups as grp
 
         def run_groups(c: Call) -> Tensor:
-            return grp.group_norm(c.x, arg, _dense(c.weight), _dense(c.bias), c.eps, centered)
+            return grp.group_norm(c.x, arg, c.weight, c.bias, c.eps, centered)
 
         return run_groups
     from ..kernels import rows
@@ -165,7 +158,7 @@ def prepare(call: Call, automatic: bool) -> Runner:
         def run_fused(c: Call) -> tuple[Tensor, Tensor]:
             return rows.rows_norm(
                 c.x,
-                _dense(c.weight),
+                c.weight,
                 None,
                 c.eps,
                 False,
@@ -178,7 +171,7 @@ def prepare(call: Call, automatic: bool) -> Runner:
         return run_fused
 
     def run_rows(c: Call) -> Tensor:
-        y = rows.rows_norm(c.x, _dense(c.weight), _dense(c.bias), c.eps, centered, n=n)[0]
+        y = rows.rows_norm(c.x, c.weight, c.bias, c.eps, centered, n=n)[0]
         fmt = channels_last(c.x)
         return y if fmt is None else y.contiguous(memory_format=fmt)  # torch keeps the input's layout
 

@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import config
-from .rows import _chan_combine, _next_pow2, _sm_count, use_kernel
+from .rows import _chan_combine, _next_pow2, _sm_count, dense, use_kernel
 
 __all__ = ["batch_norm_channels"]
 
@@ -373,10 +373,6 @@ def _backward_differentiable(ctx, dy, x3, weight, mean, rstd, mask):
 channels_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _dense(t: Optional[Tensor]) -> Optional[Tensor]:
-    return t.reshape(-1).contiguous() if t is not None else None
-
-
 def batch_norm_channels(
     x: Tensor,
     channel_dim: int,
@@ -403,9 +399,7 @@ def batch_norm_channels(
     m2 = mask.reshape(outer, x3.shape[2]).to(torch.uint8) if mask is not None else None
     y, mean, _, var, count = channels_fwd(
         x3,
-        weight.reshape(-1).contiguous() if weight is not None else None,
-        bias.reshape(-1).contiguous() if bias is not None else None,
-        _dense(running_mean), _dense(running_var), m2, float(eps),
+        dense(weight), dense(bias), dense(running_mean), dense(running_var), m2, float(eps),
     )  # fmt: skip
     y = y.view(shape)
     return (y.contiguous(memory_format=torch.channels_last) if cl else y), mean, var, count

@@ -61,7 +61,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import config
-from .rows import _chan_combine, _next_pow2, use_kernel
+from .rows import _chan_combine, _next_pow2, dense, use_kernel
 
 __all__ = ["group_norm", "group_norm_ref"]
 
@@ -727,8 +727,8 @@ def group_norm(
     group_norm); any other strides are copied to contiguous NCHW once and give an NCHW output."""
     y, _, _ = groups_fwd(
         _laid_out(x),  # the copy, if any, happens here so that the saved x is already laid out
-        weight.reshape(-1).contiguous() if weight is not None else None,
-        bias.reshape(-1).contiguous() if bias is not None else None,
+        dense(weight),
+        dense(bias),
         int(groups), float(eps), bool(centered),
     )  # fmt: skip
     return y

@@ -616,6 +616,16 @@ rows_fwd.register_autograd(_backward, setup_context=_setup_context)
 # the entry point
 
 
+def dense(t: Optional[Tensor]) -> Optional[Tensor]:
+    """A weight, bias or running buffer as the dense 1-d memory the kernels index: a view such as
+    ``base[::2]``, ``g.expand(n)`` or an offset slice is copied (C elements, not the activation).
+    Every kernel entry point passes its per-channel tensors through this."""
+    if t is None:
+        return None
+    t = t.reshape(-1)
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def rows_norm(
     x: Tensor,
     weight: Optional[Tensor] = None,
@@ -644,7 +654,6 @@ def rows_norm(
     r2 = None
     if residual is not None:
         r2 = (residual if residual.stride(-1) == 1 else residual.contiguous()).reshape(-1, n)
-    w = weight.reshape(-1).contiguous() if weight is not None else None
-    b = bias.reshape(-1).contiguous() if bias is not None else None
+    w, b = dense(weight), dense(bias)
     y, s, _, _ = rows_fwd(x2, w, b, r2, float(eps), bool(centered), float(weight_offset), bool(residual_fp32))
     return y.view(shape), (s.view(shape) if residual is not None else None)
