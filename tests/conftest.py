@@ -153,3 +153,15 @@ def pytest_configure(config):
             "kernels: unset TRITON_INTERPRET"
         )
     config.addinivalue_line("markers", "slow: takes tens of seconds (torch.compile); deselect with -m 'not slow'")
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``normscope ARGV...`` in this process: (exit status, stdout, stderr); argparse's exits included."""
+    from normscope import cli
+
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:  # argparse errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err

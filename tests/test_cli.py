@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import normscope
+from conftest import run_cli as run
 from normscope import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,15 +31,6 @@ ARTICLE_DATA = [
     [[[0.1, 0.2], [0.3, 0.4]], [[1.0, 0.9], [1.2, -1.1]], [[1.1, 0.3], [-0.6, 0.2]]],
     [[[0.3, 0.8], [-0.2, -0.3]], [[-0.2, 2.1], [1.1, 0.2]], [[0.4, 0.7], [-2.1, 0.5]]],
 ]
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(list(argv))
-    except SystemExit as e:  # argparse errors
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def channel_stats() -> list[tuple[float, float]]:

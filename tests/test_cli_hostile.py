@@ -12,19 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from normscope import cli
+from conftest import run_cli as run
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(list(argv))
-    except SystemExit as e:  # argparse errors
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _one_line_error(err: str, argument: str) -> str:
