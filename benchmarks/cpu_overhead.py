@@ -23,9 +23,10 @@ busy machine the least disturbed estimate.
     PYTHONPATH=src python3 benchmarks/cpu_overhead.py --quick          # smoke test, seconds
     PYTHONPATH=src python3 benchmarks/cpu_overhead.py --compile        # also the torch.compile case
 
-Writes JSON (machine, torch version, threads, every sample) to ``--out`` (default
-``results/cpu_speed.json``: the older ``results/cpu_overhead*.json`` are the measurements before
-issue 15, kept for comparison).
+Writes JSON (machine, torch version, threads, every sample) to ``--out``, by default a new
+``results/cpu_speed-<UTC time>.json`` beside the committed ``results/cpu_speed.json`` (the README's
+figures; replace it deliberately with ``--out results/cpu_speed.json``). The older
+``results/cpu_overhead*.json`` are the measurements before issue 15, kept for comparison.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -47,7 +49,15 @@ from torch import nn
 
 import normscope
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "cpu_speed.json"
+RESULTS = Path(__file__).resolve().parent / "results"
+COMMITTED = RESULTS / "cpu_speed.json"  # the measurement the README and the automatic choices cite
+
+
+def default_out() -> Path:
+    """A new file beside the committed results, never over them: ``cpu_speed-<UTC time>.json``
+    (to replace the committed measurement, pass ``--out`` explicitly)."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return RESULTS / f"cpu_speed-{stamp}.json"
 
 
 @dataclass(frozen=True)
@@ -255,7 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output path. Default: {DEFAULT_OUT}")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"JSON output path. Default: a new results/cpu_speed-<UTC time>.json beside {COMMITTED.name}",
+    )
     p.add_argument(
         "--rounds",
         type=int,
@@ -271,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="also time a compiled normscope block vs torch.nn's")
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'shared machine, noisy')")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = default_out()
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -281,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         cases = [c for c in cases if c.size == "small"]
     if args.cases:
-        wanted = {w.strip() for w in args.cases.split(",") if w.strip()}
+        # commas inside parentheses belong to a name ("GroupNorm(4,16):small")
+        wanted = {w.strip() for w in re.split(r",(?![^()]*\))", args.cases) if w.strip()}
         known = {c.name for c in cases}
         if wanted - known:
             p.error(f"argument --cases: unknown {sorted(wanted - known)}; expected names from {sorted(known)}")

@@ -19,6 +19,8 @@ LAYERS = [
     ("GroupNorm", lambda m: m.GroupNorm(2, 8), (3, 8, 5)),
     ("BatchNorm1d", lambda m: m.BatchNorm1d(8), (6, 8)),
     ("BatchNorm2d", lambda m: m.BatchNorm2d(8), (2, 8, 3, 3)),
+    ("InstanceNorm1d", lambda m: m.InstanceNorm1d(4, affine=True), (3, 4, 10)),
+    ("InstanceNorm2d-tracked", lambda m: m.InstanceNorm2d(4, affine=True, track_running_stats=True), (2, 4, 5, 6)),
 ]
 
 
@@ -142,3 +144,122 @@ def test_cancellation_check_is_exact_past_the_bound(rows):
     x[rows // 2] = 1e4 + 1e-2 * torch.randn(32, generator=g)
     ln(x)
     assert normscope.last_backend() == "reference"
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer's last call (modules/_hot.last): what may change between two calls of one signature
+
+
+def _ln_ref(x, ln):
+    return nn.functional.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+
+
+def test_a_new_parameter_object_or_attribute_is_seen():
+    ln, x = normscope.LayerNorm(16), torch.randn(4, 16)
+    ln(x), ln(x)
+    ln.weight = nn.Parameter(torch.full((16,), 3.0))  # setattr: forgets the last call
+    torch.testing.assert_close(ln(x), _ln_ref(x, ln))
+    ln.eps = 10.0  # configuration: setattr too
+    torch.testing.assert_close(ln(x), _ln_ref(x, ln))
+    # written into _parameters directly (as FSDP does), bypassing setattr: a different object
+    ln._parameters["bias"] = nn.Parameter(torch.full((16,), -2.0))
+    torch.testing.assert_close(ln(x), _ln_ref(x, ln))
+    ln.weight.data = torch.full((16,), 0.5)  # same object, data swapped in place: read per call anyway
+    torch.testing.assert_close(ln(x), _ln_ref(x, ln))
+
+
+def test_data_swapped_for_a_wrong_shape_raises_in_the_layers_terms():
+    ln, x = normscope.LayerNorm(16), torch.randn(4, 16)
+    ln(x), ln(x)
+    ln.weight.data = torch.ones(8)  # same Parameter object, shape no longer fits
+    with pytest.raises(ValueError, match="weight"):
+        ln(x)
+
+
+def test_parametrized_and_property_weights_are_read_the_usual_way():
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    ln, x = normscope.LayerNorm(16), torch.randn(4, 16)
+    ln(x), ln(x)
+    parametrize.register_parametrization(ln, "weight", Doubled())
+    y = ln(x)
+    assert "weight" not in ln._parameters  # the hot path must not read a missing entry as "no weight"
+    torch.testing.assert_close(y, _ln_ref(x, ln))
+    torch.testing.assert_close(ln.weight, 2 * ln.parametrizations.weight.original)
+
+    class Scaled(normscope.RMSNorm):  # a subclass whose weight is a property over the parameter
+        @property
+        def weight(self):
+            p = self._parameters.get("weight")
+            if p is None:  # during construction: not there yet (hasattr must say so)
+                raise AttributeError("weight")
+            return 3 * p
+
+    rms = Scaled(16)
+    with torch.no_grad():  # reset_parameters filled the property's temporary, not the parameter
+        rms._parameters["weight"].fill_(1.0)
+    for _ in range(3):
+        y = rms(x)
+    torch.testing.assert_close(y, nn.functional.rms_norm(x, (16,), 3 * torch.ones(16)))
+
+
+def test_module_to_and_train_eval_forget_the_last_call():
+    bn = normscope.BatchNorm1d(8)
+    ref = nn.BatchNorm1d(8)
+    g = torch.Generator().manual_seed(5)
+    for step in range(6):
+        x = torch.randn(10, 8, generator=g)
+        if step == 3:
+            bn.double(), ref.double()
+        if step == 4:
+            bn.eval(), ref.eval()
+        x = x.to(bn.weight.dtype)
+        torch.testing.assert_close(bn(x), ref(x))
+    for (n, a), (_, b) in zip(bn.named_buffers(), ref.named_buffers()):
+        torch.testing.assert_close(a, b, msg=n)
+
+
+def test_alternating_signatures_use_the_shared_table():
+    ln = normscope.LayerNorm(16)
+    xs = [torch.randn(4, 16), torch.randn(2, 3, 16), torch.randn(4, 16).double()]
+    ln(xs[0]), ln(xs[1])
+    for _ in range(2):
+        for x in xs[:2]:
+            torch.testing.assert_close(ln(x), _ln_ref(x, ln))
+            assert normscope.last_backend() == "aten"
+    ln.double()
+    torch.testing.assert_close(ln(xs[2]), _ln_ref(xs[2], ln))
+
+
+@pytest.mark.parametrize("track", [False, True])
+def test_instance_norm_unbatched_between_batched_calls(track):
+    ours = normscope.InstanceNorm2d(4, affine=True, track_running_stats=track)
+    theirs = nn.InstanceNorm2d(4, affine=True, track_running_stats=track)
+    g = torch.Generator().manual_seed(6)
+    for train in (True, True, False, False):
+        ours.train(train), theirs.train(train)
+        x = torch.randn(2, 4, 5, 6, generator=g)
+        torch.testing.assert_close(ours(x), theirs(x))
+        torch.testing.assert_close(ours(x[0]), theirs(x[0]))
+    for (n, b), (_, b_t) in zip(ours.named_buffers(), theirs.named_buffers()):
+        torch.testing.assert_close(b, b_t, msg=n)
+
+
+def test_statistics_reader_matches_tolist():
+    from normscope.backends import aten
+
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 3, 32, 512):
+        t = torch.randn(n, generator=g)
+        assert aten._values(t) == tuple(t.tolist())
+        unpack, raw = aten._reader(n)
+        assert unpack(raw.from_address(t.data_ptr())) == tuple(t.tolist())
+    assert aten._reader(0) == (None, None) and aten._reader(513) == (None, None)
+    # not a plain contiguous fp32 tensor: tolist's values
+    strided = torch.randn(8, generator=g)[::2]
+    assert list(aten._values(strided)) == strided.tolist()
+    assert list(aten._values(torch.arange(4.0, dtype=torch.float64))) == [0.0, 1.0, 2.0, 3.0]

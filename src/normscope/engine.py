@@ -25,6 +25,7 @@ then runs the plain call on the same backend.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -48,6 +49,8 @@ __all__ = [
     "use_backend",
     "last_backend",
     "requested_backend",
+    "request_key",
+    "record",
     "update_running",
     "running_as_stats",
     "recompute",
@@ -253,6 +256,11 @@ def use_backend(name: str | None) -> Iterator[None]:
         _forced.pop()
 
 
+#: ``record(name)``: say that backend ``name`` runs the current call (what :func:`last_backend`
+#: returns); a C-level callable, for the layers' hot path, where a Python frame is a measurable cost.
+record = functools.partial(_last.__setitem__, 0)
+
+
 def last_backend() -> str | None:
     """Name of the backend that ran the most recent normalization (None before any)."""
     return _last[0]
@@ -294,6 +302,18 @@ def requested_backend(backend: str | None = None) -> str:
         _check_backend_name(env, f"environment variable {ENV_VAR}")
         return env
     return "auto"
+
+
+def request_key() -> str | None:
+    """What :func:`requested_backend` (without ``backend=``) depends on, read as cheaply as possible
+    and not validated: the innermost :func:`use_backend` name, else the raw ``NORMSCOPE_BACKEND``.
+    For keys of caches whose misses go through :func:`requested_backend` (the layers' hot path)."""
+    if _forced:
+        return _forced[-1]
+    return _ENV_DATA.get(_ENV_KEY) if _ENV_DATA is not None else os.environ.get(ENV_VAR)
+
+
+_ENV_DATA = getattr(os.environ, "_data", None)  # CPython's os._Environ: its dict of encoded names
 
 
 def signature(call: Call) -> tuple:

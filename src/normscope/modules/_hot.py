@@ -5,46 +5,160 @@ device: the functional API checks the arguments, the scope is resolved on the sh
 looks up the backend's runner. None of that changes between such calls, and at small shapes it
 cost several times the ATen op itself (``benchmarks/cpu_overhead.py``). So the first call of a
 signature goes the checked way (:mod:`normscope.functional`) and the layer remembers what it
-resolved (:func:`normscope.engine.remember_layer_plan`); later calls with the same :func:`key` run
-the runner directly.
+resolved; later calls with the same signature run the runner directly.
 
-The key holds everything the checks, the resolution and the plan read: the layer's configuration,
-the input's shape, dtype and device, each parameter's (and buffer's) shape, dtype and device, and
-the requested backend (``backend=`` / ``use_backend`` / ``NORMSCOPE_BACKEND``, read per call), so a
-call that the checks would reject never matches a remembered key. Masked calls, non-tensor input
-and tracing (torch.compile) always take the checked path.
+Two levels, both exact:
+
+* **the layer's last call** (:func:`last`): the layer keeps, in its ``__dict__``, the plan of its
+  last call with the input's shape, dtype and device, the requested backend and *the very tensors*
+  (parameters, buffers) it ran with. A call matches when its input has the same signature, the same
+  backend is requested and the layer holds the same tensor objects. The rest of the layer's
+  configuration (``eps``, ``normalized_shape``, ``training``, ...) changes only through attribute
+  assignment, ``_apply`` (``.to()``, ``.half()``, ...) or (un)registering, and each of those forgets
+  the remembered call (:class:`HotLayer`). A parameter whose data is swapped in place (``p.data =
+  ...``) keeps its identity: should its new shape, dtype or device not fit, the op refuses it, and a
+  hot call that raises is re-run the checked way, which says why in the layer's terms.
+* **the shared table** (:func:`shared`), for a layer whose calls alternate between signatures:
+  keyed by everything the checks, the resolution and the plan read -- the layer's configuration,
+  the input's and every tensor's shape, dtype and device, the requested backend.
+
+Masked calls, non-tensor input and tracing (torch.compile) always take the checked path.
+
+Every line of :func:`last` runs on every call of every layer, where a small layer's whole budget is
+a few microseconds and the ATen op itself takes ~6 (``benchmarks/cpu_overhead.py``), so it is written
+for its cost: C-level calls only (``attrgetter``, ``map(operator.is_, ...)``), no key to hash. For the
+same reason the layers read their tensors from ``_parameters``/``_buffers`` (:func:`direct`) rather
+than through ``nn.Module.__getattr__``, a Python call each.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import Tensor
 
 from .. import engine
+from ..engine import _ENV_KEY
+from ..engine import _forced as _FORCED
+
+_is_compiling = torch.compiler.is_compiling
+_sig = operator.attrgetter("shape", "dtype", "device")
+_is = operator.is_
+_SLOT = "_normscope_hot"  # in the layer's __dict__: (class, input signature, request, tensors, plan)
+_environ_get = engine._ENV_DATA.get if engine._ENV_DATA is not None else lambda _: engine.request_key()
+_TENSOR_NAMES = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 
 
-def _sig(t: Tensor | None) -> tuple | None:
-    return None if t is None else (t.shape, t.dtype, t.device)
+def direct(cls: type) -> bool:
+    """Whether a layer of class ``cls`` may read its tensors from its ``_parameters``/``_buffers``
+    dicts: no class in its MRO defines one of their names itself (a property of a subclass would
+    shadow the dicts, as ``nn.Module.__getattr__`` is asked only when nothing else answers).
+    :class:`HotLayer` stores the answer per class as ``_normscope_direct``. A name missing from the
+    dicts (moved out by ``parametrize``, ``weight_norm``, pruning, FSDP) is read the usual way."""
+    return not any(n in vars(c) for c in cls.__mro__ for n in _TENSOR_NAMES)
 
 
-def key(config: tuple, x: object, *tensors: Tensor | None) -> tuple | None:
-    """The hot-path key of a call, or None when the call must take the checked path."""
-    if not isinstance(x, Tensor) or torch.compiler.is_compiling():
-        return None
-    return (config, x.shape, x.dtype, x.device, engine.requested_backend(), *map(_sig, tensors))
+def last(layer: torch.nn.Module, x: object, *tensors: Tensor | None) -> tuple | None:
+    """The ``(resolved scope, (backend name, runner))`` of the layer's last hot call when this call
+    matches it (see the module docstring), else None. A hit is recorded as the call's backend
+    (:func:`normscope.engine.last_backend`)."""
+    slot = layer.__dict__.get(_SLOT)
+    if (
+        slot is not None
+        and isinstance(x, Tensor)
+        and not _is_compiling()
+        and slot[1] == _sig(x)
+        and slot[2] == (_FORCED[-1] if _FORCED else _environ_get(_ENV_KEY))  # engine.request_key(), inline
+        and all(map(_is, slot[3], tensors))
+        and slot[0] is type(layer)
+    ):
+        found = slot[4]
+        engine.record(found[1][0])
+        return found
+    return None
 
 
-def get(k: tuple | None) -> tuple | None:
-    """``(resolved scope, plan)`` remembered for key ``k``, or None."""
-    if k is None:
-        return None
+def shared(layer: torch.nn.Module, config: tuple, x: object, *tensors: Tensor | None) -> tuple:
+    """``(key, found)`` from the shared table: ``found`` as :func:`last` returns it (and then also
+    the layer's last call), or None when the call must take the checked path -- afterwards
+    :func:`remember` it under ``key`` (None: never remembered -- non-tensor input, tracing)."""
+    if not isinstance(x, Tensor) or _is_compiling():
+        return None, None
+    parts = [config, _sig(x), engine.request_key()]
+    for t in tensors:  # a loop, not a comprehension: no extra frame (Python 3.11)
+        parts.append(None if t is None else _sig(t))
+    k = tuple(parts)
     try:
-        return engine.layer_plan(k)
+        found = engine.layer_plan(k)
     except TypeError:  # unhashable (symbolic sizes): the checked path
-        return None
+        return None, None
+    if found is not None:
+        _keep(layer, x, tensors, found)
+        engine.record(found[1][0])
+    return k, found
 
 
-def remember(k: tuple | None, call: engine.Call) -> None:
-    """After a checked call has run: remember its resolved scope and plan under ``k``."""
-    if k is not None:
-        engine.remember_layer_plan(k, call)
+def remember(layer: torch.nn.Module, k: tuple | None, call: engine.Call, *tensors: Tensor | None) -> None:
+    """After a checked call has run: remember its resolved scope and plan under ``k`` (the shared
+    table) and as the layer's last call."""
+    if k is None:
+        return
+    engine.remember_layer_plan(k, call)
+    try:
+        found = engine.layer_plan(k)
+    except TypeError:
+        return
+    if found is not None:
+        _keep(layer, call.x, tensors, found)
+
+
+def _keep(layer: torch.nn.Module, x: Tensor, tensors: tuple, found: tuple) -> None:
+    layer.__dict__[_SLOT] = (type(layer), _sig(x), engine.request_key(), tensors, found)
+
+
+def forget(layer: torch.nn.Module) -> None:
+    """Drop the layer's last call (its configuration or tensors are changing)."""
+    layer.__dict__.pop(_SLOT, None)
+
+
+class HotLayer:
+    """Mixin of the layers with a hot path: whatever can change their configuration or tensors
+    forgets the last call (:func:`forget`), and their remembered plan (closures, not state) is left
+    out of pickles and deep copies (the copy plans afresh on its first call)."""
+
+    _normscope_direct = False
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        cls._normscope_direct = direct(cls)
+
+    def __setattr__(self, name: str, value) -> None:
+        forget(self)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        forget(self)
+        super().__delattr__(name)
+
+    def register_parameter(self, name: str, param) -> None:
+        forget(self)
+        super().register_parameter(name, param)
+
+    def register_buffer(self, name: str, tensor, persistent: bool = True) -> None:
+        forget(self)
+        super().register_buffer(name, tensor, persistent)
+
+    def _apply(self, fn, recurse: bool = True):
+        forget(self)
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        if _SLOT in state:
+            state = dict(state)
+            del state[_SLOT]
+        return state
+
+
+__all__ = ["direct", "last", "shared", "remember", "forget", "HotLayer"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .. import engine
 from .. import functional as F
 from ..engine import Call, Running
 from ..scope import Scope
@@ -35,7 +34,7 @@ def count_batch(bn: nn.Module) -> None:
         bn.num_batches_tracked.add_(1)
 
 
-class _BatchNormMixin:
+class _BatchNormMixin(_hot.HotLayer):
     """torch's ``_BatchNorm.forward``, routed through the engine; the rest is torch's own."""
 
     _dims: tuple[int, ...]
@@ -58,23 +57,42 @@ class _BatchNormMixin:
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         """Normalize ``input``; ``mask`` (optional, bool, the input's shape without the channel
         axis, True = valid) restricts the statistics and the running update to valid elements."""
-        factor = momentum_factor(self)
-        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        keep_running = not self.training or self.track_running_stats
-        rm = self.running_mean if keep_running else None
-        rv = self.running_var if keep_running else None
-        w, b = self.weight, self.bias
-        # the class too: its _check_input_dim accepts its own ranks only
-        config = (type(self), self.num_features, self.channel_dim, use_batch_stats, self.eps)
-        k = _hot.key(config, input, w, b, rm, rv) if mask is None else None
-        hot = _hot.get(k)
+        p, bufs = self._parameters, self._buffers  # not self.weight: see modules/_hot.py
+        w, b = p.get("weight", p), p.get("bias", p)  # p: the "not there" marker
+        rm, rv, nbt = bufs.get("running_mean", p), bufs.get("running_var", p), bufs.get("num_batches_tracked", p)
+        if w is p or b is p or rm is p or rv is p or nbt is p or not self._normscope_direct:
+            w, b, rm, rv, nbt = self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked
+        training = self.training
+        use_batch_stats = training or (rm is None and rv is None)
+        if training and not self.track_running_stats:
+            rm = rv = None
+        momentum = self.momentum
+        if momentum is not None:
+            factor = momentum
+        elif training and self.track_running_stats and nbt is not None:
+            factor = 1.0 / (float(nbt) + 1.0)  # torch's cumulative average (see momentum_factor)
+        else:
+            factor = 0.0
         running = None
         if rm is not None or rv is not None or not use_batch_stats:  # as functional.batch_norm
             running = Running(rm, rv, float(factor), use_batch_stats)
+        k, hot = None, None
+        if mask is None:
+            hot = _hot.last(self, input, w, b, rm, rv)
+            if hot is None:
+                # the class too: its _check_input_dim accepts its own ranks only
+                config = (type(self), self.num_features, self.channel_dim, use_batch_stats, self.eps)
+                k, hot = _hot.shared(self, config, input, w, b, rm, rv)
         if hot is not None:  # this signature was checked, resolved and planned before
-            y = engine.run(hot[1], Call(input, hot[0], w, b, self.eps, None, running))
-            count_batch(self)
-            return y
+            try:
+                y = hot[1][1](Call(input, hot[0], w, b, self.eps, None, running))
+            except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
+                _hot.forget(self)
+                k = None
+            else:
+                if training and nbt is not None and self.track_running_stats:
+                    nbt.add_(1)  # count_batch, without re-reading the buffer
+                return y
         self._check_input_dim(input)
         y = F.batch_norm(
             input, rm, rv, w, b, use_batch_stats, factor, self.eps, mask=mask, channel_dim=self.channel_dim
@@ -82,7 +100,7 @@ class _BatchNormMixin:
         count_batch(self)
         if k is not None:
             scope = Scope.batch(self.channel_dim).resolve(input.shape)
-            _hot.remember(k, Call(input, scope, w, b, self.eps, None, running))
+            _hot.remember(self, k, Call(input, scope, w, b, self.eps, None, running), w, b, rm, rv)
         return y
 
 

@@ -11,9 +11,12 @@ import warnings
 from torch import Tensor, nn
 
 from .. import functional as F
+from ..engine import Call, Running
+from ..scope import Scope
+from . import _hot
 
 
-class _InstanceNormMixin:
+class _InstanceNormMixin(_hot.HotLayer):
     """torch's ``_InstanceNorm.forward`` (unbatched input included), routed through the engine."""
 
     _spatial: int
@@ -21,6 +24,28 @@ class _InstanceNormMixin:
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         """Normalize ``input``; ``mask`` (optional, bool, the input's shape without the channel
         axis, True = valid) restricts each instance's statistics to its valid positions."""
+        p, bufs = self._parameters, self._buffers  # not self.weight: see modules/_hot.py
+        w, b = p.get("weight", p), p.get("bias", p)  # p: the "not there" marker
+        rm, rv = bufs.get("running_mean", p), bufs.get("running_var", p)
+        if w is p or b is p or rm is p or rv is p or not self._normscope_direct:
+            w, b, rm, rv = self.weight, self.bias, self.running_mean, self.running_var
+        use_input_stats = self.training or not self.track_running_stats
+        momentum = self.momentum if self.momentum is not None else 0.0
+        k, hot = None, None
+        if mask is None:  # batched input only: an unbatched one is unsqueezed below, the checked way
+            hot = _hot.last(self, input, w, b, rm, rv)
+            if hot is None and isinstance(input, Tensor) and input.dim() == self._spatial + 2:
+                config = (type(self), self.num_features, use_input_stats, momentum, self.eps)
+                k, hot = _hot.shared(self, config, input, w, b, rm, rv)
+        running = None
+        if rm is not None or rv is not None:  # as functional.instance_norm
+            running = Running(rm, rv, float(momentum), use_input_stats)
+        if hot is not None:  # this signature was checked, resolved and planned before
+            try:
+                return hot[1][1](Call(input, hot[0], w, b, self.eps, None, running))
+            except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
+                _hot.forget(self)
+                k = None
         name = type(self).__name__
         if not isinstance(input, Tensor):
             raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
@@ -45,17 +70,10 @@ class _InstanceNormMixin:
         x = input.unsqueeze(0) if feature_dim == 0 else input
         if feature_dim == 0 and isinstance(mask, Tensor):
             mask = mask.unsqueeze(0)
-        y = F.instance_norm(
-            x,
-            self.running_mean,
-            self.running_var,
-            self.weight,
-            self.bias,
-            self.training or not self.track_running_stats,
-            self.momentum if self.momentum is not None else 0.0,
-            self.eps,
-            mask=mask,
-        )
+        y = F.instance_norm(x, rm, rv, w, b, use_input_stats, momentum, self.eps, mask=mask)
+        if k is not None and feature_dim == 1 and input.shape[1] == self.num_features:  # torch warns per call
+            scope = Scope.instance().resolve(input.shape)
+            _hot.remember(self, k, Call(input, scope, w, b, self.eps, None, running), w, b, rm, rv)
         return y.squeeze(0) if feature_dim == 0 else y
 
 

@@ -8,7 +8,6 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks as check
-from .. import engine
 from .. import functional as F
 from ..engine import Call
 from ..scope import Scope
@@ -19,7 +18,7 @@ _RMS_EPS = {torch.float64: torch.finfo(torch.float64).eps}
 _FP32_EPS = torch.finfo(torch.float32).eps
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(_hot.HotLayer, nn.LayerNorm):
     r"""Layer Normalization over the last ``len(normalized_shape)`` dims of each sample.
 
     Paper: Ba et al. 2016, "Layer Normalization". Scope: :meth:`normscope.Scope.layer`.
@@ -54,18 +53,27 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(shape, eps, elementwise_affine, bias, device, dtype)
 
     def forward(self, input: Tensor) -> Tensor:
-        w, b = self.weight, self.bias
-        k = _hot.key(("layer", self.normalized_shape, self.eps), input, w, b)
-        hot = _hot.get(k)
+        p = self._parameters  # not self.weight: see modules/_hot.py
+        w, b = p.get("weight", p), p.get("bias", p)  # p: the "not there" marker
+        if w is p or b is p or not self._normscope_direct:
+            w, b = self.weight, self.bias
+        k, hot = None, _hot.last(self, input, w, b)
+        if hot is None:
+            k, hot = _hot.shared(self, ("layer", self.normalized_shape, self.eps), input, w, b)
         if hot is not None:  # this signature was checked, resolved and planned before
-            return engine.run(hot[1], Call(input, hot[0], w, b, self.eps, None, None))
+            try:
+                return hot[1][1](Call(input, hot[0], w, b, self.eps, None, None))
+            except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
+                _hot.forget(self)
+                k = None
         y = F.layer_norm(input, self.normalized_shape, w, b, self.eps)
-        scope = Scope.layer(len(self.normalized_shape)).resolve(input.shape)
-        _hot.remember(k, Call(input, scope, w, b, self.eps, None, None))
+        if k is not None:
+            scope = Scope.layer(len(self.normalized_shape)).resolve(input.shape)
+            _hot.remember(self, k, Call(input, scope, w, b, self.eps, None, None), w, b)
         return y
 
 
-class RMSNorm(nn.RMSNorm):
+class RMSNorm(_hot.HotLayer, nn.RMSNorm):
     r"""Root Mean Square Normalization: LayerNorm without the mean and the bias.
 
     Paper: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization".
@@ -95,23 +103,30 @@ class RMSNorm(nn.RMSNorm):
         super().__init__(shape, eps, elementwise_affine, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight
-        k = _hot.key(("rms", self.normalized_shape, self.eps), x, w)
-        hot = _hot.get(k)
+        p = self._parameters  # not self.weight: see modules/_hot.py
+        w = p.get("weight", p)  # p: the "not there" marker
+        if w is p or not self._normscope_direct:
+            w = self.weight
         eps = self.eps
-        if hot is not None:  # this signature was checked, resolved and planned before
-            if eps is None:
-                eps = _RMS_EPS.get(x.dtype, _FP32_EPS)
-            return engine.run(hot[1], Call(x, hot[0], w, None, eps, None, None))
-        y = F.rms_norm(x, self.normalized_shape, w, eps)
-        if eps is None:
+        if eps is None and isinstance(x, Tensor):
             eps = _RMS_EPS.get(x.dtype, _FP32_EPS)
-        scope = Scope.rms(len(self.normalized_shape)).resolve(x.shape)
-        _hot.remember(k, Call(x, scope, w, None, eps, None, None))
+        k, hot = None, _hot.last(self, x, w)
+        if hot is None:
+            k, hot = _hot.shared(self, ("rms", self.normalized_shape, self.eps), x, w)
+        if hot is not None:  # this signature was checked, resolved and planned before
+            try:
+                return hot[1][1](Call(x, hot[0], w, None, eps, None, None))
+            except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
+                _hot.forget(self)
+                k = None
+        y = F.rms_norm(x, self.normalized_shape, w, self.eps)
+        if k is not None:
+            scope = Scope.rms(len(self.normalized_shape)).resolve(x.shape)
+            _hot.remember(self, k, Call(x, scope, w, None, eps, None, None), w)
         return y
 
 
-class GroupNorm(nn.GroupNorm):
+class GroupNorm(_hot.HotLayer, nn.GroupNorm):
     r"""Group Normalization: channels split into ``num_groups`` groups; statistics per sample and
     group over the group's channels and every position.
 
@@ -154,11 +169,21 @@ class GroupNorm(nn.GroupNorm):
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         """Normalize ``input``; ``mask`` (optional, bool, ``(N, *)``, True = valid) restricts each
         group's statistics to valid positions."""
-        w, b = self.weight, self.bias
-        k = _hot.key(("group", self.num_groups, self.num_channels, self.eps), input, w, b) if mask is None else None
-        hot = _hot.get(k)
+        p = self._parameters  # not self.weight: see modules/_hot.py
+        w, b = p.get("weight", p), p.get("bias", p)  # p: the "not there" marker
+        if w is p or b is p or not self._normscope_direct:
+            w, b = self.weight, self.bias
+        k, hot = None, None
+        if mask is None:
+            hot = _hot.last(self, input, w, b)
+            if hot is None:
+                k, hot = _hot.shared(self, ("group", self.num_groups, self.num_channels, self.eps), input, w, b)
         if hot is not None:  # this signature was checked, resolved and planned before
-            return engine.run(hot[1], Call(input, hot[0], w, b, self.eps, None, None, op="group_norm"))
+            try:
+                return hot[1][1](Call(input, hot[0], w, b, self.eps, None, None, op="group_norm"))
+            except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
+                _hot.forget(self)
+                k = None
         if isinstance(input, Tensor) and input.dim() >= 2 and input.shape[1] != self.num_channels:
             raise ValueError(
                 f"GroupNorm({self.num_groups}, {self.num_channels}): expected input with "
@@ -167,7 +192,7 @@ class GroupNorm(nn.GroupNorm):
         y = F.group_norm(input, self.num_groups, w, b, self.eps, mask=mask)
         if k is not None:
             scope = Scope.group(self.num_groups).resolve(input.shape)
-            _hot.remember(k, Call(input, scope, w, b, self.eps, None, None, op="group_norm"))
+            _hot.remember(self, k, Call(input, scope, w, b, self.eps, None, None, op="group_norm"), w, b)
         return y
 
 
