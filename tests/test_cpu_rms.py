@@ -161,3 +161,62 @@ def test_automatic_choice_follows_the_measured_size():
     F.rms_norm(large, (128,), backend="aten")
     assert normscope.last_backend() == "aten"
     assert aten.why_not_auto is aten.BACKEND.why_not_auto
+
+
+# Block by block (rms.BLOCK_ELEMENTS): fp16/bf16 always, fp32/fp64 backward from
+# rms.BLOCKED_BACKWARD_BYTES. Shrinking both makes small inputs take many blocks, a ragged last one
+# included (257 rows in blocks of 3), and blocks of one row when a row exceeds a block.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("block", [100, 8])
+@pytest.mark.parametrize("affine", [True, False], ids=["weight", "no_weight"])
+def test_blocks_match_float64_and_torch(monkeypatch, dtype, block, affine):
+    monkeypatch.setattr(rms, "BLOCK_ELEMENTS", block)
+    monkeypatch.setattr(rms, "BLOCKED_BACKWARD_BYTES", 0)
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(257, 33, generator=g) * 3).to(dtype)
+    w = torch.randn(33, generator=g).to(dtype) if affine else None
+    _check_against_fp64_and_torch(x, w, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_with_one_gradient_and_an_expanded_output_gradient(monkeypatch, dtype):
+    # only dx or only dw wanted, and dy = ones expanded (stride 0, from y.sum()), block by block
+    monkeypatch.setattr(rms, "BLOCK_ELEMENTS", 100)
+    monkeypatch.setattr(rms, "BLOCKED_BACKWARD_BYTES", 0)
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(70, 40, generator=g) * 2).to(dtype)
+    w = torch.randn(40, generator=g).to(dtype)
+    for wants in ("x", "w"):
+        grads = {}
+        for name, backend in (("ours", "composite"), ("torch", "aten")):
+            xi, wi = x.clone().requires_grad_(wants == "x"), w.clone().requires_grad_(wants == "w")
+            y = F.rms_norm(xi, (40,), wi, 1e-6, backend=backend)
+            assert normscope.last_backend() == backend
+            grads[name] = torch.autograd.grad(y.sum(), xi if wants == "x" else wi)[0]
+        xd, wd = x.double().requires_grad_(wants == "x"), w.double().requires_grad_(wants == "w")
+        e = torch.autograd.grad(tF.rms_norm(xd, (40,), wd, 1e-6).sum(), xd if wants == "x" else wd)[0]
+        o, t = grads["ours"], grads["torch"]
+        assert o.dtype == t.dtype == dtype and o.shape == t.shape
+        err, ref_err = (o.double() - e).abs().max().item(), (t.double() - e).abs().max().item()
+        assert err <= 2 * ref_err + FLOOR[dtype] * max(e.abs().max().item(), 1.0), (wants, err, ref_err)
+
+
+def test_bf16_large_enough_for_several_default_blocks():
+    # the default block size on a bf16 input of 2.5 blocks (and the fp32 whole-input backward beside it)
+    n = 1024
+    rows = 5 * rms.BLOCK_ELEMENTS // (2 * n)
+    g = torch.Generator().manual_seed(10)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randn(rows, n, generator=g) + 0.5).to(dtype)
+        w = torch.randn(n, generator=g).to(dtype)
+        _check_against_fp64_and_torch(x, w, 1)
+
+
+@pytest.mark.parametrize("rows", [8192, 8192 + 37])
+def test_weight_gradient_over_many_rows_is_as_accurate_as_torch(rows):
+    # dw sums over every row: one long matrix-vector product accumulates them one after another (an
+    # error growing with the row count, ~10x torch's here); rms sums groups of rows, then the groups
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, 8, generator=g) + 0.5
+    w = torch.randn(8, generator=g)
+    _check_against_fp64_and_torch(x, w, 1)

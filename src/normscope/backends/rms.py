@@ -8,22 +8,36 @@ ops in the backward. Here the same function takes one reduction each way:
   ``x``, accumulated in fp32 -- fp64 for fp64), then ``y = x * r * w``;
 * **backward** (closed form): with ``gx = dy * x``,
   ``dx = r * (dy * w) - x * r^3 / N * (gx @ w)`` and ``dw = gx^T @ r``: one elementwise product and
-  two matrix-vector products for the sums, and two fused passes for ``dx``.
+  two matrix-vector products for the sums, and two fused passes for ``dx``. ``dw`` sums the rows in
+  groups of :data:`DW_GROUP_ROWS` (one batched product), then the groups: one long matrix-vector
+  product added the rows one after another, an error growing with their number (~17x torch's at
+  8192 rows in fp32), the groups keep it at torch's for the same time.
+
+Blocks of rows: fp16/bf16 both ways, and fp32/fp64 backward from :data:`BLOCKED_BACKWARD_BYTES`,
+run block by block (:data:`BLOCK_ELEMENTS` elements a block). Each block is upcast once into fp32
+buffers that stay in cache, and every pass above runs over the block there; the outputs are written
+(rounded once to the input dtype) block by block. Over the whole input the fp32 upcasts and
+products were full-size temporaries: several more passes over memory and, for large ones, fresh
+pages from the system on every call -- which made the bf16 path ~10x slower than this and is why a
+large fp32 backward gains too. Small fp32/fp64 inputs keep the whole-input calls (fewer of them).
 
 Numbers: the statistics are accumulated in fp32 like torch's (which upcasts fp16/bf16 input to fp32
 first), the output is rounded once to the input dtype; the tests bound the difference from torch and
-from a float64 computation (``tests/test_cpu_rms.py``). There is no mean, so no cancellation: a large
-offset is simply a large root mean square.
+from a float64 computation (``tests/test_cpu_rms.py``), blocks and groups included. There is no
+mean, so no cancellation: a large offset is simply a large root mean square.
 
 Double backward: the backward above is a closed form of the first derivative. When autograd asks
 for a differentiable one (``create_graph=True``) it differentiates the reference computation of the
 same rows instead, so higher-order gradients are exact (as :mod:`.composite` does for masks).
 
 Speed: measured against ``F.rms_norm`` by ``benchmarks/cpu_overhead.py`` (cases ``RMSNorm:large``,
-``RMSNorm-bf16:large`` and ``RMSNorm(RxN):rows``, the sizes around the threshold);
-``benchmarks/results/cpu_speed.json`` is the committed measurement that makes it the automatic
-choice on CPU from :data:`MIN_AUTO_ELEMENTS` elements (see :func:`normscope.backends.aten.why_not_auto`).
-Below that the per-call cost of an ``autograd.Function`` outweighs the saved passes and torch's op runs.
+``RMSNorm-bf16:large`` and ``RMSNorm(RxN):rows``, the sizes around the threshold). At 8192 x 1024,
+one thread, 2-core AMD EPYC (load average ~2.3), median time ratio to torch: bf16 0.10 forward, 0.07
+forward + backward; fp32 0.40 forward, 0.23 forward + backward (before the blocks: bf16 0.64 / 0.47,
+fp32 0.39 / 0.32). ``benchmarks/results/cpu_speed.json`` is the committed measurement that makes it
+the automatic choice on CPU from :data:`MIN_AUTO_ELEMENTS` elements (see
+:func:`normscope.backends.aten.why_not_auto`). Below that the per-call cost of an
+``autograd.Function`` outweighs the saved passes and torch's op runs.
 """
 
 from __future__ import annotations
@@ -63,18 +77,136 @@ def takes(call: Call) -> str | None:
     return None
 
 
+#: Elements per block of rows (at least one row) where the work runs block by block: the passes over
+#: a block run while it is in cache and each temporary is one block, not a full-size fp32 copy.
+BLOCK_ELEMENTS = 1 << 19
+
+#: fp32/fp64 backward: block by block from this many bytes of one full-size temporary up (below it
+#: the full-size temporaries are reused by the allocator, stay in cache and the fewer calls win:
+#: measured crossover ~12 MiB at N = 1024, 2x faster at 32 MiB). fp16/bf16 always go by blocks.
+BLOCKED_BACKWARD_BYTES = 16 << 20
+
+
+def _blocks(rows: int, n: int) -> tuple[int, list[tuple[int, int]]]:
+    """``(step, [(start, stop), ...])``: the (R, N) rows cut into blocks of about :data:`BLOCK_ELEMENTS`."""
+    step = max(1, BLOCK_ELEMENTS // max(n, 1))
+    return step, [(s, min(s + step, rows)) for s in range(0, rows, step)]
+
+
 def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     """``(y, r)`` for a (R, N) input: ``r = rsqrt(mean(x^2) + eps)`` per row, ``y = x * r * w``."""
-    n = x2.shape[1]
+    rows, n = x2.shape
     acc = ref.acc_dtype(x2.dtype)
-    # one read of x: sqrt(sum x^2) in the accumulation dtype (vector_norm upcasts as it reads)
-    ss = torch.linalg.vector_norm(x2, 2, -1, keepdim=True, dtype=acc)
-    r = ss.square_().div_(n).add_(eps).rsqrt_()  # (R, 1)
-    y = torch.mul(x2, r)  # in acc: fp32 for fp16/bf16 input, as torch's rms_norm computes
-    if weight is not None:
-        y.mul_(weight)  # in place: no second large allocation
-    # rounded once to x's dtype (a separate cast: a product writing into a bf16 out= was ~2x slower)
-    return y.to(x2.dtype), r
+    if x2.dtype == acc:  # fp32/fp64: one read of x for the norms, one product, one in place
+        ss = torch.linalg.vector_norm(x2, 2, -1, keepdim=True)
+        r = ss.square_().div_(n).add_(eps).rsqrt_()  # (R, 1)
+        y = torch.mul(x2, r)
+        if weight is not None:
+            y.mul_(weight if weight.dtype == acc else weight.to(acc))
+        return y, r
+    # fp16/bf16: block by block, each block upcast once into an fp32 buffer that stays in cache, its
+    # norms, product and weight computed there and the result rounded once into the output. (Over the
+    # whole input the upcast copies and fp32 products were full-size tensors -- several passes over
+    # memory and, for large inputs, fresh pages from the system each call: ~10x slower.)
+    w = None if weight is None else weight.to(acc)
+    y = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
+    r = torch.empty((rows, 1), dtype=acc, device=x2.device)
+    step, blocks = _blocks(rows, n)
+    buf = torch.empty((min(step, rows), n), dtype=acc, device=x2.device)
+    for s, e in blocks:
+        xc, rc = buf[: e - s].copy_(x2[s:e]), r[s:e]
+        # sqrt(sum x^2) accumulated in fp32, then r = rsqrt(ss / N + eps), for the block's rows
+        torch.linalg.vector_norm(xc, 2, -1, keepdim=True, out=rc)
+        rc.square_().div_(n).add_(eps).rsqrt_()
+        xc.mul_(rc)  # x * r * w in fp32, as torch computes ...
+        if w is not None:
+            xc.mul_(w)
+        y[s:e].copy_(xc)  # ... rounded once to x's dtype
+    return y, r
+
+
+#: ``dw`` sums dy * x * r over the rows in groups of this many, then adds the groups' sums: one long
+#: matrix-vector product accumulates the rows one after another, an error growing with their count
+#: (at 8192 rows, 17x torch's, whose sum is pairwise); the groups keep it torch's (and cost the same).
+DW_GROUP_ROWS = 64
+
+
+def _weighted_row_sum(gx: Tensor, r: Tensor) -> Tensor:
+    """``sum_i r[i] * gx[i, :]`` for a contiguous (R, N) ``gx`` and (R, 1) ``r``, by groups of rows."""
+    rows, n = gx.shape
+    k = rows // DW_GROUP_ROWS
+    full = k * DW_GROUP_ROWS
+    total = None
+    if k:  # one batched product gives each group's sum, then a (pairwise) sum over the groups
+        total = torch.bmm(r[:full].reshape(k, 1, DW_GROUP_ROWS), gx[:full].view(k, DW_GROUP_ROWS, n)).sum(0).view(n)
+    if full < rows:
+        rest = torch.mv(gx[full:].t(), r[full:].view(-1))
+        total = rest if total is None else total.add_(rest)
+    return torch.zeros(n, dtype=gx.dtype, device=gx.device) if total is None else total
+
+
+def _backward(
+    x2: Tensor, dy: Tensor, weight: Tensor | None, r: Tensor, need_x: bool, need_w: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """Closed-form ``(dx, dw)`` of :func:`_forward`: with ``gx = dy * x``,
+    ``dx = r * (dy * w) - x * r^3 / N * (gx @ w)`` and ``dw = gx^T @ r``; by blocks of rows (``dw``
+    summed over the blocks) for fp16/bf16 and large fp32/fp64 (:data:`BLOCKED_BACKWARD_BYTES`)."""
+    rows, n = x2.shape
+    acc = r.dtype
+    w = None if weight is None else weight.to(acc)
+    need_w = need_w and w is not None
+    low = x2.dtype != acc or dy.dtype != acc
+    if not low and rows * n * r.element_size() < BLOCKED_BACKWARD_BYTES:
+        return _backward_whole(x2, dy, w, r, need_x, need_w, weight)
+    step, blocks = _blocks(rows, n)
+    m = min(step, rows)
+    grad_x = torch.empty((rows, n), dtype=x2.dtype, device=x2.device) if need_x else None
+    grad_w = None
+    prod = torch.empty((m, n), dtype=acc, device=x2.device)
+    xbuf, gbuf = (torch.empty((m, n), dtype=acc, device=x2.device) for _ in range(2)) if low else (None, None)
+    for s, e in blocks:
+        xc, gc, rc = x2[s:e], dy[s:e], r[s:e]
+        if low:  # upcast once into fp32 buffers of one block
+            xc, gc = xbuf[: e - s].copy_(xc), gbuf[: e - s].copy_(gc)
+        gx = torch.mul(gc, xc, out=prod[: e - s])
+        if need_w:  # sum over rows of dy * x * r
+            part = _weighted_row_sum(gx, rc)
+            grad_w = part if grad_w is None else grad_w.add_(part)
+        if need_x:
+            # the row sums of dy * w * x: one matrix-vector product (one sum without weight)
+            dot = gx.sum(-1, keepdim=True) if w is None else torch.mv(gx, w).unsqueeze(-1)
+            c = rc.pow(3).mul_(dot).div_(-n)
+            # dx = dy * w * r + x * c: in the upcast dy's buffer (then rounded once), or straight into dx
+            out = gc if low else grad_x[s:e]
+            if w is None:
+                torch.mul(gc, rc, out=out)
+            else:
+                torch.mul(gc, w, out=out).mul_(rc)
+            out.addcmul_(xc, c)
+            if low:
+                grad_x[s:e].copy_(out)
+    if need_w and grad_w is None:  # no rows
+        grad_w = torch.zeros(n, dtype=acc, device=x2.device)
+    return grad_x, None if grad_w is None else grad_w.to(weight.dtype)
+
+
+def _backward_whole(
+    x2: Tensor, dy: Tensor, w: Tensor | None, r: Tensor, need_x: bool, need_w: bool, weight: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """:func:`_backward` over the whole fp32/fp64 input at once: the same formulas, fewer calls."""
+    n = x2.shape[1]
+    gx = torch.mul(dy, x2, out=torch.empty(x2.shape, dtype=r.dtype, device=x2.device))  # contiguous
+    grad_x = grad_w = None
+    if need_w:
+        grad_w = _weighted_row_sum(gx, r).to(weight.dtype)  # sum over rows of dy * x * r
+    if need_x:
+        dot = gx.sum(-1, keepdim=True) if w is None else torch.mv(gx, w).unsqueeze(-1)
+        del gx
+        # dx = r * dy * w - x * (r^3 / N * dot): one product into a new tensor, two in place
+        c = r.pow(3).mul_(dot).div_(-n)
+        grad_x = torch.mul(dy, r) if w is None else torch.mul(dy, w).mul_(r)
+        grad_x.addcmul_(x2, c)
+    return grad_x, grad_w
 
 
 class _RMSRows(torch.autograd.Function):
@@ -92,22 +224,8 @@ class _RMSRows(torch.autograd.Function):
         x2, weight, r = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
             return (*_reference_grads(ctx, dy, x2, weight), None)
-        n = x2.shape[1]
-        acc = r.dtype
-        xf, g = x2.to(acc), dy.to(acc)
-        w = None if weight is None else weight.to(acc)
-        gx = g * xf
-        grad_x = grad_w = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            grad_w = torch.mv(gx.t(), r.view(-1)).to(weight.dtype)  # sum over rows of dy * x * r
-        if ctx.needs_input_grad[0]:
-            # the row sums of dy * w * x: one matrix-vector product (one sum without weight)
-            dot = gx.sum(-1, keepdim=True) if w is None else torch.mv(gx, w).unsqueeze(-1)
-            del gx
-            # dx = r * dy * w - x * (r^3 / N * dot): one product into a new tensor, two in place
-            c = r.pow(3).mul_(dot).div_(-n)
-            grad_x = torch.mul(g, r) if w is None else torch.mul(g, w).mul_(r)
-            grad_x = grad_x.addcmul_(xf, c).to(x2.dtype)
+        need_w = weight is not None and ctx.needs_input_grad[1]
+        grad_x, grad_w = _backward(x2, dy, weight, r, ctx.needs_input_grad[0], need_w)
         return grad_x, grad_w, None
 
 
