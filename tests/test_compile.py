@@ -86,3 +86,29 @@ def test_compile_fullgraph_reference_backend_and_masks(monkeypatch):
         mask = torch.rand(3, 1, 6) < 0.6
         y = torch.compile(masked, fullgraph=True, backend="aot_eager")(x, mask)
         torch.testing.assert_close(y, direct(x, (0, 2), mask=mask))
+
+
+@pytest.mark.slow
+def test_environment_is_read_when_traced_not_guarded(monkeypatch):
+    """NORMSCOPE_BACKEND (and TRITON_INTERPRET) are read once while tracing: an environment variable
+    set afterwards -- any, or ours -- neither recompiles the graph nor changes its backend. Traced as
+    a read of os.environ, dynamo guarded on every key of the environment (a retrace on any change)
+    and evaluated that guard on every call (engine.constant_when_compiled)."""
+    torch._dynamo.reset()
+    frames = []
+
+    def counting(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    ln = normscope.LayerNorm(8).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    compiled = torch.compile(ln, backend=counting)
+    y = compiled(x)
+    monkeypatch.setenv("NORMSCOPE_SOME_UNRELATED_VARIABLE", "1")
+    monkeypatch.setenv("NORMSCOPE_BACKEND", "reference")
+    torch.testing.assert_close(compiled(x), y)
+    assert len(frames) == 1, f"recompiled {len(frames) - 1} time(s) after an environment change"
+    # eagerly the variable is read per call, as documented
+    ln(x)
+    assert normscope.last_backend() == "reference"

@@ -42,6 +42,7 @@ NAME = "triton"
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+@engine.constant_when_compiled
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -63,11 +63,12 @@ def last(layer: torch.nn.Module, x: object, *tensors: Tensor | None) -> tuple | 
     """The ``(resolved scope, (backend name, runner))`` of the layer's last hot call when this call
     matches it (see the module docstring), else None. A hit is recorded as the call's backend
     (:func:`normscope.engine.last_backend`)."""
+    if _is_compiling():  # first: dynamo folds it, and reads (guards on) nothing else here
+        return None
     slot = layer.__dict__.get(_SLOT)
     if (
         slot is not None
         and isinstance(x, Tensor)
-        and not _is_compiling()
         and slot[1] == _sig(x)
         and slot[2] == (_FORCED[-1] if _FORCED else _environ_get(_ENV_KEY))  # engine.request_key(), inline
         and all(map(_is, slot[3], tensors))
