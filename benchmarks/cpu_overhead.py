@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=None,
-        help="interleaved rounds per case (even: ABBA pairs). Default: 60 small, 16 large",
+        help="interleaved rounds per case (even: ABBA pairs). Default: 40 small, 24 large (large blocks are one call: more pairs for a stable median)",
     )
     p.add_argument("--min-block-ms", type=float, default=20.0, help="minimum duration of one timed block. Default: 20")
     p.add_argument("--warmup-s", type=float, default=0.3, help="warm-up time per case. Default: 0.3")
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for case in cases:
         for mode in modes:
-            rounds = args.rounds or (2 if args.quick else 40 if case.size in ("small", "rows") else 12)
+            rounds = args.rounds or (2 if args.quick else 40 if case.size in ("small", "rows") else 24)
             min_block = (2.0 if args.quick else args.min_block_ms) / 1e3
             r = run_case(case, mode, rounds, min_block, 0.0 if args.quick else args.warmup_s)
             results.append(r)

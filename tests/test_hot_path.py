@@ -263,3 +263,16 @@ def test_statistics_reader_matches_tolist():
     strided = torch.randn(8, generator=g)[::2]
     assert list(aten._values(strided)) == strided.tolist()
     assert list(aten._values(torch.arange(4.0, dtype=torch.float64))) == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_functional_call_and_vmap_over_weights_see_the_given_tensors():
+    from torch.func import functional_call, vmap
+
+    ln, x = normscope.LayerNorm(8), torch.randn(4, 8)
+    ln(x), ln(x)  # the layer's last call holds its own parameters
+    given = {"weight": torch.full((8,), 2.0), "bias": torch.full((8,), 1.0)}
+    torch.testing.assert_close(functional_call(ln, given, (x,)), nn.functional.layer_norm(x, (8,), **given))
+    torch.testing.assert_close(ln(x), _ln_ref(x, ln))  # its own again afterwards
+    ws = torch.randn(3, 8)
+    ys = vmap(lambda w: functional_call(ln, {"weight": w, "bias": ln.bias}, (x,)))(ws)
+    torch.testing.assert_close(ys, torch.stack([nn.functional.layer_norm(x, (8,), w, ln.bias) for w in ws]))
