@@ -276,3 +276,15 @@ def test_functional_call_and_vmap_over_weights_see_the_given_tensors():
     ws = torch.randn(3, 8)
     ys = vmap(lambda w: functional_call(ln, {"weight": w, "bias": ln.bias}, (x,)))(ws)
     torch.testing.assert_close(ys, torch.stack([nn.functional.layer_norm(x, (8,), w, ln.bias) for w in ws]))
+
+
+def test_call_of_builds_the_same_call_as_the_constructor():
+    # the hot path builds Calls from all fields in order (engine.call_of): a new field must be added there too
+    from normscope.engine import Call, call_of
+
+    x = torch.randn(2, 3)
+    fields = (x, "scope", None, None, 1e-5, None, None, None, 0.0, False, None)
+    assert len(Call._fields) == len(fields)
+    assert call_of(fields) == Call(x, "scope", None, None, 1e-5, None, None)
+    assert type(call_of(fields)) is Call
+    assert Call._field_defaults == {"residual": None, "weight_offset": 0.0, "residual_fp32": False, "op": None}

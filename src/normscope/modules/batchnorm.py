@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from .. import functional as F
-from ..engine import Call, Running
+from ..engine import Call, Running, call_of
 from ..scope import Scope
 from . import _hot
 
@@ -85,7 +85,7 @@ class _BatchNormMixin(_hot.HotLayer):
                 k, hot = _hot.shared(self, config, input, w, b, rm, rv)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
-                y = hot[1][1](Call(input, hot[0], w, b, self.eps, None, running))
+                y = hot[1][1](call_of((input, hot[0], w, b, self.eps, None, running, None, 0.0, False, None)))
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
                 _hot.forget(self)
                 k = None

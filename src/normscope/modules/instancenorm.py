@@ -11,7 +11,7 @@ import warnings
 from torch import Tensor, nn
 
 from .. import functional as F
-from ..engine import Call, Running
+from ..engine import Call, Running, call_of
 from ..scope import Scope
 from . import _hot
 
@@ -42,7 +42,7 @@ class _InstanceNormMixin(_hot.HotLayer):
             running = Running(rm, rv, float(momentum), use_input_stats)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
-                return hot[1][1](Call(input, hot[0], w, b, self.eps, None, running))
+                return hot[1][1](call_of((input, hot[0], w, b, self.eps, None, running, None, 0.0, False, None)))
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
                 _hot.forget(self)
                 k = None

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .. import _checks as check
 from .. import functional as F
-from ..engine import Call
+from ..engine import Call, call_of
 from ..scope import Scope
 from . import _hot
 
@@ -62,7 +62,7 @@ class LayerNorm(_hot.HotLayer, nn.LayerNorm):
             k, hot = _hot.shared(self, ("layer", self.normalized_shape, self.eps), input, w, b)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
-                return hot[1][1](Call(input, hot[0], w, b, self.eps, None, None))
+                return hot[1][1](call_of((input, hot[0], w, b, self.eps, None, None, None, 0.0, False, None)))
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
                 _hot.forget(self)
                 k = None
@@ -115,7 +115,7 @@ class RMSNorm(_hot.HotLayer, nn.RMSNorm):
             k, hot = _hot.shared(self, ("rms", self.normalized_shape, self.eps), x, w)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
-                return hot[1][1](Call(x, hot[0], w, None, eps, None, None))
+                return hot[1][1](call_of((x, hot[0], w, None, eps, None, None, None, 0.0, False, None)))
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
                 _hot.forget(self)
                 k = None
@@ -180,7 +180,8 @@ class GroupNorm(_hot.HotLayer, nn.GroupNorm):
                 k, hot = _hot.shared(self, ("group", self.num_groups, self.num_channels, self.eps), input, w, b)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
-                return hot[1][1](Call(input, hot[0], w, b, self.eps, None, None, op="group_norm"))
+                call = call_of((input, hot[0], w, b, self.eps, None, None, None, 0.0, False, "group_norm"))
+                return hot[1][1](call)
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
                 _hot.forget(self)
                 k = None
