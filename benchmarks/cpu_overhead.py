@@ -9,6 +9,9 @@ exception: torch's CPU ``rms_norm`` is a chain of ops, normscope's one reduction
     small shapes   forward <= 1.25, forward + backward <= 1.15   (per-call cost)
     large shapes   <= 1.05 both ways; RMSNorm <= 0.5 both ways (at least 2x faster), fp32 and bf16
     compiled       a small normscope model under torch.compile <= 1.05 x the same torch.nn model compiled
+                   (the issue asks "no slower": 1.05 is the noise allowance of one such measurement)
+    rows           RMSNorm at 16..2048 x 1024, around the fast path's threshold: <= 1.05 where the fast
+                   path runs, the small-shape goals below it (torch's op runs; the per-call cost is left)
 
 Method: for each case both layers run the same forward + backward on the same tensors; the two are
 *interleaved* (ABAB... with the order swapped every round, so drift and neighbours' load hit both
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import re
@@ -48,6 +52,7 @@ import torch
 from torch import nn
 
 import normscope
+from normscope.backends.rms import MIN_AUTO_ELEMENTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMITTED = RESULTS / "cpu_speed.json"  # the measurement the README and the automatic choices cite
@@ -85,8 +90,13 @@ def target(case: Case, mode: str) -> float:
         return RMS_LARGE_TARGET
     if case.size == "compiled":
         return COMPILED_TARGET
-    if case.size == "rows":  # around the RMS fast path's threshold: never slower than torch
-        return 1.05
+    if case.size == "rows":
+        # around the RMS fast path's threshold: where the automatic order picks it (from
+        # MIN_AUTO_ELEMENTS), it must not be slower than torch; below, torch's own op runs and what
+        # is left is the per-call cost, whose goal is the small shapes'
+        if math.prod(case.shape) >= MIN_AUTO_ELEMENTS:
+            return 1.05
+        return TARGETS[("small", mode)]
     return TARGETS[(case.size, mode)]
 
 
@@ -275,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=None,
-        help="interleaved rounds per case (even: ABBA pairs). Default: 40 small, 24 large (large blocks are one call: more pairs for a stable median)",
+        help="interleaved rounds per case (even: ABBA pairs). Default: 40 small, 60 large (a large block is one call, and its time is bimodal here: more pairs for a stable median)",
     )
     p.add_argument("--min-block-ms", type=float, default=20.0, help="minimum duration of one timed block. Default: 20")
     p.add_argument("--warmup-s", type=float, default=0.3, help="warm-up time per case. Default: 0.3")
@@ -314,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for case in cases:
         for mode in modes:
-            rounds = args.rounds or (2 if args.quick else 40 if case.size in ("small", "rows") else 24)
+            rounds = args.rounds or (2 if args.quick else 40 if case.size in ("small", "rows") else 60)
             min_block = (2.0 if args.quick else args.min_block_ms) / 1e3
             r = run_case(case, mode, rounds, min_block, 0.0 if args.quick else args.warmup_s)
             results.append(r)
