@@ -330,3 +330,40 @@ def test_scope_validation():
         Scope.group(2).resolve((2, 5, 3))
     with pytest.raises(ValueError, match="not a reduced axis"):
         Scope(reduce=(2,), groups=2, group_dim=1).resolve((2, 4, 3))
+
+
+def test_choice_for_trace_matches_the_eager_choice():
+    """While dynamo traces, the backend is chosen on a stand-in of the call's signature
+    (engine._choice_for_trace); it must be the choice the real call gets, for every kind of call."""
+    from normscope.engine import Call, Running, _choice_for_trace, _choose, _static_signature, _TRACING_CHOICE
+    from normscope.scope import Scope
+
+    x = torch.randn(4, 6, 5)
+    w, b = torch.randn(6), torch.randn(6)
+    mask = torch.rand(4, 1, 5) > 0.3
+    run = Running(torch.zeros(6), torch.ones(6), 0.1, True)
+    calls = [
+        Call(x, Scope.layer(1).resolve(x.shape), torch.randn(5), torch.randn(5), 1e-5, None, None),
+        Call(x, Scope.rms(1).resolve(x.shape), torch.randn(5), None, 1e-5, None, None),
+        Call(x, Scope.batch(1).resolve(x.shape), w, b, 1e-5, None, run),
+        Call(x, Scope.batch(1).resolve(x.shape), w, b, 1e-5, mask, run),
+        Call(x, Scope.group(2).resolve(x.shape), w, b, 1e-5, mask, None),
+        Call(x, Scope.group(6).resolve(x.shape), w, b, 1e-5, None, None, op="group_norm"),
+        Call(x, Scope.instance().resolve(x.shape), w, b, 1e-5, None, None),
+        Call(x.double(), Scope(reduce=(0, 2)).resolve(x.shape), None, None, 1e-5, None, None),
+        Call(x, Scope.rms(1).resolve(x.shape), torch.randn(5), None, 1e-5, None, None, torch.randn(4, 6, 5), 1.0),
+    ]
+    for call in calls:
+        for name in ("auto", "reference", "aten", "composite"):
+            _TRACING_CHOICE[0] = True  # as while tracing: engine.tracing() is what the choice reads
+            try:
+                expected = _choose(call, name)
+            except ValueError:
+                expected = ValueError
+            finally:
+                _TRACING_CHOICE[0] = False
+            try:
+                got = _choice_for_trace(_static_signature(call), name)
+            except ValueError:
+                got = ValueError
+            assert got == expected, (call.scope, name)

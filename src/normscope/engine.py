@@ -198,8 +198,12 @@ def recompute(call: Call) -> Tensor:
 
 
 def tracing() -> bool:
-    """Whether torch.compile (dynamo) or the TorchScript tracer is recording this call."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+    """Whether torch.compile (dynamo) or the TorchScript tracer is recording this call (or the
+    engine is choosing a backend for a call dynamo traces, see ``_choice_for_trace``)."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing() or _TRACING_CHOICE[0]
+
+
+_TRACING_CHOICE = [False]
 
 
 def transformed() -> bool:
@@ -406,26 +410,119 @@ def _why_not(b: Backend, call: Call, automatic: bool) -> str | None:
     return reason
 
 
-def _plan(call: Call, name: str) -> tuple[str, Runner]:
-    _validate(call)
-    automatic = name == "auto"
-    if automatic:
+def _choose(call: Call, name: str) -> str:
+    """The backend that runs ``call`` when ``name`` is requested: the first of the automatic order
+    that takes it (``"auto"``), else ``name`` itself; ValueError saying why when none can."""
+    if name == "auto":
         reasons = {}
         for name in _AUTO:
             reasons[name] = _why_not(_BACKENDS[name], call, True)
             if reasons[name] is None:
-                break
-        else:
-            why = "; ".join(f"{n}: {r}" for n, r in reasons.items())
-            raise ValueError(f"no backend can run this normalization ({why})")
-    else:
-        reason = _why_not(_BACKENDS[name], call, False)
-        if reason is not None:
-            raise ValueError(f"backend {name!r} cannot run this normalization: {reason}")
+                return name
+        why = "; ".join(f"{n}: {r}" for n, r in reasons.items())
+        raise ValueError(f"no backend can run this normalization ({why})")
+    reason = _why_not(_BACKENDS[name], call, False)
+    if reason is not None:
+        raise ValueError(f"backend {name!r} cannot run this normalization: {reason}")
+    return name
+
+
+def _prepare(name: str, call: Call, automatic: bool) -> tuple[str, Runner]:
     b = _BACKENDS[name]
     if call.residual is None or b.fuses_residual:
         return name, b.prepare(call, automatic)
     return name, _adding(b.prepare(_plain(call), automatic))
+
+
+def _plan(call: Call, name: str) -> tuple[str, Runner]:
+    _validate(call)
+    return _prepare(_choose(call, name), call, name == "auto")
+
+
+def _traced_plan(call: Call, name: str) -> tuple[str, Runner]:
+    """:func:`_plan` while dynamo traces: the choice of backend made once, eagerly, on a stand-in of
+    the call's signature (:func:`_choice_for_trace`), so that dynamo traces -- and guards on -- only
+    the chosen backend's ``prepare`` and runner, not every ``why_not`` of the automatic order: each
+    function dynamo inlines is guarded on every call of the compiled graph (measured, a compiled
+    LayerNorm cost ~20 us a call more than torch.nn's, most of it the planning's guards).
+    Symbolic sizes (dynamic shapes) have no constant signature: then the choice is traced."""
+    _validate(call)
+    sig = _static_signature(call)
+    chosen = _choose(call, name) if sig is None else _choice_for_trace(sig, name)
+    return _prepare(chosen, call, name == "auto")
+
+
+def _static_signature(call: Call) -> tuple | None:
+    """Everything ``why_not`` may read (see :class:`Backend`) as Python constants, or None when a
+    size is symbolic."""
+    x, s, r, res = call.x, call.scope, call.running, call.residual
+    tensors = (x, call.weight, call.bias, call.mask, res, *((r.mean, r.var) if r is not None else ()))
+    for t in tensors:
+        if t is not None and not all(type(n) is int for n in t.shape):
+            return None
+    if not all(type(n) is int for n in s.shape):
+        return None
+
+    def meta(t: Tensor | None) -> tuple | None:
+        return None if t is None else (tuple(t.shape), t.dtype)
+
+    return (
+        (tuple(s.shape), s.reduce, s.centered, s.groups, s.group_dim, s.affine),
+        tuple(x.shape),
+        x.dtype,
+        str(x.device),
+        meta(call.weight),
+        meta(call.bias),
+        meta(call.mask),
+        None if r is None else (r.use_input_stats, meta(r.mean), meta(r.var)),
+        meta(res),
+        call.residual_fp32,
+        call.weight_offset != 0.0,
+        call.op,
+    )
+
+
+_TRACE_CHOICES: dict[tuple, str] = {}
+
+
+@constant_when_compiled
+def _choice_for_trace(sig: tuple, name: str) -> str:
+    """:func:`_choose` on a stand-in of signature ``sig`` (stride-0 views of one element, of the
+    call's shapes, dtypes and device), memoized: dynamo runs it once, eagerly, and bakes the name in."""
+    key = (sig, name)
+    found = _TRACE_CHOICES.get(key)
+    if found is None:
+        (shape, reduce, centered, groups, group_dim, affine), x_shape, dtype, device = sig[:4]
+        weight, bias, mask, running, residual, residual_fp32, offset, op = sig[4:]
+
+        def stand_in(m: tuple | None) -> Tensor | None:
+            return None if m is None else torch.empty((), dtype=m[1], device=device).expand(m[0])
+
+        run = None
+        if running is not None:
+            run = Running(stand_in(running[1]), stand_in(running[2]), 0.1, running[0])
+        call = Call(
+            stand_in((x_shape, dtype)),
+            Resolved(shape, reduce, centered, groups, group_dim, affine),
+            stand_in(weight),
+            stand_in(bias),
+            1e-5,
+            stand_in(mask),
+            run,
+            stand_in(residual),
+            1.0 if offset else 0.0,
+            residual_fp32,
+            op,
+        )
+        _TRACING_CHOICE[0] = True  # engine.tracing() is True for it, as for the traced call
+        try:
+            found = _choose(call, name)
+        finally:
+            _TRACING_CHOICE[0] = False
+        if len(_TRACE_CHOICES) >= _MAX_PLANS:
+            _TRACE_CHOICES.clear()
+        _TRACE_CHOICES[key] = found
+    return found
 
 
 def _adding(inner: Runner) -> Runner:
@@ -464,7 +561,7 @@ def plan(call: Call, backend: str | None = None) -> tuple[str, Runner]:
         # under dynamo the planning is traced once per graph anyway; storing it in _PLANS would be
         # a side effect on a dict keyed by trace-time objects (Resolved) that dynamo cannot replay,
         # which breaks torch.compile(fullgraph=True)
-        return _plan(call, requested)
+        return _traced_plan(call, requested)
     key = (signature(call), requested)
     try:
         found = _PLANS.get(key)
