@@ -285,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=None,
-        help="interleaved rounds per case (even: ABBA pairs). Default: 40 small, 60 large (a large block is one call, and its time is bimodal here: more pairs for a stable median)",
+        help="interleaved rounds per case (even: ABBA pairs). Default: 40 small, 60 large "
+        "(a large block is one call, and its time is bimodal here: more pairs for a stable median)",
     )
     p.add_argument("--min-block-ms", type=float, default=20.0, help="minimum duration of one timed block. Default: 20")
     p.add_argument("--warmup-s", type=float, default=0.3, help="warm-up time per case. Default: 0.3")

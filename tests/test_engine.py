@@ -335,7 +335,7 @@ def test_scope_validation():
 def test_choice_for_trace_matches_the_eager_choice():
     """While dynamo traces, the backend is chosen on a stand-in of the call's signature
     (engine._choice_for_trace); it must be the choice the real call gets, for every kind of call."""
-    from normscope.engine import Call, Running, _choice_for_trace, _choose, _static_signature, _TRACING_CHOICE
+    from normscope.engine import _TRACING_CHOICE, Call, Running, _choice_for_trace, _choose, _static_signature
     from normscope.scope import Scope
 
     x = torch.randn(4, 6, 5)
