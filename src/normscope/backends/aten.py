@@ -16,6 +16,7 @@ automatic runner asks the native op for them and recomputes the rare cancelling 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import struct
 import warnings
@@ -171,24 +172,17 @@ def _values(t: Tensor) -> tuple[float, ...] | list[float]:
     """The values of a small tensor as Python floats, at the least cost this runs at per call.
 
     A plain, contiguous fp32 CPU tensor -- what the native ops return as statistics -- is unpacked
-    straight from its memory by ``struct`` (~0.7 us for 32 values, under half of ``tolist()``, which
-    dispatches and checks first: this runs on every automatic call, where the whole budget of a small
-    layer is a few microseconds, see ``benchmarks/cpu_overhead.py``). The ctypes view is only read
-    while ``t`` holds the memory. Anything else -- a tensor subclass (fake, functional, DTensor: its
-    ``data_ptr`` is not host memory to read), another dtype, strides -- goes through ``tolist()``."""
+    straight from its memory by ``struct`` (:func:`_reader`; ~0.7 us for 32 values, under half of
+    ``tolist()``, which dispatches and checks first: this runs on every automatic call, where the
+    whole budget of a small layer is a few microseconds, see ``benchmarks/cpu_overhead.py``). The
+    ctypes view is only read while ``t`` holds the memory. Anything else -- a tensor subclass (fake,
+    functional, DTensor: its ``data_ptr`` is not host memory to read), another dtype, strides, no
+    values or more than :data:`_LIST_MAX` -- goes through ``tolist()``."""
     if type(t) is Tensor and t.dtype is torch.float32 and t.is_cpu and t.is_contiguous():
-        n = t.numel()
-        if n == 0:
-            return ()
-        reader = _READERS.get(n)
-        if reader is None:
-            reader = _READERS.setdefault(n, (struct.Struct(f"={n}f").unpack_from, ctypes.c_char * (4 * n)))
-        unpack, raw = reader
-        return unpack(raw.from_address(t.data_ptr()))
+        unpack, raw = _reader(t.numel())
+        if raw is not None:
+            return unpack(raw.from_address(t.data_ptr()))
     return t.detach().reshape(-1).tolist()
-
-
-_READERS: dict[int, tuple] = {}  # numel -> (struct unpacker, ctypes byte-array type) for _values
 
 
 def _cancels(mean: Tensor, eps: float, rstd: Tensor | None = None, var: Tensor | None = None) -> bool:
@@ -219,10 +213,11 @@ _is_tracing = torch._C._is_tracing  # torch.jit.is_tracing() without its Python 
 _peek = torch._C._functorch.peek_interpreter_stack  # engine.transformed(), likewise
 
 
+@functools.lru_cache(maxsize=1024)
 def _reader(n: int) -> tuple[Callable | None, type | None]:
     """``(unpack, raw)``: ``unpack(raw.from_address(address))`` are the ``n`` fp32 values at a CPU
-    address as Python floats -- a ``struct`` unpack straight from memory (see :func:`_values`);
-    ``(None, None)`` past :data:`_LIST_MAX` (or for none)."""
+    address as Python floats -- a ``struct`` unpack straight from memory; ``(None, None)`` past
+    :data:`_LIST_MAX` (or for none). Cached per ``n``."""
     if n > _LIST_MAX or n == 0:
         return None, None
     return struct.Struct(f"={n}f").unpack_from, ctypes.c_char * (4 * n)
@@ -232,7 +227,8 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
     """Wrap the automatic ATen runner of an fp32 CPU call with the cancellation check above.
 
     The runners are written for their per-call cost (``benchmarks/cpu_overhead.py``): the tracing
-    and transform questions asked of torch directly, the ordinary answer from :func:`_quick`."""
+    and transform questions asked of torch directly, the ordinary answer from the statistics read
+    with :func:`_reader` (see the comment below)."""
     if call.x.dtype != torch.float32 or call.x.device.type != "cpu":
         return plain  # half types: output rounding dominates; CUDA: the check would synchronize
     k, s = kind(call), call.scope
