@@ -593,19 +593,20 @@ def layer_plan(key: tuple) -> tuple[Resolved, tuple[str, Runner]] | None:
     return _LAYER_PLANS.get(key)
 
 
-def remember_layer_plan(key: tuple, call: Call) -> None:
+def remember_layer_plan(key: tuple, call: Call) -> tuple[Resolved, tuple[str, Runner]] | None:
     """Remember the resolved scope and plan of ``call`` (which has just run, its arguments checked)
-    under ``key`` (see :func:`layer_plan`). Nothing is remembered while tracing: dynamo traces the
-    checked path instead."""
+    under ``key`` (see :func:`layer_plan`), and return them (None: nothing remembered). Nothing is
+    remembered while tracing: dynamo traces the checked path instead."""
     if tracing():
-        return
+        return None
     try:
         found = (call.scope, plan(call))
         if len(_LAYER_PLANS) >= _MAX_PLANS:
             _LAYER_PLANS.clear()
         _LAYER_PLANS[key] = found
     except TypeError:  # symbolic sizes: nothing to remember
-        pass
+        return None
+    return found
 
 
 def dispatch(call: Call, backend: str | None = None):

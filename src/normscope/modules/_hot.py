@@ -105,11 +105,7 @@ def remember(layer: torch.nn.Module, k: tuple | None, call: engine.Call, *tensor
     table) and as the layer's last call."""
     if k is None:
         return
-    engine.remember_layer_plan(k, call)
-    try:
-        found = engine.layer_plan(k)
-    except TypeError:
-        return
+    found = engine.remember_layer_plan(k, call)
     if found is not None:
         _keep(layer, call.x, tensors, found)
 

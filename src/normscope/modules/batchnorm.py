@@ -13,25 +13,32 @@ from ..engine import Call, Running, call_of
 from ..scope import Scope
 from . import _hot
 
+_UNREAD = object()  # a layer's buffer not read yet (None is a value: no counter)
 
-def momentum_factor(bn: nn.Module) -> float:
+
+def momentum_factor(bn: nn.Module, num_batches_tracked: object = _UNREAD) -> float:
     """The running-statistics update factor of this step, by torch's rule: ``momentum``, or for
     ``momentum=None`` the cumulative average ``1 / (batches seen, this one included)``.
+    ``num_batches_tracked``: the layer's buffer when the caller holds it already (the hot path).
 
     Pure: the counter moves in :func:`count_batch`, once the step has succeeded (torch increments
     it first, so a rejected call would still count as a batch).
     """
     if bn.momentum is not None:
         return bn.momentum
-    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
-        return 1.0 / (float(bn.num_batches_tracked) + 1.0)
+    nbt = bn.num_batches_tracked if num_batches_tracked is _UNREAD else num_batches_tracked
+    if bn.training and bn.track_running_stats and nbt is not None:
+        return 1.0 / (float(nbt) + 1.0)
     return 0.0
 
 
-def count_batch(bn: nn.Module) -> None:
-    """Count a successful training step in ``num_batches_tracked`` (torch's bookkeeping)."""
-    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
-        bn.num_batches_tracked.add_(1)
+def count_batch(bn: nn.Module, num_batches_tracked: object = _UNREAD) -> None:
+    """Count a successful training step in ``num_batches_tracked`` (torch's bookkeeping);
+    ``num_batches_tracked`` as in :func:`momentum_factor`."""
+    if bn.training and bn.track_running_stats:
+        nbt = bn.num_batches_tracked if num_batches_tracked is _UNREAD else num_batches_tracked
+        if nbt is not None:
+            nbt.add_(1)
 
 
 class _BatchNormMixin(_hot.HotLayer):
@@ -62,17 +69,10 @@ class _BatchNormMixin(_hot.HotLayer):
         rm, rv, nbt = bufs.get("running_mean", p), bufs.get("running_var", p), bufs.get("num_batches_tracked", p)
         if w is p or b is p or rm is p or rv is p or nbt is p or not self._normscope_direct:
             w, b, rm, rv, nbt = self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked
-        training = self.training
-        use_batch_stats = training or (rm is None and rv is None)
-        if training and not self.track_running_stats:
+        use_batch_stats = self.training or (rm is None and rv is None)
+        if self.training and not self.track_running_stats:
             rm = rv = None
-        momentum = self.momentum
-        if momentum is not None:
-            factor = momentum
-        elif training and self.track_running_stats and nbt is not None:
-            factor = 1.0 / (float(nbt) + 1.0)  # torch's cumulative average (see momentum_factor)
-        else:
-            factor = 0.0
+        factor = momentum_factor(self, nbt)
         running = None
         if rm is not None or rv is not None or not use_batch_stats:  # as functional.batch_norm
             running = Running(rm, rv, float(factor), use_batch_stats)
@@ -90,14 +90,13 @@ class _BatchNormMixin(_hot.HotLayer):
                 _hot.forget(self)
                 k = None
             else:
-                if training and nbt is not None and self.track_running_stats:
-                    nbt.add_(1)  # count_batch, without re-reading the buffer
+                count_batch(self, nbt)
                 return y
         self._check_input_dim(input)
         y = F.batch_norm(
             input, rm, rv, w, b, use_batch_stats, factor, self.eps, mask=mask, channel_dim=self.channel_dim
         )
-        count_batch(self)
+        count_batch(self, nbt)
         if k is not None:
             scope = Scope.batch(self.channel_dim).resolve(input.shape)
             _hot.remember(self, k, Call(input, scope, w, b, self.eps, None, running), w, b, rm, rv)
