@@ -88,6 +88,17 @@ def test_compile_fullgraph_reference_backend_and_masks(monkeypatch):
         torch.testing.assert_close(y, direct(x, (0, 2), mask=mask))
 
 
+def _counting_backend():
+    """``(graphs, backend)``: a torch.compile backend that runs each graph as it is and keeps it."""
+    frames = []
+
+    def counting(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    return frames, counting
+
+
 @pytest.mark.slow
 def test_environment_is_read_when_traced_not_guarded(monkeypatch):
     """NORMSCOPE_BACKEND (and TRITON_INTERPRET) are read once while tracing: an environment variable
@@ -95,12 +106,7 @@ def test_environment_is_read_when_traced_not_guarded(monkeypatch):
     a read of os.environ, dynamo guarded on every key of the environment (a retrace on any change)
     and evaluated that guard on every call (engine.constant_when_compiled)."""
     torch._dynamo.reset()
-    frames = []
-
-    def counting(gm, example_inputs):
-        frames.append(gm)
-        return gm.forward
-
+    frames, counting = _counting_backend()
     ln = normscope.LayerNorm(8).double()
     x = torch.randn(4, 8, dtype=torch.float64)
     compiled = torch.compile(ln, backend=counting)
@@ -112,3 +118,82 @@ def test_environment_is_read_when_traced_not_guarded(monkeypatch):
     # eagerly the variable is read per call, as documented
     ln(x)
     assert normscope.last_backend() == "reference"
+
+
+def _layers():
+    """One of each layer with a traced hot path, and an input for it."""
+    return [
+        (normscope.LayerNorm(6), (3, 4, 6)),
+        (normscope.RMSNorm(6), (3, 4, 6)),
+        (normscope.GroupNorm(2, 4), (3, 4, 5)),
+        (normscope.BatchNorm1d(4), (3, 4, 5)),
+        (normscope.BatchNorm2d(4).eval(), (3, 4, 2, 5)),
+        (normscope.InstanceNorm1d(4, affine=True, track_running_stats=True), (3, 4, 5)),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(6))
+def test_compiled_layer_guards_only_its_runner(i):
+    """A compiled layer's guards cover the runner it runs, not its checked path: the checks, the
+    scope's resolution and the choice of backend are planned once, eagerly, on stand-ins
+    (engine.traced_layer_plan). Traced, each function and constant they read was a guard that
+    dynamo evaluated on every call (a compiled small model ~5 % slower than torch.nn's)."""
+    torch._dynamo.reset()
+    layer, shape = _layers()[i]
+    x = torch.randn(shape)
+    out = torch._dynamo.explain(layer)(x)
+    assert out.graph_break_count == 0, out.break_reasons
+    names = {g.name for g in out.out_guards}
+    modules = ("normscope_dot__checks", "normscope_dot_functional", "normscope_dot_scope")
+    checked = [n for n in names if any(m in n for m in modules)]
+    assert not checked, f"{type(layer).__name__}: the checked path was traced: {sorted(checked)}"
+    assert any("_TRACE_PLANS" in n for n in names), sorted(names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(6))
+def test_compile_dynamic_shapes_fullgraph(i):
+    """With symbolic sizes (dynamic=True, or the automatic dynamic shapes of a second batch size)
+    a layer has no constant signature to plan with: the checked path is traced, without a graph
+    break. (Dynamo answers ``type(n) is int`` -- and isinstance(n, SymInt) -- as for an int: a
+    check written so sent symbolic sizes to an assume_constant_result function, a graph break.)"""
+    layer, shape = _layers()[i]
+    for dynamic in (True, None):
+        torch._dynamo.reset()
+        eager, traced = copy.deepcopy(layer), copy.deepcopy(layer)
+        compiled = torch.compile(traced, dynamic=dynamic, fullgraph=True, backend="eager")
+        for n in (shape[0], shape[0] + 2, shape[0] + 4):
+            x = torch.randn((n, *shape[1:]))
+            where = f"dynamic={dynamic}, batch {n}"
+            torch.testing.assert_close(compiled(x), eager(x), msg=lambda m, where=where: f"{where}: {m}")
+        for (k, be), (_, bc) in zip(eager.named_buffers(), traced.named_buffers()):
+            torch.testing.assert_close(bc, be, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.slow
+def test_compiled_bad_input_raises_the_layers_error():
+    """A call the checks refuse has no traced plan: the layer's checked path runs and raises its
+    ValueError, as eagerly (not dynamo's wrapper of an error raised while planning)."""
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"normalized_shape=\[8\], got input of shape \(4, 7\)"):
+        torch.compile(normscope.LayerNorm(8), backend="eager")(torch.randn(4, 7))
+    with pytest.raises(ValueError, match=r"GroupNorm\(2, 8\): expected input with 8 channels at dim 1, got 6"):
+        torch.compile(normscope.GroupNorm(2, 8), backend="eager")(torch.randn(4, 6, 3))
+
+
+@pytest.mark.slow
+def test_compiled_layer_follows_use_backend():
+    """The requested backend is part of the traced plan's key and guarded: entering use_backend
+    recompiles, and the compiled call runs (and reports) the forced backend."""
+    torch._dynamo.reset()
+    frames, counting = _counting_backend()
+    ln = normscope.LayerNorm(8).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    compiled = torch.compile(ln, backend=counting, fullgraph=True)
+    compiled(x)
+    assert normscope.last_backend() == "aten"
+    with normscope.use_backend("reference"):
+        torch.testing.assert_close(compiled(x), direct(x, (1,)) * ln.weight + ln.bias)
+        assert normscope.last_backend() == "reference"
+    assert len(frames) == 2

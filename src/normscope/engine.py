@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
 
 from . import reference as ref
 from .scope import Resolved, Scope
@@ -63,6 +66,7 @@ __all__ = [
     "run",
     "layer_plan",
     "remember_layer_plan",
+    "traced_layer_plan",
 ]
 
 ENV_VAR = "NORMSCOPE_BACKEND"
@@ -458,9 +462,9 @@ def _static_signature(call: Call) -> tuple | None:
     x, s, r, res = call.x, call.scope, call.running, call.residual
     tensors = (x, call.weight, call.bias, call.mask, res, *((r.mean, r.var) if r is not None else ()))
     for t in tensors:
-        if t is not None and not all(type(n) is int for n in t.shape):
+        if t is not None and symbolic(t.shape):
             return None
-    if not all(type(n) is int for n in s.shape):
+    if symbolic(s.shape):
         return None
 
     def meta(t: Tensor | None) -> tuple | None:
@@ -480,6 +484,23 @@ def _static_signature(call: Call) -> tuple | None:
         call.weight_offset != 0.0,
         call.op,
     )
+
+
+def symbolic(shape: Sequence) -> bool:
+    """Whether a size of ``shape`` is symbolic (a SymInt: dynamic shapes, torch.export).
+
+    While dynamo traces, ``isinstance(n, torch.SymInt)`` and ``type(n) is int`` both answer as for
+    an int, so there torch's ``has_static_value`` is asked (dynamo answers it for the traced size,
+    without a guard); a torch without it (< 2.6) is answered "symbolic", the safe side."""
+    if not _is_compiling():
+        return any(isinstance(n, torch.SymInt) for n in shape)
+    return _has_static_value is None or not all(_has_static_value(n) for n in shape)
+
+
+# module-level names, not ``torch.<...>`` reads: while dynamo traces a layer (traced_layer_plan) the
+# same module object read from two of our modules costs a guard evaluated in Python on every call
+_is_compiling = torch.compiler.is_compiling
+_has_static_value = getattr(_symbolic_shapes, "has_static_value", None)
 
 
 _TRACE_CHOICES: dict[tuple, str] = {}
@@ -611,7 +632,71 @@ def remember_layer_plan(key: tuple, call: Call) -> tuple[Resolved, tuple[str, Ru
 
 def dispatch(call: Call, backend: str | None = None):
     """Run ``call`` on the requested backend, or on the first automatic one that takes it."""
+    if _CAPTURED:  # planning a layer's traced call on stand-ins (_trace_token): plan it, run nothing
+        _CAPTURED[-1] = (call.scope, _plan(call, requested_backend(backend)))
+        return call.x
     return run(plan(call, backend), call)
+
+
+# ----------------------------------------------------------------------------------------------
+# a layer's call while dynamo traces it
+
+#: (resolved scope, (backend name, runner)) of the layer calls planned for a trace, as attributes
+#: named by token -- not a dict: dynamo reads a dict's items once per trace, and a trace plans each
+#: of its layers after the first has read them; an object's attribute is read when asked for
+_TRACE_PLANS = types.SimpleNamespace()
+_TRACE_TOKENS: dict[tuple, str] = {}
+_tokens = itertools.count()
+_CAPTURED: list = []  # while _trace_token runs a layer's checked call: [None], then its plan
+
+
+def traced_layer_plan(config: tuple, metas: tuple, request: str | None) -> tuple[Resolved, tuple[str, Runner]] | None:
+    """A layer call's ``(resolved scope, (backend name, runner))`` while dynamo traces it, planned
+    eagerly and once, so that the compiled graph guards on as little as torch.nn's own layer does.
+
+    Tracing a layer's checked path (argument checks, scope resolution, choice of backend) puts a
+    guard on every function, global and constant it reads, and dynamo evaluates them all on every
+    call of the compiled graph: measured, a compiled small model cost ~5 % more per call than the
+    same torch.nn model compiled, a compiled LayerNorm(64) ~23 us (of ~50) more, nearly all of it
+    guards (``benchmarks/cpu_overhead.py --compile``). Here instead the layer's checked call runs
+    on stand-ins of its tensors (:func:`_trace_token`, which dynamo calls once and bakes its answer
+    in), and dynamo traces only the chosen runner.
+
+    ``config``: ``(checked, *settings)``, the layer's checked call ``checked(config, x, *tensors)``
+    and everything it reads besides the tensors (Python constants); ``metas``: ``(shape, dtype,
+    device)`` of ``x`` and of each tensor (None for an absent one); ``request``:
+    :func:`request_key`. None when the checked call dispatches nothing or raises."""
+    return getattr(_TRACE_PLANS, _trace_token(config, metas, request))
+
+
+@constant_when_compiled
+def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
+    """Run the layer's checked call (see :func:`traced_layer_plan`) on stand-ins -- stride-0 views
+    of one element, of the tensors' shapes, dtypes and devices: the checks, the resolution and the
+    plan read nothing else -- with :func:`dispatch` capturing the plan instead of running it. A call
+    its checks refuse has no plan (None): the layer then takes its checked path, traced, which
+    raises the error as an eager call does (raised here, dynamo would wrap it in its own
+    exception type). Memoized; the token names the plan's attribute of ``_TRACE_PLANS``."""
+    key = (config, metas, request)
+    token = _TRACE_TOKENS.get(key)
+    if token is None:
+        stand = [None if m is None else torch.empty((), dtype=m[1], device=m[2]).expand(m[0]) for m in metas]
+        _CAPTURED.append(None)
+        _TRACING_CHOICE[0] = True  # engine.tracing() is True for it, as for the traced call
+        try:
+            config[0](config, *stand)
+            found = _CAPTURED[-1]
+        except Exception:  # noqa: BLE001 -- the layer's checked path, traced, raises it in its own terms
+            found = None
+        finally:
+            _CAPTURED.pop()
+            _TRACING_CHOICE[0] = False
+        if len(_TRACE_TOKENS) >= _MAX_PLANS:
+            _TRACE_TOKENS.clear()
+            _TRACE_PLANS.__dict__.clear()
+        token = _TRACE_TOKENS[key] = f"plan{next(_tokens)}"  # never reused: a graph guards on its plan
+        setattr(_TRACE_PLANS, token, found)
+    return token
 
 
 def norm(

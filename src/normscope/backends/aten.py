@@ -91,7 +91,9 @@ def why_not_auto(call: Call) -> str | None:
 
 
 def _cudnn() -> bool:
-    # read per call, as torch.nn.functional does: users toggle cuDNN at run time
+    # read per call, as torch.nn.functional does: users toggle cuDNN at run time. batch_norm and
+    # instance_norm only: ATen ignores layer_norm's and group_norm's flag (deprecated), and not
+    # reading it spares a compiled graph four guards (see engine.traced_layer_plan)
     return torch.backends.cudnn.enabled
 
 
@@ -141,7 +143,7 @@ def _plain(call: Call) -> Runner:
         groups = _groups(s)
 
         def run(c: Call) -> Tensor:
-            return torch.group_norm(c.x, groups, c.weight, c.bias, c.eps, _cudnn())
+            return torch.group_norm(c.x, groups, c.weight, c.bias, c.eps)  # its cudnn flag: unused
 
     else:
         # layer_norm / rms_norm over any axes: move the reduced axes to the end (a view; free when
@@ -157,7 +159,7 @@ def _plain(call: Call) -> Runner:
         def run(c: Call) -> Tensor:
             xm = c.x.movedim(s.reduce, tail) if moved else c.x
             if centered:
-                y = torch.layer_norm(xm, shape, c.weight, c.bias, c.eps, _cudnn())
+                y = torch.layer_norm(xm, shape, c.weight, c.bias, c.eps)  # its cudnn flag: unused
             else:
                 y = torch.rms_norm(xm, shape, c.weight, None if c.eps == default_eps else c.eps)
             return y.movedim(tail, s.reduce) if moved else y

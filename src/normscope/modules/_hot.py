@@ -22,7 +22,11 @@ Two levels, both exact:
   keyed by everything the checks, the resolution and the plan read -- the layer's configuration,
   the input's and every tensor's shape, dtype and device, the requested backend.
 
-Masked calls, non-tensor input and tracing (torch.compile) always take the checked path.
+Masked calls and non-tensor input always take the checked path. While dynamo traces
+(torch.compile), :func:`shared` plans the call once, eagerly, on stand-ins of its tensors
+(:func:`normscope.engine.traced_layer_plan`) and the layer runs the plan's runner: dynamo traces
+and guards on that runner only, not on the checks and planning, whose guards made a compiled
+layer measurably slower than torch.nn's.
 
 Every line of :func:`last` runs on every call of every layer, where a small layer's whole budget is
 a few microseconds and the ATen op itself takes ~6 (``benchmarks/cpu_overhead.py``), so it is written
@@ -83,8 +87,15 @@ def last(layer: torch.nn.Module, x: object, *tensors: Tensor | None) -> tuple | 
 def shared(layer: torch.nn.Module, config: tuple, x: object, *tensors: Tensor | None) -> tuple:
     """``(key, found)`` from the shared table: ``found`` as :func:`last` returns it (and then also
     the layer's last call), or None when the call must take the checked path -- afterwards
-    :func:`remember` it under ``key`` (None: never remembered -- non-tensor input, tracing)."""
-    if not isinstance(x, Tensor) or _is_compiling():
+    :func:`remember` it under ``key`` (None: never remembered -- non-tensor input, tracing).
+
+    ``config``: ``(checked, *settings)``: the layer's checked call, ``checked(config, x,
+    *tensors)``, and everything it reads besides the tensors. While dynamo traces, ``found`` is
+    planned by running that call on stand-ins (:func:`normscope.engine.traced_layer_plan`);
+    ``checked=None``: the layer's checked path is traced instead."""
+    if _is_compiling():
+        return None, (None if config[0] is None else _traced(config, x, tensors))
+    if not isinstance(x, Tensor):
         return None, None
     parts = [config, _sig(x), engine.request_key()]
     for t in tensors:  # a loop, not a comprehension: no extra frame (Python 3.11)
@@ -98,6 +109,35 @@ def shared(layer: torch.nn.Module, config: tuple, x: object, *tensors: Tensor | 
         _keep(layer, x, tensors, found)
         engine.record(found[1][0])
     return k, found
+
+
+def _traced(config: tuple, x: object, tensors: tuple) -> tuple | None:
+    """:func:`shared`'s answer while dynamo traces: None (the checked path, traced) for symbolic
+    sizes (dynamic shapes) or a non-tensor argument, which have no constant signature."""
+    metas = []
+    for t in (x, *tensors):
+        if t is None:
+            metas.append(None)
+        elif _is_tensor(t) and not _symbolic(t.shape):
+            metas.append((tuple(t.shape), t.dtype, t.device))
+        else:
+            return None
+    request = _FORCED[-1] if _FORCED else _environ_constant()  # engine.request_key(), a constant to dynamo
+    found = _traced_layer_plan(config, tuple(metas), request)
+    if found is not None:
+        _LAST[0] = found[1][0]  # engine.last_backend() after each compiled call, as eagerly (not
+        # engine.record: dynamo would guard on the list's current item, a recompile per change)
+    return found
+
+
+# What _traced reads, as names of this module: a module object (engine, torch) or class (Tensor)
+# that dynamo reaches from two of our modules costs a guard evaluated in Python on every call of
+# the compiled graph (see normscope.engine.traced_layer_plan)
+_is_tensor = torch.is_tensor
+_symbolic = engine.symbolic
+_environ_constant = engine._environ_get
+_traced_layer_plan = engine.traced_layer_plan
+_LAST = engine._last
 
 
 def remember(layer: torch.nn.Module, k: tuple | None, call: engine.Call, *tensors: Tensor | None) -> None:

@@ -12,6 +12,7 @@ from .. import functional as F
 from ..engine import Call, Running, call_of
 from ..scope import Scope
 from . import _hot
+from ._hot import forget, last, shared
 
 _UNREAD = object()  # a layer's buffer not read yet (None is a value: no counter)
 
@@ -41,6 +42,30 @@ def count_batch(bn: nn.Module, num_batches_tracked: object = _UNREAD) -> None:
             nbt.add_(1)
 
 
+def _check_input(cls: type, num_features: int, channel_dim: int, input: object) -> None:
+    """A BatchNorm layer's own check of its input: a tensor of its class's ranks (``_dims``) with
+    ``num_features`` channels at ``channel_dim``."""
+    name = cls.__name__
+    if not isinstance(input, Tensor):
+        raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
+    if input.dim() not in cls._dims:
+        want = " or ".join(f"{d}D" for d in cls._dims)
+        raise ValueError(f"{name}: expected {want} input, got {input.dim()}D input of shape {tuple(input.shape)}")
+    if input.shape[channel_dim] != num_features:
+        raise ValueError(
+            f"{name}({num_features}): expected input with {num_features} channels at dim {channel_dim}, "
+            f"got {input.shape[channel_dim]} (input shape {tuple(input.shape)})"
+        )
+
+
+def _batch_norm(config: tuple, x: Tensor, w: Tensor | None, b: Tensor | None, rm: Tensor | None, rv: Tensor | None):
+    """A BatchNorm layer's checked call, to plan a traced call with (see modules/_hot.py, ``shared``):
+    the update factor does not change the plan, so any valid one stands in for it."""
+    _, cls, num_features, channel_dim, use_batch_stats, eps = config
+    _check_input(cls, num_features, channel_dim, x)
+    return F.batch_norm(x, rm, rv, w, b, use_batch_stats, 0.0, eps, channel_dim=channel_dim)
+
+
 class _BatchNormMixin(_hot.HotLayer):
     """torch's ``_BatchNorm.forward``, routed through the engine; the rest is torch's own."""
 
@@ -48,18 +73,7 @@ class _BatchNormMixin(_hot.HotLayer):
     channel_dim: int = 1  # a class attribute: the default adds nothing to __dict__, state or repr
 
     def _check_input_dim(self, input: Tensor) -> None:
-        name = type(self).__name__
-        if not isinstance(input, Tensor):
-            raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
-        if input.dim() not in self._dims:
-            want = " or ".join(f"{d}D" for d in self._dims)
-            raise ValueError(f"{name}: expected {want} input, got {input.dim()}D input of shape {tuple(input.shape)}")
-        cd = self.channel_dim
-        if input.shape[cd] != self.num_features:
-            raise ValueError(
-                f"{name}({self.num_features}): expected input with {self.num_features} channels at dim {cd}, "
-                f"got {input.shape[cd]} (input shape {tuple(input.shape)})"
-            )
+        _check_input(type(self), self.num_features, self.channel_dim, input)
 
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         """Normalize ``input``; ``mask`` (optional, bool, the input's shape without the channel
@@ -78,16 +92,18 @@ class _BatchNormMixin(_hot.HotLayer):
             running = Running(rm, rv, float(factor), use_batch_stats)
         k, hot = None, None
         if mask is None:
-            hot = _hot.last(self, input, w, b, rm, rv)
+            hot = last(self, input, w, b, rm, rv)
             if hot is None:
-                # the class too: its _check_input_dim accepts its own ranks only
-                config = (type(self), self.num_features, self.channel_dim, use_batch_stats, self.eps)
-                k, hot = _hot.shared(self, config, input, w, b, rm, rv)
+                # the class too: its _check_input_dim accepts its own ranks only (a subclass's own
+                # _check_input_dim: the traced call takes the checked path, which asks it)
+                checked = _batch_norm if type(self)._check_input_dim is _BatchNormMixin._check_input_dim else None
+                config = (checked, type(self), self.num_features, self.channel_dim, use_batch_stats, self.eps)
+                k, hot = shared(self, config, input, w, b, rm, rv)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
                 y = hot[1][1](call_of((input, hot[0], w, b, self.eps, None, running, None, 0.0, False, None)))
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
-                _hot.forget(self)
+                forget(self)
                 k = None
             else:
                 count_batch(self, nbt)

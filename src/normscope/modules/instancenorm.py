@@ -14,6 +14,14 @@ from .. import functional as F
 from ..engine import Call, Running, call_of
 from ..scope import Scope
 from . import _hot
+from ._hot import forget, last, shared
+
+
+def _instance_norm(config: tuple, x: Tensor, w: Tensor | None, b: Tensor | None, rm: Tensor | None, rv: Tensor | None):
+    """An InstanceNorm layer's checked call of a batched input with its number of channels (the
+    layer checks both first), to plan a traced call with (see modules/_hot.py, ``shared``)."""
+    _, _, _, use_input_stats, momentum, eps = config
+    return F.instance_norm(x, rm, rv, w, b, use_input_stats, momentum, eps)
 
 
 class _InstanceNormMixin(_hot.HotLayer):
@@ -33,10 +41,15 @@ class _InstanceNormMixin(_hot.HotLayer):
         momentum = self.momentum if self.momentum is not None else 0.0
         k, hot = None, None
         if mask is None:  # batched input only: an unbatched one is unsqueezed below, the checked way
-            hot = _hot.last(self, input, w, b, rm, rv)
-            if hot is None and isinstance(input, Tensor) and input.dim() == self._spatial + 2:
-                config = (type(self), self.num_features, use_input_stats, momentum, self.eps)
-                k, hot = _hot.shared(self, config, input, w, b, rm, rv)
+            hot = last(self, input, w, b, rm, rv)
+            if (
+                hot is None
+                and isinstance(input, Tensor)
+                and input.dim() == self._spatial + 2
+                and input.shape[1] == self.num_features
+            ):
+                config = (_instance_norm, type(self), self.num_features, use_input_stats, momentum, self.eps)
+                k, hot = shared(self, config, input, w, b, rm, rv)
         running = None
         if rm is not None or rv is not None:  # as functional.instance_norm
             running = Running(rm, rv, float(momentum), use_input_stats)
@@ -44,7 +57,7 @@ class _InstanceNormMixin(_hot.HotLayer):
             try:
                 return hot[1][1](call_of((input, hot[0], w, b, self.eps, None, running, None, 0.0, False, None)))
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
-                _hot.forget(self)
+                forget(self)
                 k = None
         name = type(self).__name__
         if not isinstance(input, Tensor):

@@ -12,6 +12,7 @@ from .. import functional as F
 from ..engine import Call, call_of
 from ..scope import Scope
 from . import _hot
+from ._hot import forget, last, shared
 
 # RMSNorm's eps=None: the machine epsilon of the dtype statistics are computed in (functional.rms_norm)
 _RMS_EPS = {torch.float64: torch.finfo(torch.float64).eps}
@@ -57,14 +58,14 @@ class LayerNorm(_hot.HotLayer, nn.LayerNorm):
         w, b = p.get("weight", p), p.get("bias", p)  # p: the "not there" marker
         if w is p or b is p or not self._normscope_direct:
             w, b = self.weight, self.bias
-        k, hot = None, _hot.last(self, input, w, b)
+        k, hot = None, last(self, input, w, b)
         if hot is None:
-            k, hot = _hot.shared(self, ("layer", self.normalized_shape, self.eps), input, w, b)
+            k, hot = shared(self, (_layer_norm, self.normalized_shape, self.eps), input, w, b)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
                 return hot[1][1](call_of((input, hot[0], w, b, self.eps, None, None, None, 0.0, False, None)))
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
-                _hot.forget(self)
+                forget(self)
                 k = None
         y = F.layer_norm(input, self.normalized_shape, w, b, self.eps)
         if k is not None:
@@ -110,14 +111,14 @@ class RMSNorm(_hot.HotLayer, nn.RMSNorm):
         eps = self.eps
         if eps is None and isinstance(x, Tensor):
             eps = _RMS_EPS.get(x.dtype, _FP32_EPS)
-        k, hot = None, _hot.last(self, x, w)
+        k, hot = None, last(self, x, w)
         if hot is None:
-            k, hot = _hot.shared(self, ("rms", self.normalized_shape, self.eps), x, w)
+            k, hot = shared(self, (_rms_norm, self.normalized_shape, self.eps), x, w)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
                 return hot[1][1](call_of((x, hot[0], w, None, eps, None, None, None, 0.0, False, None)))
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
-                _hot.forget(self)
+                forget(self)
                 k = None
         y = F.rms_norm(x, self.normalized_shape, w, self.eps)
         if k is not None:
@@ -175,26 +176,43 @@ class GroupNorm(_hot.HotLayer, nn.GroupNorm):
             w, b = self.weight, self.bias
         k, hot = None, None
         if mask is None:
-            hot = _hot.last(self, input, w, b)
+            hot = last(self, input, w, b)
             if hot is None:
-                k, hot = _hot.shared(self, ("group", self.num_groups, self.num_channels, self.eps), input, w, b)
+                k, hot = shared(self, (_group_norm, self.num_groups, self.num_channels, self.eps), input, w, b)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
                 call = call_of((input, hot[0], w, b, self.eps, None, None, None, 0.0, False, "group_norm"))
                 return hot[1][1](call)
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
-                _hot.forget(self)
+                forget(self)
                 k = None
-        if isinstance(input, Tensor) and input.dim() >= 2 and input.shape[1] != self.num_channels:
-            raise ValueError(
-                f"GroupNorm({self.num_groups}, {self.num_channels}): expected input with "
-                f"{self.num_channels} channels at dim 1, got {input.shape[1]} (input shape {tuple(input.shape)})"
-            )
-        y = F.group_norm(input, self.num_groups, w, b, self.eps, mask=mask)
+        y = _group_norm((_group_norm, self.num_groups, self.num_channels, self.eps), input, w, b, mask)
         if k is not None:
             scope = Scope.group(self.num_groups).resolve(input.shape)
             _hot.remember(self, k, Call(input, scope, w, b, self.eps, None, None, op="group_norm"), w, b)
         return y
+
+
+# The layers' checked calls, ``checked(config, x, *tensors)`` with ``config = (checked, *settings)``:
+# what a traced call is planned with (see modules/_hot.py, ``shared``)
+
+
+def _layer_norm(config: tuple, x: Tensor, w: Tensor | None, b: Tensor | None) -> Tensor:
+    return F.layer_norm(x, config[1], w, b, config[2])
+
+
+def _rms_norm(config: tuple, x: Tensor, w: Tensor | None) -> Tensor:
+    return F.rms_norm(x, config[1], w, config[2])
+
+
+def _group_norm(config: tuple, x: Tensor, w: Tensor | None, b: Tensor | None, mask: Tensor | None = None) -> Tensor:
+    _, num_groups, num_channels, eps = config
+    if isinstance(x, Tensor) and x.dim() >= 2 and x.shape[1] != num_channels:
+        raise ValueError(
+            f"GroupNorm({num_groups}, {num_channels}): expected input with {num_channels} channels at "
+            f"dim 1, got {x.shape[1]} (input shape {tuple(x.shape)})"
+        )
+    return F.group_norm(x, num_groups, w, b, eps, mask=mask)
 
 
 class LocalResponseNorm(nn.LocalResponseNorm):
