@@ -123,11 +123,7 @@ def _traced(config: tuple, x: object, tensors: tuple) -> tuple | None:
         else:
             return None
     request = _FORCED[-1] if _FORCED else _environ_constant()  # engine.request_key(), a constant to dynamo
-    found = _traced_layer_plan(config, tuple(metas), request)
-    if found is not None:
-        _LAST[0] = found[1][0]  # engine.last_backend() after each compiled call, as eagerly (not
-        # engine.record: dynamo would guard on the list's current item, a recompile per change)
-    return found
+    return _traced_layer_plan(config, tuple(metas), request)
 
 
 # What _traced reads, as names of this module: a module object (engine, torch) or class (Tensor)
@@ -137,7 +133,6 @@ _is_tensor = torch.is_tensor
 _symbolic = engine.symbolic
 _environ_constant = engine._environ_get
 _traced_layer_plan = engine.traced_layer_plan
-_LAST = engine._last
 
 
 def remember(layer: torch.nn.Module, k: tuple | None, call: engine.Call, *tensors: Tensor | None) -> None:
