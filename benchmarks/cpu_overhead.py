@@ -35,6 +35,7 @@ figures; replace it deliberately with ``--out results/cpu_speed.json``). The old
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime as dt
 import json
 import math
@@ -271,6 +272,32 @@ def print_table(results: list[dict]) -> None:
         )
 
 
+def keep_freed_memory() -> str:
+    """Ask glibc's malloc to keep freed memory for reuse (no mmap per large block, no trimming back
+    to the system), as a caching allocator (jemalloc, tcmalloc) would; what was done, for the JSON.
+
+    By default glibc serves every block over its mmap threshold (at most 32 MiB) with fresh pages
+    from the system and returns them on free, so each large call page-faults all of its tensors
+    again: on this VM that is most of a large call's time (LayerNorm 8192 x 1024 forward ~28 ms,
+    ~7 ms with memory kept), and bimodal (the same call ~1.0x or ~1.3x; a large forward + backward
+    had per-pair quartiles of 0.85-1.51). Where both layers make the same allocations (the same ATen
+    ops and autograd nodes) keeping memory removes noise common to both: the medians of BatchNorm2d
+    and InstanceNorm2d agreed with and without (1.004 / 0.998, 1.002 / 1.005) while the quartiles
+    shrank to +-0.02. Where they do not -- torch's CPU rms_norm is a chain of ops, each a full-size
+    temporary -- it changes the comparison, so both are reported (README). Opt-in: the default
+    measures what a user gets."""
+    if not sys.platform.startswith("linux"):
+        return "not glibc: left as it is"
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        big = 1 << 30  # M_MMAP_THRESHOLD = -3, M_TRIM_THRESHOLD = -1 (malloc.h)
+        if libc.mallopt(-3, big) == 1 and libc.mallopt(-1, big) == 1:
+            return "glibc keeps freed memory (mallopt M_MMAP_THRESHOLD and M_TRIM_THRESHOLD 1 GiB)"
+    except (OSError, AttributeError):
+        pass
+    return "glibc default (mallopt unavailable)"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -286,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="interleaved rounds per case (even: ABBA pairs). Default: 40 small, 60 large "
-        "(a large block is one call, and its time is bimodal here: more pairs for a stable median)",
+        "(a large block is one call: more pairs for a stable median)",
     )
     p.add_argument("--min-block-ms", type=float, default=20.0, help="minimum duration of one timed block. Default: 20")
     p.add_argument("--warmup-s", type=float, default=0.3, help="warm-up time per case. Default: 0.3")
@@ -296,11 +323,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="fwd,fwdbwd", help="comma-separated: fwd, fwdbwd. Default: both")
     p.add_argument("--compile", action="store_true", help="also time a compiled normscope block vs torch.nn's")
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'shared machine, noisy')")
+    p.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="ask glibc's malloc to keep freed memory for reuse instead of returning large blocks to the system "
+        "(see keep_freed_memory). Default: glibc's defaults, what a user gets",
+    )
     args = p.parse_args(argv)
     if args.out is None:
         args.out = default_out()
     if args.threads:
         torch.set_num_threads(args.threads)
+    malloc = keep_freed_memory() if args.keep_freed_memory else "default"
 
     cases = _cases() + (_compiled_cases() if args.compile else [])
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -319,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     print(
         f"torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs "
-        f"({info.get('cpu_model', info['processor'])}), load {info.get('loadavg_at_start')}"
+        f"({info.get('cpu_model', info['processor'])}), load {info.get('loadavg_at_start')}, malloc: {malloc}"
     )
+    info["malloc"] = malloc
     results = []
     t0 = time.perf_counter()
     for case in cases:

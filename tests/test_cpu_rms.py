@@ -163,7 +163,7 @@ def test_automatic_choice_follows_the_measured_size():
     assert aten.why_not_auto is aten.BACKEND.why_not_auto
 
 
-# Block by block (rms.BLOCK_ELEMENTS): fp16/bf16 always, fp32/fp64 backward from
+# Block by block (rms.BLOCK_ELEMENTS): fp16/bf16 always, fp32/fp64 (both ways) from
 # rms.BLOCKED_BACKWARD_BYTES. Shrinking both makes small inputs take many blocks, a ragged last one
 # included (257 rows in blocks of 3), and blocks of one row when a row exceeds a block.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

@@ -13,7 +13,7 @@ ops in the backward. Here the same function takes one reduction each way:
   product added the rows one after another, an error growing with their number (~17x torch's at
   8192 rows in fp32), the groups keep it at torch's for the same time.
 
-Blocks of rows: fp16/bf16 both ways, and fp32/fp64 backward from :data:`BLOCKED_BACKWARD_BYTES`,
+Blocks of rows: fp16/bf16 both ways, and fp32/fp64 from :data:`BLOCKED_BACKWARD_BYTES`,
 run block by block (:data:`BLOCK_ELEMENTS` elements a block). Each block is upcast once into fp32
 buffers that stay in cache, and every pass above runs over the block there; the outputs are written
 (rounded once to the input dtype) block by block. Over the whole input the fp32 upcasts and
@@ -81,9 +81,10 @@ def takes(call: Call) -> str | None:
 #: a block run while it is in cache and each temporary is one block, not a full-size fp32 copy.
 BLOCK_ELEMENTS = 1 << 19
 
-#: fp32/fp64 backward: block by block from this many bytes of one full-size temporary up (below it
-#: the full-size temporaries are reused by the allocator, stay in cache and the fewer calls win:
-#: measured crossover ~12 MiB at N = 1024, 2x faster at 32 MiB). fp16/bf16 always go by blocks.
+#: fp32/fp64, forward and backward: block by block from this many bytes of one full-size tensor up
+#: (below it the full-size temporaries are reused by the allocator, stay in cache and the fewer calls
+#: win: measured backward crossover ~12 MiB at N = 1024, 2x faster at 32 MiB). fp16/bf16 always go by
+#: blocks.
 BLOCKED_BACKWARD_BYTES = 16 << 20
 
 
@@ -94,34 +95,39 @@ def _blocks(rows: int, n: int) -> tuple[int, list[tuple[int, int]]]:
 
 
 def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-    """``(y, r)`` for a (R, N) input: ``r = rsqrt(mean(x^2) + eps)`` per row, ``y = x * r * w``."""
+    """``(y, r)`` for a (R, N) input: ``r = rsqrt(mean(x^2) + eps)`` per row, ``y = x * r * w``.
+
+    By blocks of rows (:func:`_blocks`) for fp16/bf16 and for fp32/fp64 from
+    :data:`BLOCKED_BACKWARD_BYTES`: a block read once from memory for its norms stays in cache for
+    its products (the weight's product in place, in cache). Over the whole input the weight's
+    product was another full pass over memory: 8192 x 1024 fp32 forward at 0.70 of torch's time
+    before, 0.65 after when the allocator keeps memory (``--keep-freed-memory``; 0.39 either way with
+    glibc's default, where torch's temporaries are fresh pages). fp16/bf16 blocks are
+    upcast once into an fp32 buffer, computed there and rounded once into ``y`` (over the whole input
+    the upcasts were full-size temporaries, fresh pages from the system each call: ~10x slower)."""
     rows, n = x2.shape
     acc = ref.acc_dtype(x2.dtype)
-    if x2.dtype == acc:  # fp32/fp64: one read of x for the norms, one product, one in place
-        ss = torch.linalg.vector_norm(x2, 2, -1, keepdim=True)
-        r = ss.square_().div_(n).add_(eps).rsqrt_()  # (R, 1)
-        y = torch.mul(x2, r)
-        if weight is not None:
-            y.mul_(weight if weight.dtype == acc else weight.to(acc))
-        return y, r
-    # fp16/bf16: block by block, each block upcast once into an fp32 buffer that stays in cache, its
-    # norms, product and weight computed there and the result rounded once into the output. (Over the
-    # whole input the upcast copies and fp32 products were full-size tensors -- several passes over
-    # memory and, for large inputs, fresh pages from the system each call: ~10x slower.)
-    w = None if weight is None else weight.to(acc)
+    w = None if weight is None else weight if weight.dtype == acc else weight.to(acc)
+    low = x2.dtype != acc
+    if not low and rows * n * x2.element_size() < BLOCKED_BACKWARD_BYTES:
+        step, blocks = rows, [(0, rows)]  # small fp32/fp64: the whole input as one block, fewer calls
+    else:
+        step, blocks = _blocks(rows, n)
     y = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
     r = torch.empty((rows, 1), dtype=acc, device=x2.device)
-    step, blocks = _blocks(rows, n)
-    buf = torch.empty((min(step, rows), n), dtype=acc, device=x2.device)
+    buf = torch.empty((min(step, rows), n), dtype=acc, device=x2.device) if low else None
     for s, e in blocks:
-        xc, rc = buf[: e - s].copy_(x2[s:e]), r[s:e]
-        # sqrt(sum x^2) accumulated in fp32, then r = rsqrt(ss / N + eps), for the block's rows
+        xc, rc = x2[s:e], r[s:e]
+        if low:
+            xc = buf[: e - s].copy_(xc)
+        # sqrt(sum x^2) accumulated in fp32 (fp64 for fp64), then r = rsqrt(ss / N + eps)
         torch.linalg.vector_norm(xc, 2, -1, keepdim=True, out=rc)
         rc.square_().div_(n).add_(eps).rsqrt_()
-        xc.mul_(rc)  # x * r * w in fp32, as torch computes ...
+        yc = xc.mul_(rc) if low else torch.mul(xc, rc, out=y[s:e])  # x * r * w in fp32, as torch ...
         if w is not None:
-            xc.mul_(w)
-        y[s:e].copy_(xc)  # ... rounded once to x's dtype
+            yc.mul_(w)
+        if low:
+            y[s:e].copy_(yc)  # ... rounded once to x's dtype
     return y, r
 
 
