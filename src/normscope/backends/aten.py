@@ -247,6 +247,7 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
     # goes the exact way, _cancels.
     unpack, raw = _reader(math.prod(s.shape) // s.count)
     hypot, sqrt, limit = math.hypot, math.sqrt, _CANCEL_LIMIT
+    native_layer_norm, native_batch_norm = torch.native_layer_norm, torch.native_batch_norm
     if k == "layer_norm":
         tail, moved = reduced_last(s)
         shape = _static([s.shape[d] for d in s.reduce])
@@ -254,14 +255,14 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
         def run(c: Call) -> Tensor:
             if _is_tracing() or _peek() is not None:
                 return plain(c)
-            xm = c.x.movedim(s.reduce, tail) if moved else c.x
-            y, mean, rstd = torch.native_layer_norm(xm, shape, c.weight, c.bias, c.eps)
+            x, _, w, b, eps = c[:5]  # one slice, not a field read each: a small call's cost
+            y, mean, rstd = native_layer_norm(x.movedim(s.reduce, tail) if moved else x, shape, w, b, eps)
             if not (
                 raw is not None
                 and type(mean) is Tensor
-                and c.eps > 0
-                and hypot(*unpack(raw.from_address(mean.data_ptr()))) <= limit * sqrt(c.eps)
-            ) and _cancels(mean, c.eps, rstd):
+                and eps > 0
+                and hypot(*unpack(raw.from_address(mean.data_ptr()))) <= limit * sqrt(eps)
+            ) and _cancels(mean, eps, rstd):
                 return engine.recompute(c)
             return y.movedim(tail, s.reduce) if moved else y
 
@@ -269,23 +270,22 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
         last = k == "batch_norm_last"
 
         def run(c: Call) -> Tensor:
-            r = c.running
             if _is_tracing() or _peek() is not None:
                 return plain(c)
+            x, _, w, b, eps, _, r = c[:7]
             if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
-                return engine.recompute(c) if _cancels(r.mean, c.eps, var=r.var) else plain(c)
+                return engine.recompute(c) if _cancels(r.mean, eps, var=r.var) else plain(c)
             rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
-            x = c.x.reshape(-1, c.x.shape[-1]) if last else c.x
-            y, mean, invstd = torch.native_batch_norm(x, c.weight, c.bias, rm, rv, True, mom, c.eps)
+            y, mean, invstd = native_batch_norm(x.reshape(-1, x.shape[-1]) if last else x, w, b, rm, rv, True, mom, eps)
             if not (
                 raw is not None
                 and type(mean) is Tensor
-                and c.eps > 0
-                and hypot(*unpack(raw.from_address(mean.data_ptr()))) <= limit * sqrt(c.eps)
-            ) and _cancels(mean, c.eps, invstd):
+                and eps > 0
+                and hypot(*unpack(raw.from_address(mean.data_ptr()))) <= limit * sqrt(eps)
+            ) and _cancels(mean, eps, invstd):
                 # the kernel already updated the running statistics
                 return engine.recompute(c._replace(running=None))
-            return y.reshape(c.x.shape) if last else y
+            return y.reshape(x.shape) if last else y
 
     elif k == "group_norm":
         groups = _groups(s)
@@ -295,17 +295,16 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
         def run(c: Call) -> Tensor:
             if _is_tracing() or _peek() is not None:
                 return plain(c)
-            x = c.x
+            x, _, w, b, eps = c[:5]
             # as torch.group_norm: keep a channels_last input channels_last
-            cl = channels_last(x)
-            x = x.contiguous(memory_format=cl or torch.contiguous_format)
-            y, mean, rstd = torch.native_group_norm(x, c.weight, c.bias, n, ch, hw, groups, c.eps)
+            x = x.contiguous(memory_format=channels_last(x) or torch.contiguous_format)
+            y, mean, rstd = torch.native_group_norm(x, w, b, n, ch, hw, groups, eps)
             if not (
                 raw is not None
                 and type(mean) is Tensor
-                and c.eps > 0
-                and hypot(*unpack(raw.from_address(mean.data_ptr()))) <= limit * sqrt(c.eps)
-            ) and _cancels(mean, c.eps, rstd):
+                and eps > 0
+                and hypot(*unpack(raw.from_address(mean.data_ptr()))) <= limit * sqrt(eps)
+            ) and _cancels(mean, eps, rstd):
                 return engine.recompute(c)
             return y
 
@@ -319,16 +318,16 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
             # as torch.instance_norm: BatchNorm over (1, N*C, *). Not group_norm with one group per
             # channel: ~4x faster forward on this CPU, but its outputs were measured ~1.25x further
             # from float64 (rms error) than instance_norm's, so not "no less accurate than torch"
-            x = c.x
-            w = None if c.weight is None else c.weight.repeat(n)
-            b = None if c.bias is None else c.bias.repeat(n)
-            y, mean, invstd = torch.native_batch_norm(x.contiguous().view(folded), w, b, None, None, True, 0.0, c.eps)
+            x, _, w, b, eps = c[:5]
+            w = None if w is None else w.repeat(n)
+            b = None if b is None else b.repeat(n)
+            y, mean, invstd = native_batch_norm(x.contiguous().view(folded), w, b, None, None, True, 0.0, eps)
             if not (
                 raw is not None
                 and type(mean) is Tensor
-                and c.eps > 0
-                and hypot(*unpack(raw.from_address(mean.data_ptr()))) <= limit * sqrt(c.eps)
-            ) and _cancels(mean, c.eps, invstd):
+                and eps > 0
+                and hypot(*unpack(raw.from_address(mean.data_ptr()))) <= limit * sqrt(eps)
+            ) and _cancels(mean, eps, invstd):
                 return engine.recompute(c)
             return y.view(x.shape)
 
