@@ -164,14 +164,14 @@ def test_automatic_choice_follows_the_measured_size():
 
 
 # Block by block (rms.BLOCK_ELEMENTS): fp16/bf16 always, fp32/fp64 (both ways) from
-# rms.BLOCKED_BACKWARD_BYTES. Shrinking both makes small inputs take many blocks, a ragged last one
+# rms.BLOCKED_BYTES. Shrinking both makes small inputs take many blocks, a ragged last one
 # included (257 rows in blocks of 3), and blocks of one row when a row exceeds a block.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("block", [100, 8])
 @pytest.mark.parametrize("affine", [True, False], ids=["weight", "no_weight"])
 def test_blocks_match_float64_and_torch(monkeypatch, dtype, block, affine):
     monkeypatch.setattr(rms, "BLOCK_ELEMENTS", block)
-    monkeypatch.setattr(rms, "BLOCKED_BACKWARD_BYTES", 0)
+    monkeypatch.setattr(rms, "BLOCKED_BYTES", 0)
     g = torch.Generator().manual_seed(8)
     x = (torch.randn(257, 33, generator=g) * 3).to(dtype)
     w = torch.randn(33, generator=g).to(dtype) if affine else None
@@ -182,7 +182,7 @@ def test_blocks_match_float64_and_torch(monkeypatch, dtype, block, affine):
 def test_blocks_with_one_gradient_and_an_expanded_output_gradient(monkeypatch, dtype):
     # only dx or only dw wanted, and dy = ones expanded (stride 0, from y.sum()), block by block
     monkeypatch.setattr(rms, "BLOCK_ELEMENTS", 100)
-    monkeypatch.setattr(rms, "BLOCKED_BACKWARD_BYTES", 0)
+    monkeypatch.setattr(rms, "BLOCKED_BYTES", 0)
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(70, 40, generator=g) * 2).to(dtype)
     w = torch.randn(40, generator=g).to(dtype)

@@ -203,7 +203,7 @@ def recompute(call: Call) -> Tensor:
 
 def tracing() -> bool:
     """Whether torch.compile (dynamo) or the TorchScript tracer is recording this call (or the
-    engine is choosing a backend for a call dynamo traces, see ``_choice_for_trace``)."""
+    engine is planning a call dynamo traces, see ``_as_traced``)."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing() or _TRACING_CHOICE[0]
 
 
@@ -504,6 +504,23 @@ _is_compiling = torch.compiler.is_compiling
 _has_static_value = getattr(_symbolic_shapes, "has_static_value", None)
 
 
+def _stand_in(shape: tuple, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """A stride-0 view of one element with this shape, dtype and device: all that the checks, the
+    scope's resolution and the choice of backend read of a tensor (plans do not depend on strides)."""
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+
+@contextlib.contextmanager
+def _as_traced() -> Iterator[None]:
+    """Plan inside as for a traced call (:func:`tracing` is True): the eager planning of a call that
+    dynamo traces (``_choice_for_trace``, ``_trace_token``)."""
+    _TRACING_CHOICE[0] = True
+    try:
+        yield
+    finally:
+        _TRACING_CHOICE[0] = False
+
+
 _TRACE_CHOICES: dict[tuple, str] = {}
 
 
@@ -518,7 +535,7 @@ def _choice_for_trace(sig: tuple, name: str) -> str:
         weight, bias, mask, running, residual, residual_fp32, offset, op = sig[4:]
 
         def stand_in(m: tuple | None) -> Tensor | None:
-            return None if m is None else torch.empty((), dtype=m[1], device=device).expand(m[0])
+            return None if m is None else _stand_in(m[0], m[1], device)
 
         run = None
         if running is not None:
@@ -536,11 +553,8 @@ def _choice_for_trace(sig: tuple, name: str) -> str:
             residual_fp32,
             op,
         )
-        _TRACING_CHOICE[0] = True  # engine.tracing() is True for it, as for the traced call
-        try:
+        with _as_traced():
             found = _choose(call, name)
-        finally:
-            _TRACING_CHOICE[0] = False
         if len(_TRACE_CHOICES) >= _MAX_PLANS:
             _TRACE_CHOICES.clear()
         _TRACE_CHOICES[key] = found
@@ -681,17 +695,16 @@ def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
     key = (config, metas, request)
     token = _TRACE_TOKENS.get(key)
     if token is None:
-        stand = [None if m is None else torch.empty((), dtype=m[1], device=m[2]).expand(m[0]) for m in metas]
+        stand = [None if m is None else _stand_in(*m) for m in metas]
         _CAPTURED.append(None)
-        _TRACING_CHOICE[0] = True  # engine.tracing() is True for it, as for the traced call
         try:
-            config[0](config, *stand)
+            with _as_traced():
+                config[0](config, *stand)
             found = _CAPTURED[-1]
         except Exception:  # noqa: BLE001 -- the layer's checked path, traced, raises it in its own terms
             found = None
         finally:
             _CAPTURED.pop()
-            _TRACING_CHOICE[0] = False
         if len(_TRACE_TOKENS) >= _MAX_PLANS:
             _TRACE_TOKENS.clear()
             _TRACE_PLANS.__dict__.clear()

@@ -13,7 +13,7 @@ ops in the backward. Here the same function takes one reduction each way:
   product added the rows one after another, an error growing with their number (~17x torch's at
   8192 rows in fp32), the groups keep it at torch's for the same time.
 
-Blocks of rows: fp16/bf16 both ways, and fp32/fp64 from :data:`BLOCKED_BACKWARD_BYTES`,
+Blocks of rows: fp16/bf16 both ways, and fp32/fp64 from :data:`BLOCKED_BYTES`,
 run block by block (:data:`BLOCK_ELEMENTS` elements a block). Each block is upcast once into fp32
 buffers that stay in cache, and every pass above runs over the block there; the outputs are written
 (rounded once to the input dtype) block by block. Over the whole input the fp32 upcasts and
@@ -86,11 +86,15 @@ BLOCK_ELEMENTS = 1 << 19
 #: (below it the full-size temporaries are reused by the allocator, stay in cache and the fewer calls
 #: win: measured backward crossover ~12 MiB at N = 1024, 2x faster at 32 MiB). fp16/bf16 always go by
 #: blocks.
-BLOCKED_BACKWARD_BYTES = 16 << 20
+BLOCKED_BYTES = 16 << 20
 
 
-def _blocks(rows: int, n: int) -> tuple[int, list[tuple[int, int]]]:
-    """``(step, [(start, stop), ...])``: the (R, N) rows cut into blocks of about :data:`BLOCK_ELEMENTS`."""
+def _blocks(rows: int, n: int, low: bool, itemsize: int) -> tuple[int, list[tuple[int, int]]]:
+    """``(step, [(start, stop), ...])``: the (R, N) rows cut into blocks of about :data:`BLOCK_ELEMENTS`
+    -- or, for fp32/fp64 input under :data:`BLOCKED_BYTES`, the whole input as one block (fewer
+    calls). ``low``: fp16/bf16 input, always by blocks (each block upcast once)."""
+    if not low and rows * n * itemsize < BLOCKED_BYTES:
+        return rows, [(0, rows)]
     step = max(1, BLOCK_ELEMENTS // max(n, 1))
     return step, [(s, min(s + step, rows)) for s in range(0, rows, step)]
 
@@ -99,7 +103,7 @@ def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Ten
     """``(y, r)`` for a (R, N) input: ``r = rsqrt(mean(x^2) + eps)`` per row, ``y = x * r * w``.
 
     By blocks of rows (:func:`_blocks`) for fp16/bf16 and for fp32/fp64 from
-    :data:`BLOCKED_BACKWARD_BYTES`: a block read once from memory for its norms stays in cache for
+    :data:`BLOCKED_BYTES`: a block read once from memory for its norms stays in cache for
     its products (the weight's product in place, in cache). Over the whole input the weight's
     product was another full pass over memory: 8192 x 1024 fp32 forward at 0.70 of torch's time
     before, 0.65 after when the allocator keeps memory (``--keep-freed-memory``; 0.39 either way with
@@ -110,10 +114,7 @@ def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Ten
     acc = ref.acc_dtype(x2.dtype)
     w = None if weight is None else weight if weight.dtype == acc else weight.to(acc)
     low = x2.dtype != acc
-    if not low and rows * n * x2.element_size() < BLOCKED_BACKWARD_BYTES:
-        step, blocks = rows, [(0, rows)]  # small fp32/fp64: the whole input as one block, fewer calls
-    else:
-        step, blocks = _blocks(rows, n)
+    step, blocks = _blocks(rows, n, low, x2.element_size())
     y = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
     r = torch.empty((rows, 1), dtype=acc, device=x2.device)
     buf = torch.empty((min(step, rows), n), dtype=acc, device=x2.device) if low else None
@@ -157,16 +158,13 @@ def _backward(
 ) -> tuple[Tensor | None, Tensor | None]:
     """Closed-form ``(dx, dw)`` of :func:`_forward`: with ``gx = dy * x``,
     ``dx = r * (dy * w) - x * r^3 / N * (gx @ w)`` and ``dw = gx^T @ r``; by blocks of rows (``dw``
-    summed over the blocks) for fp16/bf16 and large fp32/fp64 (:data:`BLOCKED_BACKWARD_BYTES`)."""
+    summed over the blocks) for fp16/bf16 and large fp32/fp64 (:data:`BLOCKED_BYTES`)."""
     rows, n = x2.shape
     acc = r.dtype
     w = None if weight is None else weight.to(acc)
     need_w = need_w and w is not None
     low = x2.dtype != acc or dy.dtype != acc
-    if not low and rows * n * r.element_size() < BLOCKED_BACKWARD_BYTES:
-        step, blocks = rows, [(0, rows)]  # small fp32/fp64: the whole input as one block, fewer calls
-    else:
-        step, blocks = _blocks(rows, n)
+    step, blocks = _blocks(rows, n, low, r.element_size())
     m = min(step, rows)
     grad_x = torch.empty((rows, n), dtype=x2.dtype, device=x2.device) if need_x else None
     grad_w = None
