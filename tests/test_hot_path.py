@@ -93,14 +93,36 @@ def test_dtype_change_replans():
     torch.testing.assert_close(y, nn.functional.layer_norm(x.double(), (16,), ln.weight, ln.bias))
 
 
+def _first(x):  # the scopes of the first sample (LayerNorm's row, GroupNorm's groups, InstanceNorm's channels)
+    return x[0]
+
+
+def _channel(x):  # BatchNorm's first channel, over every sample and position
+    return x[:, 0]
+
+
+def _batch_stats(x):
+    return nn.functional.batch_norm(x, None, None, training=True)
+
+
 CANCELLING = [
-    (lambda: normscope.LayerNorm(64), (8, 64), lambda x, m: nn.functional.layer_norm(x, (64,), None, None)),
-    (lambda: normscope.GroupNorm(2, 4), (2, 4, 16), lambda x, m: nn.functional.group_norm(x, 2, None, None)),
+    (lambda: normscope.LayerNorm(64), (8, 64), _first, lambda x: nn.functional.layer_norm(x, (64,))),
+    (lambda: normscope.GroupNorm(2, 4), (2, 4, 16), _first, lambda x: nn.functional.group_norm(x, 2)),
+    (
+        lambda: normscope.InstanceNorm2d(4, affine=True),
+        (2, 4, 4, 4),
+        _first,
+        lambda x: nn.functional.instance_norm(x),
+    ),
+    (lambda: normscope.BatchNorm2d(4), (8, 4, 3, 3), _channel, lambda x: _batch_stats(x)),
+    (lambda: normscope.BatchNorm1d(4), (8, 4), _channel, lambda x: _batch_stats(x)),
 ]
 
 
-@pytest.mark.parametrize("make,shape,exact", CANCELLING, ids=["LayerNorm", "GroupNorm"])
-def test_cancellation_check_on_the_hot_path_one_scope_is_enough(make, shape, exact):
+@pytest.mark.parametrize(
+    "make,shape,part,exact", CANCELLING, ids=["LayerNorm", "GroupNorm", "InstanceNorm2d", "BatchNorm2d", "BatchNorm1d"]
+)
+def test_cancellation_check_on_the_hot_path_one_scope_is_enough(make, shape, part, exact):
     # one scope with mean 1e4 / std 1e-2 among ordinary ones: the exact max |mean| * rstd catches it
     layer = make()
     g = torch.Generator().manual_seed(1)
@@ -109,12 +131,28 @@ def test_cancellation_check_on_the_hot_path_one_scope_is_enough(make, shape, exa
     layer(ordinary)
     assert normscope.last_backend() == "aten"
     x = torch.randn(shape, generator=g)
-    x[0] = 1e4 + 1e-2 * x[0]
+    part(x).mul_(1e-2).add_(1e4)
     y = layer(x)
     assert normscope.last_backend() == "reference"
     # float64 from torch (weight ones, bias zeros at initialization); fp32 cannot hold a mean of 1e4
     # closer than 5e-4, i.e. 0.05 of this scope's unit, so that is the bound
-    torch.testing.assert_close(y.double(), exact(x.double(), layer), atol=0.1, rtol=0)
+    torch.testing.assert_close(y.double(), exact(x.double()), atol=0.1, rtol=0)
+
+
+def test_cancellation_check_on_the_hot_path_in_evaluation():
+    # BatchNorm in evaluation: the running statistics decide, read before the call
+    bn = normscope.BatchNorm1d(4).eval()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 4, generator=g)
+    bn(x), bn(x)
+    assert normscope.last_backend() == "aten"
+    bn.running_mean[1] = 1e4
+    bn.running_var[1] = 1e-4
+    x[:, 1] = 1e4 + 1e-2 * torch.randn(8, generator=g)
+    y = bn(x)
+    assert normscope.last_backend() == "reference"
+    exact = nn.functional.batch_norm(x.double(), bn.running_mean.double(), bn.running_var.double(), eps=bn.eps)
+    torch.testing.assert_close(y.double(), exact, atol=0.1, rtol=0)
 
 
 def test_pickle_and_deepcopy_after_calls():

@@ -43,6 +43,8 @@ __all__ = [
     "Running",
     "Call",
     "call_of",
+    "LayerEntry",
+    "LayerPlan",
     "Backend",
     "norm",
     "add_norm",
@@ -64,6 +66,7 @@ __all__ = [
     "position_mask",
     "plan",
     "run",
+    "layer_entry",
     "layer_plan",
     "remember_layer_plan",
     "traced_layer_plan",
@@ -115,6 +118,13 @@ class Call(NamedTuple):
 
 
 Runner = Callable[[Call], Tensor]
+
+#: ``entry(x, weight, bias, eps, running)``: a plan run on a layer's call, whose other fields are the
+#: planned call's (see :func:`layer_entry`)
+LayerEntry = Callable[[Tensor, "Tensor | None", "Tensor | None", float, "Running | None"], Tensor]
+
+#: what a layer remembers of a planned call: ``(resolved scope, (backend name, runner), entry)``
+LayerPlan = tuple[Resolved, tuple[str, Runner], LayerEntry]
 
 #: ``call_of((x, scope, weight, bias, eps, mask, running, residual, weight_offset, residual_fp32, op))``:
 #: a :class:`Call` from all its fields, in order, without the NamedTuple's Python-level ``__new__``
@@ -237,7 +247,7 @@ _last: list[str | None] = [None]
 _PLANS: dict[tuple, tuple[str, Runner]] = {}
 _MAX_PLANS = 4096
 # layers' plans per input signature (:func:`layer_plan`); cleared with _PLANS
-_LAYER_PLANS: dict[tuple, tuple[Resolved, tuple[str, Runner]]] = {}
+_LAYER_PLANS: dict[tuple, LayerPlan] = {}
 
 
 def register_backend(backend: Backend, *, before: str | None = None) -> None:
@@ -619,7 +629,26 @@ def run(planned: tuple[str, Runner], call: Call):
     return planned[1](call)
 
 
-def layer_plan(key: tuple) -> tuple[Resolved, tuple[str, Runner]] | None:
+def layer_entry(call: Call, planned: tuple[str, Runner]) -> LayerEntry:
+    """How a layer's hot path runs ``planned`` on calls that differ from ``call`` only in ``x``,
+    ``weight``, ``bias``, ``eps`` and ``running`` (the layer's remembered signature fixes the rest):
+    the runner's own ``layer_entry`` where its backend writes its runners in that form (aten: a
+    small layer's call then builds no :class:`Call`, ~1 us of ~15 for LayerNorm(64) on CPU,
+    ``benchmarks/cpu_overhead.py``), else the runner on a Call with the planned call's other fields."""
+    runner = planned[1]
+    entry = getattr(runner, "layer_entry", None)
+    if entry is not None:
+        return entry
+    s, mask, residual, op = call.scope, call.mask, call.residual, call.op
+    offset, fp32 = call.weight_offset, call.residual_fp32
+
+    def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+        return runner(call_of((x, s, w, b, eps, mask, r, residual, offset, fp32, op)))
+
+    return run
+
+
+def layer_plan(key: tuple) -> LayerPlan | None:
     """What a layer remembered with :func:`remember_layer_plan` for ``key``, or None.
 
     The hot path of a layer: ``key`` holds everything its argument checks, its scope's resolution
@@ -629,14 +658,15 @@ def layer_plan(key: tuple) -> tuple[Resolved, tuple[str, Runner]] | None:
     return _LAYER_PLANS.get(key)
 
 
-def remember_layer_plan(key: tuple, call: Call) -> tuple[Resolved, tuple[str, Runner]] | None:
-    """Remember the resolved scope and plan of ``call`` (which has just run, its arguments checked)
+def remember_layer_plan(key: tuple, call: Call) -> LayerPlan | None:
+    """Remember the resolved scope, plan and :func:`layer_entry` of ``call`` (which has just run, its arguments checked)
     under ``key`` (see :func:`layer_plan`), and return them (None: nothing remembered). Nothing is
     remembered while tracing: dynamo traces the checked path instead."""
     if tracing():
         return None
     try:
-        found = (call.scope, plan(call))
+        planned = plan(call)
+        found = (call.scope, planned, layer_entry(call, planned))
         if len(_LAYER_PLANS) >= _MAX_PLANS:
             _LAYER_PLANS.clear()
         _LAYER_PLANS[key] = found
@@ -648,7 +678,8 @@ def remember_layer_plan(key: tuple, call: Call) -> tuple[Resolved, tuple[str, Ru
 def dispatch(call: Call, backend: str | None = None):
     """Run ``call`` on the requested backend, or on the first automatic one that takes it."""
     if _CAPTURED:  # planning a layer's traced call on stand-ins (_trace_token): plan it, run nothing
-        _CAPTURED[-1] = (call.scope, _plan(call, requested_backend(backend)))
+        planned = _plan(call, requested_backend(backend))
+        _CAPTURED[-1] = (call.scope, planned, layer_entry(call, planned))
         return call.x
     return run(plan(call, backend), call)
 
@@ -656,7 +687,7 @@ def dispatch(call: Call, backend: str | None = None):
 # ----------------------------------------------------------------------------------------------
 # a layer's call while dynamo traces it
 
-#: (resolved scope, (backend name, runner)) of the layer calls planned for a trace, as attributes
+#: the LayerPlan of the layer calls planned for a trace, as attributes
 #: named by token -- not a dict: dynamo reads a dict's items once per trace, and a trace plans each
 #: of its layers after the first has read them; an object's attribute is read when asked for
 _TRACE_PLANS = types.SimpleNamespace()
@@ -665,8 +696,8 @@ _tokens = itertools.count()
 _CAPTURED: list = []  # while _trace_token runs a layer's checked call: [None], then its plan
 
 
-def traced_layer_plan(config: tuple, metas: tuple, request: str | None) -> tuple[Resolved, tuple[str, Runner]] | None:
-    """A layer call's ``(resolved scope, (backend name, runner))`` while dynamo traces it, planned
+def traced_layer_plan(config: tuple, metas: tuple, request: str | None) -> LayerPlan | None:
+    """A layer call's :data:`LayerPlan` while dynamo traces it, planned
     eagerly and once, so that the compiled graph guards on as little as torch.nn's own layer does.
 
     Tracing a layer's checked path (argument checks, scope resolution, choice of backend) puts a

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .. import engine
-from ..engine import Backend, Call, Runner
+from ..engine import Backend, Call, LayerEntry, Runner, Running
 from . import rms
 from ._layout import channels_last, reduced_last
 
@@ -108,42 +108,57 @@ def _static(sizes: list) -> list:
         return [int(n) if isinstance(n, Tensor) else n for n in sizes]
 
 
-def _running(c: Call) -> tuple:
-    r = c.running
+def _running(r) -> tuple:
     return (None, None, True, 0.0) if r is None else (r.mean, r.var, r.use_input_stats, r.momentum)
 
 
 def prepare(call: Call, automatic: bool) -> Runner:
-    plain = _plain(call)
-    return _guard_cancellation(call, plain) if automatic else plain
+    entry = _plain(call)
+    if automatic:
+        entry = _guard_cancellation(call, entry)
+    return _runner(entry)
 
 
-def _plain(call: Call) -> Runner:
+def _runner(entry: LayerEntry) -> Runner:
+    """The runner of ``entry(x, weight, bias, eps, running)``, the form every runner here is written
+    in: a layer's hot path calls the entry itself (:func:`normscope.engine.layer_entry`) and builds
+    no :class:`Call` -- at a small layer's size that was ~1 us of a ~15 us call
+    (``benchmarks/cpu_overhead.py``). The planned call's other fields are fixed by the plan: no
+    mask, no residual (``kind``), ``op`` read at planning only."""
+
+    def run(c: Call) -> Tensor:
+        return entry(c.x, c.weight, c.bias, c.eps, c.running)
+
+    run.layer_entry = entry
+    return run
+
+
+def _plain(call: Call) -> LayerEntry:
     k, s = kind(call), call.scope
     if k == "batch_norm":
 
-        def run(c: Call) -> Tensor:
-            rm, rv, training, mom = _running(c)
-            return torch.batch_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
+        def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+            rm, rv, training, mom = _running(r)
+            return torch.batch_norm(x, w, b, rm, rv, training, mom, eps, _cudnn())
 
     elif k == "batch_norm_last":  # (..., C): channels last, e.g. (B, S, D)
 
-        def run(c: Call) -> Tensor:
-            rm, rv, training, mom = _running(c)
-            x2 = c.x.reshape(-1, c.x.shape[-1])
-            return torch.batch_norm(x2, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn()).reshape(c.x.shape)
+        def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+            rm, rv, training, mom = _running(r)
+            x2 = x.reshape(-1, x.shape[-1])
+            return torch.batch_norm(x2, w, b, rm, rv, training, mom, eps, _cudnn()).reshape(x.shape)
 
     elif k == "instance_norm":
 
-        def run(c: Call) -> Tensor:
-            rm, rv, training, mom = _running(c)
-            return torch.instance_norm(c.x, c.weight, c.bias, rm, rv, training, mom, c.eps, _cudnn())
+        def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+            rm, rv, training, mom = _running(r)
+            return torch.instance_norm(x, w, b, rm, rv, training, mom, eps, _cudnn())
 
     elif k == "group_norm":
         groups = _groups(s)
 
-        def run(c: Call) -> Tensor:
-            return torch.group_norm(c.x, groups, c.weight, c.bias, c.eps)  # its cudnn flag: unused
+        def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+            return torch.group_norm(x, groups, w, b, eps)  # its cudnn flag: unused
 
     else:
         # layer_norm / rms_norm over any axes: move the reduced axes to the end (a view; free when
@@ -156,12 +171,12 @@ def _plain(call: Call) -> Runner:
         # number: measured ~1.5-2 us a call faster than the explicit float (benchmarks/cpu_overhead.py)
         default_eps = torch.finfo(torch.float64 if call.x.dtype == torch.float64 else torch.float32).eps
 
-        def run(c: Call) -> Tensor:
-            xm = c.x.movedim(s.reduce, tail) if moved else c.x
+        def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+            xm = x.movedim(s.reduce, tail) if moved else x
             if centered:
-                y = torch.layer_norm(xm, shape, c.weight, c.bias, c.eps)  # its cudnn flag: unused
+                y = torch.layer_norm(xm, shape, w, b, eps)  # its cudnn flag: unused
             else:
-                y = torch.rms_norm(xm, shape, c.weight, None if c.eps == default_eps else c.eps)
+                y = torch.rms_norm(xm, shape, w, None if eps == default_eps else eps)
             return y.movedim(tail, s.reduce) if moved else y
 
     return run
@@ -225,22 +240,26 @@ def _reader(n: int) -> tuple[Callable | None, type | None]:
     return struct.Struct(f"={n}f").unpack_from, ctypes.c_char * (4 * n)
 
 
-def _guard_cancellation(call: Call, plain: Runner) -> Runner:
-    """Wrap the automatic ATen runner of an fp32 CPU call with the cancellation check above.
+def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
+    """Wrap the automatic ATen entry of an fp32 CPU call with the cancellation check above.
 
-    The runners are written for their per-call cost (``benchmarks/cpu_overhead.py``): the tracing
+    The entries are written for their per-call cost (``benchmarks/cpu_overhead.py``): the tracing
     and transform questions asked of torch directly, the ordinary answer from the statistics read
     with :func:`_reader` (see the comment below)."""
     if call.x.dtype != torch.float32 or call.x.device.type != "cpu":
         return plain  # half types: output rounding dominates; CUDA: the check would synchronize
-    k, s = kind(call), call.scope
+    k, s, op = kind(call), call.scope, call.op
     if engine.tracing():
         return plain  # planned afresh, uncached, while compiling; the TorchScript tracer sees plain ops
     if s.count == 0 or any(n == 0 for n in s.shape):
         return plain  # empty input: torch's ops return early (the native ones would raise)
+
+    def as_call(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Call:
+        return Call(x, s, w, b, eps, None, r, op=op)  # the reference's recomputation, rare: see _runner
+
     # The ordinary call's answer, at the least per-call cost: the statistics (one per scope) read
     # straight from memory and bounded by their Euclidean norm (max |m| <= ||m||, see _cancels)
-    # against the limit at rstd's largest value 1/sqrt(eps). Written out in each runner below, as
+    # against the limit at rstd's largest value 1/sqrt(eps). Written out in each entry below, as
     # `raw is not None and type(m) is Tensor and ... hypot(*unpack(raw.from_address(m.data_ptr())))`:
     # a helper function's frame costs as much as the read. The native ops return plain, contiguous
     # fp32 statistics for an fp32 CPU input; a subclass (fake, functional) is not host memory and
@@ -252,10 +271,9 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
         tail, moved = reduced_last(s)
         shape = _static([s.shape[d] for d in s.reduce])
 
-        def run(c: Call) -> Tensor:
+        def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
             if _is_tracing() or _peek() is not None:
-                return plain(c)
-            x, _, w, b, eps = c[:5]  # one slice, not a field read each: a small call's cost
+                return plain(x, w, b, eps, r)
             y, mean, rstd = native_layer_norm(x.movedim(s.reduce, tail) if moved else x, shape, w, b, eps)
             if not (
                 raw is not None
@@ -263,18 +281,19 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
                 and eps > 0
                 and hypot(*unpack(raw.from_address(mean.data_ptr()))) <= limit * sqrt(eps)
             ) and _cancels(mean, eps, rstd):
-                return engine.recompute(c)
+                return engine.recompute(as_call(x, w, b, eps, r))
             return y.movedim(tail, s.reduce) if moved else y
 
     elif k in ("batch_norm", "batch_norm_last"):
         last = k == "batch_norm_last"
 
-        def run(c: Call) -> Tensor:
+        def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
             if _is_tracing() or _peek() is not None:
-                return plain(c)
-            x, _, w, b, eps, _, r = c[:7]
+                return plain(x, w, b, eps, r)
             if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
-                return engine.recompute(c) if _cancels(r.mean, eps, var=r.var) else plain(c)
+                if _cancels(r.mean, eps, var=r.var):
+                    return engine.recompute(as_call(x, w, b, eps, r))
+                return plain(x, w, b, eps, r)
             rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
             y, mean, invstd = native_batch_norm(x.reshape(-1, x.shape[-1]) if last else x, w, b, rm, rv, True, mom, eps)
             if not (
@@ -284,7 +303,7 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
                 and hypot(*unpack(raw.from_address(mean.data_ptr()))) <= limit * sqrt(eps)
             ) and _cancels(mean, eps, invstd):
                 # the kernel already updated the running statistics
-                return engine.recompute(c._replace(running=None))
+                return engine.recompute(as_call(x, w, b, eps, None))
             return y.reshape(x.shape) if last else y
 
     elif k == "group_norm":
@@ -292,43 +311,41 @@ def _guard_cancellation(call: Call, plain: Runner) -> Runner:
         n, ch = s.shape[0], s.shape[1]
         hw = math.prod(s.shape[2:])
 
-        def run(c: Call) -> Tensor:
+        def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
             if _is_tracing() or _peek() is not None:
-                return plain(c)
-            x, _, w, b, eps = c[:5]
+                return plain(x, w, b, eps, r)
             # as torch.group_norm: keep a channels_last input channels_last
-            x = x.contiguous(memory_format=channels_last(x) or torch.contiguous_format)
-            y, mean, rstd = torch.native_group_norm(x, w, b, n, ch, hw, groups, eps)
+            xc = x.contiguous(memory_format=channels_last(x) or torch.contiguous_format)
+            y, mean, rstd = torch.native_group_norm(xc, w, b, n, ch, hw, groups, eps)
             if not (
                 raw is not None
                 and type(mean) is Tensor
                 and eps > 0
                 and hypot(*unpack(raw.from_address(mean.data_ptr()))) <= limit * sqrt(eps)
             ) and _cancels(mean, eps, rstd):
-                return engine.recompute(c)
+                return engine.recompute(as_call(x, w, b, eps, r))
             return y
 
     elif k == "instance_norm":
         n, ch = s.shape[0], s.shape[1]
         folded = (1, n * ch, *s.shape[2:])
 
-        def run(c: Call) -> Tensor:
-            if _is_tracing() or _peek() is not None or c.running is not None:
-                return plain(c)  # with running buffers torch's instance_norm averages them itself
+        def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+            if _is_tracing() or _peek() is not None or r is not None:
+                return plain(x, w, b, eps, r)  # with running buffers torch's instance_norm averages them itself
             # as torch.instance_norm: BatchNorm over (1, N*C, *). Not group_norm with one group per
             # channel: ~4x faster forward on this CPU, but its outputs were measured ~1.25x further
             # from float64 (rms error) than instance_norm's, so not "no less accurate than torch"
-            x, _, w, b, eps = c[:5]
-            w = None if w is None else w.repeat(n)
-            b = None if b is None else b.repeat(n)
-            y, mean, invstd = native_batch_norm(x.contiguous().view(folded), w, b, None, None, True, 0.0, eps)
+            wn = None if w is None else w.repeat(n)
+            bn = None if b is None else b.repeat(n)
+            y, mean, invstd = native_batch_norm(x.contiguous().view(folded), wn, bn, None, None, True, 0.0, eps)
             if not (
                 raw is not None
                 and type(mean) is Tensor
                 and eps > 0
                 and hypot(*unpack(raw.from_address(mean.data_ptr()))) <= limit * sqrt(eps)
             ) and _cancels(mean, eps, invstd):
-                return engine.recompute(c)
+                return engine.recompute(as_call(x, w, b, eps, r))
             return y.view(x.shape)
 
     else:

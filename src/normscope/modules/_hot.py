@@ -24,7 +24,7 @@ Two levels, both exact:
 
 Masked calls and non-tensor input always take the checked path. While dynamo traces
 (torch.compile), :func:`shared` plans the call once, eagerly, on stand-ins of its tensors
-(:func:`normscope.engine.traced_layer_plan`) and the layer runs the plan's runner: dynamo traces
+(:func:`normscope.engine.traced_layer_plan`) and the layer runs the plan's entry: dynamo traces
 and guards on that runner only, not on the checks and planning, whose guards made a compiled
 layer measurably slower than torch.nn's.
 
@@ -52,6 +52,7 @@ _is = operator.is_
 _SLOT = "_normscope_hot"  # in the layer's __dict__: (class, input signature, request, tensors, plan)
 _environ_get = engine._ENV_DATA.get if engine._ENV_DATA is not None else lambda _: engine.request_key()
 _TENSOR_NAMES = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+_LAST = engine._last  # what engine.last_backend() answers
 
 
 def direct(cls: type) -> bool:
@@ -63,10 +64,10 @@ def direct(cls: type) -> bool:
     return not any(n in vars(c) for c in cls.__mro__ for n in _TENSOR_NAMES)
 
 
-def last(layer: torch.nn.Module, x: object, *tensors: Tensor | None) -> tuple | None:
-    """The ``(resolved scope, (backend name, runner))`` of the layer's last hot call when this call
-    matches it (see the module docstring), else None. A hit is recorded as the call's backend
-    (:func:`normscope.engine.last_backend`)."""
+def last(layer: torch.nn.Module, x: object, *tensors: Tensor | None) -> engine.LayerPlan | None:
+    """The :data:`~normscope.engine.LayerPlan` of the layer's last hot call when this call matches
+    it (see the module docstring), else None; the layer runs its ``entry``. A hit is recorded as the
+    call's backend (:func:`normscope.engine.last_backend`)."""
     if _is_compiling():  # first: dynamo folds it, and reads (guards on) nothing else here
         return None
     slot = layer.__dict__.get(_SLOT)
@@ -79,7 +80,7 @@ def last(layer: torch.nn.Module, x: object, *tensors: Tensor | None) -> tuple | 
         and slot[0] is type(layer)
     ):
         found = slot[4]
-        engine.record(found[1][0])
+        _LAST[0] = found[1][0]  # engine.record(name), without its call
         return found
     return None
 
@@ -107,7 +108,7 @@ def shared(layer: torch.nn.Module, config: tuple, x: object, *tensors: Tensor | 
         return None, None
     if found is not None:
         _keep(layer, x, tensors, found)
-        engine.record(found[1][0])
+        _LAST[0] = found[1][0]
     return k, found
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from .. import functional as F
-from ..engine import Call, Running, call_of
+from ..engine import Call, Running
 from ..scope import Scope
 from . import _hot
 from ._hot import forget, last, shared
@@ -101,7 +101,7 @@ class _BatchNormMixin(_hot.HotLayer):
                 k, hot = shared(self, config, input, w, b, rm, rv)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
-                y = hot[1][1](call_of((input, hot[0], w, b, self.eps, None, running, None, 0.0, False, None)))
+                y = hot[2](input, w, b, self.eps, running)
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
                 forget(self)
                 k = None

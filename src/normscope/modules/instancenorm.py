@@ -11,7 +11,7 @@ import warnings
 from torch import Tensor, nn
 
 from .. import functional as F
-from ..engine import Call, Running, call_of
+from ..engine import Call, Running
 from ..scope import Scope
 from . import _hot
 from ._hot import forget, last, shared
@@ -55,7 +55,7 @@ class _InstanceNormMixin(_hot.HotLayer):
             running = Running(rm, rv, float(momentum), use_input_stats)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
-                return hot[1][1](call_of((input, hot[0], w, b, self.eps, None, running, None, 0.0, False, None)))
+                return hot[2](input, w, b, self.eps, running)
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
                 forget(self)
                 k = None

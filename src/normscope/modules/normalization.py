@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .. import _checks as check
 from .. import functional as F
-from ..engine import Call, call_of
+from ..engine import Call
 from ..scope import Scope
 from . import _hot
 from ._hot import forget, last, shared
@@ -63,7 +63,7 @@ class LayerNorm(_hot.HotLayer, nn.LayerNorm):
             k, hot = shared(self, (_layer_norm, self.normalized_shape, self.eps), input, w, b)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
-                return hot[1][1](call_of((input, hot[0], w, b, self.eps, None, None, None, 0.0, False, None)))
+                return hot[2](input, w, b, self.eps, None)
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
                 forget(self)
                 k = None
@@ -116,7 +116,7 @@ class RMSNorm(_hot.HotLayer, nn.RMSNorm):
             k, hot = shared(self, (_rms_norm, self.normalized_shape, self.eps), x, w)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
-                return hot[1][1](call_of((x, hot[0], w, None, eps, None, None, None, 0.0, False, None)))
+                return hot[2](x, w, None, eps, None)
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
                 forget(self)
                 k = None
@@ -181,8 +181,7 @@ class GroupNorm(_hot.HotLayer, nn.GroupNorm):
                 k, hot = shared(self, (_group_norm, self.num_groups, self.num_channels, self.eps), input, w, b)
         if hot is not None:  # this signature was checked, resolved and planned before
             try:
-                call = call_of((input, hot[0], w, b, self.eps, None, None, None, 0.0, False, "group_norm"))
-                return hot[1][1](call)
+                return hot[2](input, w, b, self.eps, None)  # op="group_norm": planned
             except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
                 forget(self)
                 k = None
