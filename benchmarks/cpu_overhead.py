@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=None,
-        help="interleaved rounds per case (even: ABBA pairs). Default: 40 small, 60 large "
+        help="interleaved rounds per case (even: ABBA pairs). Default: 40 small, 100 large "
         "(a large block is one call: more pairs for a stable median)",
     )
     p.add_argument("--min-block-ms", type=float, default=20.0, help="minimum duration of one timed block. Default: 20")
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for case in cases:
         for mode in modes:
-            rounds = args.rounds or (2 if args.quick else 40 if case.size in ("small", "rows") else 60)
+            rounds = args.rounds or (2 if args.quick else 40 if case.size in ("small", "rows") else 100)
             min_block = (2.0 if args.quick else args.min_block_ms) / 1e3
             r = run_case(case, mode, rounds, min_block, 0.0 if args.quick else args.warmup_s)
             results.append(r)

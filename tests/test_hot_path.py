@@ -24,10 +24,19 @@ LAYERS = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("name,make,shape", LAYERS, ids=[c[0] for c in LAYERS])
-def test_repeated_calls_match_torch_in_train_and_eval(name, make, shape):
+def test_repeated_calls_match_torch_in_train_and_eval(name, make, shape, backend):
+    # auto: aten's runners, whose layer entries the hot calls run; reference: the engine's adapter of
+    # a Call runner (engine.layer_entry), running statistics included
     g = torch.Generator().manual_seed(0)
     ours, theirs = make(normscope), make(nn)
+    with normscope.use_backend(backend):
+        _train_and_eval(ours, theirs, shape, g)
+        assert normscope.last_backend() == ("aten" if backend == "auto" else backend)
+
+
+def _train_and_eval(ours, theirs, shape, g):
     for train in (True, True, True, False, False):
         ours.train(train), theirs.train(train)
         x = torch.randn(shape, generator=g, requires_grad=True)

@@ -142,7 +142,9 @@ class Backend(NamedTuple):
     * ``why_not(call)``: None when the backend runs ``call`` exactly (torch's numbers, or the
       reference's where torch has no op), else a short reason. Forced and automatic choice both ask.
     * ``prepare(call, automatic)``: the function that runs calls like ``call``; ``automatic`` says
-      whether the engine chose it (a backend may guard an automatic run, see the aten backend).
+      whether the engine chose it (a backend may guard an automatic run, see the aten backend). The
+      function may carry a ``layer_entry`` attribute, the same run as ``entry(x, weight, bias, eps,
+      running)``, which layers call without building a :class:`Call` (:func:`layer_entry`).
     * ``why_not_auto(call)``: asked only by the automatic order, after ``why_not``: a reason not to
       be *chosen* for a call it could run (a fast path not measured faster on this device).
     * ``fuses_residual``: it runs :func:`add_norm` calls itself (else the engine adds first).

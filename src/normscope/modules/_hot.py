@@ -5,7 +5,8 @@ device: the functional API checks the arguments, the scope is resolved on the sh
 looks up the backend's runner. None of that changes between such calls, and at small shapes it
 cost several times the ATen op itself (``benchmarks/cpu_overhead.py``). So the first call of a
 signature goes the checked way (:mod:`normscope.functional`) and the layer remembers what it
-resolved; later calls with the same signature run the runner directly.
+resolved; later calls with the same signature run the plan's entry directly
+(:func:`normscope.engine.layer_entry`: the runner, called with the call's tensors and ``eps``).
 
 Two levels, both exact:
 
