@@ -5,8 +5,10 @@ the cancellation check."""
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -178,7 +180,7 @@ def test_torch_compile_of_a_layer_that_ran_eagerly():
     torch.testing.assert_close(compiled(x), nn.functional.layer_norm(x, (16,), ln.weight, ln.bias))
 
 
-@pytest.mark.parametrize("rows", [8, 600], ids=["list", "torch_ops"])  # either side of aten._LIST_MAX
+@pytest.mark.parametrize("rows", [8, 600], ids=["bits", "torch_ops"])  # either side of aten._BOUNDED_MAX
 def test_cancellation_check_is_exact_past_the_bound(rows):
     # means past the cheap bound (max |mean| <= 1024 * sqrt(eps)) but |mean| * rstd far below the
     # limit stay on ATen; one scope over the limit among many goes to the reference
@@ -296,20 +298,28 @@ def test_instance_norm_unbatched_between_batched_calls(track):
         torch.testing.assert_close(b, b_t, msg=n)
 
 
-def test_statistics_reader_matches_tolist():
+@pytest.mark.parametrize("eps", [1e-5, 1e-6, 0.3, 1e-30, 1e80])
+def test_statistics_bound_matches_the_direct_comparison(eps):
+    # aten._bounded reads fp32 bits as integer lanes; the direct answer: every |m| <= 1024 * sqrt(eps)
+    # compared in float64 (exact for fp32 values), NaN never within
     from normscope.backends import aten
 
+    bound = 1024.0 * math.sqrt(eps)
+    near = np.float32(min(bound, 3e38))  # the fp32 nearest the bound and its neighbours
+    just = [float(near), float(np.nextafter(near, np.float32(0))), float(np.nextafter(near, np.float32(np.inf)))]
     g = torch.Generator().manual_seed(7)
-    for n in (1, 3, 32, 512):
-        t = torch.randn(n, generator=g)
-        assert aten._values(t) == tuple(t.tolist())
-        unpack, raw = aten._reader(n)
-        assert unpack(raw.from_address(t.data_ptr())) == tuple(t.tolist())
-    assert aten._reader(0) == (None, None) and aten._reader(513) == (None, None)
-    # not a plain contiguous fp32 tensor: tolist's values
-    strided = torch.randn(8, generator=g)[::2]
-    assert list(aten._values(strided)) == strided.tolist()
-    assert list(aten._values(torch.arange(4.0, dtype=torch.float64))) == [0.0, 1.0, 2.0, 3.0]
+    specials = [0.0, -0.0, 1e-45, -1e-45, math.inf, -math.inf, math.nan, 3.4e38, -3.4e38, *just, *(-v for v in just)]
+    for n in (1, 3, 32, 256, 512):
+        check = aten._bounded(n)
+        for trial in range(40):
+            t = torch.randn(n, generator=g) * bound * (0.5 if trial % 2 else 1.2)
+            if trial >= 4:  # one special value at a random place
+                i = int(torch.randint(n, (1,), generator=g))
+                t[i] = specials[trial % len(specials)]
+            expected = bool((t.double().abs() <= bound).all())  # NaN compares False
+            assert check(t, eps) is expected, (n, trial, t)
+    assert aten._bounded(0) is None and aten._bounded(513) is None
+    assert aten._bounded(4)(torch.zeros(4), 0.0) is False  # eps <= 0: rstd unbounded, never "within"
 
 
 def test_functional_call_and_vmap_over_weights_see_the_given_tensors():
