@@ -32,8 +32,8 @@ same rows instead, so higher-order gradients are exact (as :mod:`.composite` doe
 
 Speed: measured against ``F.rms_norm`` by ``benchmarks/cpu_overhead.py`` (cases ``RMSNorm:large``,
 ``RMSNorm-bf16:large`` and ``RMSNorm(RxN):rows``, the sizes around the threshold). At 8192 x 1024,
-one thread, 2-core AMD EPYC, median time ratio to torch: bf16 0.10 forward, 0.10 forward + backward;
-fp32 0.41 forward, 0.24 forward + backward (with glibc's default malloc; when the allocator keeps
+one thread, 2-core AMD EPYC, median time ratio to torch: bf16 0.09-0.10 forward, 0.08-0.10 forward +
+backward; fp32 0.39-0.41 forward, 0.24 forward + backward (with glibc's default malloc; when the allocator keeps
 freed memory, ``--keep-freed-memory``, torch's full-size temporaries cost less and the fp32 forward is
 0.54-0.65). ``benchmarks/results/cpu_speed.json`` is the committed measurement that makes it
 the automatic choice on CPU from :data:`MIN_AUTO_ELEMENTS` elements (see
