@@ -661,9 +661,9 @@ def layer_plan(key: tuple) -> LayerPlan | None:
 
 
 def remember_layer_plan(key: tuple, call: Call) -> LayerPlan | None:
-    """Remember the resolved scope, plan and :func:`layer_entry` of ``call`` (which has just run, its arguments checked)
-    under ``key`` (see :func:`layer_plan`), and return them (None: nothing remembered). Nothing is
-    remembered while tracing: dynamo traces the checked path instead."""
+    """Remember the resolved scope, plan and :func:`layer_entry` of ``call`` (which has just run, its
+    arguments checked) under ``key`` (see :func:`layer_plan`), and return them (None: nothing
+    remembered). Nothing is remembered while tracing: dynamo traces the checked path instead."""
     if tracing():
         return None
     try:
@@ -689,9 +689,9 @@ def dispatch(call: Call, backend: str | None = None):
 # ----------------------------------------------------------------------------------------------
 # a layer's call while dynamo traces it
 
-#: the LayerPlan of the layer calls planned for a trace, as attributes
-#: named by token -- not a dict: dynamo reads a dict's items once per trace, and a trace plans each
-#: of its layers after the first has read them; an object's attribute is read when asked for
+#: the LayerPlan of the layer calls planned for a trace, as attributes named by token -- not a
+#: dict: dynamo reads a dict's items once per trace, and a trace plans each of its layers after the
+#: first has read them; an object's attribute is read when asked for
 _TRACE_PLANS = types.SimpleNamespace()
 _TRACE_TOKENS: dict[tuple, str] = {}
 _tokens = itertools.count()
@@ -699,8 +699,8 @@ _CAPTURED: list = []  # while _trace_token runs a layer's checked call: [None], 
 
 
 def traced_layer_plan(config: tuple, metas: tuple, request: str | None) -> LayerPlan | None:
-    """A layer call's :data:`LayerPlan` while dynamo traces it, planned
-    eagerly and once, so that the compiled graph guards on as little as torch.nn's own layer does.
+    """A layer call's :data:`LayerPlan` while dynamo traces it, planned eagerly and once, so that
+    the compiled graph guards on as little as torch.nn's own layer does.
 
     Tracing a layer's checked path (argument checks, scope resolution, choice of backend) puts a
     guard on every function, global and constant it reads, and dynamo evaluates them all on every
