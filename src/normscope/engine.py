@@ -56,7 +56,6 @@ __all__ = [
     "last_backend",
     "requested_backend",
     "request_key",
-    "record",
     "constant_when_compiled",
     "update_running",
     "running_as_stats",
@@ -281,11 +280,6 @@ def use_backend(name: str | None) -> Iterator[None]:
         yield
     finally:
         _forced.pop()
-
-
-#: ``record(name)``: say that backend ``name`` runs the current call (what :func:`last_backend`
-#: returns); a C-level callable, for the layers' hot path, where a Python frame is a measurable cost.
-record = functools.partial(_last.__setitem__, 0)
 
 
 def last_backend() -> str | None:

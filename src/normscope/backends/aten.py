@@ -109,7 +109,7 @@ def _static(sizes: list) -> list:
         return [int(n) if isinstance(n, Tensor) else n for n in sizes]
 
 
-def _running(r) -> tuple:
+def _running(r: Running | None) -> tuple:
     return (None, None, True, 0.0) if r is None else (r.mean, r.var, r.use_input_stats, r.momentum)
 
 
@@ -190,27 +190,28 @@ _BOUNDED_MAX = 512  # statistics up to this many values are bounded in Python (_
 def _cancels(mean: Tensor, eps: float, rstd: Tensor | None = None, var: Tensor | None = None) -> bool:
     """Whether ``max |mean| * rstd`` exceeds the limit (``rstd`` given, or ``rsqrt(var + eps)``).
 
-    This runs on every automatic fp32 CPU call, so it settles the ordinary call with a bound on the
-    means alone: ``rstd <= 1/sqrt(eps)``, so no scope can cancel while ``max |mean| <= limit *
+    The automatic fp32 CPU runners ask it on every call, so the ordinary call is settled by a bound
+    on the means alone: ``rstd <= 1/sqrt(eps)``, so no scope can cancel while ``max |mean| <= limit *
     sqrt(eps)`` (3.2 at eps 1e-5). The answer is exact either way: the bound only ever says "no";
-    past it the exact maximum decides. Small statistics (the per-call cost that matters) are bounded
-    by :func:`_bounded`, straight from memory; larger ones, or ones that are not plain contiguous
-    fp32 CPU tensors (a subclass -- fake, functional -- is not host memory), by a torch reduction,
-    negligible beside the normalization of that many scopes. CPU only: reading a value is a copy,
-    not a device synchronisation."""
-    bounded = _bounded(mean.numel()) if _plain_fp32(mean) else None
-    if bounded is not None:
-        if bounded(mean, eps):
-            return False
-    elif eps > 0 and float(torch.linalg.vector_norm(mean.detach(), math.inf)) <= _CANCEL_LIMIT * math.sqrt(eps):
-        return False
+    past it the exact maximum decides (:func:`_exceeds`). Small statistics (the per-call cost that
+    matters) are bounded by :func:`_bounded`, straight from memory; larger ones, or ones that are
+    not plain contiguous fp32 CPU tensors (a subclass -- fake, functional -- is not host memory), by
+    a torch reduction (:func:`_torch_bounded`), negligible beside the normalization of that many
+    scopes. CPU only: reading a value is a copy, not a device synchronisation."""
+    bounded = (_bounded(mean.numel()) if _plain_fp32(mean) else None) or _torch_bounded
+    return not bounded(mean, eps) and _exceeds(mean, eps, rstd, var)
+
+
+def _exceeds(mean: Tensor, eps: float, rstd: Tensor | None = None, var: Tensor | None = None) -> bool:
+    """:func:`_cancels`'s exact answer, once the bound on the means alone has not settled it."""
     m = mean.detach().reshape(-1)
     r = (rstd if rstd is not None else torch.rsqrt(var + eps)).detach().reshape(-1)
     return float(torch.linalg.vector_norm(m * r, math.inf)) > _CANCEL_LIMIT
 
 
-def _unbounded(mean: Tensor, eps: float) -> bool:
-    return False
+def _torch_bounded(mean: Tensor, eps: float) -> bool:
+    """Whether every ``|m| <= limit * sqrt(eps)``, by a torch reduction (any tensor, any size)."""
+    return eps > 0 and float(torch.linalg.vector_norm(mean.detach(), math.inf)) <= _CANCEL_LIMIT * math.sqrt(eps)
 
 
 def _plain_fp32(t: Tensor) -> bool:
@@ -285,9 +286,9 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
 
     # The ordinary call's answer, at the least per-call cost: the statistics (one per scope; the
     # native ops return them contiguous fp32 for an fp32 CPU input) bounded straight from memory
-    # against the limit at rstd's largest value 1/sqrt(eps) (_bounded); past the bound, or for more
-    # statistics than it reads, _cancels decides exactly.
-    bounded = _bounded(math.prod(s.shape) // s.count) or _unbounded
+    # against the limit at rstd's largest value 1/sqrt(eps) (_bounded; more statistics than it
+    # reads, by a torch reduction), as _cancels does; past the bound, _exceeds decides exactly.
+    bounded = _bounded(math.prod(s.shape) // s.count) or _torch_bounded
     native_layer_norm, native_batch_norm = torch.native_layer_norm, torch.native_batch_norm
     if k == "layer_norm":
         tail, moved = reduced_last(s)
@@ -297,7 +298,7 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             if _is_tracing() or _peek() is not None:
                 return plain(x, w, b, eps, r)
             y, mean, rstd = native_layer_norm(x.movedim(s.reduce, tail) if moved else x, shape, w, b, eps)
-            if not bounded(mean, eps) and _cancels(mean, eps, rstd):
+            if not bounded(mean, eps) and _exceeds(mean, eps, rstd):
                 return engine.recompute(as_call(x, w, b, eps, r))
             return y.movedim(tail, s.reduce) if moved else y
 
@@ -313,7 +314,7 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
                 return plain(x, w, b, eps, r)
             rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
             y, mean, invstd = native_batch_norm(x.reshape(-1, x.shape[-1]) if last else x, w, b, rm, rv, True, mom, eps)
-            if not bounded(mean, eps) and _cancels(mean, eps, invstd):
+            if not bounded(mean, eps) and _exceeds(mean, eps, invstd):
                 # the kernel already updated the running statistics
                 return engine.recompute(as_call(x, w, b, eps, None))
             return y.reshape(x.shape) if last else y
@@ -329,7 +330,7 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             # as torch.group_norm: keep a channels_last input channels_last
             xc = x.contiguous(memory_format=channels_last(x) or torch.contiguous_format)
             y, mean, rstd = torch.native_group_norm(xc, w, b, n, ch, hw, groups, eps)
-            if not bounded(mean, eps) and _cancels(mean, eps, rstd):
+            if not bounded(mean, eps) and _exceeds(mean, eps, rstd):
                 return engine.recompute(as_call(x, w, b, eps, r))
             return y
 
@@ -346,7 +347,7 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             wn = None if w is None else w.repeat(n)
             bn = None if b is None else b.repeat(n)
             y, mean, invstd = native_batch_norm(x.contiguous().view(folded), wn, bn, None, None, True, 0.0, eps)
-            if not bounded(mean, eps) and _cancels(mean, eps, invstd):
+            if not bounded(mean, eps) and _exceeds(mean, eps, invstd):
                 return engine.recompute(as_call(x, w, b, eps, r))
             return y.view(x.shape)
 

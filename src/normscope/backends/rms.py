@@ -106,7 +106,7 @@ def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Ten
     :data:`BLOCKED_BYTES`: a block read once from memory for its norms stays in cache for
     its products (the weight's product in place, in cache). Over the whole input the weight's
     product was another full pass over memory: 8192 x 1024 fp32 forward at 0.70 of torch's time
-    before, 0.65 after when the allocator keeps memory (``--keep-freed-memory``; 0.39 either way with
+    before, 0.54-0.65 after when the allocator keeps memory (``--keep-freed-memory``; 0.39 either way with
     glibc's default, where torch's temporaries are fresh pages). fp16/bf16 blocks are
     upcast once into an fp32 buffer, computed there and rounded once into ``y`` (over the whole input
     the upcasts were full-size temporaries, fresh pages from the system each call: ~10x slower)."""

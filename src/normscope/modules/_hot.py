@@ -81,7 +81,7 @@ def last(layer: torch.nn.Module, x: object, *tensors: Tensor | None) -> engine.L
         and slot[0] is type(layer)
     ):
         found = slot[4]
-        _LAST[0] = found[1][0]  # engine.record(name), without its call
+        _LAST[0] = found[1][0]  # the call's backend, for engine.last_backend(): a store, no call
         return found
     return None
 
