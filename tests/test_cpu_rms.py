@@ -220,3 +220,44 @@ def test_weight_gradient_over_many_rows_is_as_accurate_as_torch(rows):
     x = torch.randn(rows, 8, generator=g) + 0.5
     w = torch.randn(8, generator=g)
     _check_against_fp64_and_torch(x, w, 1)
+
+
+@pytest.mark.parametrize("rows", [1024, 2048])
+def test_gradients_no_further_from_float64_than_torch(rows):
+    # the composite rows (automatic from 1024 x 1024 on CPU) against float64, beside torch's own op:
+    # output, input gradient and weight gradient each no further than torch's (relative norm error)
+    g = torch.Generator().manual_seed(rows)
+    n = 1024
+    x, w, dy = (torch.randn(s, generator=g) for s in ((rows, n), (n,), (rows, n)))
+
+    def run(fn, x, w):
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(x, w)
+        y.backward(dy.to(y.dtype))
+        return y.detach(), x.grad, w.grad
+
+    exact = run(lambda a, b: tF.rms_norm(a, (n,), b, 1e-6), x.double(), w.double())
+    theirs = run(lambda a, b: tF.rms_norm(a, (n,), b, 1e-6), x, w)
+    ours = run(lambda a, b: normscope.functional.rms_norm(a, (n,), b, 1e-6), x, w)
+    assert normscope.last_backend() == "composite"
+    for name, o, t, e in zip(("output", "dx", "dw"), ours, theirs, exact):
+        err_o = float((o.double() - e).norm() / e.norm())
+        err_t = float((t.double() - e).norm() / e.norm())
+        assert err_o <= err_t, f"{name}: normscope {err_o:.3e} vs torch {err_t:.3e} from float64"
+
+
+def test_float64_weight_gets_a_float64_accurate_gradient():
+    # fp32 input, fp64 weight: the weight's gradient is summed in float64, not fp32 cast up
+    g = torch.Generator().manual_seed(3)
+    n, rows = 1024, 1024
+    x, dy = torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g)
+    w = torch.randn(n, generator=g, dtype=torch.float64)
+    wo = w.clone().requires_grad_()
+    normscope.functional.rms_norm(x, (n,), wo, 1e-6).backward(dy)
+    assert normscope.last_backend() == "composite" and wo.grad.dtype == torch.float64
+    # float64 with r from the fp32 input's statistics: what an fp32-rounded r allows at best
+    xd = x.double()
+    r = torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6)
+    exact = (dy.double() * xd * r).sum(0)
+    err = float((wo.grad - exact).norm() / exact.norm())
+    assert err < 5e-8, err  # fp32 sums of the products were ~1.8e-7

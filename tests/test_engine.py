@@ -32,7 +32,7 @@ def scope_cases(draw):
     if template == "random":
         reduce = sorted(draw(st.sets(st.sampled_from(axes), min_size=0, max_size=nd)))
     elif template == "last_k":
-        reduce = axes[nd - draw(st.integers(1, nd)):]
+        reduce = axes[nd - draw(st.integers(1, nd)) :]
     else:
         kept = {"all_but_0": {0}, "all_but_1": {1}, "all_but_0_1": {0, 1}}[template]
         reduce = [a for a in axes if a not in kept]
@@ -60,11 +60,21 @@ def scope_cases(draw):
     neg = draw(st.booleans())
     wr = lambda a: a - nd if neg else a  # noqa: E731
     if use_keep:
-        scope = Scope(keep=tuple(wr(a) for a in axes if a not in reduce), centered=centered, groups=groups,
-                      group_dim=wr(group_dim), affine=tuple(wr(a) for a in affine))
+        scope = Scope(
+            keep=tuple(wr(a) for a in axes if a not in reduce),
+            centered=centered,
+            groups=groups,
+            group_dim=wr(group_dim),
+            affine=tuple(wr(a) for a in affine),
+        )
     else:
-        scope = Scope(reduce=tuple(wr(a) for a in reduce), centered=centered, groups=groups,
-                      group_dim=wr(group_dim), affine=tuple(wr(a) for a in affine))
+        scope = Scope(
+            reduce=tuple(wr(a) for a in reduce),
+            centered=centered,
+            groups=groups,
+            group_dim=wr(group_dim),
+            affine=tuple(wr(a) for a in affine),
+        )
     mask_dims = draw(st.sampled_from(["none", "full", "broadcast"]))
     seed = draw(st.integers(0, 2**16))
     eps = draw(st.sampled_from([1e-5, 1e-3, 0.1]))
@@ -77,8 +87,19 @@ def scope_cases(draw):
     pshape = tuple(shape[a] for a in affine)
     weight = torch.randn(pshape, generator=g, dtype=torch.float64) if affine else None
     bias = torch.randn(pshape, generator=g, dtype=torch.float64) if affine and with_bias else None
-    return dict(x=x, scope=scope, reduce=tuple(reduce), centered=centered, groups=groups, group_dim=group_dim,
-                affine=affine, weight=weight, bias=bias, mask=mask, eps=eps)
+    return dict(
+        x=x,
+        scope=scope,
+        reduce=tuple(reduce),
+        centered=centered,
+        groups=groups,
+        group_dim=group_dim,
+        affine=affine,
+        weight=weight,
+        bias=bias,
+        mask=mask,
+        eps=eps,
+    )
 
 
 HYP = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -88,8 +109,18 @@ HYP = settings(max_examples=120, deadline=None, suppress_health_check=[HealthChe
 @given(scope_cases())
 def test_reference_matches_float64_formula(case):
     """The oracle itself, in fp64 and fp32, against the formula written in conftest.direct."""
-    expected = direct(case["x"], case["reduce"], case["centered"], case["groups"], case["group_dim"],
-                      case["affine"], case["weight"], case["bias"], case["eps"], case["mask"])
+    expected = direct(
+        case["x"],
+        case["reduce"],
+        case["centered"],
+        case["groups"],
+        case["group_dim"],
+        case["affine"],
+        case["weight"],
+        case["bias"],
+        case["eps"],
+        case["mask"],
+    )
     resolved = case["scope"].resolve(tuple(case["x"].shape))
     y64 = ref.normalize(case["x"], resolved, case["weight"], case["bias"], case["eps"], case["mask"])
     torch.testing.assert_close(y64, expected, rtol=1e-9, atol=1e-9)
@@ -367,3 +398,24 @@ def test_choice_for_trace_matches_the_eager_choice():
             except ValueError:
                 got = ValueError
             assert got == expected, (call.scope, name)
+
+
+def test_constant_when_compiled_marks_as_torch_does_without_importing_dynamo():
+    # the mark is the one torch.compiler.assume_constant_result sets; import normscope loads no dynamo
+    import subprocess
+    import sys
+
+    from normscope.engine import constant_when_compiled
+
+    def f():
+        return 1
+
+    def g():
+        return 1
+
+    torch.compiler.assume_constant_result(f)
+    constant_when_compiled(g)
+    assert vars(f) == vars(g) and vars(g)
+    code = "import sys, torch, normscope; print('torch._dynamo' in sys.modules, 'triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"], out.stdout

@@ -42,9 +42,7 @@ def channels_first(x: Tensor, min_dims: int, where: str, name: str = "input") ->
         )
 
 
-def param(
-    p: Tensor | None, name: str, shape: Sequence[int], x: Tensor, where: str, any_dtype: bool = False
-) -> None:
+def param(p: Tensor | None, name: str, shape: Sequence[int], x: Tensor, where: str, any_dtype: bool = False) -> None:
     """An optional weight/bias/running buffer: right type, shape, dtype and device for input ``x``.
 
     The dtype is the input's, or fp32 for fp16/bf16 input (mixed precision) -- exactly what
@@ -88,6 +86,17 @@ def mask(m: Tensor | None, x: Tensor, channel_dim: int | None, where: str) -> Te
     if m.device != x.device:
         raise ValueError(f"{where}: expected `mask` on the input's device {x.device}, got {m.device}")
     return m if channel_dim is None else m.unsqueeze(channel_dim % x.dim())
+
+
+def eps(value: object, where: str) -> None:
+    """``eps`` of every op but BatchNorm's: a number, as torch accepts it -- a negative one too (torch's
+    own test samples call ``layer_norm`` with ``eps=-0.5``) -- but not NaN, which would silently make
+    every output NaN (``docs/differences.md``). BatchNorm keeps torch's stricter rule
+    (``functional._check_momentum_eps``)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{where}: expected `eps` to be a float, got {value!r}")
+    if value != value:
+        raise ValueError(f"{where}: expected `eps` to be a number, got {value!r}")
 
 
 def positive_eps(eps: float, where: str) -> None:

@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import os
-import types
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
 
 from . import reference as ref
 from .scope import Resolved, Scope
@@ -44,7 +42,6 @@ __all__ = [
     "Call",
     "call_of",
     "LayerEntry",
-    "LayerPlan",
     "Backend",
     "norm",
     "add_norm",
@@ -66,9 +63,11 @@ __all__ = [
     "plan",
     "run",
     "layer_entry",
-    "layer_plan",
-    "remember_layer_plan",
-    "traced_layer_plan",
+    "record",
+    "recorded",
+    "decline_record",
+    "capture",
+    "stand_in",
 ]
 
 ENV_VAR = "NORMSCOPE_BACKEND"
@@ -122,8 +121,6 @@ Runner = Callable[[Call], Tensor]
 #: planned call's (see :func:`layer_entry`)
 LayerEntry = Callable[[Tensor, "Tensor | None", "Tensor | None", float, "Running | None"], Tensor]
 
-#: what a layer remembers of a planned call: ``(resolved scope, (backend name, runner), entry)``
-LayerPlan = tuple[Resolved, tuple[str, Runner], LayerEntry]
 
 #: ``call_of((x, scope, weight, bias, eps, mask, running, residual, weight_offset, residual_fp32, op))``:
 #: a :class:`Call` from all its fields, in order, without the NamedTuple's Python-level ``__new__``
@@ -205,16 +202,29 @@ def running_as_stats(call: Call) -> tuple[Tensor, Tensor]:
     return mean, ref.rstd(run.var.to(dt).reshape(shape), call.eps)
 
 
-def recompute(call: Call) -> Tensor:
+def recompute(call: Call, wide: bool = False) -> Tensor:
     """Run ``call`` on the reference from inside another backend's runner, and say so in
-    :func:`last_backend` (a fast path that finds, at run time, that it cannot be exact)."""
+    :func:`last_backend` (a fast path that finds, at run time, that it cannot be exact).
+
+    ``wide``: run the reference in float64 and return the input's dtype (the gradient too, through
+    the casts). For the rare call the fast paths find cancelling (a mean ~1e6 times the spread,
+    :mod:`normscope.backends.aten`): there fp32 sums lose what float64 keeps -- measured, the output
+    of mean 1e4, std 1e-2 fp32 input went from ~4e-2 off the float64 result to rounding."""
     _last[0] = "reference"
-    return _BACKENDS["reference"].prepare(call, False)(call)
+    run = _BACKENDS["reference"].prepare(call, False)
+    if not wide or call.x.dtype == torch.float64:
+        return run(call)
+
+    def up(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.to(torch.float64)
+
+    y = run(call._replace(x=up(call.x), weight=up(call.weight), bias=up(call.bias)))
+    return y.to(call.x.dtype)
 
 
 def tracing() -> bool:
     """Whether torch.compile (dynamo) or the TorchScript tracer is recording this call (or the
-    engine is planning a call dynamo traces, see ``_as_traced``)."""
+    engine is planning a call dynamo traces, see :func:`capture`)."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing() or _TRACING_CHOICE[0]
 
 
@@ -247,8 +257,6 @@ _forced: list[str] = []  # stack of use_backend() names
 _last: list[str | None] = [None]
 _PLANS: dict[tuple, tuple[str, Runner]] = {}
 _MAX_PLANS = 4096
-# layers' plans per input signature (:func:`layer_plan`); cleared with _PLANS
-_LAYER_PLANS: dict[tuple, LayerPlan] = {}
 
 
 def register_backend(backend: Backend, *, before: str | None = None) -> None:
@@ -262,7 +270,6 @@ def register_backend(backend: Backend, *, before: str | None = None) -> None:
     at = _AUTO.index(before) if before is not None and before in _AUTO else len(_AUTO)
     _AUTO.insert(at, backend.name)
     _PLANS.clear()
-    _LAYER_PLANS.clear()
 
 
 def backends() -> list[str]:
@@ -301,9 +308,13 @@ def constant_when_compiled(fn: Callable) -> Callable:
     calls it once while tracing and bakes its answer in, instead of tracing the read -- which guards
     on the whole of ``os.environ`` (its every key), so that any environment variable set later
     recompiles the graph, and evaluates that guard on every call (measured: a compiled LayerNorm
-    cost ~30 us a call more than torch.nn's, mostly this). Eagerly ``fn`` runs as it is."""
-    mark = getattr(torch.compiler, "assume_constant_result", None)
-    return fn if mark is None else mark(fn)
+    cost ~30 us a call more than torch.nn's, mostly this). Eagerly ``fn`` runs as it is.
+
+    The mark is the attribute ``torch.compiler.assume_constant_result`` sets (torch 2.4 to 2.13),
+    set here directly: calling it imports ``torch._dynamo`` (~0.7 s) at ``import normscope``, for
+    users who never compile. ``tests/test_engine.py`` checks that the two marks agree."""
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 @constant_when_compiled
@@ -501,16 +512,20 @@ def symbolic(shape: Sequence) -> bool:
     without a guard); a torch without it (< 2.6) is answered "symbolic", the safe side."""
     if not _is_compiling():
         return any(isinstance(n, torch.SymInt) for n in shape)
-    return _has_static_value is None or not all(_has_static_value(n) for n in shape)
+    # imported here, not at import time: it loads torch._dynamo (~0.7 s), which dynamo, tracing
+    # this, has loaded already
+    from torch.fx.experimental import symbolic_shapes
+
+    has_static_value = getattr(symbolic_shapes, "has_static_value", None)
+    return has_static_value is None or not all(has_static_value(n) for n in shape)
 
 
-# module-level names, not ``torch.<...>`` reads: while dynamo traces a layer (traced_layer_plan) the
+# module-level names, not ``torch.<...>`` reads: while dynamo traces a layer (normscope.hot) the
 # same module object read from two of our modules costs a guard evaluated in Python on every call
 _is_compiling = torch.compiler.is_compiling
-_has_static_value = getattr(_symbolic_shapes, "has_static_value", None)
 
 
-def _stand_in(shape: tuple, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+def stand_in(shape: tuple, dtype: torch.dtype, device: torch.device | str) -> Tensor:
     """A stride-0 view of one element with this shape, dtype and device: all that the checks, the
     scope's resolution and the choice of backend read of a tensor (plans do not depend on strides)."""
     return torch.empty((), dtype=dtype, device=device).expand(shape)
@@ -519,7 +534,7 @@ def _stand_in(shape: tuple, dtype: torch.dtype, device: torch.device | str) -> T
 @contextlib.contextmanager
 def _as_traced() -> Iterator[None]:
     """Plan inside as for a traced call (:func:`tracing` is True): the eager planning of a call that
-    dynamo traces (``_choice_for_trace``, ``_trace_token``)."""
+    dynamo traces (``_choice_for_trace``)."""
     _TRACING_CHOICE[0] = True
     try:
         yield
@@ -540,21 +555,21 @@ def _choice_for_trace(sig: tuple, name: str) -> str:
         (shape, reduce, centered, groups, group_dim, affine), x_shape, dtype, device = sig[:4]
         weight, bias, mask, running, residual, residual_fp32, offset, op = sig[4:]
 
-        def stand_in(m: tuple | None) -> Tensor | None:
-            return None if m is None else _stand_in(m[0], m[1], device)
+        def meta_in(m: tuple | None) -> Tensor | None:
+            return None if m is None else stand_in(m[0], m[1], device)
 
         run = None
         if running is not None:
-            run = Running(stand_in(running[1]), stand_in(running[2]), 0.1, running[0])
+            run = Running(meta_in(running[1]), meta_in(running[2]), 0.1, running[0])
         call = Call(
-            stand_in((x_shape, dtype)),
+            meta_in((x_shape, dtype)),
             Resolved(shape, reduce, centered, groups, group_dim, affine),
-            stand_in(weight),
-            stand_in(bias),
+            meta_in(weight),
+            meta_in(bias),
             1e-5,
-            stand_in(mask),
+            meta_in(mask),
             run,
-            stand_in(residual),
+            meta_in(residual),
             1.0 if offset else 0.0,
             residual_fp32,
             op,
@@ -597,7 +612,7 @@ def _add(x: Tensor, residual: Tensor, residual_fp32: bool) -> Tensor:
 def plan(call: Call, backend: str | None = None) -> tuple[str, Runner]:
     """``(name, runner)``: the backend that :func:`dispatch` runs ``call`` on and its runner, from
     the plan cache (planned afresh, uncached, while tracing or for symbolic sizes). A runner serves
-    every call with the same :func:`signature`; layers keep it per input signature (:mod:`normscope.modules._hot`)."""
+    every call with the same :func:`signature`; the hot path keeps it per call signature (:mod:`normscope.hot`)."""
     requested = requested_backend(backend)
     if torch.compiler.is_compiling():
         # under dynamo the planning is traced once per graph anyway; storing it in _PLANS would be
@@ -644,105 +659,79 @@ def layer_entry(call: Call, planned: tuple[str, Runner]) -> LayerEntry:
     return run
 
 
-def layer_plan(key: tuple) -> LayerPlan | None:
-    """What a layer remembered with :func:`remember_layer_plan` for ``key``, or None.
-
-    The hot path of a layer: ``key`` holds everything its argument checks, its scope's resolution
-    and the plan depend on -- the layer's configuration, the input's shape, dtype and device, its
-    parameters' shapes, dtypes and devices, and :func:`requested_backend` -- so a call with a known
-    key skips all three and runs the runner directly."""
-    return _LAYER_PLANS.get(key)
-
-
-def remember_layer_plan(key: tuple, call: Call) -> LayerPlan | None:
-    """Remember the resolved scope, plan and :func:`layer_entry` of ``call`` (which has just run, its
-    arguments checked) under ``key`` (see :func:`layer_plan`), and return them (None: nothing
-    remembered). Nothing is remembered while tracing: dynamo traces the checked path instead."""
-    if tracing():
-        return None
-    try:
-        planned = plan(call)
-        found = (call.scope, planned, layer_entry(call, planned))
-        if len(_LAYER_PLANS) >= _MAX_PLANS:
-            _LAYER_PLANS.clear()
-        _LAYER_PLANS[key] = found
-    except TypeError:  # symbolic sizes: nothing to remember
-        return None
-    return found
-
-
 def dispatch(call: Call, backend: str | None = None):
     """Run ``call`` on the requested backend, or on the first automatic one that takes it."""
-    if _CAPTURED:  # planning a layer's traced call on stand-ins (_trace_token): plan it, run nothing
-        planned = _plan(call, requested_backend(backend))
-        _CAPTURED[-1] = (call.scope, planned, layer_entry(call, planned))
+    if _CAPTURED:  # planning a traced call on stand-ins (normscope.hot): plan it, run nothing
+        _CAPTURED[-1].append((call, _plan(call, requested_backend(backend))))
         return call.x
-    return run(plan(call, backend), call)
+    planned = plan(call, backend)
+    if not _is_compiling():
+        stack = _RECORDS.stack
+        if stack:  # a call the hot path is checking: what it dispatched (once; twice is not a plan)
+            slot = stack[-1]
+            slot[0] = (call, planned) if slot[0] is None else False
+            start = slot[1]
+            if start is not None:  # the call is checked and about to run: the caller's side effect
+                slot[1] = None
+                start()
+    return run(planned, call)
 
 
 # ----------------------------------------------------------------------------------------------
-# a layer's call while dynamo traces it
-
-#: the LayerPlan of the layer calls planned for a trace, as attributes named by token -- not a
-#: dict: dynamo reads a dict's items once per trace, and a trace plans each of its layers after the
-#: first has read them; an object's attribute is read when asked for
-_TRACE_PLANS = types.SimpleNamespace()
-_TRACE_TOKENS: dict[tuple, str] = {}
-_tokens = itertools.count()
-_CAPTURED: list = []  # while _trace_token runs a layer's checked call: [None], then its plan
+# what the hot path (normscope.hot) learns from a checked call
 
 
-def traced_layer_plan(config: tuple, metas: tuple, request: str | None) -> LayerPlan | None:
-    """A layer call's :data:`LayerPlan` while dynamo traces it, planned eagerly and once, so that
-    the compiled graph guards on as little as torch.nn's own layer does.
+class _Records(threading.local):
+    """Per thread: the slots of the checked calls in progress, innermost last."""
 
-    Tracing a layer's checked path (argument checks, scope resolution, choice of backend) puts a
-    guard on every function, global and constant it reads, and dynamo evaluates them all on every
-    call of the compiled graph: measured, a compiled small model cost ~5 % more per call than the
-    same torch.nn model compiled, a compiled LayerNorm(64) ~23 us (of ~50) more, nearly all of it
-    guards (``benchmarks/cpu_overhead.py --compile``). Here instead the layer's checked call runs
-    on stand-ins of its tensors (:func:`_trace_token`, which dynamo calls once and bakes its answer
-    in), and dynamo traces only the chosen runner.
-
-    ``config``: ``(checked, *settings)``, the layer's checked call ``checked(config, x, *tensors)``
-    and everything it reads besides the tensors (Python constants); ``metas``: ``(shape, dtype,
-    device)`` of ``x`` and of each tensor (None for an absent one); ``request``:
-    :func:`request_key`. None when the checked call dispatches nothing or raises."""
-    return getattr(_TRACE_PLANS, _trace_token(config, metas, request))
+    def __init__(self) -> None:
+        self.stack: list[list] = []
 
 
-@constant_when_compiled
-def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
-    """Run the layer's checked call (see :func:`traced_layer_plan`) on stand-ins -- stride-0 views
-    of one element, of the tensors' shapes, dtypes and devices: the checks, the resolution and the
-    plan read nothing else -- with :func:`dispatch` capturing the plan instead of running it. A call
-    its checks refuse has no plan (None): the layer then takes its checked path, traced, which
-    raises the error as an eager call does (raised here, dynamo would wrap it in its own
-    exception type). Memoized; the token names the plan's attribute of ``_TRACE_PLANS``."""
-    key = (config, metas, request)
-    token = _TRACE_TOKENS.get(key)
-    if token is None:
-        stand = [None if m is None else _stand_in(*m) for m in metas]
-        _CAPTURED.append(None)
-        try:
-            with _as_traced():
-                config[0](config, *stand)
-            found = _CAPTURED[-1]
-        except Exception:  # noqa: BLE001 -- the layer's checked path, traced, raises it in its own terms
-            found = None
-        finally:
-            _CAPTURED.pop()
-        if len(_TRACE_TOKENS) >= _MAX_PLANS:
-            _TRACE_TOKENS.clear()
-            _TRACE_PLANS.__dict__.clear()
-        token = _TRACE_TOKENS[key] = f"plan{next(_tokens)}"  # never reused: a graph guards on its plan
-        setattr(_TRACE_PLANS, token, found)
-    found = getattr(_TRACE_PLANS, token)
-    if found is not None:
-        # last_backend() names the backend the graph was traced with, from when it was traced: a
-        # store traced into the graph would run on every call (measured ~4 % of a small compiled layer)
-        _last[0] = found[1][0]
-    return token
+_RECORDS = _Records()
+_CAPTURED: list[list] = []  # inside capture(): the plans dispatch() made instead of running
+
+
+def record(start: Callable[[], None] | None = None) -> list:
+    """Open a slot in which :func:`dispatch` records the ``(call, (name, runner))`` it runs next on
+    this thread (see :func:`recorded`); ``start``: called once, when that call has passed every check
+    and is about to run (a layer's bookkeeping, such as counting a batch, that a refused call must
+    not do and a call that raises while it runs must have done, as torch's layers do)."""
+    slot = [None, start]
+    _RECORDS.stack.append(slot)
+    return slot
+
+
+def recorded(slot: list) -> tuple | None:
+    """Close ``slot``: the ``(call, plan)`` dispatched while it was open, or None when there was none,
+    more than one, or the checked call declined (:func:`decline_record`)."""
+    stack = _RECORDS.stack
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is slot:
+            del stack[i]
+            break
+    return slot[0] or None
+
+
+def decline_record() -> None:
+    """The call being checked must not be remembered (see :func:`normscope.hot.per_call`)."""
+    stack = _RECORDS.stack
+    if stack:
+        stack[-1][0] = False
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[list]:
+    """Inside: :func:`dispatch` plans as for a traced call (:func:`tracing` is True) and appends
+    ``(call, (name, runner))`` to the yielded list instead of running anything."""
+    captured: list = []
+    _CAPTURED.append(captured)
+    _TRACING_CHOICE[0] = True
+    try:
+        yield captured
+    finally:
+        _TRACING_CHOICE[0] = False
+        _CAPTURED.pop()
 
 
 def norm(

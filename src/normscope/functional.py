@@ -3,6 +3,9 @@
 Each function checks its arguments, builds its :class:`~normscope.scope.Scope` and calls the one
 engine (:func:`normscope.engine.norm`). Every function also takes ``backend=`` (``"auto"``,
 ``"aten"``, ``"reference"``, ``"triton"``...) to force a backend for that call.
+
+The torch-named functions go through the hot path (:mod:`normscope.hot`): their checked call is an
+:class:`~normscope.hot.Op`, planned once per call signature, the layers' too.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import _checks as check
+from . import hot
 from .engine import Running, add_norm, norm, stats
 from .engine import apply as _apply
 from .scope import Scope
@@ -56,20 +60,22 @@ def _group_scope(num_groups: int) -> Scope:
 def _check_momentum_eps(momentum: object, eps: object, use_input_stats: bool, where: str) -> None:
     """torch's checks of ``momentum`` and ``eps``, with the expected value in the message.
 
-    torch: ``momentum`` must be a float (None is a TypeError, not "no update"); ``eps`` must be
-    positive when the batch statistics normalize (eps = 0 divides a constant channel by 0) and
-    non-negative otherwise.
+    torch: ``momentum`` must be a float (None is a TypeError, not "no update"). ``eps``: BatchNorm's
+    must be positive when the batch statistics normalize (eps = 0 divides a constant channel by 0)
+    and non-negative otherwise; InstanceNorm's is any number, as every other op's
+    (:func:`normscope._checks.eps`).
     """
     if not isinstance(momentum, (int, float)) or isinstance(momentum, bool):
         raise TypeError(
             f"{where}: expected `momentum` to be a float (the running-statistics update factor; "
             f"the layers' momentum=None is their own cumulative average), got {momentum!r}"
         )
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        raise TypeError(f"{where}: expected `eps` to be a float, got {eps!r}")
-    if use_input_stats and where == "batch_norm" and not eps > 0:
+    check.eps(eps, where)
+    if where != "batch_norm":
+        return
+    if use_input_stats and not eps > 0:
         raise ValueError(f"{where}: expected `eps` > 0 when training (batch statistics normalize), got {eps!r}")
-    if not eps >= 0:  # NaN too
+    if not eps >= 0:
         raise ValueError(f"{where}: expected `eps` >= 0, got {eps!r}")
 
 
@@ -107,6 +113,17 @@ def batch_norm(
     * ``channel_dim``: the channel axis; ``-1`` takes channels-last input such as ``(B, S, D)``
       directly. Default: 1.
     """
+    running = None
+    if running_mean is not None or running_var is not None or not training:
+        running = hot.running((running_mean, running_var, momentum, training))
+    settings = (training, type(training), momentum, type(momentum), channel_dim, type(channel_dim), backend)
+    return hot.call(_BATCH_NORM, settings, input, weight, bias, eps, running, mask)
+
+
+def _batch_norm(settings: tuple, input, weight, bias, eps, running: Running | None, mask) -> Tensor:
+    """:func:`batch_norm`'s checked call (see :mod:`normscope.hot`)."""
+    training, _, momentum, _, channel_dim, _, backend = settings
+    running_mean, running_var = (None, None) if running is None else running[:2]
     where = "batch_norm"
     check.tensor(input, "input", where)
     check.channels_first(input, 2, where)
@@ -115,7 +132,8 @@ def batch_norm(
         raise ValueError(f"{where}: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
     c = input.shape[channel_dim]
     for name, p in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
-        check.param(p, name, (c,), input, where)
+        # an empty batch returns empty whatever the parameters' dtype, as torch's batch_norm does
+        check.param(p, name, (c,), input, where, any_dtype=input.numel() == 0)
     mask = check.mask(mask, input, channel_dim, where)
     if training and mask is not None:
         if check.all_masked(mask):  # not asked on meta tensors or while tracing (see its docstring)
@@ -133,11 +151,13 @@ def batch_norm(
         raise ValueError(f"{where}: evaluation (training=False) needs `running_mean` and `running_var`, got None")
     if not training:
         mask = None  # the running statistics normalize every position alike: ATen's fused path
-    running = None
-    if running_mean is not None or running_var is not None or not training:
+    if running is not None:
         running = Running(running_mean, running_var, float(momentum), training)
     scope = _BATCH if channel_dim == 1 else _BATCH_LAST
     return norm(input, scope, weight, bias, eps, mask=mask, running=running, backend=backend)
+
+
+_BATCH_NORM = hot.Op("batch_norm", _batch_norm)
 
 
 def instance_norm(
@@ -162,12 +182,27 @@ def instance_norm(
     valid; statistics over valid positions only. A sample with no valid position normalizes to
     the bias (its statistics are mean 0, variance 0 and enter a running average as such).
     """
+    running = None
+    if running_mean is not None or running_var is not None:
+        running = hot.running((running_mean, running_var, momentum, use_input_stats))
+    settings = (use_input_stats, type(use_input_stats), momentum, type(momentum), backend)
+    return hot.call(_INSTANCE_NORM, settings, input, weight, bias, eps, running, mask)
+
+
+def _instance_norm(settings: tuple, input, weight, bias, eps, running: Running | None, mask) -> Tensor:
+    """:func:`instance_norm`'s checked call (see :mod:`normscope.hot`)."""
+    use_input_stats, _, momentum, _, backend = settings
+    running_mean, running_var = (None, None) if running is None else running[:2]
     where = "instance_norm"
     check.tensor(input, "input", where)
     check.channels_first(input, 3, where)
     _check_momentum_eps(momentum, eps, use_input_stats, where)
     c = input.shape[1]
-    for name, p in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
+    for name, p in (("running_mean", running_mean), ("running_var", running_var)):
+        # torch's instance_norm averages the per-instance statistics into the buffers with a copy:
+        # buffers of any dtype
+        check.param(p, name, (c,), input, where, any_dtype=True)
+    for name, p in (("weight", weight), ("bias", bias)):
         check.param(p, name, (c,), input, where)
     if use_input_stats and input.numel() // max(input.shape[0] * c, 1) <= 1 and input.numel() > 0:
         raise ValueError(
@@ -176,28 +211,30 @@ def instance_norm(
     if not use_input_stats and (running_mean is None or running_var is None):
         raise ValueError(f"{where}: use_input_stats=False needs `running_mean` and `running_var`, got None")
     mask = check.mask(mask, input, 1, where)
-    running = None
-    if running_mean is not None or running_var is not None:
+    if running is not None:
         running = Running(running_mean, running_var, float(momentum), use_input_stats)
     return norm(input, _INSTANCE, weight, bias, eps, mask=mask, running=running, backend=backend)
 
 
-def _last_axes(
-    where: str,
-    centered: bool,
-    input: Tensor,
-    normalized_shape: int | Sequence[int],
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    backend: str | None,
-) -> Tensor:
+_INSTANCE_NORM = hot.Op("instance_norm", _instance_norm)
+
+
+def _last_axes(settings: tuple, input, weight, bias, eps, running, mask) -> Tensor:
+    """:func:`layer_norm`'s and :func:`rms_norm`'s checked call (see :mod:`normscope.hot`)."""
+    where, centered, normalized_shape, _, backend = settings
     check.tensor(input, "input", where)
     shape = check.normalized_shape(normalized_shape, where)
     check.trailing(input, shape, where)
+    if eps is None and not centered:  # rms_norm's default: the machine epsilon of the compute dtype
+        eps = torch.finfo(torch.float64 if input.dtype == torch.float64 else torch.float32).eps
+    check.eps(eps, where)
     check.param(weight, "weight", shape, input, where, any_dtype=not centered)  # torch's rms_norm: any
     check.param(bias, "bias", shape, input, where)
     return norm(input, _layer_scope(len(shape), centered), weight, bias, eps, backend=backend)
+
+
+_LAYER_NORM = hot.Op("layer_norm", _last_axes)
+_RMS_NORM = hot.Op("rms_norm", _last_axes)
 
 
 def layer_norm(
@@ -211,7 +248,10 @@ def layer_norm(
 ) -> Tensor:
     """Layer Normalization over the last ``len(normalized_shape)`` dims, as
     :func:`torch.nn.functional.layer_norm`."""
-    return _last_axes("layer_norm", True, input, normalized_shape, weight, bias, eps, backend)
+    if type(normalized_shape) is list:  # hashable, for the plan's key
+        normalized_shape = tuple(normalized_shape)
+    settings = ("layer_norm", True, normalized_shape, type(normalized_shape), backend)
+    return hot.call(_LAYER_NORM, settings, input, weight, bias, eps)
 
 
 def rms_norm(
@@ -227,9 +267,10 @@ def rms_norm(
     ``eps=None`` is the machine epsilon of the dtype the statistics are computed in: fp32's for
     fp16/bf16/fp32 input, fp64's for fp64 input.
     """
-    if eps is None and isinstance(input, Tensor):
-        eps = torch.finfo(torch.float64 if input.dtype == torch.float64 else torch.float32).eps
-    return _last_axes("rms_norm", False, input, normalized_shape, weight, None, eps, backend)
+    if type(normalized_shape) is list:  # hashable, for the plan's key
+        normalized_shape = tuple(normalized_shape)
+    settings = ("rms_norm", False, normalized_shape, type(normalized_shape), backend)
+    return hot.call(_RMS_NORM, settings, input, weight, None, eps)
 
 
 def group_norm(
@@ -247,21 +288,44 @@ def group_norm(
 
     ``mask`` (beyond torch): bool, shaped ``(N, *)``, True = valid; statistics over valid
     positions only. A sample with no valid position normalizes to the bias."""
+    settings = (num_groups, type(num_groups), None, backend)
+    return hot.call(_GROUP_NORM, settings, input, weight, bias, eps, None, mask)
+
+
+def _group_norm(settings: tuple, input, weight, bias, eps, running, mask) -> Tensor:
+    """:func:`group_norm`'s checked call (see :mod:`normscope.hot`); ``settings[2]``: the channels a
+    GroupNorm layer expects (None: any)."""
+    num_groups, _, num_channels, backend = settings
     where = "group_norm"
     check.tensor(input, "input", where)
     check.channels_first(input, 2, where)
     if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
         raise ValueError(f"{where}: expected `num_groups` to be a positive int, got {num_groups!r}")
     c = input.shape[1]
+    if num_channels is not None and c != num_channels:
+        raise ValueError(
+            f"GroupNorm({num_groups}, {num_channels}): expected input with {num_channels} channels at "
+            f"dim 1, got {c} (input shape {tuple(input.shape)})"
+        )
     if c % num_groups:
         raise ValueError(
             f"{where}: expected the number of channels (input.shape[1] = {c}) to be divisible by "
             f"num_groups={num_groups}"
         )
+    check.eps(eps, where)
     check.param(weight, "weight", (c,), input, where)
     check.param(bias, "bias", (c,), input, where)
     mask = check.mask(mask, input, 1, where)
+    if mask is None and input.numel() // max(input.shape[0] * num_groups, 1) == 1 and input.shape[0] == 1:
+        # torch's group_norm: one value per group (batch of one) has no variance to estimate
+        raise ValueError(
+            f"{where}: expected more than 1 value per group, got input of shape {tuple(input.shape)} "
+            f"with num_groups={num_groups} (1 value per group)"
+        )
     return norm(input, _group_scope(num_groups), weight, bias, eps, mask=mask, backend=backend, op="group_norm")
+
+
+_GROUP_NORM = hot.Op("group_norm", _group_norm)
 
 
 def local_response_norm(input: Tensor, size: int, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0) -> Tensor:
@@ -323,13 +387,12 @@ def normalize(
     check.positive_eps(eps, where)
     if (dims is None) == (keep is None):
         raise ValueError(f"{where}: expected exactly one of `dims` and `keep`, got dims={dims!r}, keep={keep!r}")
-    as_tuple = lambda a: (a,) if isinstance(a, int) else tuple(a)  # noqa: E731
-    d = as_tuple(dims) if dims is not None else None
-    k = as_tuple(keep) if keep is not None else None
+    d = _axes(dims, "dims", x, where) if dims is not None else None
+    k = _axes(keep, "keep", x, where) if keep is not None else None
     if affine_dims is None:
         affine = d if d is not None else (group_dim,)
     else:
-        affine = as_tuple(affine_dims)
+        affine = _axes(affine_dims, "affine_dims", x, where)
     if weight is None and bias is None:
         affine = ()
     scope = Scope(reduce=d, keep=k, centered=centered, groups=groups, group_dim=group_dim, affine=affine)
@@ -349,6 +412,24 @@ def normalize(
         if mask.device != x.device:
             raise ValueError(f"{where}: expected `mask` on the input's device {x.device}, got {mask.device}")
     return norm(x, resolved, weight, bias, eps, mask=mask, backend=backend)
+
+
+def _axes(value: object, name: str, x: Tensor, where: str) -> tuple[int, ...]:
+    """An axis or a sequence of axes of ``x``: ints (not bools), in range, none named twice -- as
+    torch's reductions take them ("dim 3 appears multiple times")."""
+    items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        axes = tuple(items)
+    except TypeError:
+        raise TypeError(f"{where}: expected `{name}` to be an int or a sequence of ints, got {value!r}") from None
+    for a in axes:
+        if not isinstance(a, int) or isinstance(a, bool):
+            raise TypeError(f"{where}: expected `{name}` to be an int or a sequence of ints, got {value!r}")
+    seen = [a % x.dim() for a in axes if -x.dim() <= a < x.dim()]  # out of range: the scope says so
+    for i, a in enumerate(seen):
+        if a in seen[:i]:
+            raise ValueError(f"{where}: `{name}` names dim {a} more than once ({value!r}, input of {x.dim()} dims)")
+    return axes
 
 
 def adain(content: Tensor, style: Tensor | tuple[Tensor, Tensor], eps: float = 1e-5) -> Tensor:

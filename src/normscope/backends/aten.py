@@ -299,7 +299,7 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
                 return plain(x, w, b, eps, r)
             y, mean, rstd = native_layer_norm(x.movedim(s.reduce, tail) if moved else x, shape, w, b, eps)
             if not bounded(mean, eps) and _exceeds(mean, eps, rstd):
-                return engine.recompute(as_call(x, w, b, eps, r))
+                return engine.recompute(as_call(x, w, b, eps, r), wide=True)
             return y.movedim(tail, s.reduce) if moved else y
 
     elif k in ("batch_norm", "batch_norm_last"):
@@ -310,13 +310,13 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
                 return plain(x, w, b, eps, r)
             if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
                 if _cancels(r.mean, eps, var=r.var):
-                    return engine.recompute(as_call(x, w, b, eps, r))
+                    return engine.recompute(as_call(x, w, b, eps, r), wide=True)
                 return plain(x, w, b, eps, r)
             rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
             y, mean, invstd = native_batch_norm(x.reshape(-1, x.shape[-1]) if last else x, w, b, rm, rv, True, mom, eps)
             if not bounded(mean, eps) and _exceeds(mean, eps, invstd):
                 # the kernel already updated the running statistics
-                return engine.recompute(as_call(x, w, b, eps, None))
+                return engine.recompute(as_call(x, w, b, eps, None), wide=True)
             return y.reshape(x.shape) if last else y
 
     elif k == "group_norm":
@@ -331,7 +331,7 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             xc = x.contiguous(memory_format=channels_last(x) or torch.contiguous_format)
             y, mean, rstd = torch.native_group_norm(xc, w, b, n, ch, hw, groups, eps)
             if not bounded(mean, eps) and _exceeds(mean, eps, rstd):
-                return engine.recompute(as_call(x, w, b, eps, r))
+                return engine.recompute(as_call(x, w, b, eps, r), wide=True)
             return y
 
     elif k == "instance_norm":
@@ -348,7 +348,7 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             bn = None if b is None else b.repeat(n)
             y, mean, invstd = native_batch_norm(x.contiguous().view(folded), wn, bn, None, None, True, 0.0, eps)
             if not bounded(mean, eps) and _exceeds(mean, eps, invstd):
-                return engine.recompute(as_call(x, w, b, eps, r))
+                return engine.recompute(as_call(x, w, b, eps, r), wide=True)
             return y.view(x.shape)
 
     else:

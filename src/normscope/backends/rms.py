@@ -122,9 +122,7 @@ def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Ten
         xc, rc = x2[s:e], r[s:e]
         if low:
             xc = buf[: e - s].copy_(xc)
-        # sqrt(sum x^2) accumulated in fp32 (fp64 for fp64), then r = rsqrt(ss / N + eps)
-        torch.linalg.vector_norm(xc, 2, -1, keepdim=True, out=rc)
-        rc.square_().div_(n).add_(eps).rsqrt_()
+        _rstd(xc, n, eps, rc)
         yc = xc.mul_(rc) if low else torch.mul(xc, rc, out=y[s:e])  # x * r * w in fp32, as torch ...
         if w is not None:
             yc.mul_(w)
@@ -133,24 +131,53 @@ def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Ten
     return y, r
 
 
-#: ``dw`` sums dy * x * r over the rows in groups of this many, then adds the groups' sums: one long
-#: matrix-vector product accumulates the rows one after another, an error growing with their count
-#: (at 8192 rows, 17x torch's, whose sum is pairwise); the groups keep it torch's (and cost the same).
-DW_GROUP_ROWS = 64
+#: :func:`_rstd` takes each row's sum of squares as norms of chunks of this many columns
+RSTD_CHUNK = 128
+
+
+def _rstd(xc: Tensor, n: int, eps: float, out: Tensor) -> None:
+    """``out = rsqrt(mean(x^2) + eps)`` per row of a (R, N) block.
+
+    The sum of squares is read once, as the fp32 norms of chunks of :data:`RSTD_CHUNK` columns (one
+    ``vector_norm``), whose squares are added and finished in float64 (R * N / 128 numbers: free
+    beside the read). One fp32 norm of the whole row, squared back, was ~1.2x further from float64
+    than torch's ``mean(x^2)`` (8192 x 1024: 5.8e-8 vs 4.8e-8 relative), and so were the gradients,
+    which all carry ``r``; by chunks it is 3.0e-8, at the same time (``tests/test_cpu_rms.py``)."""
+    k = n // RSTD_CHUNK
+    if k < 2 or xc.stride(-1) != 1:
+        torch.linalg.vector_norm(xc, 2, -1, keepdim=True, out=out)
+        ss = out.double().square_()
+    else:
+        main = xc[:, : k * RSTD_CHUNK].unflatten(-1, (k, RSTD_CHUNK))  # a view: the columns are contiguous
+        ss = torch.linalg.vector_norm(main, 2, -1).double().square_().sum(-1, keepdim=True)
+        if k * RSTD_CHUNK < n:
+            ss += torch.linalg.vector_norm(xc[:, k * RSTD_CHUNK :], 2, -1, keepdim=True).double().square_()
+    out.copy_(ss.div_(n).add_(eps).rsqrt_())
+
+
+#: ``dw`` sums dy * x * r over the rows in groups of this many (one batched product), then adds the
+#: groups' sums in float64: one long matrix-vector product accumulates the rows one after another, an
+#: error growing with their count (at 8192 rows, 17x torch's, whose sum is pairwise); groups of 64
+#: summed in fp32 were still ~1.3x torch's (1.8e-7 vs 1.4e-7 relative, 8192 x 1024), groups of 16
+#: summed in float64 0.6x (8.3e-8), at the same time.
+DW_GROUP_ROWS = 16
 
 
 def _weighted_row_sum(gx: Tensor, r: Tensor) -> Tensor:
-    """``sum_i r[i] * gx[i, :]`` for a contiguous (R, N) ``gx`` and (R, 1) ``r``, by groups of rows."""
+    """``sum_i r[i] * gx[i, :]`` for a contiguous (R, N) ``gx`` and (R, 1) ``r``, by groups of rows;
+    float64 for fp32 (the groups' sums added in float64), else ``gx``'s dtype."""
     rows, n = gx.shape
     k = rows // DW_GROUP_ROWS
     full = k * DW_GROUP_ROWS
     total = None
-    if k:  # one batched product gives each group's sum, then a (pairwise) sum over the groups
-        total = torch.bmm(r[:full].reshape(k, 1, DW_GROUP_ROWS), gx[:full].view(k, DW_GROUP_ROWS, n)).sum(0).view(n)
+    wide = torch.float64 if gx.dtype == torch.float32 else gx.dtype
+    if k:  # one batched product gives each group's sum, then a sum over the groups
+        groups = torch.bmm(r[:full].reshape(k, 1, DW_GROUP_ROWS), gx[:full].view(k, DW_GROUP_ROWS, n))
+        total = groups.sum(0, dtype=wide).view(n)
     if full < rows:
-        rest = torch.mv(gx[full:].t(), r[full:].view(-1))
+        rest = torch.mv(gx[full:].t(), r[full:].view(-1)).to(wide)
         total = rest if total is None else total.add_(rest)
-    return torch.zeros(n, dtype=gx.dtype, device=gx.device) if total is None else total
+    return torch.zeros(n, dtype=wide, device=gx.device) if total is None else total
 
 
 def _backward(
@@ -175,7 +202,11 @@ def _backward(
         if low:  # upcast once into fp32 buffers of one block
             xc, gc = xbuf[: e - s].copy_(xc), gbuf[: e - s].copy_(gc)
         gx = torch.mul(gc, xc, out=prod[: e - s])
-        if need_w:  # sum over rows of dy * x * r
+        if need_w and weight.dtype == torch.float64 and acc != torch.float64:
+            # an fp64 weight's gradient in fp64, as torch gives it (rare: fp32 input, fp64 weight)
+            part = _weighted_row_sum(gc.double() * xc.double(), rc.double())
+            grad_w = part if grad_w is None else grad_w.add_(part)
+        elif need_w:  # sum over rows of dy * x * r
             part = _weighted_row_sum(gx, rc)
             grad_w = part if grad_w is None else grad_w.add_(part)
         if need_x:
@@ -192,7 +223,7 @@ def _backward(
             if low:
                 grad_x[s:e].copy_(out)
     if need_w and grad_w is None:  # no rows
-        grad_w = torch.zeros(n, dtype=acc, device=x2.device)
+        grad_w = torch.zeros(n, dtype=weight.dtype, device=x2.device)
     return grad_x, None if grad_w is None else grad_w.to(weight.dtype)
 
 

@@ -6,13 +6,12 @@ Internal Covariate Shift". Scope: :meth:`normscope.Scope.batch`.
 
 from __future__ import annotations
 
+import functools
+
 from torch import Tensor, nn
 
 from .. import functional as F
-from ..engine import Call, Running
-from ..scope import Scope
-from . import _hot
-from ._hot import forget, last, shared
+from .. import hot
 
 _UNREAD = object()  # a layer's buffer not read yet (None is a value: no counter)
 
@@ -22,8 +21,9 @@ def momentum_factor(bn: nn.Module, num_batches_tracked: object = _UNREAD) -> flo
     ``momentum=None`` the cumulative average ``1 / (batches seen, this one included)``.
     ``num_batches_tracked``: the layer's buffer when the caller holds it already (the hot path).
 
-    Pure: the counter moves in :func:`count_batch`, once the step has succeeded (torch increments
-    it first, so a rejected call would still count as a batch).
+    Pure: the counter moves in :func:`count_batch` (BatchNorm's hot path: once the call is checked,
+    before it runs -- a refused call changes nothing, and a call that raises while it runs, such as
+    the recomputation that activation checkpointing stops early, has counted, as in torch).
     """
     if bn.momentum is not None:
         return bn.momentum
@@ -34,7 +34,7 @@ def momentum_factor(bn: nn.Module, num_batches_tracked: object = _UNREAD) -> flo
 
 
 def count_batch(bn: nn.Module, num_batches_tracked: object = _UNREAD) -> None:
-    """Count a successful training step in ``num_batches_tracked`` (torch's bookkeeping);
+    """Count a training step in ``num_batches_tracked`` (torch's bookkeeping);
     ``num_batches_tracked`` as in :func:`momentum_factor`."""
     if bn.training and bn.track_running_stats:
         nbt = bn.num_batches_tracked if num_batches_tracked is _UNREAD else num_batches_tracked
@@ -58,15 +58,20 @@ def _check_input(cls: type, num_features: int, channel_dim: int, input: object) 
         )
 
 
-def _batch_norm(config: tuple, x: Tensor, w: Tensor | None, b: Tensor | None, rm: Tensor | None, rv: Tensor | None):
-    """A BatchNorm layer's checked call, to plan a traced call with (see modules/_hot.py, ``shared``):
-    the update factor does not change the plan, so any valid one stands in for it."""
-    _, cls, num_features, channel_dim, use_batch_stats, eps = config
-    _check_input(cls, num_features, channel_dim, x)
-    return F.batch_norm(x, rm, rv, w, b, use_batch_stats, 0.0, eps, channel_dim=channel_dim)
+def _batch_norm(settings: tuple, x, w, b, eps, running, mask) -> Tensor:
+    """A BatchNorm layer's checked call (see :mod:`normscope.hot`): :func:`normscope.functional.batch_norm`'s
+    checks, with the running statistics the layer resolved (the layer checked its input first)."""
+    (channel_dim,) = settings
+    training = running is None or running.use_input_stats
+    momentum = 0.0 if running is None else running.momentum
+    return F._batch_norm((training, bool, momentum, float, channel_dim, int, None), x, w, b, eps, running, mask)
 
 
-class _BatchNormMixin(_hot.HotLayer):
+_BATCH_NORM = hot.Op("BatchNorm", _batch_norm)
+_NAMES = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+
+class _BatchNormMixin:
     """torch's ``_BatchNorm.forward``, routed through the engine; the rest is torch's own."""
 
     _dims: tuple[int, ...]
@@ -78,45 +83,18 @@ class _BatchNormMixin(_hot.HotLayer):
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         """Normalize ``input``; ``mask`` (optional, bool, the input's shape without the channel
         axis, True = valid) restricts the statistics and the running update to valid elements."""
-        p, bufs = self._parameters, self._buffers  # not self.weight: see modules/_hot.py
-        w, b = p.get("weight", p), p.get("bias", p)  # p: the "not there" marker
-        rm, rv, nbt = bufs.get("running_mean", p), bufs.get("running_var", p), bufs.get("num_batches_tracked", p)
-        if w is p or b is p or rm is p or rv is p or nbt is p or not self._normscope_direct:
-            w, b, rm, rv, nbt = self.weight, self.bias, self.running_mean, self.running_var, self.num_batches_tracked
+        self._check_input_dim(input)  # first, as torch: before the batch is counted
+        w, b, rm, rv, nbt = hot.tensors(self, _NAMES)
         use_batch_stats = self.training or (rm is None and rv is None)
         if self.training and not self.track_running_stats:
             rm = rv = None
-        factor = momentum_factor(self, nbt)
         running = None
         if rm is not None or rv is not None or not use_batch_stats:  # as functional.batch_norm
-            running = Running(rm, rv, float(factor), use_batch_stats)
-        k, hot = None, None
-        if mask is None:
-            hot = last(self, input, w, b, rm, rv)
-            if hot is None:
-                # the class too: its _check_input_dim accepts its own ranks only (a subclass's own
-                # _check_input_dim: the traced call takes the checked path, which asks it)
-                checked = _batch_norm if type(self)._check_input_dim is _BatchNormMixin._check_input_dim else None
-                config = (checked, type(self), self.num_features, self.channel_dim, use_batch_stats, self.eps)
-                k, hot = shared(self, config, input, w, b, rm, rv)
-        if hot is not None:  # this signature was checked, resolved and planned before
-            try:
-                y = hot[2](input, w, b, self.eps, running)
-            except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
-                forget(self)
-                k = None
-            else:
-                count_batch(self, nbt)
-                return y
-        self._check_input_dim(input)
-        y = F.batch_norm(
-            input, rm, rv, w, b, use_batch_stats, factor, self.eps, mask=mask, channel_dim=self.channel_dim
-        )
-        count_batch(self, nbt)
-        if k is not None:
-            scope = Scope.batch(self.channel_dim).resolve(input.shape)
-            _hot.remember(self, k, Call(input, scope, w, b, self.eps, None, running), w, b, rm, rv)
-        return y
+            running = hot.running((rm, rv, float(momentum_factor(self, nbt)), use_batch_stats))
+        # the batch counts once the call is checked, before it runs (see hot.call)
+        counts = self.training and self.track_running_stats and nbt is not None
+        start = functools.partial(nbt.add_, 1) if counts else None
+        return hot.call(_BATCH_NORM, (self.channel_dim,), input, w, b, self.eps, running, mask, start)
 
 
 class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):

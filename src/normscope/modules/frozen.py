@@ -15,10 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks as check
-from ..engine import Running, norm
-from ..scope import Scope
-
-_SCOPES = {1: Scope.batch(1), -1: Scope.batch(-1)}
+from .. import functional as F
 
 
 class FrozenBatchNorm2d(nn.Module):
@@ -84,8 +81,9 @@ class FrozenBatchNorm2d(nn.Module):
                 f"{name}({c}): expected input of shape {layout} with {c} channels at dim {cd}, "
                 f"got shape {tuple(input.shape)}"
             )
-        running = Running(self.running_mean, self.running_var, 0.0, False)
-        return norm(input, _SCOPES[cd], self.weight, self.bias, self.eps, running=running)
+        # functional.batch_norm in evaluation: its checks (dtypes, eps) and the hot path (normscope.hot)
+        rm, rv, w, b = self.running_mean, self.running_var, self.weight, self.bias
+        return F.batch_norm(input, rm, rv, w, b, False, 0.0, self.eps, channel_dim=cd)
 
 
 def _replace(model: nn.Module, match: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]) -> nn.Module:

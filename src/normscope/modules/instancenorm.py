@@ -11,20 +11,47 @@ import warnings
 from torch import Tensor, nn
 
 from .. import functional as F
-from ..engine import Call, Running
-from ..scope import Scope
-from . import _hot
-from ._hot import forget, last, shared
+from .. import hot
+
+_NAMES = ("weight", "bias", "running_mean", "running_var")
 
 
-def _instance_norm(config: tuple, x: Tensor, w: Tensor | None, b: Tensor | None, rm: Tensor | None, rv: Tensor | None):
-    """An InstanceNorm layer's checked call of a batched input with its number of channels (the
-    layer checks both first), to plan a traced call with (see modules/_hot.py, ``shared``)."""
-    _, _, _, use_input_stats, momentum, eps = config
-    return F.instance_norm(x, rm, rv, w, b, use_input_stats, momentum, eps)
+def _instance_norm(settings: tuple, input, w, b, eps, running, mask) -> Tensor:
+    """An InstanceNorm layer's checked call (see :mod:`normscope.hot`): torch's ``_InstanceNorm``
+    rules for the input (unbatched input, a channel count that ``affine=False`` ignores with a warning
+    on every call), then :func:`normscope.functional.instance_norm`'s checks."""
+    name, spatial, num_features, strict, use_input_stats, momentum = settings
+    if not isinstance(input, Tensor):
+        raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
+    unbatched = spatial + 1
+    if input.dim() not in (unbatched, unbatched + 1):
+        raise ValueError(
+            f"{name}: expected {unbatched}D (unbatched) or {unbatched + 1}D (batched) input, "
+            f"got {input.dim()}D input of shape {tuple(input.shape)}"
+        )
+    feature_dim = input.dim() - unbatched
+    if input.shape[feature_dim] != num_features:
+        if strict:
+            raise ValueError(
+                f"{name}({num_features}): expected input with {num_features} channels at "
+                f"dim {feature_dim}, got {input.shape[feature_dim]} (input shape {tuple(input.shape)})"
+            )
+        hot.per_call()  # torch warns on every call
+        warnings.warn(
+            f"{name}: input's size at dim={feature_dim} ({input.shape[feature_dim]}) does not match "
+            f"num_features ({num_features}); num_features is unused because affine=False",
+            stacklevel=4,
+        )
+    rm, rv = (None, None) if running is None else running[:2]
+    if feature_dim == 0:  # unbatched: a call of its own (never planned: the entry cannot unsqueeze)
+        mask = mask.unsqueeze(0) if isinstance(mask, Tensor) else mask
+        y = F.instance_norm(input.unsqueeze(0), rm, rv, w, b, use_input_stats, momentum, eps, mask=mask)
+        return y.squeeze(0)
+    settings = (use_input_stats, bool, momentum, float, None)
+    return F._instance_norm(settings, input, w, b, eps, running, mask)
 
 
-class _InstanceNormMixin(_hot.HotLayer):
+class _InstanceNormMixin:
     """torch's ``_InstanceNorm.forward`` (unbatched input included), routed through the engine."""
 
     _spatial: int
@@ -32,62 +59,18 @@ class _InstanceNormMixin(_hot.HotLayer):
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         """Normalize ``input``; ``mask`` (optional, bool, the input's shape without the channel
         axis, True = valid) restricts each instance's statistics to its valid positions."""
-        p, bufs = self._parameters, self._buffers  # not self.weight: see modules/_hot.py
-        w, b = p.get("weight", p), p.get("bias", p)  # p: the "not there" marker
-        rm, rv = bufs.get("running_mean", p), bufs.get("running_var", p)
-        if w is p or b is p or rm is p or rv is p or not self._normscope_direct:
-            w, b, rm, rv = self.weight, self.bias, self.running_mean, self.running_var
+        w, b, rm, rv = hot.tensors(self, _NAMES)
         use_input_stats = self.training or not self.track_running_stats
-        momentum = self.momentum if self.momentum is not None else 0.0
-        k, hot = None, None
-        if mask is None:  # batched input only: an unbatched one is unsqueezed below, the checked way
-            hot = last(self, input, w, b, rm, rv)
-            if (
-                hot is None
-                and isinstance(input, Tensor)
-                and input.dim() == self._spatial + 2
-                and input.shape[1] == self.num_features
-            ):
-                config = (_instance_norm, type(self), self.num_features, use_input_stats, momentum, self.eps)
-                k, hot = shared(self, config, input, w, b, rm, rv)
+        momentum = float(self.momentum) if self.momentum is not None else 0.0
         running = None
         if rm is not None or rv is not None:  # as functional.instance_norm
-            running = Running(rm, rv, float(momentum), use_input_stats)
-        if hot is not None:  # this signature was checked, resolved and planned before
-            try:
-                return hot[2](input, w, b, self.eps, running)
-            except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
-                forget(self)
-                k = None
-        name = type(self).__name__
-        if not isinstance(input, Tensor):
-            raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
-        unbatched = self._spatial + 1
-        if input.dim() not in (unbatched, unbatched + 1):
-            raise ValueError(
-                f"{name}: expected {unbatched}D (unbatched) or {unbatched + 1}D (batched) input, "
-                f"got {input.dim()}D input of shape {tuple(input.shape)}"
-            )
-        feature_dim = input.dim() - unbatched
-        if input.shape[feature_dim] != self.num_features:
-            if self.affine or self.track_running_stats:
-                raise ValueError(
-                    f"{name}({self.num_features}): expected input with {self.num_features} channels at "
-                    f"dim {feature_dim}, got {input.shape[feature_dim]} (input shape {tuple(input.shape)})"
-                )
-            warnings.warn(
-                f"{name}: input's size at dim={feature_dim} ({input.shape[feature_dim]}) does not match "
-                f"num_features ({self.num_features}); num_features is unused because affine=False",
-                stacklevel=2,
-            )
-        x = input.unsqueeze(0) if feature_dim == 0 else input
-        if feature_dim == 0 and isinstance(mask, Tensor):
-            mask = mask.unsqueeze(0)
-        y = F.instance_norm(x, rm, rv, w, b, use_input_stats, momentum, self.eps, mask=mask)
-        if k is not None and feature_dim == 1 and input.shape[1] == self.num_features:  # torch warns per call
-            scope = Scope.instance().resolve(input.shape)
-            _hot.remember(self, k, Call(input, scope, w, b, self.eps, None, running), w, b, rm, rv)
-        return y.squeeze(0) if feature_dim == 0 else y
+            running = hot.running((rm, rv, momentum, use_input_stats))
+        strict = self.affine or self.track_running_stats
+        settings = (type(self).__name__, self._spatial, self.num_features, strict, use_input_stats, momentum)
+        return hot.call(_INSTANCE_NORM, settings, input, w, b, self.eps, running, mask)
+
+
+_INSTANCE_NORM = hot.Op("InstanceNorm", _instance_norm)
 
 
 class InstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):

@@ -7,10 +7,33 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from .. import _checks as check
+from .. import hot
 from ..engine import norm
 from ..scope import Scope
 
 _CHANNELS = Scope.channels()
+_WB = ("weight", "bias")
+
+
+def _layer_norm_2d(settings: tuple, input, w, b, eps, running, mask) -> Tensor:
+    """LayerNorm2d's checked call (see :mod:`normscope.hot`)."""
+    name, c = settings
+    if not isinstance(input, Tensor):
+        raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
+    check.tensor(input, "input", name)
+    if input.dim() < 2 or input.shape[1] != c:
+        raise ValueError(
+            f"{name}({c}): expected input of shape (N, {c}, *) with {c} channels at dim 1, "
+            f"got shape {tuple(input.shape)}"
+        )
+    check.eps(eps, name)
+    check.param(w, "weight", (c,), input, name)
+    check.param(b, "bias", (c,), input, name)
+    return norm(input, _CHANNELS, w, b, eps)
+
+
+_LAYER_NORM_2D = hot.Op("LayerNorm2d", _layer_norm_2d)
 
 
 class LayerNorm2d(nn.LayerNorm):
@@ -49,12 +72,6 @@ class LayerNorm2d(nn.LayerNorm):
         return self.normalized_shape[0]
 
     def forward(self, input: Tensor) -> Tensor:
-        name, c = type(self).__name__, self.normalized_shape[0]
-        if not isinstance(input, Tensor):
-            raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
-        if input.dim() < 2 or input.shape[1] != c:
-            raise ValueError(
-                f"{name}({c}): expected input of shape (N, {c}, *) with {c} channels at dim 1, "
-                f"got shape {tuple(input.shape)}"
-            )
-        return norm(input, _CHANNELS, self.weight, self.bias, self.eps)
+        w, b = hot.tensors(self, _WB)
+        settings = (type(self).__name__, self.normalized_shape[0])
+        return hot.call(_LAYER_NORM_2D, settings, input, w, b, self.eps)

@@ -4,22 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor, nn
 
 from .. import _checks as check
 from .. import functional as F
-from ..engine import Call
-from ..scope import Scope
-from . import _hot
-from ._hot import forget, last, shared
+from .. import hot
 
-# RMSNorm's eps=None: the machine epsilon of the dtype statistics are computed in (functional.rms_norm)
-_RMS_EPS = {torch.float64: torch.finfo(torch.float64).eps}
-_FP32_EPS = torch.finfo(torch.float32).eps
+_WB = ("weight", "bias")
+_W = ("weight",)
 
 
-class LayerNorm(_hot.HotLayer, nn.LayerNorm):
+class LayerNorm(nn.LayerNorm):
     r"""Layer Normalization over the last ``len(normalized_shape)`` dims of each sample.
 
     Paper: Ba et al. 2016, "Layer Normalization". Scope: :meth:`normscope.Scope.layer`.
@@ -54,27 +49,13 @@ class LayerNorm(_hot.HotLayer, nn.LayerNorm):
         super().__init__(shape, eps, elementwise_affine, bias, device, dtype)
 
     def forward(self, input: Tensor) -> Tensor:
-        p = self._parameters  # not self.weight: see modules/_hot.py
-        w, b = p.get("weight", p), p.get("bias", p)  # p: the "not there" marker
-        if w is p or b is p or not self._normscope_direct:
-            w, b = self.weight, self.bias
-        k, hot = None, last(self, input, w, b)
-        if hot is None:
-            k, hot = shared(self, (_layer_norm, self.normalized_shape, self.eps), input, w, b)
-        if hot is not None:  # this signature was checked, resolved and planned before
-            try:
-                return hot[2](input, w, b, self.eps, None)
-            except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
-                forget(self)
-                k = None
-        y = F.layer_norm(input, self.normalized_shape, w, b, self.eps)
-        if k is not None:
-            scope = Scope.layer(len(self.normalized_shape)).resolve(input.shape)
-            _hot.remember(self, k, Call(input, scope, w, b, self.eps, None, None), w, b)
-        return y
+        w, b = hot.tensors(self, _WB)
+        shape = self.normalized_shape
+        settings = ("layer_norm", True, shape, type(shape), None)
+        return hot.call(F._LAYER_NORM, settings, input, w, b, self.eps)
 
 
-class RMSNorm(_hot.HotLayer, nn.RMSNorm):
+class RMSNorm(nn.RMSNorm):
     r"""Root Mean Square Normalization: LayerNorm without the mean and the bias.
 
     Paper: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization".
@@ -104,30 +85,13 @@ class RMSNorm(_hot.HotLayer, nn.RMSNorm):
         super().__init__(shape, eps, elementwise_affine, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        p = self._parameters  # not self.weight: see modules/_hot.py
-        w = p.get("weight", p)  # p: the "not there" marker
-        if w is p or not self._normscope_direct:
-            w = self.weight
-        eps = self.eps
-        if eps is None and isinstance(x, Tensor):
-            eps = _RMS_EPS.get(x.dtype, _FP32_EPS)
-        k, hot = None, last(self, x, w)
-        if hot is None:
-            k, hot = shared(self, (_rms_norm, self.normalized_shape, self.eps), x, w)
-        if hot is not None:  # this signature was checked, resolved and planned before
-            try:
-                return hot[2](x, w, None, eps, None)
-            except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
-                forget(self)
-                k = None
-        y = F.rms_norm(x, self.normalized_shape, w, self.eps)
-        if k is not None:
-            scope = Scope.rms(len(self.normalized_shape)).resolve(x.shape)
-            _hot.remember(self, k, Call(x, scope, w, None, eps, None, None), w)
-        return y
+        (w,) = hot.tensors(self, _W)
+        shape = self.normalized_shape
+        settings = ("rms_norm", False, shape, type(shape), None)
+        return hot.call(F._RMS_NORM, settings, x, w, None, self.eps)
 
 
-class GroupNorm(_hot.HotLayer, nn.GroupNorm):
+class GroupNorm(nn.GroupNorm):
     r"""Group Normalization: channels split into ``num_groups`` groups; statistics per sample and
     group over the group's channels and every position.
 
@@ -170,48 +134,10 @@ class GroupNorm(_hot.HotLayer, nn.GroupNorm):
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         """Normalize ``input``; ``mask`` (optional, bool, ``(N, *)``, True = valid) restricts each
         group's statistics to valid positions."""
-        p = self._parameters  # not self.weight: see modules/_hot.py
-        w, b = p.get("weight", p), p.get("bias", p)  # p: the "not there" marker
-        if w is p or b is p or not self._normscope_direct:
-            w, b = self.weight, self.bias
-        k, hot = None, None
-        if mask is None:
-            hot = last(self, input, w, b)
-            if hot is None:
-                k, hot = shared(self, (_group_norm, self.num_groups, self.num_channels, self.eps), input, w, b)
-        if hot is not None:  # this signature was checked, resolved and planned before
-            try:
-                return hot[2](input, w, b, self.eps, None)  # op="group_norm": planned
-            except Exception:  # e.g. a parameter's data swapped for one that does not fit: say why
-                forget(self)
-                k = None
-        y = _group_norm((_group_norm, self.num_groups, self.num_channels, self.eps), input, w, b, mask)
-        if k is not None:
-            scope = Scope.group(self.num_groups).resolve(input.shape)
-            _hot.remember(self, k, Call(input, scope, w, b, self.eps, None, None, op="group_norm"), w, b)
-        return y
-
-
-# The layers' checked calls, ``checked(config, x, *tensors)`` with ``config = (checked, *settings)``:
-# what a traced call is planned with (see modules/_hot.py, ``shared``)
-
-
-def _layer_norm(config: tuple, x: Tensor, w: Tensor | None, b: Tensor | None) -> Tensor:
-    return F.layer_norm(x, config[1], w, b, config[2])
-
-
-def _rms_norm(config: tuple, x: Tensor, w: Tensor | None) -> Tensor:
-    return F.rms_norm(x, config[1], w, config[2])
-
-
-def _group_norm(config: tuple, x: Tensor, w: Tensor | None, b: Tensor | None, mask: Tensor | None = None) -> Tensor:
-    _, num_groups, num_channels, eps = config
-    if isinstance(x, Tensor) and x.dim() >= 2 and x.shape[1] != num_channels:
-        raise ValueError(
-            f"GroupNorm({num_groups}, {num_channels}): expected input with {num_channels} channels at "
-            f"dim 1, got {x.shape[1]} (input shape {tuple(x.shape)})"
-        )
-    return F.group_norm(x, num_groups, w, b, eps, mask=mask)
+        w, b = hot.tensors(self, _WB)
+        groups = self.num_groups
+        settings = (groups, type(groups), self.num_channels, None)
+        return hot.call(F._GROUP_NORM, settings, input, w, b, self.eps, None, mask)
 
 
 class LocalResponseNorm(nn.LocalResponseNorm):

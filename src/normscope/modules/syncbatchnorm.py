@@ -111,7 +111,7 @@ def _gather_combine(local: Tensor, world: int, group, name: str, x: Tensor, mask
     gathered = torch.empty((world, 4, c), dtype=local.dtype, device=local.device)
     try:
         dist.all_gather(list(gathered.unbind(0)), local, group=group)
-    except Exception as err:  # noqa: BLE001 - any backend error means a peer is gone
+    except RuntimeError as err:  # a backend error (DistBackendError is one) means a peer is gone
         raise _collective_failed(f"all_gather of batch statistics in {name}.forward", group, err) from err
     n_r, mean_r, m2_r, masked_r = gathered.unbind(1)  # (world, C) each
     n = n_r.sum(0)
@@ -147,7 +147,7 @@ def _check_peers(c: int, group, world: int, name: str, device: torch.device) -> 
     gathered = torch.empty((world, 1), dtype=torch.int64, device=device)
     try:
         dist.all_gather(list(gathered.unbind(0)), header, group=group)
-    except Exception as err:  # noqa: BLE001
+    except RuntimeError as err:  # as above
         raise _collective_failed(f"all_gather of channel counts in {name}.forward", group, err) from err
     counts = gathered[:, 0].tolist()
     if len(set(counts)) > 1:
@@ -160,7 +160,7 @@ def _check_peers(c: int, group, world: int, name: str, device: torch.device) -> 
 def _all_reduce(sums: Tensor, group, name: str) -> None:
     try:
         dist.all_reduce(sums, group=group)
-    except Exception as err:  # noqa: BLE001
+    except RuntimeError as err:  # as above
         raise _collective_failed(f"all_reduce of gradient sums in {name}.backward", group, err) from err
 
 

@@ -1,0 +1,309 @@
+"""The one hot path: every layer and :mod:`normscope.functional` call plans once per call signature.
+
+A call's Python work -- checking its arguments, resolving its scope on the input's shape, choosing
+a backend -- is the same on every call with the same signature, and at small shapes it cost several
+times the ATen op itself (``benchmarks/cpu_overhead.py``). So each operation is an :class:`Op`: its
+*checked call* (the argument checks in its own terms, then one engine dispatch) and the plans of the
+calls it has checked. :func:`call` runs a call's plan when one was made for its signature, else the
+checked call, and remembers what that call dispatched.
+
+**A plan is reused only after comparing everything it reads.** The key of a call holds:
+
+* every tensor it reads -- input, weight, bias, running mean and variance -- as its class, shape,
+  dtype, device and layout (None for an absent one). Compared on every call: a parameter whose data
+  was swapped (``p.data = ...``, ``resize_``, ``load_state_dict`` into a new shape) keeps its identity
+  but not its signature, and takes the checked path, which refuses it in the op's terms -- never an
+  unchecked native op reading or writing out of bounds (``torch.native_batch_norm`` checks nothing);
+* every other argument the checks read, by value and type (``eps``, ``normalized_shape``,
+  ``num_groups``, ``training``, ``momentum``'s type, ``backend``, ...: ``True == 1`` in Python, so
+  the types too), and the requested backend (:func:`normscope.engine.request_key`).
+
+The plan itself is the backend's runner in its ``entry(x, weight, bias, eps, running)`` form
+(:func:`normscope.engine.layer_entry`), remembered only when the checked call dispatched exactly one
+call and passed it the caller's very tensors -- a checked call that reshaped, cast or replaced an
+argument, or masked the call, is not one the entry can stand for, and is never remembered. A checked
+call may also decline to be remembered (:func:`per_call`: it warns on every call, as torch does).
+
+No exception is caught on this path: the runner's errors reach the caller as they are, and so do
+the exceptions torch uses for control flow (activation checkpointing stops a recomputation early by
+raising one from a saved-tensor hook). A call's side effects -- the running statistics its runner
+updates -- happen once.
+
+While dynamo traces (``torch.compile``), :func:`call` plans the call once, eagerly, on stand-ins of
+its tensors (stride-0 views of one element: the checks, the resolution and the choice read nothing
+else), and dynamo traces only the chosen runner: tracing the checks put a guard on every function
+and constant they read, evaluated on every call of the compiled graph (measured: a compiled small
+model ~5 % slower than torch.nn's). Symbolic sizes (dynamic shapes) have no constant signature: then
+the checked call itself is traced.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import types
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import engine
+from .engine import Running
+
+__all__ = ["Op", "Plan", "call", "per_call", "tensors", "running"]
+
+_MAX_PLANS = 4096  # per op; past it the table starts afresh (a bound, not a policy: real code has few)
+
+
+class Plan(NamedTuple):
+    """What a call's signature was planned to: the backend that runs it, the runner's entry, and
+    the ``eps`` the checked call passed on (RMSNorm's ``eps=None`` resolved for the dtype)."""
+
+    backend: str
+    entry: engine.LayerEntry
+    eps: float
+
+
+class Op:
+    """An operation of the hot path: ``checked(settings, x, weight, bias, eps, running, mask)`` --
+    its argument checks, then one :func:`normscope.engine.norm` -- and its plans by signature.
+
+    ``settings``: a tuple of everything besides the tensors and ``eps`` that the checked call reads
+    (hashable; a value of another type than usual makes a key of its own, see the module docstring).
+    """
+
+    __slots__ = ("name", "checked", "plans")
+
+    def __init__(self, name: str, checked: Callable[..., Tensor]) -> None:
+        if name in _OPS:
+            raise ValueError(f"Op: the name {name!r} is taken (by {_OPS[name]!r})")
+        self.name, self.checked = name, checked
+        self.plans: dict[tuple, Plan] = {}
+        _OPS[name] = self
+
+    def __repr__(self) -> str:
+        return f"Op({self.name!r}, {len(self.plans)} plans)"
+
+
+_OPS: dict[str, Op] = {}  # by name: what a traced call names its op by (a constant to dynamo)
+_sig = operator.attrgetter("__class__", "shape", "dtype", "device", "layout")
+_is_compiling = torch.compiler.is_compiling
+_LAST = engine._last  # what engine.last_backend() answers
+_FORCED = engine._forced
+
+
+def call(
+    op: Op,
+    settings: tuple,
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    running: Running | None = None,
+    mask: Tensor | None = None,
+    start: Callable[[], None] | None = None,
+) -> Tensor:
+    """Run ``op`` on this call: its plan when one was made for the call's signature, else its checked
+    call (remembering what that dispatched). See the module docstring for what the key compares.
+
+    ``start``: the caller's side effect of a call that runs (BatchNorm's batch count), called once,
+    after the checks pass and before the work starts -- so a refused call changes nothing, and a
+    call that raises while it runs (activation checkpointing's early stop) has counted, as in torch."""
+    if _is_compiling():
+        return _traced_call(op, settings, x, weight, bias, eps, running, mask, start)
+    if mask is not None:  # a mask's values decide the statistics: the checked call, every time
+        return _checked(op, settings, x, weight, bias, eps, running, mask, start)[0]
+    try:
+        key = (
+            settings,
+            eps,
+            type(eps),
+            engine.request_key(),
+            _sig(x),
+            None if weight is None else _sig(weight),
+            None if bias is None else _sig(bias),
+            None if running is None else _running_key(running),
+        )
+        found = op.plans.get(key)
+    except (AttributeError, TypeError):
+        # an argument that is no tensor (no signature) or a setting that cannot be hashed (a list,
+        # symbolic sizes): the checked call, which says what is wrong or runs it unplanned
+        return _checked(op, settings, x, weight, bias, eps, running, None, start)[0]
+    if found is not None:
+        _LAST[0] = found.backend  # engine.last_backend(): a store, no call
+        if start is not None:
+            start()
+        return found.entry(x, weight, bias, found.eps, running)
+    y, dispatched = _checked(op, settings, x, weight, bias, eps, running, None, start)
+    if dispatched and not engine.tracing() and _consumed(dispatched[0], x, weight, bias, running):
+        if len(op.plans) >= _MAX_PLANS:
+            op.plans.clear()
+        c, planned = dispatched
+        op.plans[key] = Plan(planned[0], engine.layer_entry(c, planned), c.eps)
+    return y
+
+
+def _checked(op, settings, x, weight, bias, eps, running, mask, start) -> tuple[Tensor, tuple | None]:
+    """The op's checked call, and the ``(call, plan)`` it dispatched (None: none, or more than one);
+    ``start`` runs as the dispatched call starts (or after a checked call that dispatched nothing)."""
+    slot = engine.record(start)
+    try:
+        y = op.checked(settings, x, weight, bias, eps, running, mask)
+    finally:
+        dispatched = engine.recorded(slot)
+    if slot[1] is not None:  # checked, ran, but dispatched nothing: started all the same
+        slot[1]()
+    return y, dispatched
+
+
+def _running_key(r: Running) -> tuple:
+    mean, var = r[0], r[1]
+    return (r[3], type(r[2]), None if mean is None else _sig(mean), None if var is None else _sig(var))
+
+
+def _consumed(
+    c: engine.Call, x: Tensor, weight: Tensor | None, bias: Tensor | None, r: Running | None, traced: bool = False
+) -> bool:
+    """Whether the dispatched call ``c`` is the caller's call as given: its very tensors, no mask, no
+    residual, the same running statistics -- the calls a plan's entry can stand for. (``traced``:
+    planned on stand-ins, whose momentum stands for any.)"""
+    if c.x is not x or c.weight is not weight or c.bias is not bias or c.mask is not None or c.residual is not None:
+        return False
+    cr = c.running
+    if cr is None or r is None:
+        return cr is r
+    same = cr.mean is r.mean and cr.var is r.var and cr.use_input_stats == r.use_input_stats
+    return same and (traced or cr.momentum == r.momentum)
+
+
+def per_call() -> None:
+    """Called by a checked call that must run on every call (it warns, as torch does on each call):
+    the call is not remembered."""
+    engine.decline_record()
+
+
+#: ``running((mean, var, momentum, use_input_stats))``: a :class:`~normscope.engine.Running` without
+#: the NamedTuple's Python-level ``__new__`` (a frame per call on the hot path)
+running = functools.partial(tuple.__new__, Running)
+
+
+# ----------------------------------------------------------------------------------------------
+# a layer's tensors
+
+
+_MISSING = object()
+_DIRECT: dict[tuple, bool] = {}
+
+
+def tensors(layer: torch.nn.Module, names: tuple[str, ...]) -> list:
+    """The layer's tensors ``names`` (None for one registered as None), as ``getattr`` reads them,
+    but from its ``_parameters``/``_buffers`` dicts where that is the same: ``nn.Module.__getattr__``
+    is a Python call per name (~0.4 us, a measurable share of a small layer's call). Not where a class
+    of the layer defines one of the names itself (a property of a subclass shadows the dicts), nor for
+    a name the dicts do not hold (moved out by ``parametrize``, pruning, ``weight_norm``, FSDP)."""
+    if _is_compiling():
+        return [getattr(layer, n) for n in names]
+    cls = type(layer)
+    direct = _DIRECT.get((cls, names))
+    if direct is None:
+        direct = _DIRECT[(cls, names)] = not any(n in vars(c) for c in cls.__mro__ for n in names)
+    if not direct:
+        return [getattr(layer, n) for n in names]
+    d = layer.__dict__
+    params, buffers = d["_parameters"], d["_buffers"]
+    out = []
+    for n in names:
+        t = params.get(n, _MISSING)
+        if t is _MISSING:
+            t = buffers.get(n, _MISSING)
+            if t is _MISSING:
+                t = getattr(layer, n)
+        out.append(t)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# a call while dynamo traces it
+
+
+def _traced_call(op, settings, x, weight, bias, eps, running, mask, start) -> Tensor:
+    found = None if mask is not None else _traced(op, settings, x, weight, bias, eps, running)
+    if start is not None:  # traced: a refused call raises when traced, before the graph ever runs
+        start()
+    if found is None:
+        return op.checked(settings, x, weight, bias, eps, running, mask)
+    return found.entry(x, weight, bias, found.eps, running)
+
+
+def _traced(op, settings, x, weight, bias, eps, running) -> Plan | None:
+    """The call's plan, made eagerly on stand-ins (:func:`_trace_token`, a constant to dynamo), or
+    None -- the checked call is traced -- for symbolic sizes or an argument without a constant
+    signature."""
+    metas = []
+    tensors_read = (x, weight, bias) if running is None else (x, weight, bias, running[0], running[1])
+    for t in tensors_read:
+        if t is None:
+            metas.append(None)
+        elif _is_tensor(t) and not _symbolic(t.shape):
+            metas.append((tuple(t.shape), t.dtype, t.device))
+        else:
+            return None
+    flags = None if running is None else (len(metas), running[3])
+    # the settings as Python constants for dynamo: a type (the keys' ``type(eps)``-like slots, which
+    # the checked calls never read) by its name
+    constants = tuple(v.__name__ if isinstance(v, type) else v for v in settings)
+    request = _FORCED[-1] if _FORCED else _environ_constant()  # engine.request_key(), a constant to dynamo
+    return getattr(_TRACE_PLANS, _trace_token((op.name, constants, eps, flags), tuple(metas), request))
+
+
+# What _traced reads, as names of this module: a module object (engine, torch) or class (Tensor)
+# that dynamo reaches from two of our modules costs a guard evaluated in Python on every call of
+# the compiled graph
+_is_tensor = torch.is_tensor
+_symbolic = engine.symbolic
+_environ_constant = engine._environ_get
+
+#: the plans of the calls planned for a trace, as attributes named by token -- not a dict: dynamo
+#: reads a dict's items once per trace, and a trace plans each of its calls after the first has
+#: read them; an object's attribute is read when asked for
+_TRACE_PLANS = types.SimpleNamespace()
+_TRACE_TOKENS: dict[tuple, str] = {}
+_tokens = iter(range(1 << 62))
+
+
+@engine.constant_when_compiled
+def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
+    """Run the op's checked call on stand-ins of the call's tensors with the engine capturing the
+    plan of its dispatch instead of running it; the token names the :class:`Plan` (or None) among
+    ``_TRACE_PLANS``' attributes. A call its checks refuse has no plan: the checked call is then
+    traced and raises as an eager call does (raised here, dynamo would wrap it in its own exception
+    type). Memoized; dynamo calls it once per trace and bakes the token in."""
+    key = (config, metas, request)
+    token = _TRACE_TOKENS.get(key)
+    if token is None:
+        name, settings, eps, flags = config
+        op = _OPS[name]
+        stand = [None if m is None else engine.stand_in(*m) for m in metas]
+        x, weight, bias = stand[:3]
+        run = None if flags is None else running((stand[3], stand[4], 0.0, flags[1]))
+        found = None
+        with engine.capture() as captured:
+            try:
+                op.checked(settings, x, weight, bias, eps, run, None)
+            except (ValueError, TypeError):  # the checks' errors: raised again by the traced checked call
+                captured.clear()
+        if len(captured) == 1 and _consumed(captured[0][0], x, weight, bias, run, traced=True):
+            c, planned = captured[0]
+            found = Plan(planned[0], engine.layer_entry(c, planned), c.eps)
+        if len(_TRACE_TOKENS) >= _MAX_PLANS:
+            _TRACE_TOKENS.clear()
+            _TRACE_PLANS.__dict__.clear()
+        token = _TRACE_TOKENS[key] = f"plan{next(_tokens)}"  # never reused: a graph guards on its plan
+        setattr(_TRACE_PLANS, token, found)
+    found = getattr(_TRACE_PLANS, token)
+    if found is not None:
+        # last_backend() names the backend the graph was traced with, from when it was traced: a
+        # store traced into the graph would run on every call (measured ~4 % of a small compiled layer)
+        _LAST[0] = found.backend
+    return token

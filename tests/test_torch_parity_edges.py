@@ -1,0 +1,146 @@
+"""Edges where normscope was found to differ from torch.nn on the same state, each checked against
+torch (or float64) directly: values per group, empty batches, eps, cancellation, axes, and the hot
+path's keys (``True == 1`` in Python)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import normscope
+import normscope.functional as F
+
+
+def test_group_norm_one_value_per_group_raises_as_torch():
+    x = torch.rand(1, 10, 1)
+    with pytest.raises(ValueError):  # torch: nn.GroupNorm(10, 10)(x) raises too
+        nn.GroupNorm(10, 10)(x)
+    with pytest.raises(ValueError, match="more than 1 value per group"):
+        normscope.GroupNorm(10, 10)(x)
+    with pytest.raises(ValueError, match="more than 1 value per group"):
+        F.group_norm(x, 10)
+    for shape, groups in (((2, 10, 1), 10), ((1, 10, 1), 5), ((1, 10, 2), 10)):  # torch computes these
+        x = torch.rand(shape)
+        torch.testing.assert_close(normscope.GroupNorm(groups, 10)(x), nn.GroupNorm(groups, 10)(x))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_batch_norm_empty_batch_of_another_dtype_returns_empty_as_torch(train):
+    x = torch.randn(0, 3, 2, 2, dtype=torch.float64)
+    want = nn.BatchNorm2d(3).train(train)(x)
+    got = normscope.BatchNorm2d(3).train(train)(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+
+
+LAYER_EPS = [
+    (lambda m, eps: m.LayerNorm(6, eps=eps), (3, 6)),
+    (lambda m, eps: m.RMSNorm(6, eps=eps), (3, 6)),
+    (lambda m, eps: m.GroupNorm(2, 4, eps=eps), (3, 4, 5)),
+    (lambda m, eps: m.InstanceNorm1d(4, eps=eps, affine=True), (3, 4, 5)),
+    (lambda m, eps: m.InstanceNorm1d(4, eps=eps, track_running_stats=True).eval(), (3, 4, 5)),
+]
+
+
+@pytest.mark.parametrize("make,shape", LAYER_EPS)
+def test_negative_eps_is_taken_as_torch_takes_it(make, shape):
+    # one rule: an eps as torch takes it (BatchNorm: > 0 in training, >= 0 otherwise; every other op
+    # any number), NaN refused
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
+    for eps in (-1e-3, 0.0, 1e-3):
+        ours, theirs = make(normscope, eps), make(nn, eps)
+        ours.load_state_dict(theirs.state_dict())
+        torch.testing.assert_close(ours(x), theirs(x), equal_nan=True)
+    with pytest.raises(ValueError, match="eps"):
+        make(normscope, math.nan)(x)
+
+
+def test_batch_norm_eps_rule_is_torchs():
+    x = torch.randn(4, 3)
+    for train, eps in ((True, 0.0), (True, -1e-3), (False, -1e-3)):
+        with pytest.raises(ValueError):
+            nn.BatchNorm1d(3, eps=eps).train(train)(x)
+        with pytest.raises(ValueError, match="eps"):
+            normscope.BatchNorm1d(3, eps=eps).train(train)(x)
+    torch.testing.assert_close(normscope.BatchNorm1d(3, eps=0.0).eval()(x), nn.BatchNorm1d(3, eps=0.0).eval()(x))
+
+
+CANCELLING = [
+    ("LayerNorm", lambda m: m.LayerNorm(64), (16, 64)),
+    ("GroupNorm", lambda m: m.GroupNorm(4, 16), (4, 16, 8)),
+    ("BatchNorm1d", lambda m: m.BatchNorm1d(16), (32, 16)),
+    ("InstanceNorm1d", lambda m: m.InstanceNorm1d(16), (4, 16, 32)),
+]
+
+
+@pytest.mark.parametrize("name,make,shape", CANCELLING, ids=[c[0] for c in CANCELLING])
+def test_cancelling_input_is_normalized_from_float64_statistics(name, make, shape):
+    # mean 1e4, std 1e-2 in fp32: fp32 statistics lose the spread (torch is ~1e-1 off); the rare
+    # recomputation runs in float64 and is off by rounding only
+    g = torch.Generator().manual_seed(1)
+    x = (1e4 + 1e-2 * torch.randn(shape, generator=g)).float()
+    layer = make(normscope)
+    y = layer(x)
+    exact = make(nn).double()(x.double())
+    err = float((y.detach().double() - exact).abs().max())
+    assert err < 1e-3, f"{name}: {err:.3e} from float64 of the same fp32 input"
+    assert normscope.last_backend() == "reference"
+    # the gradient flows through the recomputation
+    xr = x.clone().requires_grad_()
+    layer(xr).sum().backward()
+    assert xr.grad is not None and torch.isfinite(xr.grad).all()
+
+
+def test_normalize_axes_are_checked_as_torch_checks_dims():
+    x = torch.randn(2, 3, 4, 5)
+    with pytest.raises(RuntimeError, match="appears multiple times"):
+        x.mean((3, -1))  # torch's rule
+    with pytest.raises(ValueError, match="dim 3 more than once"):
+        normscope.normalize(x, (3, -1))
+    with pytest.raises(TypeError, match="`dims`"):
+        normscope.normalize(x, True)
+    with pytest.raises(TypeError, match="`keep`"):
+        normscope.normalize(x, keep=(0, False))
+    with pytest.raises(ValueError, match="axis 4"):
+        normscope.normalize(x, 4)
+
+
+def test_hot_path_keys_tell_true_from_one():
+    # True == 1 and hash(True) == hash(1): a plan made for 1 must not serve True, which the checks refuse
+    x = torch.randn(2, 4, 3)
+    F.group_norm(x, 1), F.group_norm(x, 1)
+    with pytest.raises(ValueError, match="num_groups"):
+        F.group_norm(x, True)
+    y = torch.randn(3, 8)
+    F.layer_norm(y, (8,), eps=1), F.layer_norm(y, (8,), eps=1)
+    with pytest.raises(TypeError, match="eps"):
+        F.layer_norm(y, (8,), eps=True)
+    rm, rv = torch.zeros(4), torch.ones(4)
+    F.batch_norm(x, rm, rv, training=True, momentum=1), F.batch_norm(x, rm, rv, training=True, momentum=1)
+    with pytest.raises(TypeError, match="momentum"):
+        F.batch_norm(x, rm, rv, training=True, momentum=True)
+
+
+def test_functional_list_shape_and_changed_tensors_replan():
+    x = torch.randn(3, 8)
+    w, b = torch.randn(8), torch.randn(8)
+    for _ in range(2):
+        torch.testing.assert_close(F.layer_norm(x, [8], w, b), nn.functional.layer_norm(x, [8], w, b))
+    with pytest.raises(ValueError, match="weight"):
+        F.layer_norm(x, [8], torch.randn(4), b)
+    with pytest.raises(TypeError, match="weight"):
+        F.layer_norm(x, [8], w.double(), b)
+
+
+def test_instance_norm_channel_mismatch_warns_on_every_call_as_torch():
+    x = torch.randn(2, 5, 7)
+    for m in (nn, normscope):
+        layer = m.InstanceNorm1d(4)  # affine=False: num_features unused, torch warns per call
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                layer(x)
+        assert sum("num_features" in str(w.message) for w in caught) == 3, m.__name__
