@@ -239,7 +239,15 @@ def _nothing_fetched(app, exception):
             logger.warning(f"{path.relative_to(app.outdir)} loads a remote resource: {match.group(0)}")
 
 
+def _site_links(app, relative_path, parent_docname, content):
+    """The README links to ``benchmarks/README.md`` (right on GitHub); on the site that page is
+    ``docs/benchmarks.md``, which includes it."""
+    if relative_path.name == "README.md" and relative_path.parent.name != "benchmarks":
+        content[0] = content[0].replace("](benchmarks/README.md)", "](docs/benchmarks.md)")
+
+
 def setup(app):
+    app.connect("include-read", _site_links)
     app.connect("build-finished", _nothing_fetched)
     app.add_html_math_renderer("source", (_visit_math, None), (_visit_math_block, None))
     app.connect("autodoc-process-docstring", _escape_stars)
