@@ -103,9 +103,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     tour = sub.add_parser(
         "tour",
-        help="the seed tutorials' worked examples, recomputed and checked against torch",
-        description="Recompute the seed tutorials' worked examples by hand, with normscope and with torch.nn, "
-        "and check that they agree. Exits 1 if any check fails.",
+        help="the classic worked examples of normalization, recomputed and checked against torch",
+        description="Recompute the worked examples that tutorials on normalization use, by hand, with normscope "
+        "and with torch.nn, and check that they agree. Exits 1 if any check fails.",
     )
     tour.add_argument("--json", action="store_true", help="print machine-readable results")
     tour.add_argument("--plain", action="store_true", help="plain text even when rich is installed")

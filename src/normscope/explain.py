@@ -78,7 +78,7 @@ def axis_names(rank: int) -> list[str]:
 
 
 def example_values(shape: Sequence[int]) -> Tensor:
-    """The default input: seeded normal values rounded to one decimal, like the seed articles'
+    """The default input: seeded normal values rounded to one decimal, like tutorials'
     hand-made examples (deterministic, easy to read, different in every position)."""
     g = torch.Generator().manual_seed(0)
     return (torch.randn(tuple(shape), generator=g) * 10).round() / 10
