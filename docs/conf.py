@@ -165,6 +165,10 @@ def _unlinked_but_real(app, env, node, contnode):
     candidates = [target, f"normscope.{target}"]
     if module:
         candidates += [f"{module}.{target}"] + ([f"{module}.{cls}.{target}"] if cls else [])
+        try:  # loads the submodules the module itself imports
+            importlib.import_module(module)
+        except ImportError:
+            pass
         candidates += [f"{sub}.{target}" for sub in list(sys.modules) if sub.startswith(module + ".")]
     if any(_resolve(c) for c in candidates):
         return contnode
