@@ -28,7 +28,7 @@ KNOWN_FAILING = {
     "normscope.modules.frozen.FrozenBatchNorm2d": "load_state_dict(...) returns '<All keys matched successfully>'",
     "normscope.modules.frozen.freeze_batchnorm": "uses torchvision, which is not a dependency",
     "normscope.modules.syncbatchnorm.SyncBatchNorm": "uses a `model` the example never defines",
-    "normscope.registry.get_norm": "the repr torch 2.13 prints ends with 'bias=True', the example's does not",
+    "normscope.registry.get_norm": "torch 2.13's GroupNorm repr ends with ', bias=True'; the example's does not",
     "normscope.viz": "draw_all(...) returns the list of files written, which the example does not show",
 }
 
