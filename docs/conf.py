@@ -250,7 +250,26 @@ def _site_links(app, relative_path, parent_docname, content):
         content[0] = content[0].replace("](benchmarks/README.md)", "](docs/benchmarks.md)")
 
 
+def _no_inline_type(app, what, name, obj, options, lines):
+    """Napoleon reads the first line of a constant's ``#:`` comment as "type: description" when it
+    has a colon, so "The automatic order: the first backend ..." became the type "The automatic
+    order". A type with spaces in it is words: put the sentence back together."""
+    if what not in ("data", "attribute"):
+        return
+    for i, line in enumerate(lines):
+        if line.startswith(":type: ") and " " in line[len(":type: ") :].strip():
+            words = line[len(":type: ") :].strip()
+            del lines[i]
+            first = next((j for j, text in enumerate(lines) if text.strip()), None)
+            if first is None:
+                lines.append(words)
+            else:
+                lines[first] = f"{words}: {lines[first]}"
+            return
+
+
 def setup(app):
+    app.connect("autodoc-process-docstring", _no_inline_type, priority=900)  # after napoleon
     app.connect("include-read", _site_links)
     app.connect("build-finished", _nothing_fetched)
     app.add_html_math_renderer("source", (_visit_math, None), (_visit_math_block, None))

@@ -123,3 +123,13 @@ def test_a_reference_to_nothing_fails_the_build(tmp_path, conf):
     _, warnings = _build(tmp_path, "Title\n=====\n\n.. normscope-api:: fake_public\n", source)
     assert "normscope.functional.no_such_thing" in warnings
     assert "normscope.functional.layer_norm" not in warnings  # real: shown as text, no warning
+
+
+def test_a_constants_sentence_with_a_colon_is_not_read_as_its_type(conf):
+    # napoleon's output for "#: The automatic order: the first backend that takes a call runs it."
+    lines = ["the first backend that takes a call runs it.", "", ":type: The automatic order"]
+    conf._no_inline_type(None, "data", "AUTOMATIC_ORDER", None, {}, lines)
+    assert lines == ["The automatic order: the first backend that takes a call runs it.", ""]
+    typed = ["Whether Triton is importable.", "", ":type: bool"]  # a real type stays
+    conf._no_inline_type(None, "data", "TRITON", None, {}, typed)
+    assert typed == ["Whether Triton is importable.", "", ":type: bool"]
