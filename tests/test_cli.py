@@ -130,8 +130,19 @@ def test_tour_pictures_hook(capsys, monkeypatch, tmp_path):
     assert rc == 0 and calls == [str(tmp_path)]
 
     monkeypatch.setitem(sys.modules, "normscope.viz", None)  # makes the import fail
-    rc, _, err = run(capsys, "tour", "--plain", "--pictures", str(tmp_path))
+    rc, out, err = run(capsys, "tour", "--plain", "--pictures", str(tmp_path))
     assert rc == 1 and "normscope.viz" in err
+    assert "checks" not in out  # refused before the tour ran, not after it
+
+
+def test_tour_pictures_without_matplotlib_fails_before_the_checks(capsys, monkeypatch, tmp_path):
+    """normscope.viz imports (it needs matplotlib only to draw): the missing package must still be
+    found up front, with the extra that installs it, and no check printed first."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    rc, out, err = run(capsys, "tour", "--plain", "--pictures", str(tmp_path))
+    assert rc == 1
+    assert out == ""
+    assert "'matplotlib'" in err and "normscope[viz]" in err and "Traceback" not in err
 
 
 # ---------------------------------------------------------------------------------------------- explain
@@ -191,8 +202,12 @@ def test_explain_json_matches_torch(capsys, layer, name, shape, groups):
     mean, var = direct_stats(layer, x, groups)
     assert result["scope"]["num_scopes"] == mean.numel()
     assert result["scope"]["elements_per_scope"] == x.numel() // mean.numel()
-    assert [s["mean"] for s in result["stats"]] == pytest.approx(mean.tolist(), abs=1e-6)
-    assert [s["var"] for s in result["stats"]] == pytest.approx(var.tolist(), abs=1e-6)
+    if layer == "rms":  # no mean is used, so none is reported; the second moment is the mean square
+        assert all("mean" not in s and "var" not in s for s in result["stats"])
+        assert [s["mean_square"] for s in result["stats"]] == pytest.approx(var.tolist(), abs=1e-6)
+    else:
+        assert [s["mean"] for s in result["stats"]] == pytest.approx(mean.tolist(), abs=1e-6)
+        assert [s["var"] for s in result["stats"]] == pytest.approx(var.tolist(), abs=1e-6)
     want = torch_output(layer, x.float(), groups)
     assert torch.allclose(torch.tensor(result["output"]), want, atol=1e-5)
     assert result["torch"]["max_abs_diff"] <= 1e-6
@@ -205,6 +220,19 @@ def test_explain_prints_statistics_of_given_values(capsys):
     assert row is not None, out
     assert [float(t) for t in row.groups()] == pytest.approx([8, 20, 1 / math.sqrt(20 + 1e-5)], rel=1e-5)
     assert "mean and variance over D" in out
+
+
+def test_explain_rms_labels_its_statistics_honestly(capsys):
+    """RMSNorm subtracts no mean: the table shows the mean square and 1/rms, not "mean 0" and a
+    "variance" that is really the mean square."""
+    rc, out, _ = run(capsys, "explain", "rms", "--shape", "1,4", "--values", "1,2,3,4", "--plain")
+    assert rc == 0
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("scope "))
+    assert "mean square" in header and "1/rms" in header
+    assert "variance" not in header and " mean " not in f" {header.replace('mean square', '')} "
+    row = re.search(r"^\s*0\s+n=0\s+4\s+(\S+)\s+(\S+)\s*$", out, re.M)
+    assert row is not None, out
+    assert [float(t) for t in row.groups()] == pytest.approx([7.5, 1 / math.sqrt(7.5 + 1e-5)], rel=1e-5)
 
 
 def test_explain_words_name_the_scope(capsys):

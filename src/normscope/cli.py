@@ -103,9 +103,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     tour = sub.add_parser(
         "tour",
-        help="the seed tutorials' worked examples, recomputed and checked against torch",
-        description="Recompute the seed tutorials' worked examples by hand, with normscope and with torch.nn, "
-        "and check that they agree. Exits 1 if any check fails.",
+        help="the classic worked examples of normalization, recomputed and checked against torch",
+        description="Recompute the worked examples that tutorials on normalization use, by hand, with normscope "
+        "and with torch.nn, and check that they agree. Exits 1 if any check fails.",
     )
     tour.add_argument("--json", action="store_true", help="print machine-readable results")
     tour.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
@@ -191,6 +191,11 @@ def _tour(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.pictures:
         _writable_dir(args.pictures, "--pictures", parser)
+        # find out now whether drawing can work, not after every check has been printed
+        viz, message = _drawing_module()
+        if viz is None:
+            print(f"normscope tour --pictures: {message}; nothing was run.", file=sys.stderr)
+            return 1
     sections = tour.run()
     result = tour.as_json(sections)
     if args.json:
@@ -198,15 +203,6 @@ def _tour(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         tour.render(sections, Out(plain=args.plain))
     if args.pictures:
-        try:
-            viz = importlib.import_module("normscope.viz")
-        except ModuleNotFoundError as e:
-            print(
-                f"normscope tour --pictures: drawing needs normscope.viz and its dependencies, which are not "
-                f"available here (missing: {e.name}); the tour above ran without pictures.",
-                file=sys.stderr,
-            )
-            return 1
         try:
             viz.draw_all(args.pictures)
         except ImportError as e:
@@ -221,6 +217,22 @@ def _tour(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not args.json:
             print(f"pictures written to {args.pictures}")
     return 0 if result["passed"] else 1
+
+
+def _drawing_module():
+    """``(normscope.viz, None)`` when pictures can be drawn here, else ``(None, why)``.
+
+    ``normscope.viz`` imports matplotlib only on first use of a drawing function, so importing the
+    package proves nothing: matplotlib is imported here too (drawing imports it anyway)."""
+    try:
+        viz = importlib.import_module("normscope.viz")
+    except ModuleNotFoundError as e:
+        return None, f"drawing needs normscope.viz and its dependencies, which are not available here ({e.name})"
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        return None, "drawing needs the package 'matplotlib', which is not installed (pip install 'normscope[viz]')"
+    return viz, None
 
 
 def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

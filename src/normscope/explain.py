@@ -5,7 +5,9 @@ For a layer (``batch``, ``layer``, ``instance``, ``group``, ``rms`` or a torch n
 
 * the *scope*: which axes share one mean and variance, how many scopes there are, how many
   elements each holds;
-* the statistics of every scope (mean, biased variance, 1/std), from :mod:`normscope.reference`;
+* the statistics of every scope, from :mod:`normscope.reference`: mean, biased variance and 1/std;
+  for RMSNorm, which subtracts no mean, the mean square and 1/rms instead (no mean is reported, as
+  none is used);
 * the normalized output of the normscope layer, and its largest difference to the ``torch.nn``
   layer of the same configuration, computed on the spot.
 
@@ -76,7 +78,7 @@ def axis_names(rank: int) -> list[str]:
 
 
 def example_values(shape: Sequence[int]) -> Tensor:
-    """The default input: seeded normal values rounded to one decimal, like the seed articles'
+    """The default input: seeded normal values rounded to one decimal, like tutorials'
     hand-made examples (deterministic, easy to read, different in every position)."""
     g = torch.Generator().manual_seed(0)
     return (torch.randn(tuple(shape), generator=g) * 10).round() / 10
@@ -249,16 +251,15 @@ def explain(
 
     stats = []
     for sid, index in enumerate(_indices(resolved.stat_shape)):
-        stats.append(
-            {
-                "scope": sid,
-                "where": _where(index, resolved, names),
-                "count": int((ids == sid).sum()),
-                "mean": m.mean[index].item(),
-                "var": m.var[index].item(),
-                "rstd": rstd[index].item(),
-            }
-        )
+        row = {"scope": sid, "where": _where(index, resolved, names), "count": int((ids == sid).sum())}
+        if resolved.centered:
+            row.update(mean=m.mean[index].item(), var=m.var[index].item())
+        else:
+            # uncentered (RMSNorm): the reference's "var" is the mean square and its mean is a placeholder
+            # zero; reporting "mean 0" and a "variance" would describe statistics RMSNorm never computes
+            row["mean_square"] = m.var[index].item()
+        row["rstd"] = rstd[index].item()
+        stats.append(row)
     return {
         "layer": kind,
         "torch_layer": setup.torch_name,
@@ -312,11 +313,15 @@ def render(result: dict, out: Out) -> None:
     )
 
     stats = result["stats"]
+    if scope["centered"]:
+        headers, keys = ["mean", "variance", "1/std"], ["mean", "var", "rstd"]
+    else:
+        headers, keys = ["mean square", "1/rms"], ["mean_square", "rstd"]
     out.table(
-        ["scope", "where", "elements", "mean", "variance", "1/std"],
-        [[s["scope"], s["where"], s["count"], fmt(s["mean"]), fmt(s["var"]), fmt(s["rstd"])] for s in stats[:MAX_ROWS]],
+        ["scope", "where", "elements", *headers],
+        [[s["scope"], s["where"], s["count"], *(fmt(s[k]) for k in keys)] for s in stats[:MAX_ROWS]],
         title="Statistics per scope",
-        align="rlrrrr",
+        align="rlr" + "r" * len(keys),
     )
     if len(stats) > MAX_ROWS:
         out.line(f"  ... {len(stats) - MAX_ROWS} more scopes (use --json for all)")

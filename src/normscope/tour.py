@@ -1,7 +1,7 @@
-"""``normscope tour``: the worked examples of the seed tutorials, recomputed and checked.
+"""``normscope tour``: the worked examples that tutorials on normalization layers use, recomputed and checked.
 
-Each section redoes one example by hand (the tutorial's own formula), with normscope, and with
-``torch.nn``, and compares them at run time. Read it top to bottom: it is meant for learners.
+Each section redoes one example by hand (the tutorial's own formula; "the article" below), with
+normscope, and with ``torch.nn``, and compares them at run time. Read it top to bottom: it is meant for learners.
 
 1. LayerNorm of one vector, [10, 2, 6, 14]: mean 8, variance 20, normalized ~[0.45, -1.34, -0.45, 1.34].
 2. BatchNorm2d on a 2x3x2x2 tensor: one mean and variance per channel.
@@ -67,7 +67,7 @@ def max_abs_diff(a: Tensor, b: Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. LayerNorm of one vector (seed article 002)
+# 1. LayerNorm of one vector (a tutorial's worked example)
 
 
 def layernorm_vector() -> Section:
@@ -121,7 +121,7 @@ def layernorm_vector() -> Section:
 
 
 # ----------------------------------------------------------------------------------------------
-# 2. BatchNorm2d on the 2x3x2x2 tensor of seed article 004
+# 2. BatchNorm2d on a tutorial's 2x3x2x2 tensor
 
 ARTICLE_004_DATA = [
     [  # sample 0
@@ -213,7 +213,7 @@ def batchnorm_channels() -> Section:
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. LayerNorm and RMSNorm on a batch of token vectors (seed article 004, ManualLayerNorm/ManualRMSNorm)
+# 3. LayerNorm and RMSNorm on a batch of token vectors (a tutorial's ManualLayerNorm/ManualRMSNorm)
 
 
 class ManualLayerNorm(nn.Module):

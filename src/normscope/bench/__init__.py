@@ -87,6 +87,7 @@ __all__ = [
     "choice_table",
     "copy_bandwidth",
     "device_class",
+    "load_status",
     "main",
     "plan",
     "plot",
@@ -115,6 +116,7 @@ _DESCRIPTION = "Benchmark normscope's kernels against PyTorch eager, torch.compi
 _EPILOG = """examples:
   normscope bench                        full run on the GPU, writes benchmarks/results/
   normscope bench --quick                small sizes (CPU: about a minute)
+  normscope bench --quick --threads 1    the same on a shared machine
   normscope bench --cases layer_norm,rms_norm --dtypes bf16 --out /tmp/b
   normscope bench --resume --budget-s 480 --out DIR     continue DIR's JSON for 8 minutes
   normscope bench --plot-only --out DIR                 redraw DIR's PNG from its JSON
@@ -123,13 +125,55 @@ _EPILOG = """examples:
   TRITON_INTERPRET=1 normscope bench --interpret --out /tmp/dry
                                          CPU dry run of the GPU code paths (times mean nothing)
 
-Times are medians (triton.testing.do_bench on CUDA). Each row reports GB/s for the minimum
+Times are medians (triton.testing.do_bench on CUDA). The run prints the load average first and
+warns when other work competes for the cores (recorded in the JSON as "load"). Each row reports GB/s for the minimum
 traffic of an ideal fused kernel, the ratio to every peer and to the device's copy bandwidth,
 and the forward output's error against torch in fp32."""
 
 
+def load_status(threads: int) -> dict:
+    """The machine's load when a run starts: ``load_average`` (1, 5 and 15 minutes; None where the
+    system has no ``getloadavg``), ``cpus``, this run's ``threads`` and ``loaded``.
+
+    Other work competes for the cores and the memory bus: on a 2-core machine at load 6 the copy
+    bandwidth read 2.1 GB/s against 115 GB/s idle, so every figure of such a run is meaningless. A
+    machine counts as ``loaded`` when the last minute's average of runnable processes plus this
+    run's threads exceeds its cores: some thread of the run would then wait for a core.
+    """
+    try:
+        load = [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):  # Windows; a system that cannot say
+        load = None
+    cpus = os.cpu_count() or 1
+    return {
+        "load_average": load,
+        "cpus": cpus,
+        "threads": threads,
+        "loaded": load is not None and load[0] + threads > cpus,
+    }
+
+
+def _threads(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of threads, got {text!r}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Run ``normscope bench`` with ``argv``; returns the exit status. torch's thread count is restored
+    afterwards (``--threads`` changes it for the run only)."""
+    threads = torch.get_num_threads()
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="normscope bench",
         description=_DESCRIPTION,
@@ -156,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="keep the rows of the JSON already in --out, run the rest")
     p.add_argument("--budget-s", type=float, default=None, help="start no new configuration after this many seconds")
     p.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON in --out, measure nothing")
+    p.add_argument(
+        "--threads",
+        type=_threads,
+        default=None,
+        help="torch CPU threads for the run (default: torch's, one per core). On a shared machine use 1: a "
+        "neighbouring job stalls every multi-threaded op",
+    )
     p.add_argument("--strict", action="store_true", help="exit 1 when problems() finds any (see the log's end)")
     p.add_argument(
         "--write-choice",
@@ -203,11 +254,23 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as e:
                 p.error(f"--write-choice: {e}")
         return 0
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    load = load_status(torch.get_num_threads())
+    avg = "unknown" if load["load_average"] is None else " / ".join(f"{v:g}" for v in load["load_average"])
+    print(f"load average {avg} (1 / 5 / 15 min) on {load['cpus']} CPUs; {load['threads']} torch threads")
+    if load["loaded"]:
+        print(
+            f"WARNING: the machine is loaded (load {load['load_average'][0]:g} + {load['threads']} threads > "
+            f"{load['cpus']} CPUs): other work shares the cores and memory bandwidth, so times and GB/s will be "
+            "low and noisy. Measure on an idle machine, or with --threads 1 beside other jobs."
+        )
     out.mkdir(parents=True, exist_ok=True)
     report = run(
         cases, dtypes, level, device, peers=peers, previous=previous, budget_s=a.budget_s,
-        on_config=lambda rep: write_json(path, rep),
+        on_config=lambda rep: write_json(path, dict(rep, load=load)),
     )  # fmt: skip
+    report["load"] = load  # the conditions of the measurement travel with its numbers
     write_json(path, report)
     wrote = [str(path)]
     if plot(report, out / f"{stem}.png"):

@@ -1,0 +1,135 @@
+"""The documentation site's own rules (docs/conf.py): what makes the strict build fail, and the
+docstring preprocessing that keeps PyTorch-style text valid reStructuredText.
+
+The full build runs in CI (``.ci/run``); here a two-page project exercises the same extension in a
+couple of seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sphinx", reason="the docs extra is not installed (pip install -e '.[docs]')")
+pytest.importorskip("myst_parser", reason="the docs extra is not installed (pip install -e '.[docs]')")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def conf():
+    spec = importlib.util.spec_from_file_location("normscope_docs_conf", ROOT / "docs" / "conf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stars_of_shapes_and_globs_are_escaped_but_not_markup_or_code(conf):
+    lines = [
+        "Input: (N, C, *). Output: same shape; (*, D) and (N, *, C) too.",
+        "* ``mask``: a list item's star is markup",
+        "the *fp32 variants and ``simplenorm*``",
+        "the *concatenation* of every rank's batch",
+        "Example::",
+        "",
+        "    y = a * b",
+        "back to text: (N, C, *)",
+    ]
+    conf._escape_stars(None, "function", "f", None, {}, lines)
+    assert lines == [
+        "Input: (N, C, \\*). Output: same shape; (\\*, D) and (N, \\*, C) too.",
+        "* ``mask``: a list item's star is markup",
+        "the \\*fp32 variants and ``simplenorm*``",
+        "the *concatenation* of every rank's batch",
+        "Example::",
+        "",
+        "    y = a * b",
+        "back to text: (N, C, \\*)",
+    ]
+
+
+def _node(target, module=None):
+    return {"refdomain": "py", "reftarget": target, "py:module": module, "py:class": None}
+
+
+def test_a_reference_to_something_real_but_unlisted_becomes_text_and_a_missing_one_still_warns(conf):
+    contnode = object()
+    real = _node("normscope.bench.cases")  # a real submodule with no page of its own
+    assert conf._unlinked_but_real(None, None, real, contnode) is contnode
+    relative = _node("allowed_hosts", module="normscope.explorer")  # defined in normscope.explorer.server
+    assert conf._unlinked_but_real(None, None, relative, contnode) is contnode
+    assert conf._unlinked_but_real(None, None, _node("normscope.no_such_name"), contnode) is None
+    assert conf._unlinked_but_real(None, None, _node("no_such_name", module="normscope"), contnode) is None
+
+
+def _build(tmp_path: Path, index: str, module_source: str) -> tuple[int, str]:
+    """Build a one-page site with docs/conf.py's extension, strict; returns (status, warnings)."""
+    from io import StringIO
+
+    from sphinx.application import Sphinx
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "fake_public.py").write_text(textwrap.dedent(module_source))
+    (src / "conf.py").write_text(
+        "import importlib.util, sys\n"
+        f"sys.path.insert(0, {str(src)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('c', {str(ROOT / 'docs' / 'conf.py')!r})\n"
+        "c = importlib.util.module_from_spec(spec); spec.loader.exec_module(c)\n"
+        "extensions = ['sphinx.ext.autodoc', 'sphinx.ext.napoleon']\n"
+        "nitpicky = True\n"
+        "setup = c.setup\n"
+        "html_math_renderer = 'source'\n"
+    )
+    (src / "index.rst").write_text(textwrap.dedent(index))
+    warnings = StringIO()
+    sys.modules.pop("fake_public", None)
+    app = Sphinx(
+        str(src), str(src), str(tmp_path / "out"), str(tmp_path / "doctrees"), "html",
+        status=None, warning=warnings, warningiserror=False, keep_going=True,
+    )  # fmt: skip
+    app.build()
+    return app.statuscode, warnings.getvalue()
+
+
+def test_a_public_name_without_a_docstring_fails_the_build(tmp_path, conf):
+    source = '''
+        """A module."""
+        __all__ = ["documented", "bare"]
+
+        def documented():
+            """Has one."""
+
+        def bare():
+            pass
+    '''
+    _, warnings = _build(tmp_path, "Title\n=====\n\n.. normscope-api:: fake_public\n", source)
+    assert "fake_public.bare is public (in __all__) but has no docstring" in warnings
+    assert "documented" not in warnings
+
+
+def test_a_reference_to_nothing_fails_the_build(tmp_path, conf):
+    source = '''
+        """A module."""
+        __all__ = ["f"]
+
+        def f():
+            """See :func:`normscope.functional.layer_norm` and :func:`normscope.functional.no_such_thing`."""
+    '''
+    _, warnings = _build(tmp_path, "Title\n=====\n\n.. normscope-api:: fake_public\n", source)
+    assert "normscope.functional.no_such_thing" in warnings
+    assert "normscope.functional.layer_norm" not in warnings  # real: shown as text, no warning
+
+
+def test_a_constants_sentence_with_a_colon_is_not_read_as_its_type(conf):
+    # napoleon's output for "#: The automatic order: the first backend that takes a call runs it."
+    lines = ["the first backend that takes a call runs it.", "", ":type: The automatic order"]
+    conf._no_inline_type(None, "data", "AUTOMATIC_ORDER", None, {}, lines)
+    assert lines == ["The automatic order: the first backend that takes a call runs it.", ""]
+    typed = ["Whether Triton is importable.", "", ":type: bool"]  # a real type stays
+    conf._no_inline_type(None, "data", "TRITON", None, {}, typed)
+    assert typed == ["Whether Triton is importable.", "", ":type: bool"]
