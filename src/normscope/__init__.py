@@ -6,6 +6,10 @@ different *scope*, the elements that share one mean and variance. :class:`Scope`
 configurations of it.
 """
 
+import warnings as _warnings
+
+import torch as _torch
+
 from . import functional
 from .convert import convert
 from .engine import last_backend, use_backend
@@ -75,3 +79,11 @@ __all__ = [
 # every backend, registered with the engine in the automatic order named in normscope/backends/;
 # also makes ``normscope.backends`` the package (still callable: ``normscope.backends()``)
 from . import backends, kernels  # noqa: E402,F401
+
+# The TorchScript tracer (the legacy ONNX exporter) warns on every Python bool taken from a traced
+# size. normscope's argument checks and scope resolution take such bools by design: they validate the
+# example call, and what they decide is constant for the exported graph (the ONNX tests export with a
+# dynamic batch and run other batch sizes in onnxruntime). Warnings attributed to other modules stay.
+# (The tracer warns from C++ with a file name and no module, so the "module" matched is the file's
+# path without ".py": the pattern takes both that and a dotted name.)
+_warnings.filterwarnings("ignore", category=_torch.jit.TracerWarning, module=r"(.*[\\/])?normscope([\\/.]|$)")
