@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .engine import norm
+from .engine import norm, requested_backend
 from .reference import acc_dtype
 from .scope import Resolved, Scope
 
@@ -123,6 +123,12 @@ def _affine_norm(
         return norm(x, scope, weight, bias, eps, backend=backend)
     acc = acc_dtype(x.dtype)
     s = scope.resolve(tuple(x.shape))
+    if casting != "llama" and requested_backend(backend) == "triton":
+        # one launch: the rows kernel forms w + offset in fp32 and rounds the result once
+        from .backends import triton as door
+
+        n = _prod([s.shape[d] for d in s.reduce])
+        return door.offset_rows_norm(x, n, weight, bias, eps, s.centered, weight_offset)
     if casting == "llama":
         y = norm(x.to(acc), s, None, None, eps, backend=backend).to(x.dtype)
         if weight is not None:
@@ -300,6 +306,15 @@ def modulated_norm(
     if norm == "rms" and bias is not None:
         raise ValueError(f"{where}: norm='rms' takes no `bias` (got one of shape {tuple(bias.shape)})")
     shift, scale = mods
+    if requested_backend(backend) == "triton":  # forced: the fused kernel, or ValueError saying why
+        if casting == "eager":
+            raise ValueError(
+                f"{where}: backend 'triton' cannot run casting='eager' (the fused kernel rounds once, as "
+                "casting='fp32'); use casting='fp32' or another backend"
+            )
+        from .backends import triton as door
+
+        return door.modulated_norm(x, shift, scale, weight, bias, eps, norm == "layer")
     scope = _SCOPES[(1, norm == "layer")]
     if casting == "eager":
         # torch's LayerNorm / diffusers' RMSNorm (normalize in fp32, cast, then scale), then the

@@ -1,0 +1,255 @@
+"""Fused Triton kernel for the modulated (AdaLN) norm, forward and backward.
+
+What this covers
+----------------
+``y = norm(x) * (1 + scale) + shift`` over rows of ``N`` unit-stride columns (the last axis), where
+``norm`` is LayerNorm (``CENTERED``) or RMSNorm with an optional per-column weight and bias, and
+``shift``/``scale`` hold one row per ``rows_per`` consecutive rows of x: ``rows_per = S`` for a
+per-sample modulation (B, D) of x (B, S, D), 1 for a per-token one. One read of x, one write of y;
+statistics in fp32, saved (mean, rstd) fp32; the result rounded once to x's dtype -- the
+``casting="fp32"`` semantics of :func:`normscope.functional_modern.modulated_norm`.
+
+Backward: one kernel computes dx and, per row, ``dscale_row = dy * norm(x)`` (fp32); dW/dB are
+per-program fp32 partial rows summed once; dshift/dscale of a per-sample modulation are the
+per-row terms summed over each sample's rows by one fixed-order ``sum`` -- deterministic, no
+atomics (the price: an (M, N) fp32 buffer for dscale's per-row terms).
+
+Limits
+------
+* Rows up to ``config.ROWS_MAX_FUSED_N`` (16K) elements, in registers; longer rows are declined by
+  the door (:mod:`normscope.backends.triton`) with that reason, and run unfused.
+* Offsets are int64 (rows * stride), so tensors past 2^31 elements index correctly.
+* Double backward (``create_graph=True``) differentiates the plain-PyTorch reference instead.
+* Not a ``torch.library`` op yet: ``torch.compile`` graph-breaks around it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import config
+from .rows import _config, _programs, dense, interpreting, use_kernel
+
+if interpreting():
+    from .rows import _fix_interpreter_index
+
+    _fix_interpreter_index()
+
+__all__ = ["modulated_rows", "modulated_ref"]
+
+
+@triton.jit
+def _mod_fwd_kernel(
+    X, W, B, SHIFT, SCALE, Y, MEAN, RSTD,
+    stride_x, stride_y, stride_shift, stride_scale,
+    M, N, per_shift, per_scale, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTERED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_SCALE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N  # masked lanes count as nothing: the divisions are by N, not BLOCK_N (Liger #518)
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if CENTERED:
+        # shift by the row's first element first (large offsets), as the rows kernel does
+        k = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
+        xk = tl.where(mask, x - k[:, None], 0.0)
+        mk = tl.sum(xk, axis=1) / N
+        mean = k + mk
+        d = tl.where(mask, xk - mk[:, None], 0.0)
+    else:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        d = x
+    rstd = tl.rsqrt(tl.sum(d * d, axis=1) / N + eps)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+    y = d * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SCALE:
+        srow = (rows // per_scale).to(tl.int64)[:, None]
+        y = y * (1.0 + tl.load(SCALE + srow * stride_scale + cols[None, :], mask=mask, other=0.0).to(tl.float32))
+    if HAS_SHIFT:
+        hrow = (rows // per_shift).to(tl.int64)[:, None]
+        y = y + tl.load(SHIFT + hrow * stride_shift + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mod_bwd_kernel(
+    DY, X, W, B, SCALE, MEAN, RSTD, DX, DW, DB, DSC,
+    stride_dy, stride_x, stride_scale, stride_dx,
+    M, N, per_scale, rows_per_prog,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTERED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_prog
+    for start in range(0, rows_per_prog, BLOCK_M):
+        rows = first + start + tl.arange(0, BLOCK_M)
+        rmask = (rows < M) & (start + tl.arange(0, BLOCK_M) < rows_per_prog)
+        mask = rmask[:, None] & cmask[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_SCALE:
+            srow = (rows // per_scale).to(tl.int64)[:, None]
+            sc = tl.load(SCALE + srow * stride_scale + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            n = xhat
+            if HAS_WEIGHT:
+                n = n * w[None, :]
+            if HAS_BIAS:
+                n = n + b[None, :]
+            # d y / d scale = norm(x): the per-row term, summed per sample outside (fixed order)
+            tl.store(DSC + r64 * N + cols[None, :], dy * n, mask=mask)
+            g = dy * (1.0 + sc)
+        else:
+            g = dy
+        db += tl.sum(g, axis=0)
+        dw += tl.sum(g * xhat, axis=0)
+        if HAS_WEIGHT:
+            g = g * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / N
+        dx = g - xhat * c1[:, None]
+        if CENTERED:
+            dx = dx - (tl.sum(g, axis=1) / N)[:, None]
+        dx = dx * rstd[:, None]
+        tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        tl.store(DW + pid.to(tl.int64) * N + cols, dw, mask=cmask)
+    if HAS_BIAS:
+        tl.store(DB + pid.to(tl.int64) * N + cols, db, mask=cmask)
+
+
+def modulated_ref(x, shift, scale, weight, bias, eps, centered, per_shift, per_scale):
+    """The reference next to the kernel, in differentiable torch ops, on the kernel's 2-D views."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    acc = xf.dtype
+    if centered:
+        xf = xf - xf.mean(-1, keepdim=True)
+    n = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        n = n * weight.to(acc)
+    if bias is not None:
+        n = n + bias.to(acc)
+    if scale is not None:
+        n = n * (1 + scale.to(acc).repeat_interleave(per_scale, 0))
+    if shift is not None:
+        n = n + shift.to(acc).repeat_interleave(per_shift, 0)
+    return n.to(x.dtype)
+
+
+class _Modulated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shift, scale, weight, bias, eps, centered, per_shift, per_scale):
+        M, N = x.shape
+        y = torch.empty_like(x)
+        mean = torch.empty(M, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+        block_m, block_n, _, warps = _config(N)
+        _mod_fwd_kernel[(triton.cdiv(M, block_m),)](
+            x, weight if weight is not None else x, bias if bias is not None else x,
+            shift if shift is not None else x, scale if scale is not None else x, y, mean, rstd,
+            x.stride(0), y.stride(0), shift.stride(0) if shift is not None else 0,
+            scale.stride(0) if scale is not None else 0,
+            M, N, per_shift, per_scale, eps,
+            BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, HAS_SHIFT=shift is not None, HAS_SCALE=scale is not None,
+            num_warps=warps,
+        )  # fmt: skip
+        ctx.save_for_backward(x, shift, scale, weight, bias, mean, rstd)
+        ctx.args = (eps, centered, per_shift, per_scale)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, shift, scale, weight, bias, mean, rstd = ctx.saved_tensors
+        eps, centered, per_shift, per_scale = ctx.args
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+            # on the saved inputs themselves, so the gradients stay connected to the caller's graph
+            inputs = (x, shift, scale, weight, bias)
+            with torch.enable_grad():
+                y = modulated_ref(*inputs, eps, centered, per_shift, per_scale)
+            live = [t for t in inputs if t is not None and t.requires_grad]
+            grads = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
+            out = [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+            return (*out, None, None, None, None)
+        M, N = x.shape
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()  # a stride-0 gradient from .sum() (QuACK #88)
+        dx = torch.empty_like(x)
+        block_m, block_n, _, warps = _config(N)
+        blocks = triton.cdiv(M, block_m)
+        progs = _programs(x, blocks, config.ROWS_BWD_PROGRAMS_PER_SM)
+        rows_per_prog = triton.cdiv(blocks, progs) * block_m
+        progs = triton.cdiv(M, rows_per_prog)
+        dw = torch.empty((progs, N), dtype=torch.float32, device=x.device) if weight is not None else None
+        db = torch.empty((progs, N), dtype=torch.float32, device=x.device) if bias is not None else None
+        dsc = torch.empty((M, N), dtype=torch.float32, device=x.device) if scale is not None else None
+        _mod_bwd_kernel[(progs,)](
+            dy, x, weight if weight is not None else x, bias if bias is not None else x,
+            scale if scale is not None else x, mean, rstd, dx,
+            dw if dw is not None else dx, db if db is not None else dx, dsc if dsc is not None else dx,
+            dy.stride(0), x.stride(0), scale.stride(0) if scale is not None else 0, dx.stride(0),
+            M, N, per_scale, rows_per_prog,
+            BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, num_warps=warps,
+        )  # fmt: skip
+        d_shift = d_scale = None
+        need = ctx.needs_input_grad
+        if shift is not None and need[1]:  # fixed-order sums over each sample's rows: deterministic
+            d_shift = dy.float().reshape(-1, per_shift, N).sum(1).to(shift.dtype)
+        if scale is not None and need[2]:
+            d_scale = dsc.reshape(-1, per_scale, N).sum(1).to(scale.dtype)
+        d_w = dw.sum(0).to(weight.dtype) if weight is not None and need[3] else None
+        d_b = db.sum(0).to(bias.dtype) if bias is not None and need[4] else None
+        return dx, d_shift, d_scale, d_w, d_b, None, None, None, None
+
+
+def modulated_rows(
+    x: Tensor,
+    shift: Tensor | None,
+    scale: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    centered: bool,
+) -> Tensor:
+    """``norm(x) * (1 + scale) + shift`` over x's last axis; ``shift``/``scale`` per sample (B, N)
+    or per token (x's shape). Inputs are assumed checked (the door, :mod:`normscope.backends.triton`)."""
+    shape, N = x.shape, x.shape[-1]
+    x2 = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, N)
+    M = x2.shape[0]
+
+    def rowwise(t: Tensor | None) -> tuple[Tensor | None, int]:
+        if t is None:
+            return None, 1
+        per = 1 if tuple(t.shape) == tuple(shape) else M // t.shape[0]
+        t2 = t.reshape(-1, N)
+        return (t2 if t2.stride(-1) == 1 else t2.contiguous()), per
+
+    (sh, per_shift), (sc, per_scale) = rowwise(shift), rowwise(scale)
+    if not use_kernel(x2):
+        return modulated_ref(x2, sh, sc, weight, bias, eps, centered, per_shift, per_scale).view(shape)
+    return _Modulated.apply(
+        x2, sh, sc, dense(weight), dense(bias), float(eps), bool(centered), per_shift, per_scale
+    ).view(shape)

@@ -1,0 +1,152 @@
+"""The modern norms' fused Triton kernels (forced backend) against float64 formulas and the unfused path.
+
+CPU: the kernels run in Triton's interpreter on tiny shapes; ``NORMSCOPE_TEST_DEVICE=cuda`` runs the
+same tests compiled, plus the > 2^31-element cases (skipped, visibly, on CPU). The peer-bug cases of
+issue 25 are here: width 1536 (Liger #518), a stride-0 upstream gradient from ``.sum()`` (QuACK #88),
+empty input (QuACK), bf16 ``1 + w`` (Liger #1462), weights that are views.
+"""
+
+from __future__ import annotations
+
+import os
+
+from conftest import TEST_DEVICE, kernel_interpreter_env
+
+_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
+if TEST_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
+
+import normscope  # noqa: E402
+from normscope import functional_modern as FM  # noqa: E402
+from normscope.kernels import config as KC  # noqa: E402
+
+DEV = torch.device(TEST_DEVICE)
+cuda_only = pytest.mark.skipif(DEV.type == "cpu", reason="> 2^31 elements run only with NORMSCOPE_TEST_DEVICE=cuda")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_env():
+    yield from kernel_interpreter_env(_PREVIOUS_INTERPRET)
+
+
+def _mod64(x, shift, scale, w, b, centered, eps=1e-6):
+    x = x.double()
+    if centered:
+        x = x - x.mean(-1, keepdim=True)
+    n = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if w is not None:
+        n = n * w.double()
+    if b is not None:
+        n = n + b.double()
+    if shift.dim() == 2 and n.dim() == 3:
+        shift, scale = shift[:, None], scale[:, None]
+    return n * (1 + scale.double()) + shift.double()
+
+
+def _leaf(t):
+    return t.to(DEV).detach().requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("centered", [True, False])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_modulated_kernel_forward_backward(dtype, centered, per_token):
+    g = torch.Generator().manual_seed(0)
+    b, s, d = 2, 3, 1536  # 1536: a masked tail in a 2048 block (Liger #518)
+    x = _leaf((torch.randn(b, s, d, generator=g) * 2 + 1).to(dtype))
+    mshape = (b, s, d) if per_token else (b, d)
+    shift = _leaf(torch.randn(mshape, generator=g).to(dtype))
+    scale = _leaf((torch.randn(mshape, generator=g) * 0.2).to(dtype))
+    base = _leaf(torch.randn(2 * d, generator=g).to(dtype))  # the weight is a strided view of base
+    bias = _leaf(torch.randn(d, generator=g).to(dtype)) if centered else None
+    norm = "layer" if centered else "rms"
+    y = FM.modulated_norm(x, shift, scale, base[::2], bias, norm=norm, backend="triton")
+    assert normscope.last_backend() == "triton" and y.dtype == dtype
+    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]
+    expected = _mod64(x.detach().cpu(), shift.detach().cpu(), scale.detach().cpu(), base[::2].detach().cpu(),
+                      None if bias is None else bias.detach().cpu(), centered)  # fmt: skip
+    torch.testing.assert_close(y.detach().cpu().double(), expected, atol=tol, rtol=tol)
+    # gradients against the unfused path (engine + autograd) on the same inputs, in fp32
+    y.sum().backward()  # a stride-0 upstream gradient (QuACK #88)
+    got = [t.grad.clone() for t in (x, shift, scale, base) + ((bias,) if centered else ())]
+    ins = [t.detach().float().requires_grad_() for t in (x, shift, scale, base) + ((bias,) if centered else ())]
+    xr, shr, scr, br = ins[:4]
+    yr = FM.modulated_norm(xr, shr, scr, br[::2], ins[4] if centered else None, norm=norm, backend="reference")
+    yr.sum().backward()
+    for a, r in zip(got, ins):
+        torch.testing.assert_close(a.float(), r.grad, atol=tol * 10, rtol=tol)
+
+
+def test_modulated_kernel_backward_is_deterministic_and_double_backward_works():
+    g = torch.Generator().manual_seed(1)
+    x = _leaf(torch.randn(3, 5, 24, generator=g))
+    shift, scale = _leaf(torch.randn(3, 24, generator=g)), _leaf(torch.randn(3, 24, generator=g))
+    w = _leaf(torch.randn(24, generator=g))
+    dy = torch.randn(3, 5, 24, generator=g).to(DEV)
+    grads = []
+    for _ in range(2):
+        y = FM.modulated_norm(x, shift, scale, w, backend="triton")
+        grads.append(torch.autograd.grad(y, (x, shift, scale, w), dy))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    y = FM.modulated_norm(x, shift, scale, w, backend="triton")
+    (gx,) = torch.autograd.grad(y, x, dy, create_graph=True)
+    gx.square().sum().backward()  # a gradient penalty: through the differentiable path
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_modulated_kernel_empty_input_and_refusals(monkeypatch):
+    x = torch.randn(0, 4, 8).to(DEV)
+    y = FM.modulated_norm(x, torch.randn(0, 8).to(DEV), torch.randn(0, 8).to(DEV), backend="triton")
+    assert y.shape == (0, 4, 8)
+    with pytest.raises(ValueError, match="casting='eager'"):
+        FM.modulated_norm(torch.randn(2, 3, 8).to(DEV), casting="eager", backend="triton")
+    monkeypatch.setattr(KC, "ROWS_MAX_FUSED_N", 8)
+    with pytest.raises(ValueError, match="triton.*16 elements.*registers"):
+        FM.modulated_norm(torch.randn(2, 3, 16).to(DEV), backend="triton")
+    with pytest.raises(ValueError, match="float64"):
+        FM.modulated_norm(torch.randn(2, 3, 4, dtype=torch.float64).to(DEV), backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_centred_weight_in_the_rows_kernel(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = _leaf((torch.randn(4, 1536, generator=g) * 3).to(dtype))
+    w = _leaf((torch.randn(1536, generator=g) * 0.05).to(dtype))
+    y = FM.rms_norm(x, 1536, w, 1e-6, weight_offset=1.0, casting="gemma", backend="triton")
+    assert normscope.last_backend() == "triton"
+    ref = FM.rms_norm(x, 1536, w, 1e-6, weight_offset=1.0, casting="gemma", backend="reference")
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype]
+    torch.testing.assert_close(y.float(), ref.float(), atol=tol * 4, rtol=tol)
+    y.sum().backward()
+    assert w.grad is not None and torch.isfinite(w.grad).all()
+
+
+def test_bf16_one_plus_tiny_weight_in_the_kernel():
+    # Liger #1462: in bf16, 1 + 2^-8 == 1; the kernel forms the scale in fp32
+    x = torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=torch.bfloat16).to(DEV)
+    w = torch.full((4,), 2.0**-8, dtype=torch.bfloat16).to(DEV)
+    y = FM.rms_norm(x.float(), 4, w, 0.0, weight_offset=1.0, casting="gemma", backend="triton")
+    assert y.abs().max().item() == pytest.approx(1 + 2**-8)
+    qn, kn = FM.qk_norm(
+        x.float().reshape(1, 1, 1, 4), x.float().reshape(1, 1, 1, 4), w, w, 0.0,
+        weight_offset=1.0, casting="gemma", backend="triton",
+    )  # fmt: skip
+    assert qn.abs().max().item() == pytest.approx(1 + 2**-8)
+
+
+@cuda_only
+def test_modulated_kernel_past_2_pow_31_elements():
+    rows, d = (1 << 31) // 1024 + 8, 1024
+    x = torch.zeros(rows, d, dtype=torch.bfloat16, device=DEV)
+    x[-1].normal_()
+    shift = torch.zeros(1, d, dtype=torch.bfloat16, device=DEV)
+    y = FM.modulated_norm(x, shift, shift, backend="triton")
+    ref = FM.modulated_norm(x[-1:], shift, shift, backend="reference")
+    torch.testing.assert_close(y[-1:].float(), ref.float(), atol=2e-2, rtol=2e-2)
