@@ -150,3 +150,80 @@ def test_modulated_kernel_past_2_pow_31_elements():
     y = FM.modulated_norm(x, shift, shift, backend="triton")
     ref = FM.modulated_norm(x[-1:], shift, shift, backend="reference")
     torch.testing.assert_close(y[-1:].float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+class _Counting:
+    """Stands in for a jitted kernel: counts launches, then launches the real one."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "layout, per_head, norm, offset",
+    [
+        ("bshd", True, "rms", 1.0),  # Gemma 3
+        ("bhsd", True, "rms", 0.0),  # a transposed view: copied once
+        ("bshd", False, "rms", 0.0),  # OLMo 2: all heads of a token
+        ("bshd", True, "layer", 0.0),  # ViT-22B style LayerNorm with bias
+    ],
+)
+def test_qk_norm_one_launch(monkeypatch, dtype, layout, per_head, norm, offset):
+    from normscope.kernels import modern as MK
+
+    counter = _Counting(MK._qk_fwd_kernel)
+    monkeypatch.setattr(MK, "_qk_fwd_kernel", counter)
+    g = torch.Generator().manual_seed(3)
+    b, s, h, hkv, d = 2, 3, 4, 2, 16
+    q = torch.randn(b, s, h, d, generator=g).to(dtype)
+    k = (torch.randn(b, s, hkv, d, generator=g) + 2).to(dtype)
+    if layout == "bhsd":
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if not per_head:  # OLMo 2 with equal q and k widths (no GQA): one row length for both
+        k = (torch.randn(b, s, h, d, generator=g) + 2).to(dtype)
+    wshape_q = (d,) if per_head else (h * d,)
+    wshape_k = (d,) if per_head else (k.shape[2] * d,)
+    wq = _leaf((torch.randn(wshape_q, generator=g) * 0.1).to(dtype))
+    wk = _leaf((torch.randn(wshape_k, generator=g) * 0.1).to(dtype))
+    bq = _leaf(torch.randn(wshape_q, generator=g).to(dtype)) if norm == "layer" else None
+    bk = _leaf(torch.randn(wshape_k, generator=g).to(dtype)) if norm == "layer" else None
+    q, k = _leaf(q), _leaf(k)
+    opts = dict(
+        layout=layout, per_head=per_head, norm=norm, q_bias=bq, k_bias=bk, weight_offset=offset, casting="gemma"
+    )
+    qn, kn = FM.qk_norm(q, k, wq, wk, **opts, backend="triton")
+    assert counter.launches == 1 and normscope.last_backend() == "triton"
+    assert qn.shape == q.shape and kn.shape == k.shape and qn.dtype == dtype
+    (qn.sum() + kn.sum()).backward()  # stride-0 upstream gradients
+    leaves = [t for t in (q, k, wq, wk, bq, bk) if t is not None]
+    got = [t.grad.clone() for t in leaves]
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    rq, rk, rwq, rwk = ref_leaves[:4]
+    ropts = dict(
+        opts, q_bias=ref_leaves[4] if bq is not None else None, k_bias=ref_leaves[5] if bk is not None else None
+    )
+    eq, ek = FM.qk_norm(rq, rk, rwq, rwk, **ropts, backend="reference")
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(qn.float(), eq, atol=tol, rtol=tol)
+    torch.testing.assert_close(kn.float(), ek, atol=tol, rtol=tol)
+    (eq.sum() + ek.sum()).backward()
+    for a, r in zip(got, ref_leaves):
+        torch.testing.assert_close(a.float(), r.grad, atol=tol * 20, rtol=tol * 5)
+
+
+def test_qk_norm_kernel_double_backward_and_empty():
+    q = _leaf(torch.randn(1, 2, 2, 8))
+    k = _leaf(torch.randn(1, 2, 1, 8))
+    w = _leaf(torch.randn(8) * 0.1)
+    qn, kn = FM.qk_norm(q, k, w, w, weight_offset=1.0, casting="gemma", backend="triton")
+    (gq,) = torch.autograd.grad(qn.square().sum() + kn.sum(), q, create_graph=True)
+    gq.sum().backward()
+    assert w.grad is not None and torch.isfinite(w.grad).all()
+    e = torch.randn(0, 2, 2, 8).to(DEV)
+    qn, kn = FM.qk_norm(e, e, None, None, casting="gemma", backend="triton")
+    assert qn.shape == e.shape and kn.shape == e.shape

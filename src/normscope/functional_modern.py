@@ -405,12 +405,23 @@ def qk_norm(
         raise TypeError(f"{where}: expected `k` of q's dtype {q.dtype}, got {k.dtype}")
     if norm == "rms" and (q_bias is not None or k_bias is not None):
         raise ValueError(f"{where}: norm='rms' takes no `q_bias`/`k_bias`; use norm='layer'")
-    out = []
     for name, t, w, b in (("q", q, q_weight, q_bias), ("k", k, k_weight, k_bias)):
         heads, d = t.shape[h_axis], t.shape[-1]
         pshape = (d,) if per_head else (heads, d)
         _optional(w, f"{name}_weight", pshape, t, where)
         _optional(b, f"{name}_bias", pshape, t, where)
+    if casting != "llama" and requested_backend(backend) == "triton" and (per_head or layout == "bshd"):
+        # q and k in one launch; rows of head_dim, or of H * head_dim (all heads of a token: adjacent
+        # in (B, S, H, D)); the scale w + offset formed in fp32, the result rounded once
+        from .backends import triton as door
+
+        n = q.shape[-1] if per_head else q.shape[-1] * q.shape[-2]
+        nk = k.shape[-1] if per_head else k.shape[-1] * k.shape[-2]
+        if n == nk:
+            return door.qk_norm(q, k, n, (q_weight, k_weight, q_bias, k_bias), eps, norm == "layer", offset)
+    out = []
+    for t, w, b in ((q, q_weight, q_bias), (k, k_weight, k_bias)):
+        heads, d = t.shape[h_axis], t.shape[-1]
         if per_head:
             out.append(_affine_norm(t, _SCOPES[(1, norm == "layer")], w, b, eps, offset, casting, backend))
             continue

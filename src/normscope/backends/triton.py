@@ -247,3 +247,27 @@ def offset_rows_norm(
     if x.numel() == 0:
         return x.new_empty(x.shape)
     return rows.rows_norm(x, weight, bias, eps, centered, weight_offset=weight_offset, n=n)[0]
+
+
+def qk_norm(
+    q: Tensor,
+    k: Tensor,
+    n: int,
+    weights: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None],
+    eps: float,
+    centered: bool,
+    weight_offset: float,
+) -> tuple[Tensor, Tensor]:
+    """q and k normalized over rows of ``n`` elements in one launch (:func:`normscope.kernels.modern.qk_rows`)."""
+    from ..kernels import config
+    from ..kernels import modern as mk
+
+    why = why_not_rows_op(q, n, k, *weights, max_n=config.ROWS_MAX_FUSED_N)
+    if why is None and (q.dtype != k.dtype or len({w.dtype for w in weights if w is not None}) > 1):
+        why = f"q and k of one dtype and weights of one dtype, got q {q.dtype}, k {k.dtype}"
+    if why is not None:
+        raise _refuse("qk_norm", why)
+    engine._last[0] = NAME
+    if q.numel() == 0 or k.numel() == 0:
+        return q.new_empty(q.shape), k.new_empty(k.shape)
+    return mk.qk_rows(q, k, n, *weights, eps, centered, weight_offset)

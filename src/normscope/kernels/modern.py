@@ -1,4 +1,4 @@
-"""Fused Triton kernel for the modulated (AdaLN) norm, forward and backward.
+"""Fused Triton kernels of the modern norms: the modulated (AdaLN) norm, and q + k norm in one launch.
 
 What this covers
 ----------------
@@ -13,6 +13,12 @@ Backward: one kernel computes dx and, per row, ``dscale_row = dy * norm(x)`` (fp
 per-program fp32 partial rows summed once; dshift/dscale of a per-sample modulation are the
 per-row terms summed over each sample's rows by one fixed-order ``sum`` -- deterministic, no
 atomics (the price: an (M, N) fp32 buffer for dscale's per-row terms).
+
+QK-norm: :func:`qk_rows` normalizes the rows of q and of k (``head_dim`` per head, or the whole
+projected width) in **one** forward launch -- programs ``[0, q blocks)`` take q's rows, the rest
+k's, each with its own weight -- scaled by ``w + weight_offset`` formed in fp32 and rounded once
+(Gemma's casting; Qwen's "llama" casting rounds before scaling and is left to the unfused path).
+Its backward runs the rows kernel's backward once for q and once for k.
 
 Limits
 ------
@@ -31,14 +37,14 @@ import triton.language as tl
 from torch import Tensor
 
 from . import config
-from .rows import _config, _programs, dense, interpreting, use_kernel
+from .rows import _config, _programs, dense, interpreting, rows_bwd, rows_ref, use_kernel
 
 if interpreting():
     from .rows import _fix_interpreter_index
 
     _fix_interpreter_index()
 
-__all__ = ["modulated_rows", "modulated_ref"]
+__all__ = ["modulated_rows", "modulated_ref", "qk_rows"]
 
 
 @triton.jit
@@ -253,3 +259,125 @@ def modulated_rows(
     return _Modulated.apply(
         x2, sh, sc, dense(weight), dense(bias), float(eps), bool(centered), per_shift, per_scale
     ).view(shape)
+
+
+@triton.jit
+def _rows_block(
+    X, W, B, Y, MEAN, RSTD, stride_x, stride_y, M, N, eps, w_offset, blk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTERED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """One block of BLOCK_M rows: statistics in fp32, scale (w + offset) in fp32, one rounding."""
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if CENTERED:
+        k = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
+        xk = tl.where(mask, x - k[:, None], 0.0)
+        mk = tl.sum(xk, axis=1) / N
+        mean = k + mk
+        d = tl.where(mask, xk - mk[:, None], 0.0)
+    else:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        d = x
+    rstd = tl.rsqrt(tl.sum(d * d, axis=1) / N + eps)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+    y = d * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * (tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_fwd_kernel(
+    Q, K, WQ, WK, BQ, BK, YQ, YK, MEANQ, RSTDQ, MEANK, RSTDK,
+    stride_q, stride_k, stride_yq, stride_yk, Mq, Mk, N, eps, w_offset, q_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTERED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if pid < q_blocks:
+        _rows_block(Q, WQ, BQ, YQ, MEANQ, RSTDQ, stride_q, stride_yq, Mq, N, eps, w_offset, pid,
+                    BLOCK_M, BLOCK_N, CENTERED, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+    else:
+        _rows_block(K, WK, BK, YK, MEANK, RSTDK, stride_k, stride_yk, Mk, N, eps, w_offset, pid - q_blocks,
+                    BLOCK_M, BLOCK_N, CENTERED, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+
+
+class _QK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, wq, wk, bq, bk, eps, centered, weight_offset):
+        (Mq, N), Mk = q.shape, k.shape[0]
+        yq, yk = torch.empty_like(q), torch.empty_like(k)
+        stats = [torch.empty(m, dtype=torch.float32, device=q.device) for m in (Mq, Mq, Mk, Mk)]
+        block_m, block_n, _, warps = _config(N)
+        q_blocks = triton.cdiv(Mq, block_m)
+        has_w, has_b = wq is not None, bq is not None
+        _qk_fwd_kernel[(q_blocks + triton.cdiv(Mk, block_m),)](
+            q, k, wq if has_w else q, wk if has_w else k, bq if has_b else q, bk if has_b else k, yq, yk, *stats,
+            q.stride(0), k.stride(0), yq.stride(0), yk.stride(0), Mq, Mk, N, eps, weight_offset, q_blocks,
+            BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=has_w, HAS_BIAS=has_b,
+            num_warps=warps,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, wq, wk, bq, bk, *stats)
+        ctx.args = (eps, centered, weight_offset, has_b)
+        return yq, yk
+
+    @staticmethod
+    def backward(ctx, dyq, dyk):
+        q, k, wq, wk, bq, bk, mq, rq, mk, rk = ctx.saved_tensors
+        eps, centered, offset, has_b = ctx.args
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+            out = []
+            for x, w, b, dy in ((q, wq, bq, dyq), (k, wk, bk, dyk)):
+                ins = (x, w, b)
+                live = [t for t in ins if t is not None and t.requires_grad]
+                with torch.enable_grad():
+                    y = rows_ref(x, w, b, eps, centered, weight_offset=offset)[0]
+                if dy is None:
+                    dy = torch.zeros_like(y)
+                g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True) if live else ())
+                out.append([next(g) if t is not None and t.requires_grad else None for t in ins])
+            (dq, dwq, dbq), (dk, dwk, dbk) = out
+            return dq, dk, dwq, dwk, dbq, dbk, None, None, None
+        grads = []
+        for x, w, m, r, dy in ((q, wq, mq, rq, dyq), (k, wk, mk, rk, dyk)):
+            if dy is None:
+                dy = torch.zeros_like(x)
+            dy = dy if dy.stride(-1) == 1 else dy.contiguous()  # stride 0 from .sum() (QuACK #88)
+            grads.append(rows_bwd(dy.contiguous(), None, x, w, m, r, centered, has_b, offset))
+        (dq, dwq, dbq), (dk, dwk, dbk) = grads
+        cast = lambda t, like: t.to(like.dtype) if like is not None else None  # noqa: E731
+        return dq, dk, cast(dwq, wq), cast(dwk, wk), cast(dbq, bq), cast(dbk, bk), None, None, None
+
+
+def qk_rows(
+    q: Tensor,
+    k: Tensor,
+    n: int,
+    wq: Tensor | None,
+    wk: Tensor | None,
+    bq: Tensor | None,
+    bk: Tensor | None,
+    eps: float,
+    centered: bool,
+    weight_offset: float,
+) -> tuple[Tensor, Tensor]:
+    """q and k normalized over rows of their last ``n`` elements, in one forward launch. Inputs are
+    assumed checked by the door."""
+    shapes = q.shape, k.shape
+    q2, k2 = (t.contiguous().reshape(-1, n) for t in (q, k))  # a transposed (B, H, S, D) view is copied once
+    ws = [dense(t) for t in (wq, wk, bq, bk)]
+    if not use_kernel(q2):
+        yq = rows_ref(q2, ws[0], ws[2], eps, centered, weight_offset=weight_offset)[0]
+        yk = rows_ref(k2, ws[1], ws[3], eps, centered, weight_offset=weight_offset)[0]
+    else:
+        yq, yk = _QK.apply(q2, k2, *ws, float(eps), bool(centered), float(weight_offset))
+    return yq.view(shapes[0]), yk.view(shapes[1])
