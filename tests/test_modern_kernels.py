@@ -227,3 +227,63 @@ def test_qk_norm_kernel_double_backward_and_empty():
     e = torch.randn(0, 2, 2, 8).to(DEV)
     qn, kn = FM.qk_norm(e, e, None, None, casting="gemma", backend="triton")
     assert qn.shape == e.shape and kn.shape == e.shape
+
+
+def _poly64(x, w, b, eps=1e-6):
+    x = x.double()
+
+    def rms(u):
+        return u / torch.sqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+
+    w = w.double()
+    return w[0] * rms(x**3) + w[1] * rms(x**2) + w[2] * rms(x) + b.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_poly_norm_kernel(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = _leaf(torch.randn(2, 3, 1536, generator=g).to(dtype))
+    w = _leaf(torch.tensor([0.3, -0.7, 1.1]).to(dtype))
+    b = _leaf(torch.tensor([0.25]).to(dtype))
+    y = FM.poly_norm(x, w, b, backend="triton")
+    assert normscope.last_backend() == "triton" and y.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(
+        y.double().cpu(), _poly64(x.detach().cpu(), w.detach().cpu(), b.detach().cpu()), atol=tol, rtol=tol
+    )
+    y.sum().backward()  # stride-0 upstream gradient
+    got = [t.grad.clone() for t in (x, w, b)]
+    ref = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    _poly64(*ref).sum().backward()
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a.double(), r.grad, atol=tol * 50, rtol=tol * 5)
+    # deterministic: the same bits twice
+    again = torch.autograd.grad(FM.poly_norm(x, w, b, backend="triton").sum(), (x, w, b))
+    for a, r in zip(got, again):
+        assert torch.equal(a, r)
+    assert FM.poly_norm(torch.zeros(0, 8).to(DEV), w, b, backend="triton").shape == (0, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("affine", [True, False])
+def test_derf_kernel(dtype, affine):
+    g = torch.Generator().manual_seed(5)
+    x = _leaf((torch.randn(3, 5, 40, generator=g) * 2).to(dtype))
+    a, s = _leaf(torch.tensor([0.7]).to(dtype)), _leaf(torch.tensor([0.1]).to(dtype))
+    base = _leaf(torch.randn(80, generator=g).to(dtype))
+    w, b = (base[::2], base[1::2]) if affine else (None, None)  # views as weights
+    y = FM.derf(x, a, s, w, b, backend="triton")
+    assert normscope.last_backend() == "triton"
+    y.sum().backward()
+    leaves = [x, a, s] + ([base] if affine else [])
+    got = [t.grad.clone() for t in leaves]
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    rw, rb = (ref[3][::2], ref[3][1::2]) if affine else (None, None)
+    yr = FM.derf(ref[0], ref[1], ref[2], rw, rb)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(y.double(), yr.detach(), atol=tol, rtol=tol)
+    yr.sum().backward()
+    for t, r in zip(got, ref):
+        torch.testing.assert_close(t.double(), r.grad, atol=tol * 50, rtol=tol * 5)
+    with pytest.raises(ValueError, match="last axis"):
+        FM.derf(x, a, s, channel_dim=1, backend="triton")

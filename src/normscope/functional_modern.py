@@ -470,6 +470,10 @@ def poly_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-6, *, bac
         if t.device != x.device:
             raise ValueError(f"{where}: expected `{name}` on {x.device} (x's device), got {t.device}")
     eps = _eps(eps, where)
+    if requested_backend(backend) == "triton":  # forced: one fused launch, or ValueError saying why
+        from .backends import triton as door
+
+        return door.poly_norm(x, weight, bias, eps)
     acc = acc_dtype(x.dtype)
     xf, w = x.to(acc), weight.to(acc)
     rms = _SCOPES[(1, False)]
@@ -489,6 +493,8 @@ def derf(
     weight: Tensor | None = None,
     bias: Tensor | None = None,
     channel_dim: int = -1,
+    *,
+    backend: str | None = None,
 ) -> Tensor:
     r"""Derf, dynamic erf (arXiv 2512.10938, "Stronger Normalization-Free Transformers"):
 
@@ -502,6 +508,8 @@ def derf(
         alpha, shift: scalars (Python numbers or one-element tensors, learnable in :class:`Derf`).
         weight, bias: per-feature :math:`\gamma`, :math:`\beta` (the size of ``channel_dim``), or None.
         channel_dim: the feature axis. Default: -1.
+        backend: ``"triton"`` runs the fused kernel (features on the last axis); any other value
+            the element-wise torch ops (there are no statistics for the engine to compute).
 
     Example::
 
@@ -522,6 +530,15 @@ def derf(
     c = x.shape[channel_dim]
     _optional(weight, "weight", (c,), x, where)
     _optional(bias, "bias", (c,), x, where)
+    if requested_backend(backend) == "triton":  # forced: the fused kernel, or ValueError saying why
+        if channel_dim not in (-1, x.dim() - 1) or not isinstance(alpha, Tensor) or not isinstance(shift, Tensor):
+            raise ValueError(
+                f"{where}: backend 'triton' runs Derf with the features on the last axis and alpha/shift as "
+                f"tensors, got channel_dim={channel_dim}, alpha {type(alpha).__name__}, shift {type(shift).__name__}"
+            )
+        from .backends import triton as door
+
+        return door.derf(x, alpha, shift, weight, bias)
     acc = acc_dtype(x.dtype)
     a = alpha.to(acc).reshape(()) if isinstance(alpha, Tensor) else alpha
     s = shift.to(acc).reshape(()) if isinstance(shift, Tensor) else shift

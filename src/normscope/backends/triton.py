@@ -271,3 +271,33 @@ def qk_norm(
     if q.numel() == 0 or k.numel() == 0:
         return q.new_empty(q.shape), k.new_empty(k.shape)
     return mk.qk_rows(q, k, n, *weights, eps, centered, weight_offset)
+
+
+def poly_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """PolyNorm in one launch forward and one backward (:func:`normscope.kernels.modern.poly_rows`)."""
+    from ..kernels import config
+    from ..kernels import modern as mk
+
+    why = why_not_rows_op(x, x.shape[-1], weight, bias, max_n=config.ROWS_MAX_FUSED_N)
+    if why is not None:
+        raise _refuse("poly_norm", why)
+    engine._last[0] = NAME
+    if x.numel() == 0:
+        return x.new_empty(x.shape)
+    return mk.poly_rows(x, weight, bias, eps)
+
+
+def derf(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """Derf, element-wise over rows (:func:`normscope.kernels.modern.derf_rows`); features on the last axis."""
+    from ..kernels import config
+    from ..kernels import modern as mk
+
+    why = why_not_rows_op(x, x.shape[-1], alpha, shift, weight, bias, max_n=config.ROWS_MAX_FUSED_N)
+    if why is None and (weight is None) != (bias is None):
+        why = "the kernel takes both weight and bias, or neither"
+    if why is not None:
+        raise _refuse("derf", why)
+    engine._last[0] = NAME
+    if x.numel() == 0:
+        return x.new_empty(x.shape)
+    return mk.derf_rows(x, alpha, shift, weight, bias)

@@ -20,6 +20,12 @@ k's, each with its own weight -- scaled by ``w + weight_offset`` formed in fp32 
 (Gemma's casting; Qwen's "llama" casting rounds before scaling and is left to the unfused path).
 Its backward runs the rows kernel's backward once for q and once for k.
 
+PolyNorm (:func:`poly_rows`): the three RMSNorms of ``x^3``, ``x^2``, ``x`` of a row from one read of
+x, powers formed in fp32 (``x^3`` of bf16 input in bf16 would keep 8 bits), one rounding; the
+backward is one launch too, with dW (3,) and dB (1,) as per-program fp32 partials. Derf
+(:func:`derf_rows`): element-wise over rows, the same partial scheme for d alpha, d shift, d gamma,
+d beta.
+
 Limits
 ------
 * Rows up to ``config.ROWS_MAX_FUSED_N`` (16K) elements, in registers; longer rows are declined by
@@ -44,7 +50,7 @@ if interpreting():
 
     _fix_interpreter_index()
 
-__all__ = ["modulated_rows", "modulated_ref", "qk_rows"]
+__all__ = ["modulated_rows", "modulated_ref", "qk_rows", "poly_rows", "derf_rows"]
 
 
 @triton.jit
@@ -381,3 +387,277 @@ def qk_rows(
     else:
         yq, yk = _QK.apply(q2, k2, *ws, float(eps), bool(centered), float(weight_offset))
     return yq.view(shapes[0]), yk.view(shapes[1])
+
+
+# -- PolyNorm --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _poly_fwd_kernel(
+    X, W, B, Y, RSTD, stride_x, stride_y, M, N, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x1 = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = x1 * x1
+    x3 = x2 * x1
+    r3 = tl.rsqrt(tl.sum(x3 * x3, axis=1) / N + eps)
+    r2 = tl.rsqrt(tl.sum(x2 * x2, axis=1) / N + eps)
+    r1 = tl.rsqrt(tl.sum(x1 * x1, axis=1) / N + eps)
+    tl.store(RSTD + rows * 3, r3, mask=rmask)
+    tl.store(RSTD + rows * 3 + 1, r2, mask=rmask)
+    tl.store(RSTD + rows * 3 + 2, r1, mask=rmask)
+    w0 = tl.load(W).to(tl.float32)
+    w1 = tl.load(W + 1).to(tl.float32)
+    w2 = tl.load(W + 2).to(tl.float32)
+    b = tl.load(B).to(tl.float32)
+    y = w0 * (x3 * r3[:, None]) + w1 * (x2 * r2[:, None]) + w2 * (x1 * r1[:, None]) + b
+    tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_dx(u, r, g, N):
+    """d/du of u * r (r = rsqrt(mean(u^2) + eps)) applied to the upstream g: r * (g - uhat * mean(g * uhat))."""
+    uhat = u * r[:, None]
+    return r[:, None] * (g - uhat * (tl.sum(g * uhat, axis=1) / N)[:, None]), uhat
+
+
+@triton.jit
+def _poly_bwd_kernel(
+    DY, X, W, RSTD, DX, DWB, stride_dy, stride_x, stride_dx, M, N, rows_per_prog,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    w0 = tl.load(W).to(tl.float32)
+    w1 = tl.load(W + 1).to(tl.float32)
+    w2 = tl.load(W + 2).to(tl.float32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)  # column partials of dw0, dw1, dw2, db, reduced last
+    a3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_prog
+    for start in range(0, rows_per_prog, BLOCK_M):
+        rows = first + start + tl.arange(0, BLOCK_M)
+        rmask = (rows < M) & (start + tl.arange(0, BLOCK_M) < rows_per_prog)
+        mask = rmask[:, None] & cmask[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x1 = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r3 = tl.load(RSTD + rows * 3, mask=rmask, other=0.0)
+        r2 = tl.load(RSTD + rows * 3 + 1, mask=rmask, other=0.0)
+        r1 = tl.load(RSTD + rows * 3 + 2, mask=rmask, other=0.0)
+        x2 = x1 * x1
+        d3, h3 = _rms_dx(x2 * x1, r3, w0 * dy, N)
+        d2, h2 = _rms_dx(x2, r2, w1 * dy, N)
+        d1, h1 = _rms_dx(x1, r1, w2 * dy, N)
+        dx = 3.0 * x2 * d3 + 2.0 * x1 * d2 + d1
+        tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        a3 += tl.sum(dy * h3, axis=0)
+        a2 += tl.sum(dy * h2, axis=0)
+        a1 += tl.sum(dy * h1, axis=0)
+        acc += tl.sum(dy, axis=0)
+    base = DWB + pid.to(tl.int64) * 4
+    tl.store(base, tl.sum(a3, axis=0))
+    tl.store(base + 1, tl.sum(a2, axis=0))
+    tl.store(base + 2, tl.sum(a1, axis=0))
+    tl.store(base + 3, tl.sum(acc, axis=0))
+
+
+def poly_ref(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    xf = x.float() if x.dtype != torch.float64 else x
+    w = weight.to(xf.dtype)
+
+    def rms(u: Tensor) -> Tensor:
+        return u * torch.rsqrt(u.square().mean(-1, keepdim=True) + eps)
+
+    return (w[0] * rms(xf**3) + w[1] * rms(xf**2) + w[2] * rms(xf) + bias.to(xf.dtype)).to(x.dtype)
+
+
+def _bwd_grid(x: Tensor, M: int, block_m: int) -> tuple[int, int]:
+    blocks = triton.cdiv(M, block_m)
+    progs = _programs(x, blocks, config.ROWS_BWD_PROGRAMS_PER_SM)
+    rows_per_prog = triton.cdiv(blocks, progs) * block_m
+    return triton.cdiv(M, rows_per_prog), rows_per_prog
+
+
+class _Poly(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        M, N = x.shape
+        y = torch.empty_like(x)
+        rstd = torch.empty((M, 3), dtype=torch.float32, device=x.device)
+        block_m, block_n, _, warps = _config(N)
+        _poly_fwd_kernel[(triton.cdiv(M, block_m),)](
+            x, weight, bias, y, rstd, x.stride(0), y.stride(0), M, N, eps,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )  # fmt: skip
+        ctx.save_for_backward(x, weight, bias, rstd)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+            ins = (x, weight, bias)
+            live = [t for t in ins if t.requires_grad]
+            with torch.enable_grad():
+                y = poly_ref(x, weight, bias, ctx.eps)
+            g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
+            return (*[next(g) if t.requires_grad else None for t in ins], None)
+        M, N = x.shape
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dx = torch.empty_like(x)
+        block_m, block_n, _, warps = _config(N)
+        progs, rows_per_prog = _bwd_grid(x, M, block_m)
+        part = torch.empty((progs, 4), dtype=torch.float32, device=x.device)
+        _poly_bwd_kernel[(progs,)](
+            dy, x, weight, rstd, dx, part, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_prog,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )  # fmt: skip
+        total = part.sum(0)  # the fixed-order second stage of the dW/dB reduction
+        return dx, total[:3].to(weight.dtype), total[3:].to(bias.dtype), None
+
+
+def poly_rows(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """PolyNorm over x's last axis (inputs assumed checked by the door)."""
+    shape, N = x.shape, x.shape[-1]
+    x2 = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, N)
+    w, b = dense(weight), dense(bias)
+    if not use_kernel(x2):
+        return poly_ref(x2, w, b, eps).view(shape)
+    return _Poly.apply(x2, w, b, float(eps)).view(shape)
+
+
+# -- Derf ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _derf_fwd_kernel(
+    X, A, S, W, B, Y, stride_x, stride_y, M, N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    mask = (rows < M)[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.math.erf(x * tl.load(A).to(tl.float32) + tl.load(S).to(tl.float32))
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _derf_bwd_kernel(
+    DY, X, A, S, W, DX, DWB, DAS, stride_dy, stride_x, stride_dx, M, N, rows_per_prog,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    a = tl.load(A).to(tl.float32)
+    s = tl.load(S).to(tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    da = tl.zeros([BLOCK_N], dtype=tl.float32)
+    ds = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_prog
+    for start in range(0, rows_per_prog, BLOCK_M):
+        rows = first + start + tl.arange(0, BLOCK_M)
+        rmask = (rows < M) & (start + tl.arange(0, BLOCK_M) < rows_per_prog)
+        mask = rmask[:, None] & cmask[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = x * a + s
+        g = dy
+        if HAS_WEIGHT:
+            dw += tl.sum(dy * tl.math.erf(z), axis=0)
+            db += tl.sum(dy, axis=0)
+            g = dy * w[None, :]
+        dz = tl.where(mask, g * 1.1283791670955126 * tl.exp(-z * z), 0.0)  # erf'(z) = 2/sqrt(pi) e^(-z^2)
+        da += tl.sum(dz * x, axis=0)
+        ds += tl.sum(dz, axis=0)
+        tl.store(DX + r64 * stride_dx + cols[None, :], (dz * a).to(DX.dtype.element_ty), mask=mask)
+    p64 = pid.to(tl.int64)
+    if HAS_WEIGHT:
+        tl.store(DWB + p64 * 2 * N + cols, dw, mask=cmask)
+        tl.store(DWB + p64 * 2 * N + N + cols, db, mask=cmask)
+    tl.store(DAS + p64 * 2, tl.sum(da, axis=0))
+    tl.store(DAS + p64 * 2 + 1, tl.sum(ds, axis=0))
+
+
+def derf_ref(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = torch.erf(x.to(acc) * alpha.to(acc).reshape(()) + shift.to(acc).reshape(()))
+    if weight is not None:
+        y = y * weight.to(acc) + bias.to(acc)
+    return y.to(x.dtype)
+
+
+class _Derf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, alpha, shift, weight, bias):
+        M, N = x.shape
+        y = torch.empty_like(x)
+        block_m, block_n, _, warps = _config(N)
+        has_w = weight is not None
+        _derf_fwd_kernel[(triton.cdiv(M, block_m),)](
+            x, alpha, shift, weight if has_w else x, bias if has_w else x, y, x.stride(0), y.stride(0), M, N,
+            BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=has_w, num_warps=warps,
+        )  # fmt: skip
+        ctx.save_for_backward(x, alpha, shift, weight, bias)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, alpha, shift, weight, bias = ctx.saved_tensors
+        ins = (x, alpha, shift, weight, bias)
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+            live = [t for t in ins if t is not None and t.requires_grad]
+            with torch.enable_grad():
+                y = derf_ref(*ins)
+            g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
+            return tuple(next(g) if t is not None and t.requires_grad else None for t in ins)
+        M, N = x.shape
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dx = torch.empty_like(x)
+        block_m, block_n, _, warps = _config(N)
+        progs, rows_per_prog = _bwd_grid(x, M, block_m)
+        has_w = weight is not None
+        dwb = torch.empty((progs, 2, N), dtype=torch.float32, device=x.device) if has_w else None
+        das = torch.empty((progs, 2), dtype=torch.float32, device=x.device)
+        _derf_bwd_kernel[(progs,)](
+            dy, x, alpha, shift, weight if has_w else x, dx, dwb if has_w else das, das,
+            dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_prog,
+            BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=has_w, num_warps=warps,
+        )  # fmt: skip
+        d_as = das.sum(0)  # fixed-order second stage: deterministic
+        d_alpha, d_shift = d_as[:1].to(alpha.dtype), d_as[1:].to(shift.dtype)
+        if not has_w:
+            return dx, d_alpha, d_shift, None, None
+        dwb = dwb.sum(0)
+        return dx, d_alpha, d_shift, dwb[0].to(weight.dtype), dwb[1].to(bias.dtype)
+
+
+def derf_rows(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """Derf over x with the features on the last axis (inputs assumed checked by the door)."""
+    shape, N = x.shape, x.shape[-1]
+    x2 = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, N)
+    a, s, w, b = (dense(t) for t in (alpha, shift, weight, bias))
+    if not use_kernel(x2):
+        return derf_ref(x2, a, s, w, b).view(shape)
+    return _Derf.apply(x2, a, s, w, b).view(shape)
