@@ -355,3 +355,21 @@ def test_block_sandwich_placement(placement):
     assert model(torch.randint(0, 11, (2, 6))).shape == (2, 6, 3)
     with pytest.raises(ValueError, match="placement"):
         Block(16, 4, "rms", True, False, placement="middle")
+
+
+# -- the tour's worked examples --------------------------------------------------------------------
+
+
+def test_tour_sections_for_qk_norm_and_adaln():
+    from normscope import tour
+
+    sections = {s.key: s for s in tour.run()}
+    qk, ada = sections["qk_norm"], sections["adaln"]
+    assert all(c.passed for c in qk.checks + ada.checks)
+    q = torch.tensor(qk.data["q"], dtype=torch.float64)
+    close(torch.tensor(qk.data["per_head"]), rms64(q, 1e-6), torch.float32)
+    close(torch.tensor(qk.data["all_heads"]), rms64(q, 1e-6, dims=(-2, -1)), torch.float32)
+    x = torch.tensor(ada.data["x"], dtype=torch.float64)
+    shift, scale = torch.tensor(ada.data["shift"]), torch.tensor(ada.data["scale"])
+    expected = ln64(x, 1e-6) * (1 + scale.double()[:, None]) + shift.double()[:, None]
+    close(torch.tensor(ada.data["y"]), expected, torch.float32)
