@@ -373,3 +373,23 @@ def test_tour_sections_for_qk_norm_and_adaln():
     shift, scale = torch.tensor(ada.data["shift"]), torch.tensor(ada.data["scale"])
     expected = ln64(x, 1e-6) * (1 + scale.double()[:, None]) + shift.double()[:, None]
     close(torch.tensor(ada.data["y"]), expected, torch.float32)
+
+
+def test_docs_modern_examples_run():
+    """Every python block of docs/modern.md runs, in order, in one namespace."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "modern.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 6
+    namespace: dict = {}
+    try:
+        for block in blocks:
+            if "ns_hf" in block:
+                pytest.importorskip("transformers")
+            exec(compile(block, "docs/modern.md", "exec"), namespace)
+    finally:
+        from normscope.integrations import transformers as hf
+
+        hf.unpatch_classes()
