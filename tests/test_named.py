@@ -120,4 +120,4 @@ def test_scope_ids_of_a_resolved_scope_and_bad_arguments():
         NAMED["batch"].scope("nhwc")
     with pytest.raises(ValueError, match="not defined in layout 'bsd'"):
         NAMED["layer2d"].torch_equivalent(torch.zeros(2, 3, 4), "bsd")
-    assert LAYOUTS == ("nchw", "bsd") and names("bsd") == ["batch", "layer", "instance", "group", "rms"]
+    assert LAYOUTS == ("nchw", "bsd") and names("bsd") == ["batch", "layer", "instance", "group", "rms", "qk", "adaln"]
