@@ -393,3 +393,25 @@ def test_docs_modern_examples_run():
         from normscope.integrations import transformers as hf
 
         hf.unpatch_classes()
+
+
+# -- explain ---------------------------------------------------------------------------------------
+
+
+def test_explain_shows_qk_norms_per_head_scope_and_adalns_affine():
+    from normscope import explain
+
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    r = explain.explain("qknorm", (2, 3, 8), groups=2, values=x.flatten().tolist())
+    assert r["scope"]["num_scopes"] == 2 * 3 * 2 and r["scope"]["elements_per_scope"] == 4
+    assert "one head" in r["scope"]["words"] and r["torch"]["allclose"]
+    ids = torch.tensor(r["scope_ids"])
+    assert ids[0, 0].tolist() == [0] * 4 + [1] * 4  # one token's D features: two heads, two scopes
+    close(torch.tensor(r["output"]), rms64(x.reshape(2, 3, 2, 4), 1e-5).reshape(2, 3, 8), torch.float32)
+    r = explain.explain("AdaLayerNorm", (2, 3, 8), values=x.flatten().tolist())
+    assert r["layer"] == "adaln" and "conditioning tensor" in r["affine"]
+    close(torch.tensor(r["output"]), ln64(x, 1e-5), torch.float32)
+    with pytest.raises(explain.UsageError, match="--groups"):
+        explain.explain("qk", (2, 3, 8))
+    with pytest.raises(explain.UsageError, match="3 axes"):
+        explain.explain("adaln", (2, 3, 4, 4))
