@@ -297,8 +297,14 @@ def test_registry_names():
     ada = normscope.get_norm("adaln", 8, cond_dim=4)
     assert isinstance(ada, normscope.AdaLayerNorm) and not ada.gate
     assert normscope.get_norm("adaln_zero", 8, cond_dim=4).gate
-    for name in ("derf", "polynorm", "qknorm", "adaln", "adaln_zero"):
+    for name in ("derf", "polynorm", "qknorm", "adaln", "adaln_zero", "gemma_rms", "llama_rms"):
         assert name in normscope.norm_names()
+    gemma = normscope.get_norm("gemma_rms", 16)
+    with torch.no_grad():
+        gemma.weight.normal_()
+    x = torch.randn(3, 16)
+    close(gemma(x), rms64(x, 1e-6) * (1 + gemma.weight.double()), torch.float32)
+    assert torch.equal(normscope.get_norm("llama_rms", 16, eps=1e-5).weight, torch.ones(16))
 
 
 # -- bad input: a clear error naming the argument, before any work ----------------------------------

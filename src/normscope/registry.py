@@ -132,6 +132,9 @@ for _name, _target in {
     "adaln": "normscope.modules:AdaLayerNorm",  # get_norm("adaln", D, cond_dim=...)
     "adaln_zero": _adaln_zero,
     "qknorm": "normscope.modules:QKNorm",  # the channel count is head_dim
+    # zero-centred weight and the families' casting orders (standalone layers, no transformers needed)
+    "gemma_rms": "normscope.integrations.transformers:GemmaRMSNorm",  # scale 1 + w in fp32, cast last
+    "llama_rms": "normscope.integrations.transformers:LlamaRMSNorm",  # cast, then scale
     "none": _identity,
     "identity": _identity,
     # timm's names (TIMM_NAMES)
