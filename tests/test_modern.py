@@ -421,3 +421,14 @@ def test_explain_shows_qk_norms_per_head_scope_and_adalns_affine():
         explain.explain("qk", (2, 3, 8))
     with pytest.raises(explain.UsageError, match="3 axes"):
         explain.explain("adaln", (2, 3, 4, 4))
+
+
+def test_torch_compile_fullgraph():
+    """The unfused forms trace whole (no graph break) and agree with eager."""
+    x, s, c = torch.randn(2, 5, 16), torch.randn(2, 16), torch.randn(2, 16)
+    f = torch.compile(lambda x, s, c: FM.modulated_norm(x, s, c), fullgraph=True)
+    torch.testing.assert_close(f(x, s, c), FM.modulated_norm(x, s, c))
+    q, k, w = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16), torch.randn(16)
+    g = torch.compile(lambda q, k, w: FM.qk_norm(q, k, w, w, weight_offset=1.0, casting="gemma"), fullgraph=True)
+    for a, b in zip(g(q, k, w), FM.qk_norm(q, k, w, w, weight_offset=1.0, casting="gemma")):
+        torch.testing.assert_close(a, b)
