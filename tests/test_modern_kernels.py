@@ -287,3 +287,26 @@ def test_derf_kernel(dtype, affine):
         torch.testing.assert_close(t.double(), r.grad, atol=tol * 50, rtol=tol * 5)
     with pytest.raises(ValueError, match="last axis"):
         FM.derf(x, a, s, channel_dim=1, backend="triton")
+
+
+@cuda_only
+def test_qk_and_poly_and_offset_kernels_past_2_pow_31_elements():
+    # only the last row is nonzero: an int32 offset would wrap and read or write the wrong row
+    d = 128
+    rows = (1 << 31) // d + 8
+    q = torch.zeros(1, rows, 1, d, dtype=torch.bfloat16, device=DEV)
+    q[0, -1].normal_()
+    k = torch.randn(1, 4, 1, d, dtype=torch.bfloat16, device=DEV)
+    w = torch.randn(d, dtype=torch.bfloat16, device=DEV) * 0.1
+    qn, _ = FM.qk_norm(q, k, w, w, weight_offset=1.0, casting="gemma", backend="triton")
+    ref, _ = FM.qk_norm(q[:, -1:], k, w, w, weight_offset=1.0, casting="gemma", backend="reference")
+    torch.testing.assert_close(qn[:, -1:].float(), ref.float(), atol=2e-2, rtol=2e-2)
+    del qn
+    x = q.view(rows, d)
+    y = FM.poly_norm(x, torch.full((3,), 1 / 3, device=DEV), torch.ones(1, device=DEV), backend="triton")
+    ref = FM.poly_norm(x[-1:], torch.full((3,), 1 / 3, device=DEV), torch.ones(1, device=DEV), backend="reference")
+    torch.testing.assert_close(y[-1:].float(), ref.float(), atol=2e-2, rtol=2e-2)
+    del y
+    y = FM.rms_norm(x, d, w, 1e-6, weight_offset=1.0, casting="gemma", backend="triton")
+    ref = FM.rms_norm(x[-1:], d, w, 1e-6, weight_offset=1.0, casting="gemma", backend="reference")
+    torch.testing.assert_close(y[-1:].float(), ref.float(), atol=2e-2, rtol=2e-2)
