@@ -30,12 +30,36 @@ from ._term import Out, fmt, vec
 from .named import NAMED, scope_ids
 from .scope import Resolved, Scope
 
-__all__ = ["KINDS", "UsageError", "explain", "parse_layer", "render", "scope_ids", "axis_names", "example_values"]
+__all__ = [
+    "KINDS",
+    "BSD_KINDS",
+    "UsageError",
+    "explain",
+    "parse_layer",
+    "render",
+    "scope_ids",
+    "axis_names",
+    "example_values",
+]
 
 #: the layers ``explain`` knows, with the torch class each compares against: the named layers that torch has
 KINDS = {name: e.torch_class for name, e in NAMED.items() if e.torch_class is not None}
 
+#: layers of the table that torch.nn has no class for, shown on (B, S, D) tokens and compared with
+#: their torch.nn.functional equivalent (:meth:`normscope.named.NamedLayer.torch_equivalent`)
+BSD_KINDS = ("qk", "adaln")
+
 _ALIASES = {alias: name for name in KINDS for alias in NAMED[name].aliases}
+_ALIASES.update({"qknorm": "qk", "adalnzero": "adaln", "adalayer": "adaln", "adaptivelayer": "adaln"})
+
+#: where the affine of a BSD_KINDS layer comes from, in words (explain shows the output before it)
+_AFFINE = {
+    "qk": "weight: one value per head_dim position, shared by every head (Qwen3, Gemma 3); OLMo 2's norm "
+    "over all heads is the rms layer over D",
+    "adaln": "the affine is not a parameter: y * (1 + scale) + shift, with shift and scale computed from a "
+    "conditioning tensor (Linear(SiLU(c)), one per sample or token); shown: the output before it, which is "
+    "AdaLN-Zero's output at initialisation",
+}
 
 #: largest input explain accepts: it is for examples a person reads, not for tensors
 MAX_ELEMENTS = 1 << 16
@@ -63,9 +87,11 @@ def parse_layer(name: str) -> tuple[str, int | None]:
             key = key[: -len(suffix)]
             break
     key = _ALIASES.get(key, key)
+    if key in BSD_KINDS and spatial is None:
+        return key, None
     if key not in KINDS or (spatial is not None and not NAMED[key].per_rank):
         torch_names = ", ".join(f"{c}1d/2d/3d" if NAMED[k].per_rank else c for k, c in KINDS.items())
-        names = ", ".join(KINDS) + f" (or torch names: {torch_names})"
+        names = ", ".join([*KINDS, *BSD_KINDS]) + f" (or torch names: {torch_names})"
         raise UsageError("LAYER", f"unknown layer {name!r}; expected one of {names}")
     return key, spatial
 
@@ -94,9 +120,13 @@ class _Setup:
 
     @property
     def torch_name(self) -> str:
+        if self.kind in BSD_KINDS:
+            return NAMED[self.kind].title
         return NAMED[self.kind].torch_name(len(self.shape))
 
     def scope(self) -> Scope:
+        if self.kind in BSD_KINDS:  # (B, S, D) tokens
+            return NAMED[self.kind].scope("bsd", len(self.shape), self.groups or 1)
         # the (N, C, *) layout of the table; `last` matters to layer/rms only
         return NAMED[self.kind].scope("nchw", len(self.shape), self.groups or 1, self.last or None)
 
@@ -131,6 +161,8 @@ def _setup(
         )
     if not (isinstance(eps, float | int) and eps >= 0):
         raise UsageError("--eps", f"expected a non-negative number, got {eps!r}")
+    if kind in BSD_KINDS:
+        return _setup_bsd(kind, shape, groups, last, float(eps))
     name = KINDS[kind]
     if kind in ("batch", "instance", "group"):
         lo, hi = (3 if kind == "instance" else 2), (5 if kind in ("batch", "instance") else 8)
@@ -169,6 +201,45 @@ def _setup(
             f"{setup.torch_name} in training needs more than one value {where}, got {per_scope} for shape {shape}",
         )
     return setup
+
+
+def _setup_bsd(kind: str, shape: tuple[int, ...], groups: int | None, last: int | None, eps: float) -> _Setup:
+    title = NAMED[kind].title
+    if len(shape) != 3:
+        raise UsageError(
+            "--shape", f"{title} expects 3 axes (B, S, D): batch, tokens, features; got {len(shape)}: {shape}"
+        )
+    d = shape[2]
+    if kind == "qk":
+        if groups is None:
+            raise UsageError(
+                "--groups", f"QK-norm needs --groups H, the heads splitting the {d} features; valid: {_divisors(d)}"
+            )
+        if groups < 1 or d % groups:
+            raise UsageError(
+                "--groups",
+                f"expected a number of heads dividing the {d} features (valid: {_divisors(d)}), got {groups}",
+            )
+    elif groups is not None:
+        raise UsageError("--groups", f"only the group and qk layers take --groups, got --groups {groups} for {kind}")
+    if last is not None:
+        raise UsageError("--last", f"only layer and rms take --last, got --last {last} for {kind}")
+    return _Setup(kind, shape, groups, 0, eps)
+
+
+def _bsd_outputs(setup: _Setup, x: Tensor) -> tuple[Tensor, Tensor, str]:
+    """normscope's output of a BSD_KINDS layer (its functional form, the affine left out), and the
+    torch.nn.functional equivalent with what computed it."""
+    from . import functional_modern as FM
+
+    b, s, d = setup.shape
+    if setup.kind == "qk":  # the (B, S, D) projection seen as (B, S, H, D/H) heads
+        h = setup.groups
+        y = FM.qk_norm(x.view(b, s, h, d // h), x.view(b, s, h, d // h), eps=setup.eps)[0].reshape(b, s, d)
+    else:
+        y = FM.modulated_norm(x, eps=setup.eps)
+    y_torch, what = NAMED[setup.kind].torch_equivalent(x, "bsd", setup.groups or 1, setup.eps)
+    return y, y_torch, what
 
 
 def _divisors(n: int) -> list[int]:
@@ -237,17 +308,23 @@ def explain(
             )
         x = flat.reshape(shape)
 
-    names = axis_names(len(shape))
+    bsd = kind in BSD_KINDS
+    names = ["B", "S", "D"] if bsd else axis_names(len(shape))
     resolved = setup.scope().resolve(shape)
     ids = scope_ids(resolved)
     m = reference.moments(x, resolved)
     rstd = reference.rstd(m.var, setup.eps)
 
-    ours, theirs = setup.layers()
     with torch.no_grad():
-        y = ours(x)
-        y_torch = theirs(x)
+        if bsd:
+            y, y_torch, torch_call = _bsd_outputs(setup, x)
+        else:
+            ours, theirs = setup.layers()
+            y, y_torch, torch_call = ours(x), theirs(x), f"torch.nn.{setup.torch_name}"
     diff = (y - y_torch).abs().max().item()
+    words = describe(resolved, names)
+    if kind == "qk":
+        words = words.replace("channels of one group", "features of one head").replace("and group", "and head")
 
     stats = []
     for sid, index in enumerate(_indices(resolved.stat_shape)):
@@ -268,8 +345,10 @@ def explain(
         "groups": setup.groups,
         "last": setup.last if kind in ("layer", "rms") else None,
         "eps": setup.eps,
+        "torch_call": torch_call,
+        "affine": _AFFINE.get(kind),
         "scope": {
-            "words": describe(resolved, names),
+            "words": words,
             "reduced_axes": [names[d] for d in resolved.reduce],
             "grouped_axis": names[resolved.group_dim] if resolved.groups > 1 else None,
             "centered": resolved.centered,
@@ -307,6 +386,8 @@ def render(result: dict, out: Out) -> None:
         f"{result['torch_layer']} on an input of shape ({', '.join(f'{n}={s}' for n, s in zip(names, shape))}){extra}"
     )
     out.line(f"Scope: {scope['words']}.")
+    if result.get("affine"):
+        out.line(f"Affine: {result['affine']}.")
     out.line(
         f"       {scope['num_scopes']} scope(s) of {scope['elements_per_scope']} elements; "
         f"each element is normalized with the statistics of its scope (eps={fmt(result['eps'])})."
@@ -347,7 +428,8 @@ def render(result: dict, out: Out) -> None:
         out.line(f"  ... {len(rows) - MAX_ROWS} more rows (use --json for all)")
     t = result["torch"]
     out.line(
-        f"torch.nn.{result['torch_layer']} gives the same output: max |normscope - torch| = {t['max_abs_diff']:.2e}  "
+        f"{result.get('torch_call') or 'torch.nn.' + result['torch_layer']} gives the same output: "
+        f"max |normscope - torch| = {t['max_abs_diff']:.2e}  "
         f"[{out.mark(t['allclose'])}]",
         style="green" if t["allclose"] else "bold red",
     )

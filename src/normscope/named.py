@@ -148,6 +148,12 @@ def _layer2d_nchw(x: Tensor, g: int, eps: float):
     return y, "torch.nn.functional.layer_norm over C (channels moved last)"
 
 
+def _qk_bsd(x: Tensor, g: int, eps: float):
+    b, s, d = x.shape
+    y = F.rms_norm(x.reshape(b, s, g, d // g), (d // g,), eps=eps).reshape(b, s, d)
+    return y, f"torch.nn.functional.rms_norm over head_dim of each of {g} heads"
+
+
 _TABLE = (
     NamedLayer(
         name="batch",
@@ -236,6 +242,38 @@ _TABLE = (
         bsd=None,
         torch_nchw=_layer2d_nchw,
         torch_bsd=None,
+    ),
+    NamedLayer(
+        name="qk",
+        title="QK-norm (per head)",
+        note="RMSNorm of queries/keys per head (Qwen3, Gemma 3): each token's D features split into G heads "
+        "of D/G, one mean square per (token, head) -- GroupNorm's grouping along the feature axis; OLMo 2 "
+        "takes the whole D (the rms layer)",
+        torch_class=None,
+        per_rank=False,
+        aliases=("qknorm",),
+        module_types=(),  # QKNorm takes q and k (B, S, H, D): no single-tensor picture of a module
+        nchw=None,
+        bsd=lambda ndim, g, last: Scope(reduce=(2,), centered=False, groups=g, group_dim=2, affine=(2,)),
+        torch_nchw=None,
+        torch_bsd=_qk_bsd,
+    ),
+    NamedLayer(
+        name="adaln",
+        title="AdaLN (DiT)",
+        note="LayerNorm's scope, one mean/var per token over D; the affine is not a parameter: shift and "
+        "(1 + scale) come from a conditioning tensor, one per sample (or per token), as AdaIN's come from a style",
+        torch_class=None,
+        per_rank=False,
+        aliases=("adaln_zero",),
+        module_types=(),  # AdaLayerNorm takes (x, cond)
+        nchw=None,
+        bsd=lambda ndim, g, last: Scope.layer(_features(ndim, last)),
+        torch_nchw=None,
+        torch_bsd=lambda x, g, eps: (
+            F.layer_norm(x, x.shape[-1:], eps=eps),
+            "torch.nn.functional.layer_norm (the modulation from the condition comes after)",
+        ),
     ),
 )
 

@@ -70,6 +70,13 @@ def _group1(num_channels: int, **kw: Any) -> nn.Module:
     return GroupNorm(1, num_channels, **kw)
 
 
+def _adaln_zero(num_channels: int, **kw: Any) -> nn.Module:
+    from .modules import AdaLayerNorm
+
+    kw.setdefault("gate", True)  # adaLN-Zero: the gate on the branch output
+    return AdaLayerNorm(num_channels, **kw)
+
+
 def _eps_default(target: str, eps: float) -> Callable[..., nn.Module]:
     # timm's own classes default to a different eps than torch's (LayerNorm, LayerNorm2d and RmsNorm
     # use 1e-6): under timm's name, compute what timm's layer computes
@@ -120,6 +127,14 @@ for _name, _target in {
     "frozen": "normscope.modules:FrozenBatchNorm2d",
     "sync": "normscope.modules.syncbatchnorm:SyncBatchNorm",
     "dyt": "normscope.modules:DyT",
+    "derf": "normscope.modules:Derf",
+    "polynorm": "normscope.modules:PolyNorm",
+    "adaln": "normscope.modules:AdaLayerNorm",  # get_norm("adaln", D, cond_dim=...)
+    "adaln_zero": _adaln_zero,
+    "qknorm": "normscope.modules:QKNorm",  # the channel count is head_dim
+    # zero-centred weight and the families' casting orders (standalone layers, no transformers needed)
+    "gemma_rms": "normscope.integrations.transformers:GemmaRMSNorm",  # scale 1 + w in fp32, cast last
+    "llama_rms": "normscope.integrations.transformers:LlamaRMSNorm",  # cast, then scale
     "none": _identity,
     "identity": _identity,
     # timm's names (TIMM_NAMES)

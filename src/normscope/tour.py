@@ -9,6 +9,9 @@ normscope, and with ``torch.nn``, and compares them at run time. Read it top to 
    against normscope and torch, ``allclose(atol=1e-6)`` and the largest difference.
 4. BatchNorm vs LayerNorm vs InstanceNorm vs GroupNorm on one (N, C, H, W) tensor: which elements
    share statistics.
+5. QK-norm on (B, S, H, D) queries: one scope per (token, head) -- Qwen3, Gemma 3 -- or one per
+   token over all heads -- OLMo 2.
+6. AdaLN: LayerNorm's scope, with the affine (shift, scale) computed from a conditioning vector.
 
 :func:`run` returns the sections (numbers, tables and checks); :func:`render` prints them. A
 check that fails makes ``normscope tour`` exit with status 1.
@@ -387,7 +390,108 @@ def _reduced_words(resolved, names: list[str]) -> str:
     return ", ".join(words)
 
 
-SECTIONS = (layernorm_vector, batchnorm_channels, tokens, scopes)
+# ----------------------------------------------------------------------------------------------
+# 5. QK-norm: the per-head scope
+
+
+def qk_norm() -> Section:
+    from . import functional_modern as FM
+
+    b, seq, h, d = 1, 3, 2, 4
+    s = Section("qk_norm", f"5. QK-norm on ({b}, {seq}, {h}, {d}) queries: per head, or over all heads")
+    q = (torch.randn(b, seq, h, d, generator=torch.Generator().manual_seed(0)) * 10).round() / 10
+    eps = 1e-6
+    per_head = FM.qk_norm(q, q, eps=eps)[0]
+    full = FM.qk_norm(q, q, eps=eps, per_head=False)[0]
+    # by hand: the root mean square of each scope
+    manual_head = q / torch.sqrt(q.pow(2).mean(-1, keepdim=True) + eps)
+    manual_full = q / torch.sqrt(q.pow(2).mean((-2, -1), keepdim=True) + eps)
+    torch_head = nn.functional.rms_norm(q, (d,), eps=eps)
+    torch_full = nn.functional.rms_norm(q.reshape(b, seq, h * d), (h * d,), eps=eps).reshape(q.shape)
+    s.check("per head: normscope vs by hand", per_head, manual_head, 1e-6)
+    s.check("per head: normscope vs torch rms_norm over head_dim", per_head, torch_head, 1e-6)
+    s.check("all heads: normscope vs by hand", full, manual_full, 1e-6)
+    s.check("all heads: normscope vs torch rms_norm over H*D", full, torch_full, 1e-6)
+    ids_head = [[t * h + i] * d for t in range(seq) for i in range(h)]
+    rows = [
+        [f"s={t}, head {i}", vec(q[0, t, i].tolist()), " ".join(map(str, ids_head[t * h + i])), str(t)]
+        for t in range(seq)
+        for i in range(h)
+    ]
+    s.text = [
+        "Queries and keys are normalized before attention so their dot products cannot grow without bound.",
+        "Qwen3 and Gemma 3 take the RMSNorm scope over head_dim of each head (weight: head_dim values,",
+        "shared by all heads); OLMo 2 takes it over the whole projected width of a token, all heads at",
+        "once, before splitting it into heads (weight: H * head_dim values).",
+    ]
+    s.tables.append(
+        ("Scope id of each element: per head vs all heads", ["row", "q", "per head", "all heads"], rows, "llll")
+    )
+    s.tables.append(
+        (
+            "Normalized row s=0, head 0",
+            ["scope", "y"],
+            [["per head", vec(per_head[0, 0, 0].tolist())], ["all heads", vec(full[0, 0, 0].tolist())]],
+            "ll",
+        )
+    )
+    s.data = {"q": q.tolist(), "per_head": per_head.tolist(), "all_heads": full.tolist(), "eps": eps}
+    return s
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. AdaLN: an affine from another tensor
+
+
+def adaln() -> Section:
+    b, seq, d, c = 2, 3, 4, 5
+    s = Section("adaln", f"6. AdaLN on ({b}, {seq}, {d}) tokens: the affine comes from a condition ({b}, {c})")
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(b, seq, d, generator=g) * 10).round() / 10
+    cond = (torch.randn(b, c, generator=g) * 10).round() / 10
+    ada = normscope.AdaLayerNorm(d, c, gate=True)
+    with torch.no_grad():
+        y0, gate0 = ada(x, cond)  # adaLN-Zero: the projection starts at zero
+        ln = nn.functional.layer_norm(x, (d,), eps=ada.eps)
+        s.check("zero-initialised: AdaLN(x) equals LayerNorm(x)", y0, ln, 1e-6)
+        s.check("zero-initialised: the gate is 0", gate0, torch.zeros_like(gate0), 0.0)
+        ada.linear.weight.copy_(torch.randn(ada.linear.weight.shape, generator=g) * 0.3)
+        ada.linear.bias.copy_(torch.randn(ada.linear.bias.shape, generator=g) * 0.3)
+        y, gate = ada(x, cond)
+        # by hand: shift, scale, gate = Linear(SiLU(cond)); y = LN(x) * (1 + scale) + shift, per sample
+        emb = nn.functional.silu(cond) @ ada.linear.weight.T + ada.linear.bias
+        shift, scale, g_hand = emb.chunk(3, dim=-1)
+        manual = ln * (1 + scale[:, None]) + shift[:, None]
+    s.check("AdaLN: normscope vs by hand", y, manual, 1e-6)
+    s.check("AdaLN: gate vs by hand", gate, g_hand, 1e-6)
+    s.text = [
+        "A diffusion transformer (DiT) conditions every block on the timestep and class: the LayerNorm's",
+        "scope is unchanged (each token's D features), but its shift and scale are not parameters -- they",
+        "are computed from the condition, one (shift, scale) per sample, as AdaIN takes them from a style.",
+        "The projection starts at zero (adaLN-Zero), so each block starts as a plain LayerNorm whose",
+        "branch is gated off.",
+    ]
+    s.tables.append(
+        (
+            "Per-sample affine from the condition",
+            ["sample", "shift", "1 + scale"],
+            [[f"b={i}", vec(shift[i].tolist()), vec((1 + scale[i]).tolist())] for i in range(b)],
+            "lll",
+        )
+    )
+    s.tables.append(
+        (
+            "Token [b, 0]: LayerNorm, then the sample's affine",
+            ["sample", "LayerNorm(x)", "AdaLN(x, c)"],
+            [[f"b={i}", vec(ln[i, 0].tolist()), vec(y[i, 0].tolist())] for i in range(b)],
+            "lll",
+        )
+    )
+    s.data = {"x": x.tolist(), "cond": cond.tolist(), "shift": shift.tolist(), "scale": scale.tolist(), "y": y.tolist()}
+    return s
+
+
+SECTIONS = (layernorm_vector, batchnorm_channels, tokens, scopes, qk_norm, adaln)
 
 
 def run() -> list[Section]:

@@ -1,7 +1,8 @@
 """The ``"triton"`` backend: the one door into the fused kernels of :mod:`normscope.kernels`.
 
 Every Triton op -- LayerNorm/RMSNorm rows, the fused residual add + RMSNorm, GroupNorm/InstanceNorm
-groups, BatchNorm channels -- is reached only through here, and this module enforces the kernels'
+groups, BatchNorm channels, and the modern norms' kernels (the modulated AdaLN norm, zero-centred
+weights; see the end of this module) -- is reached only through here, and this module enforces the kernels'
 contract so that a call either gives torch's numbers or is declined with its reason:
 
 * **layout**: the kernels read a canonical view (unit-stride rows; contiguous or channels_last
@@ -180,3 +181,123 @@ def prepare(call: Call, automatic: bool) -> Runner:
 
 
 BACKEND = Backend(NAME, why_not, prepare, why_not_auto, fuses_residual=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# the modern norms' fused kernels (normscope.functional_modern): opt-in, reached only when the
+# "triton" backend is forced (backend=, use_backend, NORMSCOPE_BACKEND) -- no measurement yet shows
+# them faster on any device, so the automatic order never picks them
+
+
+def why_not_rows_op(x: Tensor, n: int, *others: Tensor | None, max_n: int | None = None) -> str | None:
+    """None when a modern rows kernel can run on ``x`` (rows of ``n`` elements) with ``others``
+    (weights, modulations) beside it, else the reason."""
+    if not (x.device.type == "cuda" or x.device.type == "cpu" and _interpreting()):
+        return (
+            f"the Triton kernels run on CUDA tensors, got a {x.device.type} tensor (on CPU they run only "
+            "under TRITON_INTERPRET=1)"
+        )
+    if x.dtype not in _DTYPES:
+        return f"the kernels take float32/float16/bfloat16 input, got {x.dtype} (they accumulate in fp32)"
+    for t in others:
+        if t is not None and (t.device != x.device or t.dtype not in _DTYPES):
+            return f"every tensor must be float32/float16/bfloat16 on {x.device}, got {t.dtype} on {t.device}"
+    if max_n is not None and n > max_n:
+        return f"rows of {n} elements: this kernel keeps a row in registers, up to {max_n}"
+    return None
+
+
+def _refuse(op: str, why: str) -> ValueError:
+    return ValueError(f"backend {NAME!r} cannot run {op}: {why}")
+
+
+def modulated_norm(
+    x: Tensor,
+    shift: Tensor | None,
+    scale: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    centered: bool,
+) -> Tensor:
+    """The fused AdaLN kernel (:func:`normscope.kernels.modern.modulated_rows`), or ValueError why not."""
+    from ..kernels import config
+    from ..kernels import modern as mk
+
+    why = why_not_rows_op(x, x.shape[-1], shift, scale, weight, bias, max_n=config.ROWS_MAX_FUSED_N)
+    if why is not None:
+        raise _refuse("modulated_norm", why)
+    engine._last[0] = NAME  # last_backend(): this op ran on the kernels
+    if x.numel() == 0:  # nothing to launch (an empty grid is an error on some stacks: QuACK)
+        return x.new_empty(x.shape)
+    return mk.modulated_rows(x, shift, scale, weight, bias, eps, centered)
+
+
+def offset_rows_norm(
+    x: Tensor, n: int, weight: Tensor | None, bias: Tensor | None, eps: float, centered: bool, weight_offset: float
+) -> Tensor:
+    """Norm over the last ``n`` elements with the scale ``weight + weight_offset`` formed in fp32 in
+    the kernel (never rounded to bf16: Liger #1462) and the result rounded once: Gemma's casting."""
+    from ..kernels import rows
+
+    why = why_not_rows_op(x, n, weight, bias)
+    if why is not None:
+        raise _refuse("a zero-centred-weight norm", why)
+    engine._last[0] = NAME
+    if x.numel() == 0:
+        return x.new_empty(x.shape)
+    return rows.rows_norm(x, weight, bias, eps, centered, weight_offset=weight_offset, n=n)[0]
+
+
+def qk_norm(
+    q: Tensor,
+    k: Tensor,
+    n: int,
+    weights: tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None],
+    eps: float,
+    centered: bool,
+    weight_offset: float,
+) -> tuple[Tensor, Tensor]:
+    """q and k normalized over rows of ``n`` elements in one launch (:func:`normscope.kernels.modern.qk_rows`)."""
+    from ..kernels import config
+    from ..kernels import modern as mk
+
+    why = why_not_rows_op(q, n, k, *weights, max_n=config.ROWS_MAX_FUSED_N)
+    if why is None and (q.dtype != k.dtype or len({w.dtype for w in weights if w is not None}) > 1):
+        why = f"q and k of one dtype and weights of one dtype, got q {q.dtype}, k {k.dtype}"
+    if why is not None:
+        raise _refuse("qk_norm", why)
+    engine._last[0] = NAME
+    if q.numel() == 0 or k.numel() == 0:
+        return q.new_empty(q.shape), k.new_empty(k.shape)
+    return mk.qk_rows(q, k, n, *weights, eps, centered, weight_offset)
+
+
+def poly_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """PolyNorm in one launch forward and one backward (:func:`normscope.kernels.modern.poly_rows`)."""
+    from ..kernels import config
+    from ..kernels import modern as mk
+
+    why = why_not_rows_op(x, x.shape[-1], weight, bias, max_n=config.ROWS_MAX_FUSED_N)
+    if why is not None:
+        raise _refuse("poly_norm", why)
+    engine._last[0] = NAME
+    if x.numel() == 0:
+        return x.new_empty(x.shape)
+    return mk.poly_rows(x, weight, bias, eps)
+
+
+def derf(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """Derf, element-wise over rows (:func:`normscope.kernels.modern.derf_rows`); features on the last axis."""
+    from ..kernels import config
+    from ..kernels import modern as mk
+
+    why = why_not_rows_op(x, x.shape[-1], alpha, shift, weight, bias, max_n=config.ROWS_MAX_FUSED_N)
+    if why is None and (weight is None) != (bias is None):
+        why = "the kernel takes both weight and bias, or neither"
+    if why is not None:
+        raise _refuse("derf", why)
+    engine._last[0] = NAME
+    if x.numel() == 0:
+        return x.new_empty(x.shape)
+    return mk.derf_rows(x, alpha, shift, weight, bias)

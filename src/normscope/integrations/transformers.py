@@ -1,88 +1,97 @@
-"""Swap the normalization layers of Hugging Face ``transformers`` models for normscope's.
+"""Run Hugging Face ``transformers`` models' normalization layers on normscope's engine, exactly.
 
-``patch(model)`` walks the model and replaces, in place:
+Which classes, and how each rounds, is *discovered* from the installed transformers, not listed by
+hand: every ``...RMSNorm`` / ``...LayerNorm`` class defined in a ``transformers.models.<type>.
+modeling_<type>`` module is a candidate, and it is patched only if one normscope configuration
+reproduces it **bit for bit** on random probes -- fp32, bf16, and an fp32 weight on bf16 input (the
+``_keep_in_fp32_modules`` case) -- with random weights. The configurations tried (from
+:func:`normscope.functional_modern.rms_norm` / ``layer_norm``):
 
-* the Llama-family RMSNorm (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Phi-3) by
-  :class:`LlamaRMSNorm`, and the Gemma-family RMSNorm (Gemma, Gemma2, Gemma3) by
-  :class:`GemmaRMSNorm`;
-* every ``torch.nn.LayerNorm`` (BERT, RoBERTa, GPT-2, ...) by :class:`normscope.LayerNorm`, and
-  every ``torch.nn.RMSNorm`` by :class:`normscope.RMSNorm`.
+    casting="llama", weight_offset=0    w * (x32 * rstd).to(x.dtype)            Llama, Mistral, Qwen2/3, Phi-3 ...
+    casting="gemma", weight_offset=0    (w32 * x32 * rstd).to(x.dtype)          OLMo 2, ...
+    casting="gemma", weight_offset=1    (x32 * rstd * (1 + w32)).to(x.dtype)    Gemma, Gemma 2/3, Qwen3-Next ...
+    casting="torch"                     torch's own LayerNorm / RMSNorm          nn.LayerNorm subclasses ...
 
-The new layers keep the *same* ``weight``/``bias`` Parameter objects (tied weights, optimizer
-state and ``state_dict`` keys are untouched) and the same outputs. The families differ in *where*
-they round, and that is kept exactly (from the installed ``transformers`` source):
+A class none of them reproduces -- another formula, another constructor, a forward with more
+arguments (gated norms), parameters other than ``weight``/``bias`` -- is left alone, and the report
+says why. QK-norms are instances of these same classes (Qwen3's and Gemma 3's ``q_norm`` over
+``head_dim``, OLMo 2's over ``H * head_dim``), so they are covered with the rest.
 
-    Llama:  y = weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)     # cast, then scale
-    Gemma:  y = (x32 * rsqrt(mean(x32^2) + eps) * (1 + weight32)).to(x.dtype)  # scale in fp32
+A patched layer **stays an instance of its family's class**: patching makes a subclass of it
+whose only change is ``forward`` (one call into normscope), and
 
-where ``x32 = x.float()``. In both, the normalization (mean square, rsqrt, multiply) is the
-engine's RMSNorm scope run on ``x32`` without affine (:func:`normscope.functional.rms_norm`); only
-the affine, whose rounding differs between families, stays in these classes. The engine's fp32
-normalization may differ from the family's ``pow(2).mean(-1)`` by fp32 round-off in the
-reduction order; see docs/integrations.md for what that means for fp32 and bf16 logits.
+* :func:`patch` (a built model) switches each layer's ``__class__`` to it, in place: the same
+  module objects, Parameters, hooks, ``state_dict`` keys; each layer's own weights are probed too;
+* :func:`patch_classes` (before a model exists, like Liger-Kernel's ``apply_liger_kernel_to_*``)
+  puts it in place of the class in its modeling module, so models built afterwards --
+  ``from_pretrained`` included -- are built with it. An instance built with constructor arguments
+  other than the probed ones (``(dim, eps)``) keeps the original forward. :func:`unpatch_classes`
+  restores the originals.
 
-Each patched class is checked on a random probe (fp32 and bf16) against the module it replaces
-before any swap (``verify=True``); a class whose outputs differ is left alone and reported.
+``torch.nn.LayerNorm`` and ``torch.nn.RMSNorm`` themselves (BERT, GPT-2, ViT, ...) are replaced by
+:class:`normscope.LayerNorm` / :class:`normscope.RMSNorm`, their subclasses, sharing the Parameters.
 
-``patch_classes("llama", ...)`` does the same at class level, before a model exists (like
-Liger-Kernel's ``apply_liger_kernel_to_llama()``): it replaces the family's RMSNorm class in its
-``transformers.models.<family>.modeling_<family>`` module, so every model built afterwards --
-``from_pretrained`` included -- is built with normscope's layers. Same probe, same report;
-``unpatch_classes()`` restores the originals.
+:class:`LlamaRMSNorm` and :class:`GemmaRMSNorm` are standalone layers with the two families'
+casting orders, for models written outside transformers.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from .. import functional as F
+from .. import functional_modern as FM
 from ..modules import LayerNorm, RMSNorm
 
 __all__ = [
     "LlamaRMSNorm",
     "GemmaRMSNorm",
     "PatchReport",
+    "Exact",
     "patch",
     "patch_classes",
     "unpatch_classes",
-    "FAMILIES",
-    "LLAMA_FAMILY",
-    "GEMMA_FAMILY",
+    "families",
+    "probe_class",
+    "CONFIGURATIONS",
 ]
 
-# class names whose forward was read in transformers 4.4x-5.x and matches the formula above
-LLAMA_FAMILY = frozenset(
-    {
-        "LlamaRMSNorm",
-        "MistralRMSNorm",
-        "MixtralRMSNorm",
-        "Qwen2RMSNorm",
-        "Qwen2MoeRMSNorm",
-        "Qwen3RMSNorm",
-        "Phi3RMSNorm",
-    }
-)
-GEMMA_FAMILY = frozenset({"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"})
 
-#: model type (``config.model_type``, the ``transformers.models.<type>`` package) -> its RMSNorm class name
-FAMILIES = {
-    "llama": "LlamaRMSNorm",
-    "mistral": "MistralRMSNorm",
-    "mixtral": "MixtralRMSNorm",
-    "qwen2": "Qwen2RMSNorm",
-    "qwen2_moe": "Qwen2MoeRMSNorm",
-    "qwen3": "Qwen3RMSNorm",
-    "phi3": "Phi3RMSNorm",
-    "gemma": "GemmaRMSNorm",
-    "gemma2": "Gemma2RMSNorm",
-    "gemma3": "Gemma3RMSNorm",
-}
-# (module, class name) -> the original class, for unpatch_classes
+class Exact(NamedTuple):
+    """A normscope configuration that reproduces a class: RMS (``centered=False``) or LayerNorm,
+    the casting order and the weight offset (see :func:`normscope.functional_modern.rms_norm`)."""
+
+    centered: bool
+    casting: str
+    weight_offset: float
+
+    def __str__(self) -> str:
+        kind = "layer_norm" if self.centered else "rms_norm"
+        return f"{kind}(casting={self.casting!r}, weight_offset={self.weight_offset:g})"
+
+
+#: the configurations a candidate class is probed against, in order (the first that matches wins)
+CONFIGURATIONS: tuple[Exact, ...] = tuple(
+    Exact(centered, casting, offset)
+    for centered in (False, True)
+    for casting, offset in (("llama", 0.0), ("gemma", 0.0), ("gemma", 1.0), ("torch", 0.0), ("llama", 1.0))
+)
+
+_CANDIDATE = re.compile(r"^class (\w+(?:RMSNorm|LayerNorm))\(", re.M)
+# (modeling module, class name) -> the original class, for unpatch_classes
 _ORIGINAL_CLASSES: dict[tuple[str, str], type] = {}
+# original class -> (its exact subclass or None, why not)
+_PROBED: dict[type, tuple[type | None, str | None]] = {}
 
 
 class LlamaRMSNorm(RMSNorm):
@@ -118,8 +127,7 @@ class LlamaRMSNorm(RMSNorm):
         return self.eps
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.rms_norm(x.float(), self.normalized_shape, None, self.eps).to(x.dtype)
-        return self.weight * y
+        return FM.rms_norm(x, self.normalized_shape, self.weight, self.eps, casting="llama")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -150,8 +158,7 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.rms_norm(x.float(), self.normalized_shape, None, self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
+        return FM.rms_norm(x, self.normalized_shape, self.weight, self.eps, weight_offset=1.0, casting="gemma")
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -159,45 +166,289 @@ class GemmaRMSNorm(nn.Module):
 
 @dataclass
 class PatchReport:
-    """What :func:`patch` did: ``replaced[class name] = count`` and ``skipped[class name] = reason``."""
+    """What :func:`patch` (``unit="layer"``) or :func:`patch_classes` (``unit="class"``) did:
+    ``replaced[class name] = count`` (layers patched, or 1 per class), ``skipped[class name] = why``,
+    and ``how[class name]``: the normscope configuration that reproduces it."""
 
     replaced: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    how: dict[str, str] = field(default_factory=dict)
+    unit: str = "layer"
 
     @property
     def total(self) -> int:
         return sum(self.replaced.values())
 
     def __str__(self) -> str:
-        lines = [f"normscope patched {self.total} normalization layer(s)"]
-        lines += [f"  {name}: {n} replaced" for name, n in sorted(self.replaced.items())]
+        noun = "normalization layer(s)" if self.unit == "layer" else "normalization class(es)"
+        lines = [f"normscope patched {self.total} {noun}"]
+        for name, n in sorted(self.replaced.items()):
+            how = f" as {self.how[name]}" if name in self.how else ""
+            lines.append(f"  {name}: {n} replaced{how}" if self.unit == "layer" else f"  {name}: patched{how}")
         lines += [f"  {name}: skipped ({why})" for name, why in sorted(self.skipped.items())]
         return "\n".join(lines)
 
 
-def _eps(m: nn.Module) -> float:
-    for attr in ("variance_epsilon", "eps"):
+# -- discovery -------------------------------------------------------------------------------------
+
+
+_FAMILIES: dict[str, tuple[tuple[str, str], ...]] = {}
+
+
+def families() -> dict[str, tuple[tuple[str, str], ...]]:
+    """Every model type of the installed transformers with candidate norm classes:
+    ``{model type: ((modeling module, class name), ...)}``.
+
+    A text scan of ``transformers/models/*/modeling_*.py`` for ``class ...RMSNorm(`` and ``class
+    ...LayerNorm(``: cheap, imports nothing; whether a candidate is patched is decided by probing
+    it (:func:`probe_class`)."""
+    if not _FAMILIES:
+        spec = importlib.util.find_spec("transformers")
+        if spec is None or spec.origin is None:
+            raise ImportError(
+                "normscope.integrations.transformers needs transformers (pip install normscope[integrations])"
+            )
+        root = os.path.join(os.path.dirname(spec.origin), "models")
+        for model_type in sorted(os.listdir(root)):
+            folder = os.path.join(root, model_type)
+            if not os.path.isdir(folder):
+                continue
+            found = []
+            for fname in sorted(os.listdir(folder)):
+                if fname.startswith("modeling_") and fname.endswith(".py"):
+                    with open(os.path.join(folder, fname), encoding="utf-8") as f:
+                        names = _CANDIDATE.findall(f.read())
+                    module = f"transformers.models.{model_type}.{fname[:-3]}"
+                    found += [(module, n) for n in dict.fromkeys(names)]
+            if found:
+                _FAMILIES[model_type] = tuple(found)
+    return dict(_FAMILIES)
+
+
+# -- probing ---------------------------------------------------------------------------------------
+
+_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+_PROBE_DIM = 64
+# (weight dtype, input dtype): a model in fp32, in bf16, and a norm kept in fp32 in a bf16 model
+_PROBE_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16))
+
+
+def _eps(m: nn.Module) -> float | None:
+    for attr in _EPS_NAMES:
         v = getattr(m, attr, None)
-        if isinstance(v, (int, float)):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
             return float(v)
-    raise ValueError(f"patch: cannot find the epsilon of {type(m).__name__} (no `variance_epsilon` or `eps`)")
+    return None
 
 
-def _replacement(m: nn.Module) -> nn.Module | None:
-    """The normscope layer computing what ``m`` computes, sharing its parameters; None if none."""
-    name = type(m).__name__
-    if isinstance(m, (LayerNorm, RMSNorm, GemmaRMSNorm)):
-        return None  # already ours
+def _shape(m: nn.Module) -> tuple[int, ...] | None:
+    """The normalized shape: ``normalized_shape`` (nn.LayerNorm subclasses), else the weight's,
+    which must then be 1-D (a (H, D) weight over the last axis only, as Cohere's, is not a scope
+    over its own shape)."""
+    ns = getattr(m, "normalized_shape", None)
+    if isinstance(ns, (tuple, list, torch.Size)) and all(isinstance(n, int) for n in ns):
+        return tuple(ns)
+    w = getattr(m, "weight", None)
+    if isinstance(w, Tensor) and w.dim() == 1:
+        return tuple(w.shape)
+    return None
+
+
+def _run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
+    """``m``'s normalization on normscope: one call of the functional form ``how`` names."""
+    w = m.weight if isinstance(getattr(m, "weight", None), Tensor) else None
+    b = m.bias if isinstance(getattr(m, "bias", None), Tensor) else None
+    shape, eps = _shape(m), _eps(m)
+    if how.centered:
+        return FM.layer_norm(x, shape, w, b, eps, weight_offset=how.weight_offset, casting=how.casting)
+    return FM.rms_norm(x, shape, w, eps, weight_offset=how.weight_offset, casting=how.casting)
+
+
+def _why_unfit(m: nn.Module, forward: Callable) -> str | None:
+    """Why ``m`` cannot be expressed as one of :data:`CONFIGURATIONS`, by its structure; None if it may."""
+    params = inspect.signature(forward).parameters
+    positional = [p for p in params.values() if p.name != "self"]
+    if len(positional) != 1 or positional[0].kind not in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    ):
+        return f"forward takes {[p.name for p in positional]}, not one tensor (a gated or conditioned norm)"
+    names = {n for n, _ in m.named_parameters(recurse=False)}
+    if names - {"weight", "bias"} or list(m.children()):
+        return f"parameters or submodules other than weight/bias ({sorted(names)}, {len(list(m.children()))} children)"
+    if list(m.buffers(recurse=False)):
+        return "has buffers"
+    if _eps(m) is None:
+        return f"no epsilon attribute ({', '.join(_EPS_NAMES)})"
+    if _shape(m) is None:
+        return "no 1-D weight or normalized_shape (the scope is not the weight's shape)"
+    return None
+
+
+def _agree(reference: Callable, m: nn.Module, x: Tensor, how: Exact) -> str | None:
+    """None if ``how`` gives ``reference(m, x)``'s bits, else how it differs."""
+    with torch.no_grad():
+        expected = reference(m, x)
+        got = _run(m, x, how)
+    if not isinstance(expected, Tensor) or expected.shape != got.shape or expected.dtype != got.dtype:
+        what = (
+            type(expected).__name__ if not isinstance(expected, Tensor) else f"{expected.dtype} {tuple(expected.shape)}"
+        )
+        return f"output {what} instead of {got.dtype} {tuple(got.shape)}"
+    if not torch.equal(expected, got):
+        return f"differs by {(expected.double() - got.double()).abs().max().item():.3g}"
+    return None
+
+
+def _probe_input(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn((3, 5, *shape), generator=g) * 3 + 0.5).to(device=device, dtype=dtype)
+
+
+def _randomized(m: nn.Module, wdtype: torch.dtype) -> nn.Module:
+    # random weights: Gemma's zero and Llama's unit initial weights would hide 1 + w versus w
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in m.named_parameters(recurse=False):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5 + (1.0 if name == "weight" else 0.0))
+    return m.to(wdtype)
+
+
+def _construct(cls: type) -> nn.Module:
+    try:
+        return cls(_PROBE_DIM, eps=1e-6)
+    except TypeError:
+        return cls(_PROBE_DIM)
+
+
+def probe_class(cls: type) -> tuple[Exact | None, str | None]:
+    """The configuration of :data:`CONFIGURATIONS` that reproduces ``cls`` bit for bit, or
+    ``(None, why not)``. ``cls`` is built as ``cls(64, eps=1e-6)`` (or ``cls(64)``) with random
+    weights and run on random input in fp32, in bf16, and with fp32 weights on bf16 input."""
+    cls = getattr(cls, "_normscope_original", cls)
+    try:
+        base = _construct(cls)
+    except Exception as e:  # noqa: BLE001 -- any constructor failure is a reason not to patch, reported
+        return None, f"cannot build it as {cls.__name__}({_PROBE_DIM}, eps=...): {type(e).__name__}: {e}"
+    why = _why_unfit(base, cls.forward)
+    if why is not None:
+        return None, why
+    has_bias = isinstance(getattr(base, "bias", None), Tensor)
+    misses = []
+    for how in CONFIGURATIONS:
+        if has_bias and not how.centered:
+            continue
+        miss = None
+        for wdtype, xdtype in _PROBE_DTYPES:
+            m = _randomized(_construct(cls), wdtype)
+            try:
+                miss = _agree(cls.forward, m, _probe_input(_shape(m), xdtype, torch.device("cpu")), how)
+            except Exception as e:  # noqa: BLE001 -- a probe that raises is a mismatch, reported
+                miss = f"raised {type(e).__name__}: {e}"
+            if miss is not None:
+                misses.append(f"{how} {miss} for {wdtype} weights on {xdtype} input")
+                break
+        if miss is None:
+            return how, None
+    return None, "no normscope configuration reproduces it bit for bit (" + "; ".join(misses[:3]) + ")"
+
+
+def _instance_matches(m: nn.Module, original: type, how: Exact) -> str | None:
+    """Probe ``m`` itself, with its own weights: in their dtype, and on bf16 input (a constructor
+    option the class probe did not see changes the bits here)."""
+    w = getattr(m, "weight", None)
+    if isinstance(w, Tensor) and w.is_meta:
+        return None  # nothing to run on; the class probe stands
+    why = _why_unfit(m, original.forward)
+    if why is not None:
+        return why
+    device = w.device if isinstance(w, Tensor) else torch.device("cpu")
+    dtype = w.dtype if isinstance(w, Tensor) and w.is_floating_point() else torch.float32
+    for xdtype in dict.fromkeys((dtype, torch.bfloat16)):
+        miss = _agree(original.forward, m, _probe_input(_shape(m), xdtype, device), how)
+        if miss is not None:
+            return f"this layer {miss} on {xdtype} input"
+    return None
+
+
+# -- the exact subclasses ------------------------------------------------------------------------
+
+_NAMES_OK = {"eps", "variance_epsilon", "epsilon", "device", "dtype"}
+
+
+def _as_probed(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:
+    """Whether a constructor call gives what the class probe built: the size, eps, device and
+    dtype may differ; every other argument must be its default."""
+    try:
+        bound = signature.bind(None, *args, **kwargs)
+    except TypeError:
+        return False
+    names = list(signature.parameters)
+    for name, value in bound.arguments.items():
+        if name in (names[0], names[1]) or name in _NAMES_OK:
+            continue
+        default = signature.parameters[name].default
+        if default is inspect.Parameter.empty or type(value) is not type(default) or value != default:
+            return False
+    return True
+
+
+def _exact_subclass(original: type, how: Exact) -> type:
+    """A subclass of ``original`` whose ``forward`` is normscope's ``how``, for instances that are
+    as probed (``_normscope_exact``); any other instance runs ``original.forward``."""
+    signature = inspect.signature(original.__init__)
+
+    def __init__(self, *args, **kwargs):
+        original.__init__(self, *args, **kwargs)
+        self._normscope_exact = _as_probed(signature, args, kwargs)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        if not self.__dict__.get("_normscope_exact", False):
+            return original.forward(self, hidden_states)
+        return _run(self, hidden_states, how)
+
+    key = f"_Exact_{original.__module__.replace('.', '_')}_{original.__qualname__.replace('.', '_')}"
+    sub = type(
+        original.__name__,
+        (original,),
+        {
+            "__init__": __init__,
+            "forward": forward,
+            "__module__": __name__,
+            "__qualname__": key,  # found here by pickle; the name stays the family's
+            "__doc__": f"{original.__name__} computed by normscope as {how} (bit for bit; see "
+            f"normscope.integrations.transformers).\n\n{original.__doc__ or ''}",
+            "_normscope_original": original,
+            "_normscope_how": how,
+        },
+    )
+    setattr(sys.modules[__name__], key, sub)
+    return sub
+
+
+def _subclass_for(cls: type) -> tuple[type | None, str | None]:
+    """The exact subclass of ``cls`` (probed once per class), or ``(None, why not)``."""
+    original = getattr(cls, "_normscope_original", cls)
+    if original not in _PROBED:
+        how, why = probe_class(original)
+        _PROBED[original] = (None, why) if how is None else (_exact_subclass(original, how), None)
+    return _PROBED[original]
+
+
+def _candidate(cls: type) -> bool:
+    if cls in (LayerNorm, RMSNorm, LlamaRMSNorm, GemmaRMSNorm) or "_normscope_original" in cls.__dict__:
+        return False
+    return cls.__name__.endswith(("RMSNorm", "LayerNorm")) and cls not in (nn.LayerNorm, nn.RMSNorm)
+
+
+# -- patching --------------------------------------------------------------------------------------
+
+
+def _torch_replacement(m: nn.Module) -> nn.Module:
     if type(m) is nn.LayerNorm:
         new = LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, m.bias is not None, device="meta")
-    elif type(m) is nn.RMSNorm:
-        new = RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine, device="meta")
-    elif name in LLAMA_FAMILY:
-        new = LlamaRMSNorm(m.weight.shape[-1], _eps(m), device="meta")
-    elif name in GEMMA_FAMILY:
-        new = GemmaRMSNorm(m.weight.shape[-1], _eps(m), device="meta")
     else:
-        return None
+        new = RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine, device="meta")
     # share the very Parameter objects (ties, optimizer state); built on "meta" so nothing is allocated
     for p in ("weight", "bias"):
         if getattr(new, p, None) is not None:
@@ -206,37 +457,35 @@ def _replacement(m: nn.Module) -> nn.Module | None:
     return new
 
 
-def _verify(old: nn.Module, new: nn.Module) -> str | None:
-    """Compare ``new`` with ``old`` on a random probe in fp32 and bf16; None if they agree."""
+def _torch_agree(old: nn.Module, new: nn.Module) -> str | None:
     w = old.weight if getattr(old, "weight", None) is not None else None
-    shape = tuple(new.normalized_shape)
     device = w.device if w is not None else torch.device("cpu")
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    probe = torch.randn((3, *shape), generator=gen).to(device) * 3 + 0.5
+    dtype = w.dtype if w is not None else torch.float32
     with torch.no_grad():
-        for dt in (w.dtype if w is not None else torch.float32, torch.bfloat16):
-            x = probe.to(dt)
+        for dt in dict.fromkeys((dtype, torch.bfloat16)):
+            x = _probe_input(tuple(new.normalized_shape), dt, device)
             a, b = old(x), new(x)
-            if a.dtype != b.dtype:
-                return f"output dtype {b.dtype} instead of {a.dtype} for {dt} input"
-            # one rounding step of the output dtype: the engine's fp32 reduction order may differ
-            tol = torch.finfo(a.dtype).eps * 4
-            if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol):
-                err = (a.float() - b.float()).abs().max().item()
-                return f"outputs differ by {err:.3g} for {dt} input"
+            if a.dtype != b.dtype or not torch.equal(a, b):
+                return f"outputs differ for {dt} input"
     return None
 
 
 def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
-    """Replace the RMSNorm/LayerNorm layers of a ``transformers`` model by normscope layers, in place.
+    """Run a built ``transformers`` model's normalization layers on normscope, in place.
+
+    Every layer of a class that a normscope configuration reproduces bit for bit (see the module
+    docstring) keeps its identity -- same object, same Parameters, still an instance of its class --
+    with its class switched to the exact subclass; ``torch.nn.LayerNorm``/``RMSNorm`` layers are
+    replaced by normscope's subclasses sharing their Parameters.
 
     Args:
         model: any ``torch.nn.Module`` (a ``PreTrainedModel`` or a part of one).
-        verify: check each class once, on a random probe in the weight's dtype and bf16, against
-            the module it replaces; a class that differs is skipped and reported. Default: True.
+        verify: also probe each layer with its own weights (in their dtype and bf16) before
+            switching it; a layer that differs is left alone and reported. The class is always
+            probed (that is how its configuration is found). Default: True.
 
     Returns:
-        A :class:`PatchReport` (printable) of what was replaced and what was skipped and why.
+        A printable :class:`PatchReport`: layers replaced per class, classes skipped and why.
 
     Example::
 
@@ -252,96 +501,101 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             cls = type(child)
-            if cls.__name__.endswith("RMSNorm") and cls.__name__ not in LLAMA_FAMILY | GEMMA_FAMILY:
-                if not isinstance(child, (RMSNorm, GemmaRMSNorm)) and cls is not nn.RMSNorm:
-                    report.skipped[cls.__name__] = "casting order not verified for this family"
+            name = cls.__name__
+            if cls in (nn.LayerNorm, nn.RMSNorm):
+                new = _torch_replacement(child)
+                if verify:
+                    if cls not in checked:
+                        checked[cls] = _torch_agree(child, new)
+                    if checked[cls] is not None:
+                        report.skipped[name] = checked[cls]
+                        continue
+                setattr(parent, child_name, new)
+            elif _candidate(cls) or "_normscope_original" in cls.__dict__:
+                original = getattr(cls, "_normscope_original", cls)
+                sub, why = _subclass_for(original)
+                if sub is None:
+                    report.skipped[name] = why
                     continue
-            new = _replacement(child)
-            if new is None:
+                why = _instance_matches(child, original, sub._normscope_how) if verify else None
+                if why is not None:
+                    report.skipped[name] = why
+                    continue
+                child.__class__ = sub
+                child._normscope_exact = True
+                report.how[name] = str(sub._normscope_how)
+            else:
                 continue
-            if verify:
-                if cls not in checked:
-                    checked[cls] = _verify(child, new)
-                if checked[cls] is not None:
-                    report.skipped[cls.__name__] = checked[cls]
-                    continue
-            setattr(parent, child_name, new)
-            report.replaced[cls.__name__] = report.replaced.get(cls.__name__, 0) + 1
+            report.replaced[name] = report.replaced.get(name, 0) + 1
     return report
 
 
 def patch_classes(*model_types: str, verify: bool = True) -> PatchReport:
-    """Make ``transformers`` build normscope's RMSNorm for these model families, before any model exists.
+    """Make ``transformers`` build normscope-backed norms for these model families, before any model exists.
 
-    Replaces ``transformers.models.<type>.modeling_<type>.<Family>RMSNorm`` by :class:`LlamaRMSNorm`
-    or :class:`GemmaRMSNorm`, so models built afterwards (``Model(config)``, ``from_pretrained``) hold
-    normscope layers; models built before are untouched (use :func:`patch` for those). Each class
-    is first checked with the same probe as :func:`patch`, on a small instance with random weights.
+    Each candidate class of each family (:func:`families`) that a normscope configuration
+    reproduces bit for bit (:func:`probe_class`) is replaced, in its modeling module -- and in any
+    loaded ``transformers.models`` module that imported it -- by its exact subclass, so models
+    built afterwards (``Model(config)``, ``from_pretrained``) hold layers that are still instances
+    of the family's class. Models built before are untouched (use :func:`patch` for those).
 
     Args:
-        *model_types: keys of :data:`FAMILIES` (``"llama"``, ``"qwen2"``, ``"gemma"``, ...). Default: all.
-        verify: probe each class against the original first; a class that differs is left alone
-            and reported. Default: True.
+        *model_types: keys of :func:`families` (``"llama"``, ``"qwen3"``, ``"gemma3"``, ``"olmo2"``,
+            ...). Default: every family of the installed transformers (this imports each modeling
+            module: tens of seconds).
+        verify: kept for compatibility; classes are always probed (the probe finds the configuration).
 
     Returns:
-        A :class:`PatchReport`: ``replaced[class name] = 1`` per class replaced, ``skipped`` with why.
+        A :class:`PatchReport` with ``unit="class"``: ``replaced[class name] = 1`` per class
+        patched, ``skipped`` with why, ``how`` with the configuration.
 
     Example::
 
         >>> from normscope.integrations.transformers import patch_classes
-        >>> print(patch_classes("llama"))
-        >>> model = LlamaForCausalLM.from_pretrained(path)   # built with normscope's LlamaRMSNorm
+        >>> print(patch_classes("llama", "gemma3"))
+        >>> model = LlamaForCausalLM.from_pretrained(path)   # its norms run on normscope
     """
-    unknown = [t for t in model_types if t not in FAMILIES]
+    found = families()
+    unknown = [t for t in model_types if t not in found]
     if unknown:
-        raise ValueError(f"patch_classes: unknown model type(s) {unknown}; expected some of {sorted(FAMILIES)}")
-    report = PatchReport()
-    for model_type in model_types or tuple(FAMILIES):
-        name = FAMILIES[model_type]
-        module_name = f"transformers.models.{model_type}.modeling_{model_type}"
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            report.skipped[name] = f"{module_name} is not importable ({e})"
-            continue
-        original = getattr(module, name, None)
-        if original is None:
-            report.skipped[name] = f"{module_name} has no {name}"
-            continue
-        if original in (LlamaRMSNorm, GemmaRMSNorm):  # patched already
-            report.replaced[name] = 1
-            continue
-        new_cls = GemmaRMSNorm if name in GEMMA_FAMILY else LlamaRMSNorm
-        if verify:
-            why = _verify_class(original)
-            if why is not None:
+        some = ", ".join(sorted(found)[:12])
+        raise ValueError(
+            f"patch_classes: unknown model type(s) {unknown}: expected model types of the installed transformers "
+            f"with RMSNorm/LayerNorm classes ({len(found)} of them, e.g. {some}, ...; see families())"
+        )
+    del verify
+    report = PatchReport(unit="class")
+    for model_type in model_types or tuple(found):
+        for module_name, name in found[model_type]:
+            try:
+                module = importlib.import_module(module_name)
+            except Exception as e:  # noqa: BLE001 -- optional dependencies of a family: reported, not fatal
+                report.skipped[name] = f"{module_name} is not importable ({type(e).__name__}: {e})"
+                continue
+            current = getattr(module, name, None)
+            if not isinstance(current, type) or not issubclass(current, nn.Module):
+                report.skipped[name] = f"{module_name} has no class {name}"
+                continue
+            original = current.__dict__.get("_normscope_original", current)
+            sub, why = _subclass_for(original)
+            if sub is None:
                 report.skipped[name] = why
                 continue
-        _ORIGINAL_CLASSES.setdefault((module_name, name), original)
-        setattr(module, name, new_cls)
-        report.replaced[name] = 1
+            for mod in [m for k, m in list(sys.modules.items()) if k.startswith("transformers.models.")]:
+                if mod is not None and mod.__dict__.get(name) is original:
+                    _ORIGINAL_CLASSES.setdefault((mod.__name__, name), original)
+                    setattr(mod, name, sub)
+            report.replaced[name] = 1
+            report.how[name] = str(sub._normscope_how)
     return report
 
 
 def unpatch_classes() -> list[str]:
-    """Undo :func:`patch_classes`: put the original classes back; returns their names."""
+    """Undo :func:`patch_classes`: put the original classes back; returns their names (once each)."""
     restored = []
     for (module_name, name), original in list(_ORIGINAL_CLASSES.items()):
         setattr(importlib.import_module(module_name), name, original)
-        restored.append(name)
+        if name not in restored:
+            restored.append(name)
         del _ORIGINAL_CLASSES[(module_name, name)]
     return restored
-
-
-def _verify_class(original: type) -> str | None:
-    # a small instance with random weights (Gemma's zero-initialized offsets would hide a wrong 1 + w)
-    try:
-        old = original(64, eps=1e-6)
-    except TypeError as e:
-        return f"constructor differs from (hidden_size, eps=...): {e}"
-    with torch.no_grad():
-        old.weight.copy_(torch.randn(old.weight.shape, generator=torch.Generator().manual_seed(1)))
-    new = _replacement(old)
-    if new is None:
-        return "no normscope equivalent"
-    return _verify(old, new)

@@ -44,19 +44,31 @@ def norm_sources(model: nn.Module) -> str:
     return ", ".join(srcs) or "-"
 
 
-class Block(nn.Module):
-    """A transformer block with a Pre-LN (x + f(norm(x))) or Post-LN (norm(x + f(x))) residual."""
+PLACEMENTS = ("post", "pre", "sandwich", "peri")
 
-    def __init__(self, d: int, heads: int, norm: str, prenorm: bool, causal: bool, norm_kwargs: dict | None = None
-                 ) -> None:
+
+class Block(nn.Module):
+    """A transformer block with a Pre-LN (x + f(norm(x))) or Post-LN (norm(x + f(x))) residual, or
+    (``placement``) a norm on both sides of each sublayer, x + norm_out(f(norm_in(x))): Gemma 2/3's
+    "sandwich" (pre/post_feedforward_layernorm) and Peri-LN (Kim et al. 2025, arXiv 2502.02732) --
+    the same block; Peri-LN also normalizes the embedding (see TinyTransformer)."""
+
+    def __init__(self, d: int, heads: int, norm: str, prenorm: bool, causal: bool, norm_kwargs: dict | None = None,
+                 placement: str | None = None) -> None:
         super().__init__()
-        self.heads, self.prenorm, self.causal = heads, prenorm, causal
+        placement = placement or ("pre" if prenorm else "post")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"Block: expected `placement` to be one of {PLACEMENTS}, got {placement!r}")
+        self.placement, self.sandwich = placement, placement in ("sandwich", "peri")
+        self.heads, self.prenorm, self.causal = heads, placement != "post", causal
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
         self.ff1 = nn.Linear(d, 4 * d)
         self.ff2 = nn.Linear(4 * d, d)
         kw = norm_kwargs or {}
         self.n1, self.n2 = make(norm, d, "tokens", **kw), make(norm, d, "tokens", **kw)
+        if self.sandwich:  # the output norms of the sandwich
+            self.n1_out, self.n2_out = make(norm, d, "tokens", **kw), make(norm, d, "tokens", **kw)
 
     def attn(self, x: Tensor, mask: Tensor | None) -> Tensor:
         b, s, d = x.shape
@@ -73,6 +85,9 @@ class Block(nn.Module):
         return self.ff2(F.gelu(self.ff1(x)))
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        if self.sandwich:
+            x = x + self.n1_out(self.attn(self.n1(x, mask), mask), mask)
+            return x + self.n2_out(self.ff(self.n2(x, mask)), mask)
         if self.prenorm:
             x = x + self.attn(self.n1(x, mask), mask)
             return x + self.ff(self.n2(x, mask))
@@ -89,12 +104,17 @@ class TinyTransformer(nn.Module):
 
     def __init__(self, vocab: int, n_out: int, d: int = 64, depth: int = 2, heads: int = 4, max_len: int = 64,
                  norm: str = "layer", prenorm: bool = True, causal: bool = False, pool: bool = False,
-                 norm_kwargs: dict | None = None) -> None:
+                 norm_kwargs: dict | None = None, placement: str | None = None) -> None:
         super().__init__()
+        placement = placement or ("pre" if prenorm else "post")
+        prenorm = placement != "post"
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(max_len, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, heads, norm, prenorm, causal, norm_kwargs) for _ in range(depth))
+        blocks = (Block(d, heads, norm, prenorm, causal, norm_kwargs, placement) for _ in range(depth))
+        self.blocks = nn.ModuleList(blocks)
         self.final = make(norm, d, "tokens", **(norm_kwargs or {})) if prenorm else make("none", d, "tokens")
+        # Peri-LN normalizes the embedding too
+        self.embed_norm = make(norm, d, "tokens", **(norm_kwargs or {})) if placement == "peri" else None
         self.head = nn.Linear(d, n_out)
         self.pool = pool
         for m in self.modules():
@@ -105,6 +125,8 @@ class TinyTransformer(nn.Module):
 
     def forward(self, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
         x = self.tok(tokens) * math.sqrt(self.tok.embedding_dim) + self.pos[: tokens.shape[1]]
+        if self.embed_norm is not None:
+            x = self.embed_norm(x, mask)
         for blk in self.blocks:
             x = blk(x, mask)
         x = self.final(x, mask)

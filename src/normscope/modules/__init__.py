@@ -14,6 +14,7 @@ from .dyt import DyT
 from .frozen import FrozenBatchNorm2d, freeze_batchnorm, unfreeze_batchnorm
 from .instancenorm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from .layernorm2d import LayerNorm2d
+from .modern import AdaLayerNorm, Derf, PolyNorm, QKNorm
 from .normalization import GroupNorm, LayerNorm, LocalResponseNorm, RMSNorm
 from .powernorm import PowerNorm
 from .renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d
@@ -41,4 +42,8 @@ __all__ = [
     "PowerNorm",
     "freeze_batchnorm",
     "unfreeze_batchnorm",
+    "AdaLayerNorm",
+    "QKNorm",
+    "PolyNorm",
+    "Derf",
 ]

@@ -1,0 +1,552 @@
+"""The normalizations of 2023-2026 models, as configurations of the one engine.
+
+Each is a scope plus where its affine comes from, or an element-wise map:
+
+=================  ==========================================================================
+``modulated_norm``  AdaLN (DiT, SD3, Flux): LayerNorm/RMSNorm over the last axis, then an affine
+                    that comes from another tensor -- ``(1 + scale)`` and ``shift`` per sample
+                    (B, D) or per token (B, S, D) -- as AdaIN's comes from the style's statistics
+``qk_norm``         QK-norm (Qwen3, Gemma 3, OLMo 2, ViT-22B): the RMSNorm (or LayerNorm) scope over
+                    ``head_dim`` of each head, or over all heads at once (OLMo 2), for q and k
+``rms_norm``,       zero-centred weight (Gemma: scale ``1 + w`` formed in fp32) and the model
+``layer_norm``      families' casting orders (``casting="gemma"``/``"llama"``)
+``poly_norm``       PolyNorm (PolyCom): ``w0 rms(x^3) + w1 rms(x^2) + w2 rms(x) + b``, three RMSNorm
+                    scopes on the powers of ``x``
+``derf``            Derf: ``gamma * erf(alpha * x + s) + beta``, element-wise like DyT (no scope)
+=================  ==========================================================================
+
+The statistics always come from :func:`normscope.engine.norm` (so from whichever backend it
+chooses or is forced to); this module adds only the affine, with each family's rounding.
+
+``rms_norm`` and ``layer_norm`` here are supersets of :mod:`normscope.functional`'s (same
+positional signature, plus ``weight_offset`` and ``casting``); they are left out of ``__all__`` so
+that ``from normscope.functional_modern import *`` does not shadow those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .engine import norm, requested_backend
+from .reference import acc_dtype
+from .scope import Resolved, Scope
+
+__all__ = ["modulated_norm", "qk_norm", "poly_norm", "derf", "CASTINGS"]
+
+#: the casting orders of :func:`rms_norm` / :func:`layer_norm` (see there)
+CASTINGS = ("torch", "gemma", "llama")
+
+_SCOPES = {
+    (k, c): Scope(reduce=tuple(range(-k, 0)), centered=c, affine=tuple(range(-k, 0)))
+    for k in (1, 2)
+    for c in (True, False)
+}
+
+
+# -- argument checks: each names the function, the argument, what was expected and what came -----
+
+
+def _tensor(t: object, name: str, where: str) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{where}: expected `{name}` to be a torch.Tensor, got {type(t).__name__}")
+    if not (t.is_floating_point()):
+        raise TypeError(f"{where}: expected `{name}` to be a floating-point tensor, got dtype {t.dtype}")
+
+
+def _optional(t: object, name: str, shape: tuple[int, ...], x: Tensor, where: str) -> None:
+    if t is None:
+        return
+    _tensor(t, name, where)
+    if tuple(t.shape) != tuple(shape) and not (t.dim() == 1 and t.numel() == _prod(shape)):
+        raise ValueError(f"{where}: expected `{name}` of shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"{where}: expected `{name}` on {x.device} (the input's device), got {t.device}")
+
+
+def _eps(eps: object, where: str) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"{where}: expected `eps` to be a non-negative float, got {eps!r}")
+    return float(eps)
+
+
+def _choice(value: object, name: str, options: Sequence[str], where: str) -> None:
+    if value not in options:
+        raise ValueError(f"{where}: expected `{name}` to be one of {tuple(options)}, got {value!r}")
+
+
+def _offset(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: expected `weight_offset` to be a float, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _prod(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _view(p: Tensor, s: Resolved) -> Tensor:
+    """``p`` (over the scope's affine axes, or flat) with singleton axes elsewhere."""
+    return p.reshape([s.shape[d] if d in s.affine else 1 for d in range(len(s.shape))])
+
+
+# -- zero-centred weight and the families' casting orders ------------------------------------------
+
+
+def _affine_norm(
+    x: Tensor,
+    scope: Scope,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    weight_offset: float,
+    casting: str,
+    backend: str | None,
+) -> Tensor:
+    """The engine's normalization over ``scope``, with the affine rounded as ``casting`` says.
+
+    * ``"torch"``: the engine's own affine (torch's layers' rounding). With a ``weight_offset`` the
+      scale ``weight + offset`` is formed in fp32 -- a bf16 ``1 + w`` would round away any
+      ``|w| < 2^-8`` (Liger #1462) -- so it is then as ``"gemma"``.
+    * ``"gemma"``: normalize in fp32, scale (and shift) in fp32, cast last -- Gemma's and OLMo 2's
+      RMSNorm (``(x32 * rstd * (1 + w32)).to(x.dtype)``).
+    * ``"llama"``: normalize in fp32, cast to the input dtype, then scale in the weight's dtype
+      (type promotion: an fp32 weight on bf16 input gives fp32 output) -- Llama's, Qwen's and
+      diffusers' RMSNorm (``w * (x32 * rstd).to(x.dtype)``).
+    """
+    if casting == "torch" and weight_offset == 0.0:
+        return norm(x, scope, weight, bias, eps, backend=backend)
+    acc = acc_dtype(x.dtype)
+    s = scope.resolve(tuple(x.shape))
+    if casting != "llama" and requested_backend(backend) == "triton":
+        # one launch: the rows kernel forms w + offset in fp32 and rounds the result once
+        from .backends import triton as door
+
+        n = _prod([s.shape[d] for d in s.reduce])
+        return door.offset_rows_norm(x, n, weight, bias, eps, s.centered, weight_offset)
+    if casting == "llama":
+        y = norm(x.to(acc), s, None, None, eps, backend=backend).to(x.dtype)
+        if weight is not None:
+            if weight_offset == 0.0:
+                y = _view(weight, s) * y
+            else:  # 1 + w in fp32 (never rounded to bf16), the product rounded once to promote(w, x)
+                out = torch.promote_types(weight.dtype, x.dtype)
+                y = ((_view(weight, s).to(acc) + weight_offset) * y.to(acc)).to(out)
+        if bias is not None:
+            y = y + _view(bias, s)
+        return y
+    y = norm(x.to(acc), s, None, None, eps, backend=backend)
+    if weight is not None:
+        y = y * (_view(weight, s).to(acc) + weight_offset)
+    if bias is not None:
+        y = y + _view(bias, s).to(acc)
+    return y.to(x.dtype)
+
+
+def _last_axes(
+    where: str,
+    centered: bool,
+    input: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    weight_offset: float,
+    casting: str,
+    backend: str | None,
+) -> Tensor:
+    _tensor(input, "input", where)
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise ValueError(
+            f"{where}: expected `normalized_shape` as an int or a non-empty tuple of ints, got {normalized_shape!r}"
+        )
+    if tuple(input.shape[-len(shape) :]) != shape or input.dim() < len(shape):
+        raise ValueError(
+            f"{where}: expected `input` whose last {len(shape)} dim(s) match `normalized_shape` {shape}, "
+            f"got shape {tuple(input.shape)}"
+        )
+    _optional(weight, "weight", shape, input, where)
+    _optional(bias, "bias", shape, input, where)
+    _choice(casting, "casting", CASTINGS, where)
+    offset = _offset(weight_offset, where)
+    if eps is None:  # torch.nn.functional.rms_norm's default: machine epsilon of the statistics' dtype
+        eps = torch.finfo(acc_dtype(input.dtype)).eps
+    eps = _eps(eps, where)
+    scope = _SCOPES.get((len(shape), centered))
+    if scope is None:
+        axes = tuple(range(-len(shape), 0))
+        scope = Scope(reduce=axes, centered=centered, affine=axes)
+    return _affine_norm(input, scope, weight, bias, eps, offset, casting, backend)
+
+
+def rms_norm(
+    input: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    weight_offset: float = 0.0,
+    casting: str = "torch",
+    backend: str | None = None,
+) -> Tensor:
+    r"""RMSNorm over the last dims with a zero-centred weight and a family's casting order.
+
+    .. math:: y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} \cdot (w + \text{weight\_offset})
+
+    Args:
+        input, normalized_shape, weight, eps: as :func:`torch.nn.functional.rms_norm` (``eps=None``:
+            the machine epsilon of fp32, fp64's for fp64 input).
+        weight_offset: added to ``weight`` in fp32 before scaling; 1.0 is Gemma's ``1 + w``
+            (Transformer Engine's ``zero_centered_gamma``, Liger's ``offset``). Default: 0.0.
+        casting: where the result is rounded to the input dtype: ``"torch"`` (torch's RMSNorm),
+            ``"gemma"`` (normalize and scale in fp32, cast last: Gemma, Gemma 2/3, OLMo 2) or
+            ``"llama"`` (normalize in fp32, cast, then scale: Llama, Mistral, Qwen 2/3).
+            Default: ``"torch"``.
+        backend: force a backend for the statistics.
+
+    Example::
+
+        >>> x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
+        >>> w = torch.zeros(64, dtype=torch.bfloat16)          # Gemma's weight starts at 0
+        >>> y = rms_norm(x, 64, w, 1e-6, weight_offset=1.0, casting="gemma")
+    """
+    return _last_axes("rms_norm", False, input, normalized_shape, weight, None, eps, weight_offset, casting, backend)
+
+
+def layer_norm(
+    input: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    weight_offset: float = 0.0,
+    casting: str = "torch",
+    backend: str | None = None,
+) -> Tensor:
+    """LayerNorm over the last dims with a zero-centred weight (``weight_offset``) and a casting
+    order, as :func:`rms_norm` (the bias is added after the scale, in the same precision)."""
+    return _last_axes("layer_norm", True, input, normalized_shape, weight, bias, eps, weight_offset, casting, backend)
+
+
+# -- AdaLN: an affine from another tensor ---------------------------------------------------------
+
+
+def modulated_norm(
+    x: Tensor,
+    shift: Tensor | None = None,
+    scale: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    norm: str = "layer",
+    casting: str = "fp32",
+    backend: str | None = None,
+) -> Tensor:
+    r"""Adaptive (modulated) normalization of DiT / SD3 / Flux: ``norm(x) * (1 + scale) + shift``.
+
+    Peebles & Xie 2023, "Scalable Diffusion Models with Transformers" (adaLN). The statistics are
+    the LayerNorm (or RMSNorm) scope over the last axis; the affine comes from ``scale`` and
+    ``shift``, per sample or per token, as AdaIN's comes from the style.
+
+    .. math:: y = \mathrm{Norm}(x) \odot (1 + \text{scale}) + \text{shift}
+
+    Args:
+        x: (B, \*, D).
+        shift, scale: per sample (B, D) -- broadcast over the middle axes -- or per token, x's shape;
+            either may be None (no shift / scale of 1).
+        weight, bias: an elementwise affine of the norm itself, (D,), applied before the modulation
+            (diffusers' ``AdaLayerNormContinuous(elementwise_affine=True)``). Default: None.
+        eps: added to the variance. Default: 1e-6 (DiT's).
+        norm: ``"layer"`` or ``"rms"``. Default: ``"layer"``.
+        casting: ``"fp32"``: normalize and modulate in fp32, round once to x's dtype (what a fused
+            kernel does: most accurate); ``"eager"``: each step rounded to the input dtype as the
+            unfused eager code of DiT and diffusers does (bit-for-bit with diffusers' bf16 output).
+            Both are identical for fp32 input. Default: ``"fp32"``.
+        backend: force a backend for the statistics.
+
+    Example::
+
+        >>> x, c = torch.randn(2, 16, 64), torch.randn(2, 128)
+        >>> shift, scale = torch.nn.Linear(128, 128)(torch.nn.functional.silu(c)).chunk(2, dim=-1)
+        >>> y = modulated_norm(x, shift, scale)
+    """
+    where = "modulated_norm"
+    _tensor(x, "x", where)
+    if x.dim() < 2:
+        raise ValueError(f"{where}: expected `x` of shape (B, *, D) with at least 2 dims, got {tuple(x.shape)}")
+    _choice(norm, "norm", ("layer", "rms"), where)
+    _choice(casting, "casting", ("fp32", "eager"), where)
+    eps = _eps(eps, where)
+    d = x.shape[-1]
+    mods = []
+    for name, t in (("shift", shift), ("scale", scale)):
+        if t is not None:
+            _tensor(t, name, where)
+            per_sample = t.dim() == 2 and t.shape[-1] == d and t.shape[0] in (x.shape[0], 1)
+            if not (per_sample or tuple(t.shape) == tuple(x.shape)):
+                raise ValueError(
+                    f"{where}: expected `{name}` per sample ({x.shape[0]}, {d}) or per token {tuple(x.shape)}, "
+                    f"got {tuple(t.shape)}"
+                )
+            if t.device != x.device:
+                raise ValueError(f"{where}: expected `{name}` on {x.device} (x's device), got {t.device}")
+            if per_sample and x.dim() > 2:  # (B, D) -> (B, 1, ..., 1, D): the same modulation for every token
+                t = t.reshape(t.shape[0], *([1] * (x.dim() - 2)), d)
+        mods.append(t)
+    _optional(weight, "weight", (d,), x, where)
+    _optional(bias, "bias", (d,), x, where)
+    if norm == "rms" and bias is not None:
+        raise ValueError(f"{where}: norm='rms' takes no `bias` (got one of shape {tuple(bias.shape)})")
+    shift, scale = mods
+    if requested_backend(backend) == "triton":  # forced: the fused kernel, or ValueError saying why
+        if casting == "eager":
+            raise ValueError(
+                f"{where}: backend 'triton' cannot run casting='eager' (the fused kernel rounds once, as "
+                "casting='fp32'); use casting='fp32' or another backend"
+            )
+        from .backends import triton as door
+
+        return door.modulated_norm(x, shift, scale, weight, bias, eps, norm == "layer")
+    scope = _SCOPES[(1, norm == "layer")]
+    if casting == "eager":
+        # torch's LayerNorm / diffusers' RMSNorm (normalize in fp32, cast, then scale), then the
+        # modulation op by op in the input dtype, each op rounding as the eager code's does
+        y = _affine_norm(x, scope, weight, bias, eps, 0.0, "torch" if norm == "layer" else "llama", backend)
+        if scale is not None:
+            y = y * (1 + scale)
+        if shift is not None:
+            y = y + shift
+        return y
+    acc = acc_dtype(x.dtype)
+    y = _affine_norm(x.to(acc), scope, weight, bias, eps, 0.0, "gemma", backend)
+    if scale is not None:
+        y = y * (1 + scale.to(acc))
+    if shift is not None:
+        y = y + shift.to(acc)
+    return y.to(x.dtype)
+
+
+# -- QK-norm: the per-head scope ------------------------------------------------------------------
+
+
+def qk_norm(
+    q: Tensor,
+    k: Tensor,
+    q_weight: Tensor | None = None,
+    k_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    layout: str = "bshd",
+    per_head: bool = True,
+    norm: str = "rms",
+    q_bias: Tensor | None = None,
+    k_bias: Tensor | None = None,
+    weight_offset: float = 0.0,
+    casting: str = "torch",
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""QK-norm: normalize queries and keys, in one call, before attention.
+
+    Dehghani et al. 2023 (ViT-22B); Qwen3 and Gemma 3 (RMSNorm over ``head_dim``, per head);
+    OLMo 2 (RMSNorm over the whole projected width ``H * head_dim``, before the head split).
+
+    The scope is ``head_dim`` of each (token, head) with ``per_head=True`` -- weight (D,) shared by
+    all heads -- or all heads of a token at once with ``per_head=False`` -- weight (H * D,) or (H, D),
+    one value per (head, dim), as OLMo 2's ``q_norm`` over ``num_heads * head_dim``. k may have
+    fewer heads than q (grouped-query attention).
+
+    Args:
+        q, k: (B, S, H, D) with ``layout="bshd"`` or (B, H, S, D) with ``"bhsd"`` (any strides: the
+            transposed view of a projection works).
+        q_weight, k_weight: scales; None for none. q_bias, k_bias: shifts (``norm="layer"`` only).
+        eps: added to the mean square. Default: 1e-6 (Qwen3's, Gemma 3's, OLMo 2's).
+        layout: ``"bshd"`` or ``"bhsd"``. Default: ``"bshd"``.
+        per_head: over ``head_dim`` per head (True) or over all heads (False, OLMo 2). Default: True.
+        norm: ``"rms"`` or ``"layer"``. Default: ``"rms"``.
+        weight_offset, casting: as :func:`rms_norm` -- Qwen3 is ``casting="llama"``, Gemma 3
+            ``weight_offset=1.0, casting="gemma"``, OLMo 2 ``per_head=False, casting="gemma"``.
+
+    Returns:
+        ``(q_normed, k_normed)``, each in its input's layout and shape.
+
+    Example::
+
+        >>> q, k = torch.randn(2, 16, 8, 64), torch.randn(2, 16, 2, 64)
+        >>> qn, kn = qk_norm(q, k, torch.ones(64), torch.ones(64), casting="llama")
+    """
+    where = "qk_norm"
+    _tensor(q, "q", where)
+    _tensor(k, "k", where)
+    _choice(layout, "layout", ("bshd", "bhsd"), where)
+    _choice(norm, "norm", ("rms", "layer"), where)
+    _choice(casting, "casting", CASTINGS, where)
+    if not isinstance(per_head, bool):
+        raise TypeError(f"{where}: expected `per_head` to be a bool, got {type(per_head).__name__} {per_head!r}")
+    eps = _eps(eps, where)
+    offset = _offset(weight_offset, where)
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(f"{where}: expected `{name}` of 4 dims ({layout}), got shape {tuple(t.shape)}")
+    h_axis = 2 if layout == "bshd" else 1
+    if q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0] or q.device != k.device:
+        raise ValueError(
+            f"{where}: expected `k` with q's batch and head_dim on q's device (q {tuple(q.shape)} on {q.device}), "
+            f"got {tuple(k.shape)} on {k.device}"
+        )
+    if q.dtype != k.dtype:
+        raise TypeError(f"{where}: expected `k` of q's dtype {q.dtype}, got {k.dtype}")
+    if norm == "rms" and (q_bias is not None or k_bias is not None):
+        raise ValueError(f"{where}: norm='rms' takes no `q_bias`/`k_bias`; use norm='layer'")
+    for name, t, w, b in (("q", q, q_weight, q_bias), ("k", k, k_weight, k_bias)):
+        heads, d = t.shape[h_axis], t.shape[-1]
+        pshape = (d,) if per_head else (heads, d)
+        _optional(w, f"{name}_weight", pshape, t, where)
+        _optional(b, f"{name}_bias", pshape, t, where)
+    if casting != "llama" and requested_backend(backend) == "triton" and (per_head or layout == "bshd"):
+        # q and k in one launch; rows of head_dim, or of H * head_dim (all heads of a token: adjacent
+        # in (B, S, H, D)); the scale w + offset formed in fp32, the result rounded once
+        from .backends import triton as door
+
+        n = q.shape[-1] if per_head else q.shape[-1] * q.shape[-2]
+        nk = k.shape[-1] if per_head else k.shape[-1] * k.shape[-2]
+        if n == nk:
+            return door.qk_norm(q, k, n, (q_weight, k_weight, q_bias, k_bias), eps, norm == "layer", offset)
+    out = []
+    for t, w, b in ((q, q_weight, q_bias), (k, k_weight, k_bias)):
+        heads, d = t.shape[h_axis], t.shape[-1]
+        if per_head:
+            out.append(_affine_norm(t, _SCOPES[(1, norm == "layer")], w, b, eps, offset, casting, backend))
+            continue
+        # all heads of a token: the scope (H, D) of each (b, s). In (B, H, S, D) those axes are not
+        # adjacent; the transposed view puts them last, so both layouts are one scope and give the
+        # same bits as OLMo 2's norm of the (B, S, H*D) projection
+        tv = t if layout == "bshd" else t.transpose(1, 2)
+        w2 = None if w is None else w.reshape(heads, d)
+        b2 = None if b is None else b.reshape(heads, d)
+        y = _affine_norm(tv, _SCOPES[(2, norm == "layer")], w2, b2, eps, offset, casting, backend)
+        out.append(y if layout == "bshd" else y.transpose(1, 2))
+    return out[0], out[1]
+
+
+# -- PolyNorm: three RMSNorm scopes on the powers of x ---------------------------------------------
+
+
+def poly_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-6, *, backend: str | None = None) -> Tensor:
+    r"""PolyNorm (Zhuo et al. 2024, "Polynomial Composition Activations", PolyCom):
+
+    .. math:: y = w_0\,\mathrm{rms}(x^3) + w_1\,\mathrm{rms}(x^2) + w_2\,\mathrm{rms}(x) + b,
+              \qquad \mathrm{rms}(u) = u / \sqrt{\mathrm{E}[u^2] + \epsilon}
+
+    over the last axis. Each term is the engine's RMSNorm scope on a power of ``x``, computed in
+    fp32 (fp64 for fp64 input) -- ``x^3`` of bf16 input in bf16 would lose most of its bits -- and
+    rounded once to x's dtype.
+
+    Args:
+        x: (\*, D).
+        weight: (3,), the coefficients of ``x^3``, ``x^2``, ``x`` (Liger's and Motif's order).
+        bias: (1,).
+        eps: added to each mean square. Default: 1e-6.
+
+    Example::
+
+        >>> y = poly_norm(torch.randn(4, 64), torch.full((3,), 1 / 3), torch.ones(1))
+    """
+    where = "poly_norm"
+    _tensor(x, "x", where)
+    if x.dim() < 1:
+        raise ValueError(f"{where}: expected `x` with at least 1 dim, got a scalar")
+    for name, t, n in (("weight", weight, 3), ("bias", bias, 1)):
+        _tensor(t, name, where)
+        if t.numel() != n or t.dim() != 1:
+            raise ValueError(f"{where}: expected `{name}` of shape ({n},), got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"{where}: expected `{name}` on {x.device} (x's device), got {t.device}")
+    eps = _eps(eps, where)
+    if requested_backend(backend) == "triton":  # forced: one fused launch, or ValueError saying why
+        from .backends import triton as door
+
+        return door.poly_norm(x, weight, bias, eps)
+    acc = acc_dtype(x.dtype)
+    xf, w = x.to(acc), weight.to(acc)
+    rms = _SCOPES[(1, False)]
+    y = bias.to(acc)
+    for i, p in enumerate((3, 2, 1)):
+        y = y + w[i] * norm(xf**p if p > 1 else xf, rms, None, None, eps, backend=backend)
+    return y.to(x.dtype)
+
+
+# -- Derf: element-wise, like DyT ------------------------------------------------------------------
+
+
+def derf(
+    x: Tensor,
+    alpha: Tensor | float,
+    shift: Tensor | float = 0.0,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    channel_dim: int = -1,
+    *,
+    backend: str | None = None,
+) -> Tensor:
+    r"""Derf, dynamic erf (arXiv 2512.10938, "Stronger Normalization-Free Transformers"):
+
+    .. math:: y = \gamma \odot \mathrm{erf}(\alpha x + s) + \beta
+
+    No statistics (no scope): like DyT, an S-shaped element-wise map that stands in for a norm.
+    Computed in fp32 for half-precision input and rounded once.
+
+    Args:
+        x: any shape with the features at ``channel_dim``.
+        alpha, shift: scalars (Python numbers or one-element tensors, learnable in :class:`Derf`).
+        weight, bias: per-feature :math:`\gamma`, :math:`\beta` (the size of ``channel_dim``), or None.
+        channel_dim: the feature axis. Default: -1.
+        backend: ``"triton"`` runs the fused kernel (features on the last axis); any other value
+            the element-wise torch ops (there are no statistics for the engine to compute).
+
+    Example::
+
+        >>> y = derf(torch.randn(2, 10, 64), torch.tensor([0.5]), torch.tensor([0.0]), torch.ones(64), torch.zeros(64))
+    """
+    where = "derf"
+    _tensor(x, "x", where)
+    if isinstance(channel_dim, bool) or not isinstance(channel_dim, int) or not -x.dim() <= channel_dim < x.dim():
+        raise ValueError(
+            f"{where}: expected `channel_dim` to be an axis of x (shape {tuple(x.shape)}), got {channel_dim!r}"
+        )
+    for name, t in (("alpha", alpha), ("shift", shift)):
+        if isinstance(t, Tensor):
+            if t.numel() != 1:
+                raise ValueError(f"{where}: expected `{name}` to have one element, got shape {tuple(t.shape)}")
+        elif isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise TypeError(f"{where}: expected `{name}` to be a float or a one-element tensor, got {type(t).__name__}")
+    c = x.shape[channel_dim]
+    _optional(weight, "weight", (c,), x, where)
+    _optional(bias, "bias", (c,), x, where)
+    if requested_backend(backend) == "triton":  # forced: the fused kernel, or ValueError saying why
+        if channel_dim not in (-1, x.dim() - 1) or not isinstance(alpha, Tensor) or not isinstance(shift, Tensor):
+            raise ValueError(
+                f"{where}: backend 'triton' runs Derf with the features on the last axis and alpha/shift as "
+                f"tensors, got channel_dim={channel_dim}, alpha {type(alpha).__name__}, shift {type(shift).__name__}"
+            )
+        from .backends import triton as door
+
+        return door.derf(x, alpha, shift, weight, bias)
+    acc = acc_dtype(x.dtype)
+    a = alpha.to(acc).reshape(()) if isinstance(alpha, Tensor) else alpha
+    s = shift.to(acc).reshape(()) if isinstance(shift, Tensor) else shift
+    y = torch.erf(x.to(acc) * a + s)
+    view = [1] * x.dim()
+    view[channel_dim] = c
+    if weight is not None:
+        y = y * weight.to(acc).reshape(view)
+    if bias is not None:
+        y = y + bias.to(acc).reshape(view)
+    return y.to(x.dtype)

@@ -1,0 +1,663 @@
+"""Fused Triton kernels of the modern norms: the modulated (AdaLN) norm, and q + k norm in one launch.
+
+What this covers
+----------------
+``y = norm(x) * (1 + scale) + shift`` over rows of ``N`` unit-stride columns (the last axis), where
+``norm`` is LayerNorm (``CENTERED``) or RMSNorm with an optional per-column weight and bias, and
+``shift``/``scale`` hold one row per ``rows_per`` consecutive rows of x: ``rows_per = S`` for a
+per-sample modulation (B, D) of x (B, S, D), 1 for a per-token one. One read of x, one write of y;
+statistics in fp32, saved (mean, rstd) fp32; the result rounded once to x's dtype -- the
+``casting="fp32"`` semantics of :func:`normscope.functional_modern.modulated_norm`.
+
+Backward: one kernel computes dx and, per row, ``dscale_row = dy * norm(x)`` (fp32); dW/dB are
+per-program fp32 partial rows summed once; dshift/dscale of a per-sample modulation are the
+per-row terms summed over each sample's rows by one fixed-order ``sum`` -- deterministic, no
+atomics (the price: an (M, N) fp32 buffer for dscale's per-row terms).
+
+QK-norm: :func:`qk_rows` normalizes the rows of q and of k (``head_dim`` per head, or the whole
+projected width) in **one** forward launch -- programs ``[0, q blocks)`` take q's rows, the rest
+k's, each with its own weight -- scaled by ``w + weight_offset`` formed in fp32 and rounded once
+(Gemma's casting; Qwen's "llama" casting rounds before scaling and is left to the unfused path).
+Its backward runs the rows kernel's backward once for q and once for k.
+
+PolyNorm (:func:`poly_rows`): the three RMSNorms of ``x^3``, ``x^2``, ``x`` of a row from one read of
+x, powers formed in fp32 (``x^3`` of bf16 input in bf16 would keep 8 bits), one rounding; the
+backward is one launch too, with dW (3,) and dB (1,) as per-program fp32 partials. Derf
+(:func:`derf_rows`): element-wise over rows, the same partial scheme for d alpha, d shift, d gamma,
+d beta.
+
+Limits
+------
+* Rows up to ``config.ROWS_MAX_FUSED_N`` (16K) elements, in registers; longer rows are declined by
+  the door (:mod:`normscope.backends.triton`) with that reason, and run unfused.
+* Offsets are int64 (rows * stride), so tensors past 2^31 elements index correctly.
+* Double backward (``create_graph=True``) differentiates the plain-PyTorch reference instead.
+* Not a ``torch.library`` op yet: ``torch.compile`` graph-breaks around it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import config
+from .rows import _config, _programs, dense, interpreting, rows_bwd, rows_ref, use_kernel
+
+if interpreting():
+    from .rows import _fix_interpreter_index
+
+    _fix_interpreter_index()
+
+__all__ = ["modulated_rows", "modulated_ref", "qk_rows", "poly_rows", "derf_rows"]
+
+
+@triton.jit
+def _mod_fwd_kernel(
+    X, W, B, SHIFT, SCALE, Y, MEAN, RSTD,
+    stride_x, stride_y, stride_shift, stride_scale,
+    M, N, per_shift, per_scale, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTERED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_SCALE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N  # masked lanes count as nothing: the divisions are by N, not BLOCK_N (Liger #518)
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if CENTERED:
+        # shift by the row's first element first (large offsets), as the rows kernel does
+        k = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
+        xk = tl.where(mask, x - k[:, None], 0.0)
+        mk = tl.sum(xk, axis=1) / N
+        mean = k + mk
+        d = tl.where(mask, xk - mk[:, None], 0.0)
+    else:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        d = x
+    rstd = tl.rsqrt(tl.sum(d * d, axis=1) / N + eps)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+    y = d * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SCALE:
+        srow = (rows // per_scale).to(tl.int64)[:, None]
+        y = y * (1.0 + tl.load(SCALE + srow * stride_scale + cols[None, :], mask=mask, other=0.0).to(tl.float32))
+    if HAS_SHIFT:
+        hrow = (rows // per_shift).to(tl.int64)[:, None]
+        y = y + tl.load(SHIFT + hrow * stride_shift + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mod_bwd_kernel(
+    DY, X, W, B, SCALE, MEAN, RSTD, DX, DW, DB, DSC,
+    stride_dy, stride_x, stride_scale, stride_dx,
+    M, N, per_scale, rows_per_prog,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTERED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_prog
+    for start in range(0, rows_per_prog, BLOCK_M):
+        rows = first + start + tl.arange(0, BLOCK_M)
+        rmask = (rows < M) & (start + tl.arange(0, BLOCK_M) < rows_per_prog)
+        mask = rmask[:, None] & cmask[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_SCALE:
+            srow = (rows // per_scale).to(tl.int64)[:, None]
+            sc = tl.load(SCALE + srow * stride_scale + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            n = xhat
+            if HAS_WEIGHT:
+                n = n * w[None, :]
+            if HAS_BIAS:
+                n = n + b[None, :]
+            # d y / d scale = norm(x): the per-row term, summed per sample outside (fixed order)
+            tl.store(DSC + r64 * N + cols[None, :], dy * n, mask=mask)
+            g = dy * (1.0 + sc)
+        else:
+            g = dy
+        db += tl.sum(g, axis=0)
+        dw += tl.sum(g * xhat, axis=0)
+        if HAS_WEIGHT:
+            g = g * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / N
+        dx = g - xhat * c1[:, None]
+        if CENTERED:
+            dx = dx - (tl.sum(g, axis=1) / N)[:, None]
+        dx = dx * rstd[:, None]
+        tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        tl.store(DW + pid.to(tl.int64) * N + cols, dw, mask=cmask)
+    if HAS_BIAS:
+        tl.store(DB + pid.to(tl.int64) * N + cols, db, mask=cmask)
+
+
+def modulated_ref(x, shift, scale, weight, bias, eps, centered, per_shift, per_scale):
+    """The reference next to the kernel, in differentiable torch ops, on the kernel's 2-D views."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    acc = xf.dtype
+    if centered:
+        xf = xf - xf.mean(-1, keepdim=True)
+    n = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        n = n * weight.to(acc)
+    if bias is not None:
+        n = n + bias.to(acc)
+    if scale is not None:
+        n = n * (1 + scale.to(acc).repeat_interleave(per_scale, 0))
+    if shift is not None:
+        n = n + shift.to(acc).repeat_interleave(per_shift, 0)
+    return n.to(x.dtype)
+
+
+class _Modulated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shift, scale, weight, bias, eps, centered, per_shift, per_scale):
+        M, N = x.shape
+        y = torch.empty_like(x)
+        mean = torch.empty(M, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+        block_m, block_n, _, warps = _config(N)
+        _mod_fwd_kernel[(triton.cdiv(M, block_m),)](
+            x, weight if weight is not None else x, bias if bias is not None else x,
+            shift if shift is not None else x, scale if scale is not None else x, y, mean, rstd,
+            x.stride(0), y.stride(0), shift.stride(0) if shift is not None else 0,
+            scale.stride(0) if scale is not None else 0,
+            M, N, per_shift, per_scale, eps,
+            BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, HAS_SHIFT=shift is not None, HAS_SCALE=scale is not None,
+            num_warps=warps,
+        )  # fmt: skip
+        ctx.save_for_backward(x, shift, scale, weight, bias, mean, rstd)
+        ctx.args = (eps, centered, per_shift, per_scale)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, shift, scale, weight, bias, mean, rstd = ctx.saved_tensors
+        eps, centered, per_shift, per_scale = ctx.args
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+            # on the saved inputs themselves, so the gradients stay connected to the caller's graph
+            inputs = (x, shift, scale, weight, bias)
+            with torch.enable_grad():
+                y = modulated_ref(*inputs, eps, centered, per_shift, per_scale)
+            live = [t for t in inputs if t is not None and t.requires_grad]
+            grads = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
+            out = [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+            return (*out, None, None, None, None)
+        M, N = x.shape
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()  # a stride-0 gradient from .sum() (QuACK #88)
+        dx = torch.empty_like(x)
+        block_m, block_n, _, warps = _config(N)
+        blocks = triton.cdiv(M, block_m)
+        progs = _programs(x, blocks, config.ROWS_BWD_PROGRAMS_PER_SM)
+        rows_per_prog = triton.cdiv(blocks, progs) * block_m
+        progs = triton.cdiv(M, rows_per_prog)
+        dw = torch.empty((progs, N), dtype=torch.float32, device=x.device) if weight is not None else None
+        db = torch.empty((progs, N), dtype=torch.float32, device=x.device) if bias is not None else None
+        dsc = torch.empty((M, N), dtype=torch.float32, device=x.device) if scale is not None else None
+        _mod_bwd_kernel[(progs,)](
+            dy, x, weight if weight is not None else x, bias if bias is not None else x,
+            scale if scale is not None else x, mean, rstd, dx,
+            dw if dw is not None else dx, db if db is not None else dx, dsc if dsc is not None else dx,
+            dy.stride(0), x.stride(0), scale.stride(0) if scale is not None else 0, dx.stride(0),
+            M, N, per_scale, rows_per_prog,
+            BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, num_warps=warps,
+        )  # fmt: skip
+        d_shift = d_scale = None
+        need = ctx.needs_input_grad
+        if shift is not None and need[1]:  # fixed-order sums over each sample's rows: deterministic
+            d_shift = dy.float().reshape(-1, per_shift, N).sum(1).to(shift.dtype)
+        if scale is not None and need[2]:
+            d_scale = dsc.reshape(-1, per_scale, N).sum(1).to(scale.dtype)
+        d_w = dw.sum(0).to(weight.dtype) if weight is not None and need[3] else None
+        d_b = db.sum(0).to(bias.dtype) if bias is not None and need[4] else None
+        return dx, d_shift, d_scale, d_w, d_b, None, None, None, None
+
+
+def modulated_rows(
+    x: Tensor,
+    shift: Tensor | None,
+    scale: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    centered: bool,
+) -> Tensor:
+    """``norm(x) * (1 + scale) + shift`` over x's last axis; ``shift``/``scale`` per sample (B, N)
+    or per token (x's shape). Inputs are assumed checked (the door, :mod:`normscope.backends.triton`)."""
+    shape, N = x.shape, x.shape[-1]
+    x2 = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, N)
+    M = x2.shape[0]
+
+    def rowwise(t: Tensor | None) -> tuple[Tensor | None, int]:
+        if t is None:
+            return None, 1
+        per = 1 if tuple(t.shape) == tuple(shape) else M // t.shape[0]
+        t2 = t.reshape(-1, N)
+        return (t2 if t2.stride(-1) == 1 else t2.contiguous()), per
+
+    (sh, per_shift), (sc, per_scale) = rowwise(shift), rowwise(scale)
+    if not use_kernel(x2):
+        return modulated_ref(x2, sh, sc, weight, bias, eps, centered, per_shift, per_scale).view(shape)
+    return _Modulated.apply(
+        x2, sh, sc, dense(weight), dense(bias), float(eps), bool(centered), per_shift, per_scale
+    ).view(shape)
+
+
+@triton.jit
+def _rows_block(
+    X, W, B, Y, MEAN, RSTD, stride_x, stride_y, M, N, eps, w_offset, blk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTERED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """One block of BLOCK_M rows: statistics in fp32, scale (w + offset) in fp32, one rounding."""
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if CENTERED:
+        k = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
+        xk = tl.where(mask, x - k[:, None], 0.0)
+        mk = tl.sum(xk, axis=1) / N
+        mean = k + mk
+        d = tl.where(mask, xk - mk[:, None], 0.0)
+    else:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        d = x
+    rstd = tl.rsqrt(tl.sum(d * d, axis=1) / N + eps)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+    y = d * rstd[:, None]
+    if HAS_WEIGHT:
+        y = y * (tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_fwd_kernel(
+    Q, K, WQ, WK, BQ, BK, YQ, YK, MEANQ, RSTDQ, MEANK, RSTDK,
+    stride_q, stride_k, stride_yq, stride_yk, Mq, Mk, N, eps, w_offset, q_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTERED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if pid < q_blocks:
+        _rows_block(Q, WQ, BQ, YQ, MEANQ, RSTDQ, stride_q, stride_yq, Mq, N, eps, w_offset, pid,
+                    BLOCK_M, BLOCK_N, CENTERED, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+    else:
+        _rows_block(K, WK, BK, YK, MEANK, RSTDK, stride_k, stride_yk, Mk, N, eps, w_offset, pid - q_blocks,
+                    BLOCK_M, BLOCK_N, CENTERED, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+
+
+class _QK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, wq, wk, bq, bk, eps, centered, weight_offset):
+        (Mq, N), Mk = q.shape, k.shape[0]
+        yq, yk = torch.empty_like(q), torch.empty_like(k)
+        stats = [torch.empty(m, dtype=torch.float32, device=q.device) for m in (Mq, Mq, Mk, Mk)]
+        block_m, block_n, _, warps = _config(N)
+        q_blocks = triton.cdiv(Mq, block_m)
+        has_w, has_b = wq is not None, bq is not None
+        _qk_fwd_kernel[(q_blocks + triton.cdiv(Mk, block_m),)](
+            q, k, wq if has_w else q, wk if has_w else k, bq if has_b else q, bk if has_b else k, yq, yk, *stats,
+            q.stride(0), k.stride(0), yq.stride(0), yk.stride(0), Mq, Mk, N, eps, weight_offset, q_blocks,
+            BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=has_w, HAS_BIAS=has_b,
+            num_warps=warps,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, wq, wk, bq, bk, *stats)
+        ctx.args = (eps, centered, weight_offset, has_b)
+        return yq, yk
+
+    @staticmethod
+    def backward(ctx, dyq, dyk):
+        q, k, wq, wk, bq, bk, mq, rq, mk, rk = ctx.saved_tensors
+        eps, centered, offset, has_b = ctx.args
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+            out = []
+            for x, w, b, dy in ((q, wq, bq, dyq), (k, wk, bk, dyk)):
+                ins = (x, w, b)
+                live = [t for t in ins if t is not None and t.requires_grad]
+                with torch.enable_grad():
+                    y = rows_ref(x, w, b, eps, centered, weight_offset=offset)[0]
+                if dy is None:
+                    dy = torch.zeros_like(y)
+                g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True) if live else ())
+                out.append([next(g) if t is not None and t.requires_grad else None for t in ins])
+            (dq, dwq, dbq), (dk, dwk, dbk) = out
+            return dq, dk, dwq, dwk, dbq, dbk, None, None, None
+        grads = []
+        for x, w, m, r, dy in ((q, wq, mq, rq, dyq), (k, wk, mk, rk, dyk)):
+            if dy is None:
+                dy = torch.zeros_like(x)
+            dy = dy if dy.stride(-1) == 1 else dy.contiguous()  # stride 0 from .sum() (QuACK #88)
+            grads.append(rows_bwd(dy.contiguous(), None, x, w, m, r, centered, has_b, offset))
+        (dq, dwq, dbq), (dk, dwk, dbk) = grads
+        cast = lambda t, like: t.to(like.dtype) if like is not None else None  # noqa: E731
+        return dq, dk, cast(dwq, wq), cast(dwk, wk), cast(dbq, bq), cast(dbk, bk), None, None, None
+
+
+def qk_rows(
+    q: Tensor,
+    k: Tensor,
+    n: int,
+    wq: Tensor | None,
+    wk: Tensor | None,
+    bq: Tensor | None,
+    bk: Tensor | None,
+    eps: float,
+    centered: bool,
+    weight_offset: float,
+) -> tuple[Tensor, Tensor]:
+    """q and k normalized over rows of their last ``n`` elements, in one forward launch. Inputs are
+    assumed checked by the door."""
+    shapes = q.shape, k.shape
+    q2, k2 = (t.contiguous().reshape(-1, n) for t in (q, k))  # a transposed (B, H, S, D) view is copied once
+    ws = [dense(t) for t in (wq, wk, bq, bk)]
+    if not use_kernel(q2):
+        yq = rows_ref(q2, ws[0], ws[2], eps, centered, weight_offset=weight_offset)[0]
+        yk = rows_ref(k2, ws[1], ws[3], eps, centered, weight_offset=weight_offset)[0]
+    else:
+        yq, yk = _QK.apply(q2, k2, *ws, float(eps), bool(centered), float(weight_offset))
+    return yq.view(shapes[0]), yk.view(shapes[1])
+
+
+# -- PolyNorm --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _poly_fwd_kernel(
+    X, W, B, Y, RSTD, stride_x, stride_y, M, N, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x1 = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = x1 * x1
+    x3 = x2 * x1
+    r3 = tl.rsqrt(tl.sum(x3 * x3, axis=1) / N + eps)
+    r2 = tl.rsqrt(tl.sum(x2 * x2, axis=1) / N + eps)
+    r1 = tl.rsqrt(tl.sum(x1 * x1, axis=1) / N + eps)
+    tl.store(RSTD + rows * 3, r3, mask=rmask)
+    tl.store(RSTD + rows * 3 + 1, r2, mask=rmask)
+    tl.store(RSTD + rows * 3 + 2, r1, mask=rmask)
+    w0 = tl.load(W).to(tl.float32)
+    w1 = tl.load(W + 1).to(tl.float32)
+    w2 = tl.load(W + 2).to(tl.float32)
+    b = tl.load(B).to(tl.float32)
+    y = w0 * (x3 * r3[:, None]) + w1 * (x2 * r2[:, None]) + w2 * (x1 * r1[:, None]) + b
+    tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_dx(u, r, g, N):
+    """d/du of u * r (r = rsqrt(mean(u^2) + eps)) applied to the upstream g: r * (g - uhat * mean(g * uhat))."""
+    uhat = u * r[:, None]
+    return r[:, None] * (g - uhat * (tl.sum(g * uhat, axis=1) / N)[:, None]), uhat
+
+
+@triton.jit
+def _poly_bwd_kernel(
+    DY, X, W, RSTD, DX, DWB, stride_dy, stride_x, stride_dx, M, N, rows_per_prog,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    w0 = tl.load(W).to(tl.float32)
+    w1 = tl.load(W + 1).to(tl.float32)
+    w2 = tl.load(W + 2).to(tl.float32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)  # column partials of dw0, dw1, dw2, db, reduced last
+    a3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_prog
+    for start in range(0, rows_per_prog, BLOCK_M):
+        rows = first + start + tl.arange(0, BLOCK_M)
+        rmask = (rows < M) & (start + tl.arange(0, BLOCK_M) < rows_per_prog)
+        mask = rmask[:, None] & cmask[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x1 = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r3 = tl.load(RSTD + rows * 3, mask=rmask, other=0.0)
+        r2 = tl.load(RSTD + rows * 3 + 1, mask=rmask, other=0.0)
+        r1 = tl.load(RSTD + rows * 3 + 2, mask=rmask, other=0.0)
+        x2 = x1 * x1
+        d3, h3 = _rms_dx(x2 * x1, r3, w0 * dy, N)
+        d2, h2 = _rms_dx(x2, r2, w1 * dy, N)
+        d1, h1 = _rms_dx(x1, r1, w2 * dy, N)
+        dx = 3.0 * x2 * d3 + 2.0 * x1 * d2 + d1
+        tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        a3 += tl.sum(dy * h3, axis=0)
+        a2 += tl.sum(dy * h2, axis=0)
+        a1 += tl.sum(dy * h1, axis=0)
+        acc += tl.sum(dy, axis=0)
+    base = DWB + pid.to(tl.int64) * 4
+    tl.store(base, tl.sum(a3, axis=0))
+    tl.store(base + 1, tl.sum(a2, axis=0))
+    tl.store(base + 2, tl.sum(a1, axis=0))
+    tl.store(base + 3, tl.sum(acc, axis=0))
+
+
+def poly_ref(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    xf = x.float() if x.dtype != torch.float64 else x
+    w = weight.to(xf.dtype)
+
+    def rms(u: Tensor) -> Tensor:
+        return u * torch.rsqrt(u.square().mean(-1, keepdim=True) + eps)
+
+    return (w[0] * rms(xf**3) + w[1] * rms(xf**2) + w[2] * rms(xf) + bias.to(xf.dtype)).to(x.dtype)
+
+
+def _bwd_grid(x: Tensor, M: int, block_m: int) -> tuple[int, int]:
+    blocks = triton.cdiv(M, block_m)
+    progs = _programs(x, blocks, config.ROWS_BWD_PROGRAMS_PER_SM)
+    rows_per_prog = triton.cdiv(blocks, progs) * block_m
+    return triton.cdiv(M, rows_per_prog), rows_per_prog
+
+
+class _Poly(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        M, N = x.shape
+        y = torch.empty_like(x)
+        rstd = torch.empty((M, 3), dtype=torch.float32, device=x.device)
+        block_m, block_n, _, warps = _config(N)
+        _poly_fwd_kernel[(triton.cdiv(M, block_m),)](
+            x, weight, bias, y, rstd, x.stride(0), y.stride(0), M, N, eps,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )  # fmt: skip
+        ctx.save_for_backward(x, weight, bias, rstd)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+            ins = (x, weight, bias)
+            live = [t for t in ins if t.requires_grad]
+            with torch.enable_grad():
+                y = poly_ref(x, weight, bias, ctx.eps)
+            g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
+            return (*[next(g) if t.requires_grad else None for t in ins], None)
+        M, N = x.shape
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dx = torch.empty_like(x)
+        block_m, block_n, _, warps = _config(N)
+        progs, rows_per_prog = _bwd_grid(x, M, block_m)
+        part = torch.empty((progs, 4), dtype=torch.float32, device=x.device)
+        _poly_bwd_kernel[(progs,)](
+            dy, x, weight, rstd, dx, part, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_prog,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )  # fmt: skip
+        total = part.sum(0)  # the fixed-order second stage of the dW/dB reduction
+        return dx, total[:3].to(weight.dtype), total[3:].to(bias.dtype), None
+
+
+def poly_rows(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """PolyNorm over x's last axis (inputs assumed checked by the door)."""
+    shape, N = x.shape, x.shape[-1]
+    x2 = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, N)
+    w, b = dense(weight), dense(bias)
+    if not use_kernel(x2):
+        return poly_ref(x2, w, b, eps).view(shape)
+    return _Poly.apply(x2, w, b, float(eps)).view(shape)
+
+
+# -- Derf ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _derf_fwd_kernel(
+    X, A, S, W, B, Y, stride_x, stride_y, M, N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    mask = (rows < M)[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = tl.math.erf(x * tl.load(A).to(tl.float32) + tl.load(S).to(tl.float32))
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _derf_bwd_kernel(
+    DY, X, A, S, W, DX, DWB, DAS, stride_dy, stride_x, stride_dx, M, N, rows_per_prog,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    a = tl.load(A).to(tl.float32)
+    s = tl.load(S).to(tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    da = tl.zeros([BLOCK_N], dtype=tl.float32)
+    ds = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid * rows_per_prog
+    for start in range(0, rows_per_prog, BLOCK_M):
+        rows = first + start + tl.arange(0, BLOCK_M)
+        rmask = (rows < M) & (start + tl.arange(0, BLOCK_M) < rows_per_prog)
+        mask = rmask[:, None] & cmask[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = x * a + s
+        g = dy
+        if HAS_WEIGHT:
+            dw += tl.sum(dy * tl.math.erf(z), axis=0)
+            db += tl.sum(dy, axis=0)
+            g = dy * w[None, :]
+        dz = tl.where(mask, g * 1.1283791670955126 * tl.exp(-z * z), 0.0)  # erf'(z) = 2/sqrt(pi) e^(-z^2)
+        da += tl.sum(dz * x, axis=0)
+        ds += tl.sum(dz, axis=0)
+        tl.store(DX + r64 * stride_dx + cols[None, :], (dz * a).to(DX.dtype.element_ty), mask=mask)
+    p64 = pid.to(tl.int64)
+    if HAS_WEIGHT:
+        tl.store(DWB + p64 * 2 * N + cols, dw, mask=cmask)
+        tl.store(DWB + p64 * 2 * N + N + cols, db, mask=cmask)
+    tl.store(DAS + p64 * 2, tl.sum(da, axis=0))
+    tl.store(DAS + p64 * 2 + 1, tl.sum(ds, axis=0))
+
+
+def derf_ref(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = torch.erf(x.to(acc) * alpha.to(acc).reshape(()) + shift.to(acc).reshape(()))
+    if weight is not None:
+        y = y * weight.to(acc) + bias.to(acc)
+    return y.to(x.dtype)
+
+
+class _Derf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, alpha, shift, weight, bias):
+        M, N = x.shape
+        y = torch.empty_like(x)
+        block_m, block_n, _, warps = _config(N)
+        has_w = weight is not None
+        _derf_fwd_kernel[(triton.cdiv(M, block_m),)](
+            x, alpha, shift, weight if has_w else x, bias if has_w else x, y, x.stride(0), y.stride(0), M, N,
+            BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=has_w, num_warps=warps,
+        )  # fmt: skip
+        ctx.save_for_backward(x, alpha, shift, weight, bias)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, alpha, shift, weight, bias = ctx.saved_tensors
+        ins = (x, alpha, shift, weight, bias)
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+            live = [t for t in ins if t is not None and t.requires_grad]
+            with torch.enable_grad():
+                y = derf_ref(*ins)
+            g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
+            return tuple(next(g) if t is not None and t.requires_grad else None for t in ins)
+        M, N = x.shape
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dx = torch.empty_like(x)
+        block_m, block_n, _, warps = _config(N)
+        progs, rows_per_prog = _bwd_grid(x, M, block_m)
+        has_w = weight is not None
+        dwb = torch.empty((progs, 2, N), dtype=torch.float32, device=x.device) if has_w else None
+        das = torch.empty((progs, 2), dtype=torch.float32, device=x.device)
+        _derf_bwd_kernel[(progs,)](
+            dy, x, alpha, shift, weight if has_w else x, dx, dwb if has_w else das, das,
+            dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_prog,
+            BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=has_w, num_warps=warps,
+        )  # fmt: skip
+        d_as = das.sum(0)  # fixed-order second stage: deterministic
+        d_alpha, d_shift = d_as[:1].to(alpha.dtype), d_as[1:].to(shift.dtype)
+        if not has_w:
+            return dx, d_alpha, d_shift, None, None
+        dwb = dwb.sum(0)
+        return dx, d_alpha, d_shift, dwb[0].to(weight.dtype), dwb[1].to(bias.dtype)
+
+
+def derf_rows(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """Derf over x with the features on the last axis (inputs assumed checked by the door)."""
+    shape, N = x.shape, x.shape[-1]
+    x2 = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, N)
+    a, s, w, b = (dense(t) for t in (alpha, shift, weight, bias))
+    if not use_kernel(x2):
+        return derf_ref(x2, a, s, w, b).view(shape)
+    return _Derf.apply(x2, a, s, w, b).view(shape)

@@ -1,0 +1,341 @@
+"""Layers for the norms of 2023-2026 models: AdaLN / AdaLN-Zero, QK-norm, PolyNorm, Derf.
+
+Each layer holds parameters and calls one function of :mod:`normscope.functional_modern`, where
+the norm is a configuration of the engine. Papers: Peebles & Xie 2023 (DiT, adaLN-Zero);
+Dehghani et al. 2023 (ViT-22B, QK-norm); Zhuo et al. 2024 (PolyCom, PolyNorm); arXiv 2512.10938
+(Derf, "Stronger Normalization-Free Transformers").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as TF
+
+from .. import functional_modern as FM
+
+__all__ = ["AdaLayerNorm", "QKNorm", "PolyNorm", "Derf"]
+
+
+def _positive_int(v: object, name: str, where: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{where}: expected `{name}` to be a positive int, got {v!r}")
+    return v
+
+
+class AdaLayerNorm(nn.Module):
+    r"""Adaptive LayerNorm (adaLN, adaLN-Zero) of DiT: a norm whose affine comes from a condition.
+
+    .. math::
+        (\text{shift}, \text{scale}[, \text{gate}]) = \mathrm{Linear}(\mathrm{SiLU}(c)), \qquad
+        y = \mathrm{Norm}(x) \odot (1 + \text{scale}) + \text{shift}
+
+    The projection is zero-initialised (adaLN-Zero: the block starts as the identity, since the
+    gate that multiplies the branch output starts at 0). With ``gate=True`` the forward returns
+    ``(y, gate)``; the caller computes ``x + gate * f(y)``. A condition (B, cond_dim) modulates
+    per sample, one (B, S, cond_dim) per token.
+
+    Args:
+        embedding_dim: D, the size of x's last axis.
+        cond_dim: size of the conditioning vector.
+        gate: also project a gate (adaLN-Zero). Default: False.
+        norm: ``"layer"`` or ``"rms"``. Default: ``"layer"``.
+        eps: added to the variance. Default: 1e-6 (DiT's).
+        elementwise_affine: the norm's own weight (and bias for ``"layer"``) before the modulation,
+            as diffusers' ``AdaLayerNormContinuous``. Default: False (DiT).
+        bias: the projection has a bias. Default: True.
+        order: the order of the chunks of the projection: ``"shift_scale"`` (DiT, diffusers'
+            ``AdaLayerNormZero``: shift, scale[, gate]) or ``"scale_shift"`` (diffusers'
+            ``AdaLayerNormContinuous``). Default: ``"shift_scale"``.
+        zero_init: zero the projection's weight and bias. Default: True.
+        casting: ``"fp32"`` (one rounding) or ``"eager"`` (diffusers' per-op rounding); see
+            :func:`normscope.functional_modern.modulated_norm`. Default: ``"fp32"``.
+
+    Parameters and ``state_dict`` keys are diffusers': ``linear.weight``, ``linear.bias`` and,
+    with ``elementwise_affine``, ``norm.weight`` (``norm.bias``).
+
+    Shape:
+        - x: (B, \*, D); cond: (B, cond_dim) or (B, \*, cond_dim) matching x. Output: x's shape
+          (and the gate, (B, D) or per token).
+
+    Example::
+
+        >>> ada = normscope.AdaLayerNorm(64, 128, gate=True)
+        >>> y, gate = ada(torch.randn(2, 16, 64), torch.randn(2, 128))
+    """
+
+    def __init__(
+        self,
+        embedding_dim: int,
+        cond_dim: int,
+        *,
+        gate: bool = False,
+        norm: str = "layer",
+        eps: float = 1e-6,
+        elementwise_affine: bool = False,
+        bias: bool = True,
+        order: str = "shift_scale",
+        zero_init: bool = True,
+        casting: str = "fp32",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        where = "AdaLayerNorm"
+        self.embedding_dim = _positive_int(embedding_dim, "embedding_dim", where)
+        self.cond_dim = _positive_int(cond_dim, "cond_dim", where)
+        for name, v, options in (
+            ("norm", norm, ("layer", "rms")),
+            ("order", order, ("shift_scale", "scale_shift")),
+            ("casting", casting, ("fp32", "eager")),
+        ):
+            if v not in options:
+                raise ValueError(f"{where}: expected `{name}` to be one of {options}, got {v!r}")
+        kw = {"device": device, "dtype": dtype}
+        self.gate, self.norm_type, self.eps, self.order = bool(gate), norm, float(eps), order
+        self.casting, self.zero_init, self.elementwise_affine = casting, bool(zero_init), bool(elementwise_affine)
+        self.linear = nn.Linear(cond_dim, (3 if gate else 2) * embedding_dim, bias=bias, **kw)
+        # a parameter holder named as diffusers' submodule, so state_dicts load both ways; never called
+        self.norm = nn.Module()
+        if elementwise_affine:
+            self.norm.weight = nn.Parameter(torch.ones(embedding_dim, **kw))
+            self.norm.bias = nn.Parameter(torch.zeros(embedding_dim, **kw)) if norm == "layer" else None
+        else:
+            self.norm.weight = self.norm.bias = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.zero_init:
+            nn.init.zeros_(self.linear.weight)
+            if self.linear.bias is not None:
+                nn.init.zeros_(self.linear.bias)
+        else:
+            self.linear.reset_parameters()
+        if self.norm.weight is not None:
+            nn.init.ones_(self.norm.weight)
+        if self.norm.bias is not None:
+            nn.init.zeros_(self.norm.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.embedding_dim}, cond_dim={self.cond_dim}, gate={self.gate}, norm={self.norm_type!r}, "
+            f"eps={self.eps}, elementwise_affine={self.elementwise_affine}, order={self.order!r}, "
+            f"casting={self.casting!r}"
+        )
+
+    def forward(self, x: Tensor, cond: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        if not isinstance(cond, Tensor) or cond.shape[-1:] != (self.cond_dim,):
+            got = tuple(cond.shape) if isinstance(cond, Tensor) else type(cond).__name__
+            raise ValueError(f"AdaLayerNorm: expected `cond` of shape (B, [S,] {self.cond_dim}), got {got}")
+        chunks = self.linear(TF.silu(cond)).chunk(3 if self.gate else 2, dim=-1)
+        shift, scale = chunks[:2] if self.order == "shift_scale" else chunks[1::-1]
+        y = FM.modulated_norm(
+            x, shift, scale, self.norm.weight, self.norm.bias, self.eps, norm=self.norm_type, casting=self.casting
+        )
+        return (y, chunks[2]) if self.gate else y
+
+
+class QKNorm(nn.Module):
+    r"""QK-norm: RMSNorm (or LayerNorm) of queries and keys, per head or over all heads.
+
+    ``QKNorm(head_dim)`` normalizes each head over ``head_dim`` with one (D,) weight for q and one
+    for k (Qwen3, Gemma 3); ``QKNorm(head_dim, num_heads=H, num_kv_heads=Hkv, per_head=False)`` over
+    all heads of a token with (H * D,) and (Hkv * D,) weights (OLMo 2). See
+    :func:`normscope.functional_modern.qk_norm`.
+
+    Args:
+        head_dim: D.
+        num_heads, num_kv_heads: H and Hkv, needed with ``per_head=False``. Default: None.
+        per_head: Default: True.
+        norm: ``"rms"`` or ``"layer"``. Default: ``"rms"``.
+        eps: Default: 1e-6.
+        layout: ``"bshd"`` or ``"bhsd"``. Default: ``"bshd"``.
+        weight_offset: 1.0 for Gemma's ``1 + w`` (then the weights start at 0). Default: 0.0.
+        casting: ``"torch"``, ``"gemma"`` or ``"llama"``. Default: ``"torch"``.
+        elementwise_affine: learnable ``q_weight``/``k_weight`` (and biases for ``"layer"``). Default: True.
+
+    Shape:
+        - q, k: (B, S, H, D) or (B, H, S, D). Output: ``(q_normed, k_normed)``, the same shapes.
+
+    Example::
+
+        >>> qkn = normscope.QKNorm(64, casting="llama")
+        >>> q, k = qkn(torch.randn(2, 16, 8, 64), torch.randn(2, 16, 2, 64))
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        *,
+        per_head: bool = True,
+        norm: str = "rms",
+        eps: float = 1e-6,
+        layout: str = "bshd",
+        weight_offset: float = 0.0,
+        casting: str = "torch",
+        elementwise_affine: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        where = "QKNorm"
+        self.head_dim = _positive_int(head_dim, "head_dim", where)
+        if not per_head:
+            _positive_int(num_heads, "num_heads (needed with per_head=False)", where)
+            num_kv_heads = num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads", where)
+        for name, v, options in (
+            ("norm", norm, ("rms", "layer")),
+            ("layout", layout, ("bshd", "bhsd")),
+            ("casting", casting, FM.CASTINGS),
+        ):
+            if v not in options:
+                raise ValueError(f"{where}: expected `{name}` to be one of {tuple(options)}, got {v!r}")
+        self.num_heads, self.num_kv_heads, self.per_head = num_heads, num_kv_heads, bool(per_head)
+        self.norm_type, self.eps, self.layout = norm, float(eps), layout
+        self.weight_offset, self.casting = float(weight_offset), casting
+        self.elementwise_affine = bool(elementwise_affine)
+        kw = {"device": device, "dtype": dtype}
+        q_n = head_dim if per_head else num_heads * head_dim
+        k_n = head_dim if per_head else num_kv_heads * head_dim
+        for name, n in (("q", q_n), ("k", k_n)):
+            w = nn.Parameter(torch.empty(n, **kw)) if elementwise_affine else None
+            b = nn.Parameter(torch.empty(n, **kw)) if elementwise_affine and norm == "layer" else None
+            self.register_parameter(f"{name}_weight", w)
+            self.register_parameter(f"{name}_bias", b)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # with a weight offset the scale is offset + w: w starts at 1 - offset (0 for Gemma's 1 + w)
+        for p in (self.q_weight, self.k_weight):
+            if p is not None:
+                nn.init.constant_(p, 1.0 - self.weight_offset)
+        for p in (self.q_bias, self.k_bias):
+            if p is not None:
+                nn.init.zeros_(p)
+
+    def extra_repr(self) -> str:
+        heads = "" if self.per_head else f", num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}"
+        return (
+            f"{self.head_dim}{heads}, per_head={self.per_head}, norm={self.norm_type!r}, eps={self.eps}, "
+            f"layout={self.layout!r}, weight_offset={self.weight_offset}, casting={self.casting!r}"
+        )
+
+    def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return FM.qk_norm(
+            q,
+            k,
+            self.q_weight,
+            self.k_weight,
+            self.eps,
+            layout=self.layout,
+            per_head=self.per_head,
+            norm=self.norm_type,
+            q_bias=self.q_bias,
+            k_bias=self.k_bias,
+            weight_offset=self.weight_offset,
+            casting=self.casting,
+        )
+
+
+class PolyNorm(nn.Module):
+    r"""PolyNorm: :math:`y = w_0\,\mathrm{rms}(x^3) + w_1\,\mathrm{rms}(x^2) + w_2\,\mathrm{rms}(x) + b`
+    over the last axis (Zhuo et al. 2024, PolyCom; Motif). See :func:`normscope.functional_modern.poly_norm`.
+
+    Args:
+        num_features: accepted for the registry's "channels first" convention and ignored: PolyNorm's
+            parameters are three coefficients and one bias whatever the width. Default: None.
+        eps: Default: 1e-6.
+
+    Parameters ``weight`` (3,), initialised to 1/3, and ``bias`` (1,), initialised to 1 (PolyCom's
+    and Liger's ``LigerPolyNorm``'s).
+
+    Example::
+
+        >>> y = normscope.PolyNorm()(torch.randn(2, 16, 64))
+    """
+
+    def __init__(self, num_features: int | None = None, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.num_features, self.eps = num_features, float(eps)
+        self.weight = nn.Parameter(torch.empty(3, **kw))
+        self.bias = nn.Parameter(torch.empty(1, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.weight, 1.0 / 3.0)
+        nn.init.ones_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        return FM.poly_norm(x, self.weight, self.bias, self.eps)
+
+
+class Derf(nn.Module):
+    r"""Derf, dynamic erf: :math:`y = \gamma \odot \mathrm{erf}(\alpha x + s) + \beta` (arXiv 2512.10938).
+
+    Like :class:`normscope.DyT` (whose conventions it follows), not a normalization: no statistics;
+    learnable scalars :math:`\alpha` and :math:`s` and per-feature :math:`\gamma`, :math:`\beta`.
+
+    Args:
+        num_features: size of the feature axis.
+        alpha_init: initial :math:`\alpha`. Default: 0.5 (as DyT's).
+        shift_init: initial :math:`s`. Default: 0.0 (the map starts odd, as tanh).
+        channel_dim: the feature axis. Default: -1.
+        affine: learnable ``weight`` (ones) and ``bias`` (zeros). Default: True.
+
+    Shape:
+        - Input: any shape with ``num_features`` at ``channel_dim``. Output: same shape.
+
+    Example::
+
+        >>> y = normscope.Derf(512)(torch.randn(4, 10, 512))
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        alpha_init: float = 0.5,
+        shift_init: float = 0.0,
+        channel_dim: int = -1,
+        affine: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        _positive_int(num_features, "num_features", "Derf")
+        if not isinstance(channel_dim, int) or isinstance(channel_dim, bool):
+            raise TypeError(f"Derf: expected `channel_dim` to be an int, got {channel_dim!r}")
+        kw = {"device": device, "dtype": dtype}
+        self.num_features, self.channel_dim = num_features, channel_dim
+        self.alpha_init, self.shift_init = float(alpha_init), float(shift_init)
+        self.alpha = nn.Parameter(torch.empty(1, **kw))
+        self.shift = nn.Parameter(torch.empty(1, **kw))
+        if affine:
+            self.weight = nn.Parameter(torch.empty(num_features, **kw))
+            self.bias = nn.Parameter(torch.empty(num_features, **kw))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.alpha.fill_(self.alpha_init)
+            self.shift.fill_(self.shift_init)
+            if self.weight is not None:
+                self.weight.fill_(1.0)
+                self.bias.zero_()
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, alpha_init={self.alpha_init}, shift_init={self.shift_init}, "
+            f"channel_dim={self.channel_dim}"
+        )
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FM.derf(input, self.alpha, self.shift, self.weight, self.bias, self.channel_dim)

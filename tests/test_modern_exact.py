@@ -1,0 +1,246 @@
+"""Modern norms bit-for-bit against the modules the model families ship (transformers, diffusers).
+
+Every comparison is ``torch.equal`` in fp32 and bf16: the families' casting orders differ only in
+where they round, and a rounding in the wrong place shows up as a differing last bit. Models are
+tiny and built from configs; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import normscope
+from normscope import functional_modern as FM
+
+transformers = pytest.importorskip("transformers")
+
+DTYPES = [torch.float32, torch.bfloat16]
+WIDTHS = [64, 1536, 33]  # power of two, Liger #518's 1536, odd
+
+
+def _randomize(module: torch.nn.Module, seed: int, std: float = 0.5) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std + (0.0 if p.abs().max() == 0 else 1.0))
+
+
+def _x(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 3 + 0.5).to(dtype)
+
+
+# -- zero-centred weight (Gemma) and Llama's casting -----------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_gemma_rmsnorm_bitwise(family, dtype, width):
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls = getattr(mod, f"{family.capitalize()}RMSNorm")
+    ref = cls(width, eps=1e-6)
+    with torch.no_grad():  # small offsets: the regime where a bf16 1 + w would lose them
+        ref.weight.copy_(torch.randn(width, generator=torch.Generator().manual_seed(1)) * 0.01)
+    ref = ref.to(dtype)
+    x = _x((3, 5, width), dtype)
+    y = FM.rms_norm(x, width, ref.weight, 1e-6, weight_offset=1.0, casting="gemma")
+    assert torch.equal(y, ref(x))
+    assert not torch.equal(FM.rms_norm(x, width, ref.weight, 1e-6, casting="gemma"), ref(x))  # the offset counts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_dtype", DTYPES)
+def test_llama_casting_bitwise(family, dtype, weight_dtype):
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls = next(getattr(mod, n) for n in dir(mod) if n.lower() == f"{family}rmsnorm")
+    ref = cls(1536, eps=1e-5)
+    _randomize(ref, 2)
+    ref = ref.to(weight_dtype)
+    x = _x((2, 7, 1536), dtype)
+    expected = ref(x)
+    y = FM.rms_norm(x, 1536, ref.weight, 1e-5, casting="llama")
+    assert y.dtype == expected.dtype and torch.equal(y, expected)
+
+
+def test_olmo2_rmsnorm_is_gemma_casting_without_offset():
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    for dtype in DTYPES:
+        ref = Olmo2RMSNorm(96, eps=1e-6)
+        _randomize(ref, 3)
+        ref = ref.to(dtype)
+        x = _x((4, 96), dtype)
+        assert torch.equal(FM.rms_norm(x, 96, ref.weight, 1e-6, casting="gemma"), ref(x))
+
+
+# -- QK-norm in the families' attention ------------------------------------------------------------
+
+
+def _attention(family: str, dtype: torch.dtype):
+    import importlib
+
+    cfg_mod = importlib.import_module(f"transformers.models.{family}.configuration_{family}")
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cfg_cls = next(getattr(cfg_mod, n) for n in dir(cfg_mod) if n.lower() == f"{family}config")
+    kw = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        vocab_size=50,
+    )
+    if family == "gemma3":  # Gemma3Config is multimodal; the attention reads the text config
+        cfg_cls = cfg_mod.Gemma3TextConfig
+    cfg = cfg_cls(**kw)
+    attn_cls = next(getattr(mod, n) for n in dir(mod) if n.lower() == f"{family}attention")
+    attn = attn_cls(cfg, layer_idx=0)
+    _randomize(attn, 4, std=0.3)
+    return attn.to(dtype), cfg
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_qwen3_qk_norm_bitwise(dtype, layout):
+    attn, cfg = _attention("qwen3", dtype)
+    h = _x((2, 5, 64), dtype, seed=5)
+    q = attn.q_proj(h).view(2, 5, -1, 16)
+    k = attn.k_proj(h).view(2, 5, -1, 16)
+    expected = attn.q_norm(q), attn.k_norm(k)  # transformers: on (B, S, H, D), then transposed
+    qi, ki = (q, k) if layout == "bshd" else (q.transpose(1, 2), k.transpose(1, 2))
+    qn, kn = FM.qk_norm(
+        qi, ki, attn.q_norm.weight, attn.k_norm.weight, cfg.rms_norm_eps, layout=layout, casting="llama"
+    )
+    if layout == "bhsd":
+        qn, kn = qn.transpose(1, 2), kn.transpose(1, 2)
+    assert torch.equal(qn, expected[0]) and torch.equal(kn, expected[1])
+    # and through the layer, with the family's parameters loaded
+    qkn = normscope.QKNorm(16, eps=cfg.rms_norm_eps, casting="llama", layout=layout, dtype=dtype)
+    qkn.load_state_dict({"q_weight": attn.q_norm.weight, "k_weight": attn.k_norm.weight})
+    qn2, kn2 = qkn(qi, ki)
+    if layout == "bhsd":
+        qn2, kn2 = qn2.transpose(1, 2), kn2.transpose(1, 2)
+    assert torch.equal(qn2, expected[0]) and torch.equal(kn2, expected[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma3_qk_norm_bitwise(dtype):
+    attn, cfg = _attention("gemma3", dtype)
+    with torch.no_grad():  # Gemma's norm weights are offsets around 0
+        for n in (attn.q_norm, attn.k_norm):
+            n.weight.mul_(0.02)
+    h = _x((2, 5, 64), dtype, seed=6)
+    q = attn.q_proj(h).view(2, 5, -1, cfg.head_dim).transpose(1, 2)  # Gemma 3 normalizes (B, H, S, D)
+    k = attn.k_proj(h).view(2, 5, -1, cfg.head_dim).transpose(1, 2)
+    qn, kn = FM.qk_norm(
+        q,
+        k,
+        attn.q_norm.weight,
+        attn.k_norm.weight,
+        cfg.rms_norm_eps,
+        layout="bhsd",
+        weight_offset=1.0,
+        casting="gemma",
+    )
+    assert torch.equal(qn, attn.q_norm(q)) and torch.equal(kn, attn.k_norm(k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_olmo2_full_width_qk_norm_bitwise(dtype, layout):
+    attn, cfg = _attention("olmo2", dtype)
+    h = _x((2, 5, 64), dtype, seed=7)
+    qp, kp = attn.q_proj(h), attn.k_proj(h)
+    expected_q = attn.q_norm(qp).view(2, 5, -1, 16)  # OLMo 2: over H * D, before the head split
+    expected_k = attn.k_norm(kp).view(2, 5, -1, 16)
+    q, k = qp.view(2, 5, -1, 16), kp.view(2, 5, -1, 16)
+    if layout == "bhsd":
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    qn, kn = FM.qk_norm(
+        q,
+        k,
+        attn.q_norm.weight,
+        attn.k_norm.weight,
+        cfg.rms_norm_eps,
+        layout=layout,
+        per_head=False,
+        casting="gemma",
+    )
+    if layout == "bhsd":
+        qn, kn = qn.transpose(1, 2), kn.transpose(1, 2)
+    assert torch.equal(qn, expected_q) and torch.equal(kn, expected_k)
+
+
+# -- diffusers' adaptive norms ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_diffusers_ada_layer_norm_zero_bitwise(dtype, per_token):
+    norm_mod = pytest.importorskip("diffusers.models.normalization")
+    d = 48
+    ref = norm_mod.AdaLayerNormZero(d)
+    _randomize(ref, 8, std=0.2)
+    ref = ref.to(dtype)
+    x, emb = _x((2, 7, d), dtype, seed=9), _x((2, d), dtype, seed=10)
+    y, gate_msa, *_ = ref(x, emb=emb)
+    chunks = ref.linear(ref.silu(emb)).chunk(6, dim=1)
+    ours = FM.modulated_norm(x, chunks[0], chunks[1], casting="eager")
+    assert torch.equal(ours, y)
+    if per_token:  # the same modulation given per token: the same bits
+        expand = [c[:, None].expand(2, 7, d) for c in chunks[:2]]
+        assert torch.equal(FM.modulated_norm(x, *expand, casting="eager"), y)
+    # one rounding (casting="fp32") is never further from the float64 value than diffusers' per-op rounding
+    shift64, scale64 = chunks[0].double()[:, None], chunks[1].double()[:, None]
+    x64 = x.double()
+    n64 = (x64 - x64.mean(-1, keepdim=True)) / torch.sqrt(x64.var(-1, correction=0, keepdim=True) + 1e-6)
+    exact = n64 * (1 + scale64) + shift64
+    one = FM.modulated_norm(x, chunks[0], chunks[1])
+    assert (one.double() - exact).abs().max() <= (y.double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_diffusers_ada_layer_norm_zero_single_layer_bitwise(dtype):
+    norm_mod = pytest.importorskip("diffusers.models.normalization")
+    d = 32
+    ref = norm_mod.AdaLayerNormZeroSingle(d)
+    _randomize(ref, 11, std=0.2)
+    ref = ref.to(dtype)
+    ours = normscope.AdaLayerNorm(d, d, gate=True, casting="eager", dtype=dtype)
+    ours.load_state_dict(ref.state_dict())  # same keys: linear.weight, linear.bias
+    x, emb = _x((3, 4, d), dtype, seed=12), _x((3, d), dtype, seed=13)
+    y_ref, gate_ref = ref(x, emb=emb)
+    y, gate = ours(x, emb)
+    assert torch.equal(y, y_ref) and torch.equal(gate, gate_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_type", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("affine", [False, True])
+def test_diffusers_ada_layer_norm_continuous_layer_bitwise(dtype, norm_type, affine):
+    norm_mod = pytest.importorskip("diffusers.models.normalization")
+    d, c = 40, 24
+    ref = norm_mod.AdaLayerNormContinuous(d, c, elementwise_affine=affine, eps=1e-5, norm_type=norm_type)
+    _randomize(ref, 14, std=0.2)
+    ref = ref.to(dtype)
+    ours = normscope.AdaLayerNorm(
+        d,
+        c,
+        norm="layer" if norm_type == "layer_norm" else "rms",
+        eps=1e-5,
+        elementwise_affine=affine,
+        order="scale_shift",
+        casting="eager",
+        dtype=dtype,
+    )
+    ours.load_state_dict(ref.state_dict())
+    x, cond = _x((2, 6, d), dtype, seed=15), _x((2, c), dtype, seed=16)
+    assert torch.equal(ours(x, cond), ref(x, cond))
