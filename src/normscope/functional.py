@@ -244,10 +244,16 @@ def layer_norm(
     bias: Tensor | None = None,
     eps: float = 1e-5,
     *,
+    weight_offset: float = 0.0,
+    casting: str = "torch",
     backend: str | None = None,
 ) -> Tensor:
     """Layer Normalization over the last ``len(normalized_shape)`` dims, as
-    :func:`torch.nn.functional.layer_norm`."""
+    :func:`torch.nn.functional.layer_norm`; ``weight_offset`` and ``casting`` as in :func:`rms_norm`."""
+    if weight_offset != 0.0 or casting != "torch":
+        return _modern.layer_norm(
+            input, normalized_shape, weight, bias, eps, weight_offset=weight_offset, casting=casting, backend=backend
+        )
     if type(normalized_shape) is list:  # hashable, for the plan's key
         normalized_shape = tuple(normalized_shape)
     settings = ("layer_norm", True, normalized_shape, type(normalized_shape), backend)
@@ -260,13 +266,24 @@ def rms_norm(
     weight: Tensor | None = None,
     eps: float | None = None,
     *,
+    weight_offset: float = 0.0,
+    casting: str = "torch",
     backend: str | None = None,
 ) -> Tensor:
     """Root Mean Square Normalization over the last dims, as :func:`torch.nn.functional.rms_norm`.
 
     ``eps=None`` is the machine epsilon of the dtype the statistics are computed in: fp32's for
     fp16/bf16/fp32 input, fp64's for fp64 input.
+
+    Beyond torch, the modern families' options (see :func:`normscope.functional_modern.rms_norm`):
+    ``weight_offset`` (the scale is ``weight + weight_offset``, formed in fp32: 1.0 is Gemma's
+    ``1 + w``) and ``casting`` (``"torch"``, ``"gemma"``: scale in fp32 and cast last, ``"llama"``:
+    cast, then scale).
     """
+    if weight_offset != 0.0 or casting != "torch":
+        return _modern.rms_norm(
+            input, normalized_shape, weight, eps, weight_offset=weight_offset, casting=casting, backend=backend
+        )
     if type(normalized_shape) is list:  # hashable, for the plan's key
         normalized_shape = tuple(normalized_shape)
     settings = ("rms_norm", False, normalized_shape, type(normalized_shape), backend)
@@ -557,3 +574,9 @@ def fused_add_rms_norm(
 
 
 __all__ += ["fused_add_rms_norm"]
+
+# the modern norms (normscope.functional_modern): imported last, as that module builds on the above
+from . import functional_modern as _modern  # noqa: E402
+from .functional_modern import CASTINGS, derf, modulated_norm, poly_norm, qk_norm  # noqa: E402
+
+__all__ += ["modulated_norm", "qk_norm", "poly_norm", "derf", "CASTINGS"]

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import functional as F
 from .engine import norm, requested_backend
 from .reference import acc_dtype
 from .scope import Resolved, Scope
@@ -98,6 +99,25 @@ def _view(p: Tensor, s: Resolved) -> Tensor:
 # -- zero-centred weight and the families' casting orders ------------------------------------------
 
 
+_TRAILING = {scope: key for key, scope in _SCOPES.items()}  # (axes, centered) of the trailing-axes scopes
+
+
+def _normalized(
+    x: Tensor, scope: Scope | Resolved, weight: Tensor | None, bias: Tensor | None, eps: float, backend: str | None
+) -> Tensor:
+    """``engine.norm(x, scope, weight, bias, eps)``; for the trailing-axes scopes through
+    :func:`normscope.functional.layer_norm` / :func:`~normscope.functional.rms_norm`, the one hot
+    path (:mod:`normscope.hot`): planned once per call signature, as every layer is."""
+    found = _TRAILING.get(scope) if isinstance(scope, Scope) else None
+    if found is not None and x.dim() >= found[0]:
+        shape = tuple(x.shape[-found[0] :])
+        if found[1]:
+            return F.layer_norm(x, shape, weight, bias, eps, backend=backend)
+        if bias is None:
+            return F.rms_norm(x, shape, weight, eps, backend=backend)
+    return norm(x, scope, weight, bias, eps, backend=backend)
+
+
 def _affine_norm(
     x: Tensor,
     scope: Scope,
@@ -120,7 +140,7 @@ def _affine_norm(
       diffusers' RMSNorm (``w * (x32 * rstd).to(x.dtype)``).
     """
     if casting == "torch" and weight_offset == 0.0:
-        return norm(x, scope, weight, bias, eps, backend=backend)
+        return _normalized(x, scope, weight, bias, eps, backend)
     acc = acc_dtype(x.dtype)
     s = scope.resolve(tuple(x.shape))
     if casting != "llama" and requested_backend(backend) == "triton":
@@ -130,7 +150,7 @@ def _affine_norm(
         n = _prod([s.shape[d] for d in s.reduce])
         return door.offset_rows_norm(x, n, weight, bias, eps, s.centered, weight_offset)
     if casting == "llama":
-        y = norm(x.to(acc), s, None, None, eps, backend=backend).to(x.dtype)
+        y = _normalized(x.to(acc), scope, None, None, eps, backend).to(x.dtype)
         if weight is not None:
             if weight_offset == 0.0:
                 y = _view(weight, s) * y
@@ -140,7 +160,7 @@ def _affine_norm(
         if bias is not None:
             y = y + _view(bias, s)
         return y
-    y = norm(x.to(acc), s, None, None, eps, backend=backend)
+    y = _normalized(x.to(acc), scope, None, None, eps, backend)
     if weight is not None:
         y = y * (_view(weight, s).to(acc) + weight_offset)
     if bias is not None:
@@ -479,7 +499,7 @@ def poly_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-6, *, bac
     rms = _SCOPES[(1, False)]
     y = bias.to(acc)
     for i, p in enumerate((3, 2, 1)):
-        y = y + w[i] * norm(xf**p if p > 1 else xf, rms, None, None, eps, backend=backend)
+        y = y + w[i] * _normalized(xf**p if p > 1 else xf, rms, None, None, eps, backend)
     return y.to(x.dtype)
 
 

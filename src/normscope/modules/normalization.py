@@ -4,17 +4,56 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor, nn
 
 from .. import _checks as check
 from .. import functional as F
+from .. import functional_modern as FM
 from .. import hot
 
 _WB = ("weight", "bias")
 _W = ("weight",)
 
 
-class LayerNorm(nn.LayerNorm):
+class _FamilyOptions:
+    """The options of LayerNorm and RMSNorm that model families of 2023-2026 use (see
+    :func:`normscope.functional_modern.rms_norm`): ``weight_offset`` -- the scale is ``weight +
+    weight_offset``, formed in fp32; Gemma's ``1 + w`` is 1.0 (Transformer Engine's
+    ``zero_centered_gamma``, Liger's ``offset``, QuACK's ``weight_offset``), and the weight then starts
+    at ``1 - weight_offset`` so the layer starts as the identity scale -- and ``casting``: ``"torch"``,
+    ``"gemma"`` (normalize and scale in fp32, cast last: Gemma, Gemma 2/3, OLMo 2) or ``"llama"``
+    (normalize in fp32, cast to the input dtype, then scale: Llama, Mistral, Qwen 2/3). The defaults
+    are torch's layer, with torch's state_dict and repr."""
+
+    weight_offset: float = 0.0  # class attributes: the defaults add nothing to __dict__, state or repr
+    casting: str = "torch"
+
+    def _set_family(self, weight_offset: float, casting: str) -> None:
+        name = type(self).__name__
+        if not isinstance(weight_offset, (int, float)) or isinstance(weight_offset, bool):
+            raise TypeError(f"{name}: expected `weight_offset` to be a float, got {weight_offset!r}")
+        if casting not in FM.CASTINGS:
+            raise ValueError(f"{name}: expected `casting` to be one of {list(FM.CASTINGS)}, got {casting!r}")
+        if weight_offset != 0.0 or casting != "torch":
+            self.weight_offset, self.casting = float(weight_offset), casting
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        w = getattr(self, "weight", None)
+        if self.weight_offset and w is not None:
+            with torch.no_grad():
+                w.fill_(1.0 - self.weight_offset)
+
+    def extra_repr(self) -> str:
+        s = super().extra_repr()
+        if self.weight_offset:
+            s += f", weight_offset={self.weight_offset}"
+        return s if self.casting == "torch" else f"{s}, casting={self.casting!r}"
+
+
+class LayerNorm(_FamilyOptions, nn.LayerNorm):
     r"""Layer Normalization over the last ``len(normalized_shape)`` dims of each sample.
 
     Paper: Ba et al. 2016, "Layer Normalization". Scope: :meth:`normscope.Scope.layer`.
@@ -26,6 +65,8 @@ class LayerNorm(nn.LayerNorm):
         eps: added to the variance. Default: 1e-5.
         elementwise_affine: learnable per-element ``weight`` (ones) and ``bias`` (zeros). Default: True.
         bias: with ``elementwise_affine``, whether to learn the bias too. Default: True.
+        weight_offset, casting: a model family's zero-centred weight and casting order (keyword
+            only; see :class:`RMSNorm`). Default: 0.0, ``"torch"``.
 
     Shape:
         - Input: (*, normalized_shape). Output: same shape.
@@ -44,18 +85,24 @@ class LayerNorm(nn.LayerNorm):
         bias: bool = True,
         device=None,
         dtype=None,
+        *,
+        weight_offset: float = 0.0,
+        casting: str = "torch",
     ) -> None:
         shape = check.normalized_shape(normalized_shape, "LayerNorm")
         super().__init__(shape, eps, elementwise_affine, bias, device, dtype)
+        self._set_family(weight_offset, casting)
 
     def forward(self, input: Tensor) -> Tensor:
         w, b = hot.tensors(self, _WB)
         shape = self.normalized_shape
+        if self.weight_offset or self.casting != "torch":
+            return FM.layer_norm(input, shape, w, b, self.eps, weight_offset=self.weight_offset, casting=self.casting)
         settings = ("layer_norm", True, shape, type(shape), None)
         return hot.call(F._LAYER_NORM, settings, input, w, b, self.eps)
 
 
-class RMSNorm(nn.RMSNorm):
+class RMSNorm(_FamilyOptions, nn.RMSNorm):
     r"""Root Mean Square Normalization: LayerNorm without the mean and the bias.
 
     Paper: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization".
@@ -68,6 +115,15 @@ class RMSNorm(nn.RMSNorm):
         eps: added to the mean square. Default: None, the machine epsilon of the compute dtype
             (fp32's for fp16/bf16/fp32 input).
         elementwise_affine: learnable per-element ``weight`` (ones). Default: True.
+        weight_offset: keyword only; the scale is ``weight + weight_offset``, formed in fp32 (1.0:
+            Gemma's ``1 + w``, Transformer Engine's ``zero_centered_gamma``); the weight then starts
+            at ``1 - weight_offset``. Default: 0.0.
+        casting: keyword only; where the result is rounded to the input dtype: ``"torch"``,
+            ``"gemma"`` (normalize and scale in fp32, cast last) or ``"llama"`` (normalize in fp32,
+            cast, then scale). Default: ``"torch"``.
+
+    Gemma's RMSNorm is ``RMSNorm(d, eps=1e-6, weight_offset=1.0, casting="gemma")``; Llama's, Mistral's
+    and Qwen's ``RMSNorm(d, eps=1e-6, casting="llama")``.
 
     Shape:
         - Input: (*, normalized_shape). Output: same shape.
@@ -80,13 +136,19 @@ class RMSNorm(nn.RMSNorm):
         elementwise_affine: bool = True,
         device=None,
         dtype=None,
+        *,
+        weight_offset: float = 0.0,
+        casting: str = "torch",
     ) -> None:
         shape = check.normalized_shape(normalized_shape, "RMSNorm")
         super().__init__(shape, eps, elementwise_affine, device, dtype)
+        self._set_family(weight_offset, casting)
 
     def forward(self, x: Tensor) -> Tensor:
         (w,) = hot.tensors(self, _W)
         shape = self.normalized_shape
+        if self.weight_offset or self.casting != "torch":
+            return FM.rms_norm(x, shape, w, self.eps, weight_offset=self.weight_offset, casting=self.casting)
         settings = ("rms_norm", False, shape, type(shape), None)
         return hot.call(F._RMS_NORM, settings, x, w, None, self.eps)
 
