@@ -379,3 +379,60 @@ def test_reference_normalize_with_hostile_padding(kind):
     assert torch.count_nonzero(xh.grad[~mask_c]) == 0
     torch.testing.assert_close(layer.weight.grad, gw64.float(), **TOL)
     torch.testing.assert_close(layer.bias.grad, gb64.float(), **TOL)
+
+
+# -- the other layers taking a mask: BatchRenorm, PowerNorm, SyncBatchNorm (one process) -------------
+
+NEEDS_MODULES_MASK = pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "modules/renorm.py and modules/powernorm.py (not this change's to edit) apply the statistics "
+        "without the mask (engine.apply has no mask argument) and PowerNorm averages with t * mask: "
+        "non-finite padding gives 0 * inf = NaN gradients (and a NaN ema_gz). See the report of issue 24"
+    ),
+)
+
+
+def _padding_has_no_influence(make, shape, channel_dim, padding):
+    """The same layer on the input with zero padding and with hostile padding: equal valid outputs,
+    gradients, parameter gradients and state; padded inputs get no gradient."""
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 2 + 1
+    n = shape[0]
+    mask = _mask(n, *(shape[1:-1] if channel_dim == -1 else shape[2:]))
+    results = []
+    for values in ([0.0], PADDINGS[padding]):
+        torch.manual_seed(1)
+        layer = make()
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+        xh = _hostile(x, mask, channel_dim, values).requires_grad_()
+        y = layer(xh, mask)
+        mask_c = mask.unsqueeze(channel_dim if channel_dim == 1 else -1).expand_as(y)
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+        (torch.where(mask_c, y, 0) * g).sum().backward()
+        grads = {k: p.grad for k, p in layer.named_parameters()}
+        results.append((y.detach()[mask_c], xh.grad, grads, {k: b.clone() for k, b in layer.named_buffers()}))
+        assert torch.count_nonzero(xh.grad[~mask_c]) == 0
+    (y0, gx0, gp0, b0), (y1, gx1, gp1, b1) = results
+    torch.testing.assert_close(y1, y0)
+    torch.testing.assert_close(gx1, gx0)
+    for k in gp0:
+        torch.testing.assert_close(gp1[k], gp0[k], msg=k)
+    for k in b0:
+        torch.testing.assert_close(b1[k], b0[k], msg=k)
+
+
+def test_syncbatchnorm_outside_a_group_with_hostile_padding():
+    _padding_has_no_influence(lambda: normscope.SyncBatchNorm(C), (4, C, 7), 1, "mixed")
+
+
+@NEEDS_MODULES_MASK
+def test_batchrenorm_with_hostile_padding():
+    _padding_has_no_influence(lambda: normscope.BatchRenorm1d(C), (4, C, 7), 1, "mixed")
+
+
+@NEEDS_MODULES_MASK
+def test_powernorm_with_hostile_padding():
+    _padding_has_no_influence(lambda: normscope.PowerNorm(C, warmup_iters=0), (4, 7, C), -1, "mixed")
