@@ -295,7 +295,7 @@ def _reference_grads(ctx, dy, x3, weight, bias):
     x = x3.reshape(call.x.shape)
     xf = x.to(ref.acc_dtype(x.dtype))
     m = ref.moments(xf, call.scope, call.mask)
-    y = ref.apply(xf, m.mean, ref.rstd(m.var, call.eps, m.count), call.scope, weight, bias, call.mask)
+    y = ref.apply(xf, m.mean, ref.rstd(m.var, call.eps, m.count), call.scope, weight, bias, call.mask).to(x.dtype)
     wanted = [t for t, n in zip(inputs, need) if n]
     grads = iter(torch.autograd.grad(y, wanted, dy.reshape(call.x.shape), create_graph=True, allow_unused=True))
     out = [next(grads) if n else None for n in need]
