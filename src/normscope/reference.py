@@ -144,11 +144,29 @@ def apply(
     scope: Resolved,
     weight: Tensor | None = None,
     bias: Tensor | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """``(x - mean) * rstd * weight + bias``, computed in the statistics' dtype, returned in x's.
 
     ``mean`` and ``rstd`` are shaped ``scope.stat_shape`` (one value per group on a grouped axis).
+
+    ``mask`` (the one :func:`moments` took, True = valid): padding may hold anything. A padded
+    position is normalized like any other, but a *non-finite* padded value (inf, NaN) is a constant:
+    its output is the formula's (+-inf or NaN) and it passes no gradient to anything -- itself, the
+    weight, the bias or the statistics. Without this every product it enters would turn a zero
+    gradient into ``0 * inf = NaN`` in the backward (the weight's ``sum(dy * xhat)`` first), and the
+    gradient of every valid input with it. Finite padding is untouched: its outputs' gradients flow
+    as they do for valid positions.
     """
+    if mask is not None:
+        xf = x.to(mean.dtype)
+        bad = ~torch.isfinite(xf) & ~mask  # broadcasts: the mask may be (N, 1, L) for (N, C, L)
+        # every output from finite values (0 at the bad positions: their cotangent is zeroed by the
+        # where below, so 0 * finite = 0 exactly), then the bad positions' own values put back
+        y = apply(torch.where(bad, 0, xf), mean, rstd, scope, weight, bias)
+        with torch.no_grad():
+            raw = apply(xf, mean, rstd, scope, weight, bias)
+        return torch.where(bad, raw, y).to(x.dtype)
     xf = x.to(mean.dtype)
     if scope.groups == 1 and weight is not None and not set(scope.affine) & set(scope.reduce):
         # the weight varies only along kept axes (BatchNorm, InstanceNorm, LayerNorm2d): fold it
@@ -182,4 +200,4 @@ def normalize(
 ) -> Tensor:
     """The four steps, end to end."""
     m = moments(x, scope, mask)
-    return apply(x, m.mean, rstd(m.var, eps, m.count), scope, weight, bias)
+    return apply(x, m.mean, rstd(m.var, eps, m.count), scope, weight, bias, mask)

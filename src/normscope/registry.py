@@ -5,12 +5,21 @@
     get_norm("layer", 768, eps=1e-6)           # LayerNorm(768, eps=1e-6)
     get_norm(functools.partial(normscope.BatchNorm2d, momentum=0.01), 64)
     get_norm("layernorm2d", 96)                # timm's names work too (see TIMM_NAMES)
+
+Names are matched exactly, as torch matches its string options (``nonlinearity="relu"``,
+``padding_mode="zeros"``): lower-case, no surrounding whitespace, and ``":G"`` only after
+``"group"``/``"groupnorm"`` with ``G`` a positive integer written in ASCII digits. ``"GROUP:2"``,
+``" layer"``, ``"batch:"`` raise ValueError naming the valid forms, instead of meaning something by
+accident. One exception, on purpose: timm's own names (:data:`TIMM_NAMES`) are also matched the way
+timm's ``get_norm_layer`` matches them -- underscores dropped, case ignored (``"Group_Norm"``,
+``"LayerNorm2d"``) -- so a timm config string builds here what it builds there.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -23,13 +32,19 @@ NormSpec = str | type | functools.partial | Callable[..., nn.Module]
 # name -> "module:attribute" (imported on first use, so an optional or not-yet-written layer such
 # as SyncBatchNorm costs nothing until asked for) or a factory(num_channels, **kwargs)
 _REGISTRY: dict[str, str | Callable[..., nn.Module]] = {}
+_NAME = re.compile(r"[a-z0-9_]+")
+_GROUPS = re.compile(r"[1-9][0-9]*")  # "group:G": ASCII digits, no sign, no leading zero, no spaces
 
 
 def register_norm(name: str, target: str | Callable[..., nn.Module]) -> None:
     """Register ``name`` for :func:`get_norm`: a factory ``f(num_channels, **kwargs)`` or a lazy
     ``"package.module:Attribute"`` import path."""
-    if not isinstance(name, str) or not name or ":" in name:
-        raise ValueError(f"register_norm: expected a non-empty name without ':', got {name!r}")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        # names are matched exactly (module docstring): one that get_norm could never match is refused
+        raise ValueError(
+            "register_norm: expected `name` to be a non-empty lower-case identifier (letters, digits, '_'), "
+            f"got {name!r}"
+        )
     # checked now, not at the first get_norm: a typo here would otherwise surface far from its cause
     if isinstance(target, str):
         module, sep, attr = target.partition(":")
@@ -40,7 +55,7 @@ def register_norm(name: str, target: str | Callable[..., nn.Module]) -> None:
             f"register_norm: expected `target` to be a layer class, a factory f(num_channels, **kwargs) or a "
             f"'package.module:Attribute' string, got {type(target).__name__} {target!r}"
         )
-    _REGISTRY[name.lower()] = target
+    _REGISTRY[name] = target
 
 
 def norm_names() -> list[str]:
@@ -151,16 +166,33 @@ for _name, _target in {
     register_norm(_name, _target)
 
 
+def _forms() -> str:
+    return f"one of: {', '.join(norm_names())}, or 'group:G' with G a positive integer"
+
+
 def _resolve_name(name: str) -> tuple[Callable[..., nn.Module], dict[str, Any]]:
-    key, _, arg = name.strip().lower().partition(":")
-    if key not in _REGISTRY and key.replace("_", "") in _REGISTRY:  # timm drops underscores: "group_norm"
-        key = key.replace("_", "")
+    key, sep, arg = name.partition(":")
     if key not in _REGISTRY:
-        raise ValueError(f"get_norm: unknown norm {name!r}; expected one of: {', '.join(norm_names())} (or 'group:G')")
+        # timm's names as timm's get_norm_layer matches them: "Group_Norm", "LayerNorm2d"
+        timm_key = key.replace("_", "").lower()
+        if timm_key in TIMM_NAMES:
+            key = timm_key
+    if key not in _REGISTRY:
+        hint = ""
+        if key.strip().lower() in _REGISTRY or key.strip().lower().replace("_", "") in TIMM_NAMES:
+            hint = " (names are exact: lower-case, no surrounding spaces)"
+        raise ValueError(f"get_norm: unknown norm in `spec`: expected {_forms()}{hint}; got {name!r}")
     extra: dict[str, Any] = {}
-    if arg:
-        if key not in ("group", "groupnorm") or not arg.isdigit() or int(arg) < 1:
-            raise ValueError(f"get_norm: {name!r}: only 'group:G' takes an argument, G a positive int")
+    if sep:
+        if key not in ("group", "groupnorm"):
+            raise ValueError(
+                f"get_norm: only 'group:G' takes an argument; expected `spec` {key!r} without ':', got {name!r}"
+            )
+        if not _GROUPS.fullmatch(arg):
+            raise ValueError(
+                f"get_norm: expected `spec` 'group:G' with G a positive integer (ASCII digits, e.g. 'group:32'), "
+                f"got {name!r}"
+            )
         extra["num_groups"] = int(arg)
     target = _REGISTRY[key]
     if isinstance(target, str):
@@ -187,7 +219,8 @@ def get_norm(spec: NormSpec, num_channels: int, **kwargs: Any) -> nn.Module:
         The new module (``nn.Identity()`` for ``"none"``/``"identity"``).
 
     Raises:
-        ValueError: an unknown name (the message lists the valid ones).
+        ValueError: an unknown or malformed name (``"GROUP:2"``, ``" layer"``, ``"batch:"``): names
+            are exact (module docstring); the message lists the valid ones and repeats the one given.
 
     Example::
 

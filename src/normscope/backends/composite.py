@@ -20,10 +20,18 @@ reference, with the work moved onto ops that are fast on any device:
   normalized with the valid elements' statistics, so their ``dy`` reaches the valid inputs
   through the statistics, exactly as in the reference; their own input gets ``rstd * w * dy``.
 
-Padding may hold anything: a non-finite value would turn a 0/1 product into NaN, so when a sum
-comes out non-finite the call is recomputed on the reference (``last_backend()`` then says
-``"reference"``), which keeps padding out of the statistics with ``torch.where``. A scope with no
-valid element gets rstd 0 (its output is the bias), as in the reference.
+Padding may hold anything: a non-finite value (or one too large to square) would turn a 0/1
+product into NaN, so when a sum comes out non-finite the statistics are computed again with the
+padding set to 0 -- exact, since padding has weight 0 -- and the call stays here. Padded outputs
+are still the padding's own values normalized (+-inf or NaN for non-finite padding), and a
+non-finite padded value is a constant that passes no gradient to anything (itself, the weight, the
+bias, the statistics): the rule of :func:`normscope.reference.apply`, without which every gradient
+would be ``0 * inf = NaN``. Only a non-finite *valid* value sends the call to the reference
+(``last_backend()`` then says ``"reference"``), whose statistics are NaN as torch's would be. A scope
+with no valid element gets rstd 0 (its output is the bias), as in the reference.
+
+Layouts: a transposed or channels_last input is read in place (no copy); the output keeps its
+layout, as torch's GroupNorm and BatchNorm do.
 
 Higher-order gradients: the backward is a closed form of the first derivative. When autograd asks
 for a differentiable backward (``create_graph=True``), it recomputes the call on the reference and
@@ -50,7 +58,6 @@ from torch import Tensor
 from .. import engine
 from .. import reference as ref
 from ..engine import Backend, Call, Runner
-from . import reference as reference_backend
 from . import rms
 
 __all__ = ["NAME", "BACKEND"]
@@ -153,6 +160,11 @@ def _affine(t: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     w, b = scale.reshape(-1), shift.reshape(-1)
     if scale.shape[0] == 1 and i == 1:  # (O, C) rows: the factors broadcast along the fast axis
         return torch.addcmul(b, t.view(o, c), w).view(o, c, i)
+    if not t.is_contiguous():
+        # a transposed or channels_last tensor: per-sample factors have no (1, O * C, I) view of it,
+        # and ATen's kernel would return a contiguous output; broadcast (R, C, 1) factors instead --
+        # no copy, and the output keeps t's layout, as torch's GroupNorm and BatchNorm keep it
+        return torch.addcmul(shift.view(-1, c, 1), t, scale.view(-1, c, 1))
     tv = t if scale.shape[0] == 1 else t.view(1, o * c, i)
     zero, one = torch.zeros_like(w), torch.ones_like(w)
     return torch.batch_norm(tv, w, b, zero, one, False, 0.0, 0.0, False).view(o, c, i)
@@ -204,7 +216,10 @@ class _MaskedApply(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x3, weight, bias, d, shift, rstd, count, mf, groups, call):
+    def forward(ctx, x3, weight, bias, d, shift, rstd, count, mf, groups, call, d_out=None, bad=None):
+        # d_out, bad: only when the padding holds non-finite values (see ``prepare``): the output is
+        # computed from d_out (the padding's own +-inf/NaN there), the backward from d (finite), and
+        # the ``bad`` positions (non-finite padding) pass no gradient, as in reference.apply
         c = x3.shape[1]
         rows = rstd.shape[0]
         scale = _to_channels(rstd, c).view(rows, c)
@@ -213,29 +228,35 @@ class _MaskedApply(torch.autograd.Function):
         base = -_to_channels(shift, c).view(rows, c) * scale
         if bias is not None:
             base = base + bias.to(d.dtype).view(1, c)
-        ctx.save_for_backward(x3, weight, bias, d, shift, rstd, count, mf)
+        ctx.save_for_backward(x3, weight, bias, d, shift, rstd, count, mf, bad)
         ctx.groups = groups
         ctx.call = call  # for the reference recomputation of a double backward
-        return _affine(d, scale, base).to(x3.dtype)
+        return _affine(d if d_out is None else d_out, scale, base).to(x3.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x3, weight, bias, d, shift, rstd, count, mf = ctx.saved_tensors
+        x3, weight, bias, d, shift, rstd, count, mf, bad = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
             return _reference_grads(ctx, dy, x3, weight, bias)
         o, c, i = d.shape
         rows = rstd.shape[0]  # O for per-sample scopes, 1 for BatchNorm
         g = dy.reshape(o, c, i).to(d.dtype)
+        if bad is not None:  # non-finite padding: a constant, no gradient through it (reference.apply)
+            g = torch.where(bad, 0, g)
         # sum(dy * d) and sum(dy) per channel in one pass of ATen's BatchNorm backward kernel (with
         # mean 0 and invstd 1 its "xhat" is our d); per (sample, channel) for per-sample scopes
-        if rows > 1:
-            gv, dv = g.view(1, o * c, i), d.view(1, o * c, i)
+        if rows > 1 and not d.is_contiguous():
+            # a transposed or channels_last input (``_affine``): no (1, O * C, I) view; plain sums
+            sdd, sd = (g * d).sum(2), g.sum(2)
         else:
-            gv, dv = (g.view(o, c), d.view(o, c)) if i == 1 else (g, d)  # (O, C): channels-last loop
-        zeros = d.new_zeros(gv.shape[1])
-        _, sdd, sd = torch.ops.aten.native_batch_norm_backward(
-            gv, dv, None, None, None, zeros, torch.ones_like(zeros), True, 0.0, [False, True, True]
-        )
+            if rows > 1:
+                gv, dv = g.reshape(1, o * c, i), d.view(1, o * c, i)  # reshape: dy may come in any layout
+            else:
+                gv, dv = (g.view(o, c), d.view(o, c)) if i == 1 else (g, d)  # (O, C): channels-last loop
+            zeros = d.new_zeros(gv.shape[1])
+            _, sdd, sd = torch.ops.aten.native_batch_norm_backward(
+                gv, dv, None, None, None, zeros, torch.ones_like(zeros), True, 0.0, [False, True, True]
+            )
         sdd, sd = sdd.view(rows, c), sd.view(rows, c)
         rstd_c, shift_c = _to_channels(rstd, c), _to_channels(shift, c)
         sxhat = (sdd - shift_c.view(rows, c) * sd) * rstd_c.view(rows, c)  # sum(dy * xhat)
@@ -251,15 +272,18 @@ class _MaskedApply(torch.autograd.Function):
             beta = rstd * rstd * b / n
             alpha = rstd * a / n - beta * shift
             k = rstd_c if wc is None else rstd_c * wc.view(1, c, 1)
+            # padding too large to square in the sums (the only other way here): keep it out of the
+            # masked term, which it would overflow before the mask multiplies it by 0
+            dm = d if bad is None else torch.where(mf.view(o, 1, i) != 0, d, 0)
             # three passes and one allocation: -(alpha + beta * d), masked in place, + k * dy in place
-            grad_x = _affine(d, -_to_channels(beta, c).view(rows, c), -_to_channels(alpha, c).view(rows, c))
+            grad_x = _affine(dm, -_to_channels(beta, c).view(rows, c), -_to_channels(alpha, c).view(rows, c))
             grad_x.mul_(mf.view(o, 1, i))
             grad_x = grad_x.addcmul_(g, k).to(x3.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_w = sxhat.sum(0).to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
             grad_b = sd.sum(0).to(bias.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 def _reference_grads(ctx, dy, x3, weight, bias):
@@ -267,11 +291,15 @@ def _reference_grads(ctx, dy, x3, weight, bias):
     call = ctx.call
     inputs = (x3, weight, bias)
     need = [t is not None and n for t, n in zip(inputs, ctx.needs_input_grad[:3])]
-    y = reference_backend.run(call._replace(x=x3.view(call.x.shape), weight=weight, bias=bias, running=None))
+    # the reference's two steps, the mask given to apply too (non-finite padding, reference.apply)
+    x = x3.reshape(call.x.shape)
+    xf = x.to(ref.acc_dtype(x.dtype))
+    m = ref.moments(xf, call.scope, call.mask)
+    y = ref.apply(xf, m.mean, ref.rstd(m.var, call.eps, m.count), call.scope, weight, bias, call.mask).to(x.dtype)
     wanted = [t for t, n in zip(inputs, need) if n]
     grads = iter(torch.autograd.grad(y, wanted, dy.reshape(call.x.shape), create_graph=True, allow_unused=True))
     out = [next(grads) if n else None for n in need]
-    return (*out, None, None, None, None, None, None, None)
+    return (*out, None, None, None, None, None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,14 +322,29 @@ def prepare(call: Call, automatic: bool) -> Runner:
         acc = ref.acc_dtype(c.x.dtype)
         x3 = c.x.reshape(o, ch, i)
         mf = engine.position_mask(c.mask, c.x, d).reshape(o, i).to(acc)  # (O, I): one flag per position
+        d_out = bad = None
         with torch.no_grad():
-            st = _stats(x3.detach().to(acc), mf, v, c.eps)
-            if not bool(st.finite):  # non-finite values somewhere: the reference keeps padding out exactly
-                return engine.recompute(c)
+            xa = x3.detach().to(acc)
+            st = _stats(xa, mf, v, c.eps)
+            finite = bool(st.finite)  # the one host sync of the call
+            if not finite:
+                # padding may hold anything: a non-finite (or unsquarable) padded value turns a 0/1
+                # product into NaN. Statistics again with the padding set to 0 -- exact, as 0 has
+                # weight 0 -- then the padding's own values back, for the output only
+                valid = mf.view(o, 1, i) != 0
+                st = _stats(torch.where(valid, xa, 0), mf, v, c.eps)
+                finite = bool(st.finite)
+                if finite:
+                    # x - mean0 at the padding (mean0 to rounding: only padded outputs read it)
+                    d_out = torch.where(valid, st.d, xa - _to_channels(st.mean - st.shift, ch))
+                    bad = ~torch.isfinite(xa) & ~valid
+                    st = st._replace(d=torch.where(bad, 0, d_out))  # what the backward reads: finite
+        if not finite:  # a non-finite *valid* value: NaN statistics, as torch's layer gives
+            return engine.recompute(c)  # outside no_grad: the output keeps its graph
         if c.running is not None:
             sh = c.scope.stat_shape
             engine.update_running(c, ref.Moments(st.mean.reshape(sh), st.var.reshape(sh), st.count.reshape(sh)))
-        y = _MaskedApply.apply(x3, c.weight, c.bias, st.d, st.shift, st.rstd, st.count, mf, v.groups, c)
+        y = _MaskedApply.apply(x3, c.weight, c.bias, st.d, st.shift, st.rstd, st.count, mf, v.groups, c, d_out, bad)
         return y.view(shape)
 
     return run
