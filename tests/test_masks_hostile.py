@@ -315,16 +315,6 @@ def test_matches_the_powernorm_authors_maskbatchnorm(padding):
 
 # -- paths that run the reference: forced, under torch.func, under torch.compile ------------------
 
-NEEDS_REFERENCE_BACKEND_MASK = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "backends/reference.py (not this change's to edit) calls reference.apply without the mask, so "
-        "non-finite padding still gives 0 * inf = NaN gradients there; fix: pass mask=call.mask"
-    ),
-)
-
-
-@NEEDS_REFERENCE_BACKEND_MASK
 @pytest.mark.parametrize("kind", ["bn1d_bsd", "in1d", "gn3"])
 def test_hostile_padding_exact_on_the_forced_reference(kind):
     _, shape, channel_dim = LAYERS[kind]
@@ -334,7 +324,6 @@ def test_hostile_padding_exact_on_the_forced_reference(kind):
         _check(kind, _layer(kind), x, mask, PADDINGS["mixed"])
 
 
-@NEEDS_REFERENCE_BACKEND_MASK
 def test_hostile_padding_under_torch_func():
     # inside torch.func transforms the composite runner recomputes on the reference
     x = torch.randn(4, C, 7, generator=torch.Generator().manual_seed(0))
@@ -386,9 +375,8 @@ def test_reference_normalize_with_hostile_padding(kind):
 NEEDS_MODULES_MASK = pytest.mark.xfail(
     strict=True,
     reason=(
-        "modules/renorm.py and modules/powernorm.py (not this change's to edit) apply the statistics "
-        "without the mask (engine.apply has no mask argument) and PowerNorm averages with t * mask: "
-        "non-finite padding gives 0 * inf = NaN gradients (and a NaN ema_gz). See the report of issue 24"
+        "modules/powernorm.py applies its statistics without the mask and averages with t * mask: "
+        "non-finite padding gives 0 * inf = NaN gradients (and a NaN ema_gz)"
     ),
 )
 
@@ -428,7 +416,6 @@ def test_syncbatchnorm_outside_a_group_with_hostile_padding():
     _padding_has_no_influence(lambda: normscope.SyncBatchNorm(C), (4, C, 7), 1, "mixed")
 
 
-@NEEDS_MODULES_MASK
 def test_batchrenorm_with_hostile_padding():
     _padding_has_no_influence(lambda: normscope.BatchRenorm1d(C), (4, C, 7), 1, "mixed")
 

@@ -793,7 +793,10 @@ def apply(
     scope: Scope | Resolved,
     weight: Tensor | None = None,
     bias: Tensor | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
-    """Normalize ``x`` with given statistics and apply the affine (the second pure step)."""
+    """Normalize ``x`` with given statistics and apply the affine (the second pure step); ``mask``:
+    the valid elements, as :func:`normscope.reference.apply` takes it (a non-finite padded value is
+    normalized but passes no gradient)."""
     resolved = scope if isinstance(scope, Resolved) else scope.resolve(tuple(x.shape))
-    return ref.apply(x, mean, rstd, resolved, weight, bias)
+    return ref.apply(x, mean, rstd, resolved, weight, bias, mask)

@@ -28,7 +28,7 @@ def run(call: Call) -> Tensor:
         if r is not None:
             engine.update_running(call, m)
         mean, rstd = m.mean, ref.rstd(m.var, call.eps, m.count)
-    return ref.apply(xf, mean, rstd, call.scope, call.weight, call.bias).to(x.dtype)
+    return ref.apply(xf, mean, rstd, call.scope, call.weight, call.bias, call.mask).to(x.dtype)
 
 
 def why_not(call: Call) -> str | None:

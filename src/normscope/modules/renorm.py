@@ -140,7 +140,7 @@ class _BatchRenormMixin(_BatchNormMixin):
             )
         running = engine.Running(self.running_mean, self.running_var, factor, True)
         engine.update_running(engine.Call(input, scope, None, None, self.eps, mask, running), m)
-        y = engine.apply(input, m.mean - d * sigma_b / r, r / sigma_b, scope, self.weight, self.bias)
+        y = engine.apply(input, m.mean - d * sigma_b / r, r / sigma_b, scope, self.weight, self.bias, mask)
         count_batch(self)
         return y
 
