@@ -9,8 +9,8 @@ checked call, and remembers what that call dispatched.
 
 **A plan is reused only after comparing everything it reads.** The key of a call holds:
 
-* every tensor it reads -- input, weight, bias, running mean and variance -- as its class, shape,
-  dtype, device and layout (None for an absent one). Compared on every call: a parameter whose data
+* every tensor it reads -- input, weight, bias, running mean and variance -- as its shape, dtype,
+  device and layout (None for an absent one). Compared on every call: a parameter whose data
   was swapped (``p.data = ...``, ``resize_``, ``load_state_dict`` into a new shape) keeps its identity
   but not its signature, and takes the checked path, which refuses it in the op's terms -- never an
   unchecked native op reading or writing out of bounds (``torch.native_batch_norm`` checks nothing);
@@ -73,13 +73,14 @@ class Op:
     (hashable; a value of another type than usual makes a key of its own, see the module docstring).
     """
 
-    __slots__ = ("name", "checked", "plans")
+    __slots__ = ("name", "checked", "plans", "last")
 
     def __init__(self, name: str, checked: Callable[..., Tensor]) -> None:
         if name in _OPS:
             raise ValueError(f"Op: the name {name!r} is taken (by {_OPS[name]!r})")
         self.name, self.checked = name, checked
         self.plans: dict[tuple, Plan] = {}
+        self.last: tuple = ((), None)  # (key, plan) of the last planned call: compared before the table
         _OPS[name] = self
 
     def __repr__(self) -> str:
@@ -87,7 +88,12 @@ class Op:
 
 
 _OPS: dict[str, Op] = {}  # by name: what a traced call names its op by (a constant to dynamo)
-_sig = operator.attrgetter("__class__", "shape", "dtype", "device", "layout")
+#: what a plan depends on of a tensor: its shape, dtype, device and layout. Not its class: a subclass
+#: (Parameter, DTensor) runs the same ops through its own dispatch, and no check or choice of backend
+#: reads it; nor its strides: the runners take any (``normscope.engine.Backend``)
+_sig = operator.attrgetter("shape", "dtype", "device", "layout")
+_ENV_GET = engine._ENV_DATA.get if engine._ENV_DATA is not None else (lambda _: engine.request_key())
+_ENV_KEY = engine._ENV_KEY
 _is_compiling = torch.compiler.is_compiling
 _LAST = engine._last  # what engine.last_backend() answers
 _FORCED = engine._forced
@@ -115,22 +121,28 @@ def call(
     if mask is not None:  # a mask's values decide the statistics: the checked call, every time
         return _checked(op, settings, x, weight, bias, eps, running, mask, start)[0]
     try:
+        r = running
         key = (
             settings,
             eps,
             type(eps),
-            engine.request_key(),
+            _FORCED[-1] if _FORCED else _ENV_GET(_ENV_KEY),  # engine.request_key(), inline
             _sig(x),
             None if weight is None else _sig(weight),
             None if bias is None else _sig(bias),
-            None if running is None else _running_key(running),
+            None if r is None else r[3],
+            None if r is None else type(r[2]),
+            None if r is None or r[0] is None else _sig(r[0]),
+            None if r is None or r[1] is None else _sig(r[1]),
         )
-        found = op.plans.get(key)
+        # the last call's key first: an equal tuple needs no hash (the common case, one signature)
+        found = op.last[1] if key == op.last[0] else op.plans.get(key)
     except (AttributeError, TypeError):
         # an argument that is no tensor (no signature) or a setting that cannot be hashed (a list,
         # symbolic sizes): the checked call, which says what is wrong or runs it unplanned
         return _checked(op, settings, x, weight, bias, eps, running, None, start)[0]
     if found is not None:
+        op.last = (key, found)
         _LAST[0] = found.backend  # engine.last_backend(): a store, no call
         if start is not None:
             start()
@@ -139,6 +151,7 @@ def call(
     if dispatched and not engine.tracing() and _consumed(dispatched[0], x, weight, bias, running):
         if len(op.plans) >= _MAX_PLANS:
             op.plans.clear()
+            op.last = ((), None)
         c, planned = dispatched
         op.plans[key] = Plan(planned[0], engine.layer_entry(c, planned), c.eps)
     return y
@@ -155,11 +168,6 @@ def _checked(op, settings, x, weight, bias, eps, running, mask, start) -> tuple[
     if slot[1] is not None:  # checked, ran, but dispatched nothing: started all the same
         slot[1]()
     return y, dispatched
-
-
-def _running_key(r: Running) -> tuple:
-    mean, var = r[0], r[1]
-    return (r[3], type(r[2]), None if mean is None else _sig(mean), None if var is None else _sig(var))
 
 
 def _consumed(

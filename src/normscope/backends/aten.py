@@ -309,9 +309,12 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             if _is_tracing() or _peek() is not None:
                 return plain(x, w, b, eps, r)
             if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
-                if _cancels(r.mean, eps, var=r.var):
+                rm, rv = r.mean, r.var  # as _cancels, with the bound of this many statistics at hand
+                if not (bounded(rm, eps) if _plain_fp32(rm) else _torch_bounded(rm, eps)) and _exceeds(rm, eps, var=rv):
                     return engine.recompute(as_call(x, w, b, eps, r), wide=True)
-                return plain(x, w, b, eps, r)
+                x2 = x.reshape(-1, x.shape[-1]) if last else x
+                y = torch.batch_norm(x2, w, b, rm, rv, False, 0.0, eps, _cudnn())
+                return y.reshape(x.shape) if last else y
             rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
             y, mean, invstd = native_batch_norm(x.reshape(-1, x.shape[-1]) if last else x, w, b, rm, rv, True, mom, eps)
             if not bounded(mean, eps) and _exceeds(mean, eps, invstd):
