@@ -21,16 +21,7 @@ import normscope
 
 #: docstring -> why its example fails as written. These live in files being rewritten elsewhere;
 #: fix the docstring, then delete its line here.
-KNOWN_FAILING = {
-    "normscope.convert.convert": "uses torchvision (not a dependency) and a `report` it never assigns",
-    "normscope.integrations.transformers.patch": "print(patch(model)) prints a report but no output is shown",
-    "normscope.integrations.transformers.patch_classes": "prints a report not shown; LlamaForCausalLM not imported",
-    "normscope.modules.frozen.FrozenBatchNorm2d": "load_state_dict(...) returns '<All keys matched successfully>'",
-    "normscope.modules.frozen.freeze_batchnorm": "uses torchvision, which is not a dependency",
-    "normscope.modules.syncbatchnorm.SyncBatchNorm": "uses a `model` the example never defines",
-    "normscope.registry.get_norm": "torch 2.13's GroupNorm repr ends with ', bias=True'; the example's does not",
-    "normscope.viz": "draw_all(...) returns the list of files written, which the example does not show",
-}
+KNOWN_FAILING: dict[str, str] = {}
 
 #: docstrings whose example is not run here, with the reason (shown as a skip)
 SKIP = {}

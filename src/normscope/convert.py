@@ -328,8 +328,10 @@ def convert(
 
     Example::
 
-        >>> model, report = normscope.convert(torchvision.models.resnet18(), to="group:32")
-        >>> print(report)
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        >>> model, report = normscope.convert(model, to="group:4")
+        >>> type(model[1]).__name__, len(report)
+        ('GroupNorm', 1)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected `model` to be a torch.nn.Module, got {type(model).__name__}")

@@ -224,8 +224,8 @@ def get_norm(spec: NormSpec, num_channels: int, **kwargs: Any) -> nn.Module:
 
     Example::
 
-        >>> normscope.get_norm("group:8", 64)
-        GroupNorm(8, 64, eps=1e-05, affine=True)
+        >>> normscope.get_norm("group:8", 64)  # doctest: +ELLIPSIS
+        GroupNorm(8, 64, eps=1e-05, affine=True...)
     """
     if not isinstance(num_channels, int) or isinstance(num_channels, bool) or num_channels < 1:
         raise ValueError(f"get_norm: expected `num_channels` to be a positive int, got {num_channels!r}")

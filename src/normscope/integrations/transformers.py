@@ -490,9 +490,12 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
     Example::
 
         >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from normscope.integrations.transformers import patch
         >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2,
         ...     num_attention_heads=4, intermediate_size=64, vocab_size=100))
-        >>> print(normscope.integrations.transformers.patch(model))
+        >>> print(patch(model))
+        normscope patched 5 normalization layer(s)
+          LlamaRMSNorm: 5 replaced as rms_norm(casting='llama', weight_offset=0)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch: expected `model` to be a torch.nn.Module, got {type(model).__name__}")
@@ -551,9 +554,13 @@ def patch_classes(*model_types: str, verify: bool = True) -> PatchReport:
 
     Example::
 
-        >>> from normscope.integrations.transformers import patch_classes
-        >>> print(patch_classes("llama", "gemma3"))
-        >>> model = LlamaForCausalLM.from_pretrained(path)   # its norms run on normscope
+        >>> from normscope.integrations.transformers import patch_classes, unpatch_classes
+        >>> report = patch_classes("llama")
+        >>> report.replaced
+        {'LlamaRMSNorm': 1}
+        >>> # from now on, LlamaForCausalLM(config) or .from_pretrained(path) runs its norms on normscope
+        >>> unpatch_classes()
+        ['LlamaRMSNorm']
     """
     found = families()
     unknown = [t for t in model_types if t not in found]

@@ -39,7 +39,7 @@ class FrozenBatchNorm2d(nn.Module):
     Example::
 
         >>> frozen = normscope.FrozenBatchNorm2d(64)
-        >>> frozen.load_state_dict(torch.nn.BatchNorm2d(64).state_dict())
+        >>> _ = frozen.load_state_dict(torch.nn.BatchNorm2d(64).state_dict())
         >>> y = frozen(torch.randn(2, 64, 8, 8))
     """
 
@@ -141,7 +141,10 @@ def freeze_batchnorm(model: nn.Module) -> nn.Module:
 
     Example::
 
-        >>> backbone = normscope.freeze_batchnorm(torchvision.models.resnet18())
+        >>> backbone = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+        >>> backbone = normscope.freeze_batchnorm(backbone)
+        >>> type(backbone[1]).__name__
+        'FrozenBatchNorm2d'
     """
     match = lambda m: isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None  # noqa: E731
     return _replace(model, match, _frozen_from)

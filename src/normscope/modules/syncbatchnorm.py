@@ -310,9 +310,11 @@ class SyncBatchNorm(_BatchNorm):
 
     Example::
 
-        >>> # in each process, after dist.init_process_group("gloo" or "nccl", ...)
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
         >>> model = normscope.SyncBatchNorm.convert_sync_batchnorm(model)
-        >>> y = model(x)
+        >>> type(model[1]).__name__
+        'SyncBatchNorm'
+        >>> # then, in each process after dist.init_process_group("gloo" or "nccl", ...): y = model(x)
     """
 
     # whether this layer's ranks have confirmed they agree on the channel count (_check_peers);

@@ -9,7 +9,7 @@ Example::
 
     >>> from normscope.viz import draw, draw_all
     >>> draw("group", groups=2).figure.savefig("groupnorm.svg")
-    >>> draw_all("pictures/")            # one picture per layer and layout, and a grid of each
+    >>> files = draw_all("pictures/")    # one picture per layer and layout, and a grid of each
 """
 
 from .scopes import (
