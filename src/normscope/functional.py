@@ -459,7 +459,8 @@ def adain(content: Tensor, style: Tensor | tuple[Tensor, Tensor], eps: float = 1
     inside the square root (InstanceNorm's statistics; the authors' Torch code uses the biased
     variance too, with no eps on the style side -- a popular PyTorch port uses the unbiased one).
     On the engine: the content's instance statistics, then ``apply`` with the style's std folded
-    into ``rstd`` and its mean added -- the affine is per (sample, channel) here, which the per-channel ``weight``/``bias`` of ``apply`` cannot express.
+    into ``rstd`` and its mean added -- the affine is per (sample, channel) here, which the
+    per-channel ``weight``/``bias`` of ``apply`` cannot express.
 
     Args:
         content: (N, C, *) with at least one spatial axis.
