@@ -144,3 +144,11 @@ def test_instance_norm_channel_mismatch_warns_on_every_call_as_torch():
             for _ in range(3):
                 layer(x)
         assert sum("num_features" in str(w.message) for w in caught) == 3, m.__name__
+
+
+def test_a_tensor_where_a_number_belongs_gets_the_checks_error():
+    x = torch.randn(3, 8)
+    F.layer_norm(x, (8,)), F.layer_norm(x, (8,))
+    for eps in (torch.tensor(1e-5), torch.tensor([1e-5, 1e-5])):
+        with pytest.raises(TypeError, match="eps"):
+            F.layer_norm(x, (8,), eps=eps)

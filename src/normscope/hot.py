@@ -130,19 +130,24 @@ def call(
             _sig(x),
             None if weight is None else _sig(weight),
             None if bias is None else _sig(bias),
-            None if r is None else r[3],
-            None if r is None else type(r[2]),
-            None if r is None or r[0] is None else _sig(r[0]),
-            None if r is None or r[1] is None else _sig(r[1]),
+            None
+            if r is None
+            else (r[3], type(r[2]), None if r[0] is None else _sig(r[0]), None if r[1] is None else _sig(r[1])),
         )
         # the last call's key first: an equal tuple needs no hash (the common case, one signature)
-        found = op.last[1] if key == op.last[0] else op.plans.get(key)
-    except (AttributeError, TypeError):
-        # an argument that is no tensor (no signature) or a setting that cannot be hashed (a list,
-        # symbolic sizes): the checked call, which says what is wrong or runs it unplanned
+        last = op.last
+        if key == last[0]:
+            found = last[1]
+        else:
+            found = op.plans.get(key)
+            if found is not None:
+                op.last = (key, found)
+    except (AttributeError, TypeError, RuntimeError):
+        # an argument that is no tensor (no signature), a setting that cannot be hashed (a list,
+        # symbolic sizes) or compared (a tensor given as eps): the checked call, which says what is
+        # wrong or runs it unplanned. Nothing here runs an op: no exception of a running call is caught
         return _checked(op, settings, x, weight, bias, eps, running, None, start)[0]
     if found is not None:
-        op.last = (key, found)
         _LAST[0] = found.backend  # engine.last_backend(): a store, no call
         if start is not None:
             start()
