@@ -116,13 +116,15 @@ def batch_norm(
     running = None
     if running_mean is not None or running_var is not None or not training:
         running = hot.running((running_mean, running_var, momentum, training))
-    settings = (training, type(training), momentum, type(momentum), channel_dim, type(channel_dim), backend)
+    # training and channel_dim are read for their truth and value only (1 and True alike); momentum's
+    # type is checked (a bool is refused), so the key holds it
+    settings = (training, momentum, type(momentum), channel_dim, backend)
     return hot.call(_BATCH_NORM, settings, input, weight, bias, eps, running, mask)
 
 
 def _batch_norm(settings: tuple, input, weight, bias, eps, running: Running | None, mask) -> Tensor:
     """:func:`batch_norm`'s checked call (see :mod:`normscope.hot`)."""
-    training, _, momentum, _, channel_dim, _, backend = settings
+    training, momentum, _, channel_dim, backend = settings
     running_mean, running_var = (None, None) if running is None else running[:2]
     where = "batch_norm"
     check.tensor(input, "input", where)
@@ -185,13 +187,13 @@ def instance_norm(
     running = None
     if running_mean is not None or running_var is not None:
         running = hot.running((running_mean, running_var, momentum, use_input_stats))
-    settings = (use_input_stats, type(use_input_stats), momentum, type(momentum), backend)
+    settings = (use_input_stats, momentum, type(momentum), backend)  # as batch_norm's
     return hot.call(_INSTANCE_NORM, settings, input, weight, bias, eps, running, mask)
 
 
 def _instance_norm(settings: tuple, input, weight, bias, eps, running: Running | None, mask) -> Tensor:
     """:func:`instance_norm`'s checked call (see :mod:`normscope.hot`)."""
-    use_input_stats, _, momentum, _, backend = settings
+    use_input_stats, momentum, _, backend = settings
     running_mean, running_var = (None, None) if running is None else running[:2]
     where = "instance_norm"
     check.tensor(input, "input", where)

@@ -206,7 +206,10 @@ running = functools.partial(tuple.__new__, Running)
 
 
 _MISSING = object()
-_DIRECT: dict[tuple, bool] = {}
+_DIRECT: dict[type, bool] = {}
+#: every tensor name a layer reads through :func:`tensors`: a class defining any of them itself is
+#: read the usual way for all
+_NAMES = frozenset(("weight", "bias", "running_mean", "running_var", "num_batches_tracked"))
 
 
 def tensors(layer: torch.nn.Module, names: tuple[str, ...]) -> list:
@@ -214,13 +217,14 @@ def tensors(layer: torch.nn.Module, names: tuple[str, ...]) -> list:
     but from its ``_parameters``/``_buffers`` dicts where that is the same: ``nn.Module.__getattr__``
     is a Python call per name (~0.4 us, a measurable share of a small layer's call). Not where a class
     of the layer defines one of the names itself (a property of a subclass shadows the dicts), nor for
-    a name the dicts do not hold (moved out by ``parametrize``, pruning, ``weight_norm``, FSDP)."""
+    a name the dicts do not hold (moved out by ``parametrize``, pruning, ``weight_norm``, FSDP).
+    ``names``: among :data:`_NAMES` (whose shadowing is what is checked, once per class)."""
     if _is_compiling():
         return [getattr(layer, n) for n in names]
     cls = type(layer)
-    direct = _DIRECT.get((cls, names))
+    direct = _DIRECT.get(cls)
     if direct is None:
-        direct = _DIRECT[(cls, names)] = not any(n in vars(c) for c in cls.__mro__ for n in names)
+        direct = _DIRECT[cls] = not any(n in vars(c) for c in cls.__mro__ for n in _NAMES)
     if not direct:
         return [getattr(layer, n) for n in names]
     d = layer.__dict__

@@ -64,7 +64,7 @@ def _batch_norm(settings: tuple, x, w, b, eps, running, mask) -> Tensor:
     (channel_dim,) = settings
     training = running is None or running.use_input_stats
     momentum = 0.0 if running is None else running.momentum
-    return F._batch_norm((training, bool, momentum, float, channel_dim, int, None), x, w, b, eps, running, mask)
+    return F._batch_norm((training, momentum, float, channel_dim, None), x, w, b, eps, running, mask)
 
 
 _BATCH_NORM = hot.Op("BatchNorm", _batch_norm)

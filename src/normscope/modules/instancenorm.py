@@ -47,7 +47,7 @@ def _instance_norm(settings: tuple, input, w, b, eps, running, mask) -> Tensor:
         mask = mask.unsqueeze(0) if isinstance(mask, Tensor) else mask
         y = F.instance_norm(input.unsqueeze(0), rm, rv, w, b, use_input_stats, momentum, eps, mask=mask)
         return y.squeeze(0)
-    settings = (use_input_stats, bool, momentum, float, None)
+    settings = (use_input_stats, momentum, float, None)
     return F._instance_norm(settings, input, w, b, eps, running, mask)
 
 
