@@ -182,6 +182,12 @@ function drawSlices() {
 function drawStats() {
   const body = $("stats").querySelector("tbody");
   body.replaceChildren();
+  // the column names say what the numbers are: "mean square" and "1/rms" for an uncentered scope,
+  // as `normscope explain rms` prints them
+  const centered = DATA.resolved.centered;
+  $("stats-mean").textContent = centered ? "mean" : "mean (none: uncentered)";
+  $("stats-var").textContent = centered ? "var" : "mean square";
+  $("stats-r").textContent = centered ? "1/√(var+eps)" : "1/rms = 1/√(mean square+eps)";
   const seen = [];
   const have = new Set();
   for (const id of DATA.scope_ids) if (id >= 0 && !have.has(id)) { have.add(id); seen.push(id); }
@@ -190,7 +196,9 @@ function drawStats() {
     const tr = document.createElement("tr");
     tr.dataset.id = id;
     const r = 1 / Math.sqrt(DATA.var[id] + DATA.eps);
-    tr.innerHTML = `<td><span class="swatch"></span>#${id}</td><td>${DATA.count[id]}</td><td>${fmt(DATA.mean[id])}</td><td>${fmt(DATA.var[id])}</td><td>${fmt(r)}</td>`;
+    // an uncentered (RMS) scope has no mean: its "var" is the mean square, r is 1/rms
+    const meanCell = DATA.resolved.centered ? fmt(DATA.mean[id]) : "—";
+    tr.innerHTML = `<td><span class="swatch"></span>#${id}</td><td>${DATA.count[id]}</td><td>${meanCell}</td><td>${fmt(DATA.var[id])}</td><td>${fmt(r)}</td>`;
     // CSP forbids inline style attributes; the CSSOM is allowed
     tr.querySelector(".swatch").style.background = DATA.colors[id];
     tr.addEventListener("mouseenter", () => highlight(id, null));
@@ -271,13 +279,14 @@ function showInfo(i) {
   const mean = DATA.mean[id], v = DATA.var[id], y = DATA.output[i];
   const line1 = document.createElement("div");
   const b = document.createElement("b"); b.append("scope #", span("info-id", String(id)));
-  line1.append(`${where} = `, span("info-x", fmt(x)), " belongs to ", b, " with ", span("info-count", String(DATA.count[id])),
-    " elements: mean = ", span("info-mean", fmt(mean)), DATA.resolved.centered ? ", variance = " : ", mean square = ", span("info-var", fmt(v)));
+  line1.append(`${where} = `, span("info-x", fmt(x)), " belongs to ", b, " with ", span("info-count", String(DATA.count[id])));
+  if (DATA.resolved.centered) line1.append(" elements: mean = ", span("info-mean", fmt(mean)), ", variance = ", span("info-var", fmt(v)));
+  else line1.append(" elements: no mean (uncentered), mean square = ", span("info-var", fmt(v)));
   const line2 = document.createElement("div");
   const f = document.createElement("span"); f.className = "formula";
   f.textContent = DATA.resolved.centered
     ? `y = (x − mean) / √(var + eps) = (${fmt(x)} − ${fmt(mean)}) / √(${fmt(v)} + ${DATA.eps}) = `
-    : `y = x / √(mean square + eps) = ${fmt(x)} / √(${fmt(v)} + ${DATA.eps}) = `;
+    : `y = x / rms = x / √(mean square + eps) = ${fmt(x)} / √(${fmt(v)} + ${DATA.eps}) = `;
   f.appendChild(span("info-y", fmt(y)));
   line2.appendChild(f);
   info.append(line1, line2);
