@@ -1,4 +1,4 @@
-"""Hugging Face patching across the families normscope reproduces, QK-norms included (issue 25).
+"""Hugging Face patching across the families normscope reproduces, QK-norms included.
 
 Tiny random models built from configs (nothing downloaded). The contract: a patched layer stays
 an instance of its family's class, and the logits are the same bits before and after patching,

@@ -152,3 +152,36 @@ def test_a_tensor_where_a_number_belongs_gets_the_checks_error():
     for eps in (torch.tensor(1e-5), torch.tensor([1e-5, 1e-5])):
         with pytest.raises(TypeError, match="eps"):
             F.layer_norm(x, (8,), eps=eps)
+
+
+def test_numpy_scalars_as_eps_and_momentum_are_taken_as_torch_takes_them():
+    np = pytest.importorskip("numpy")
+    x = torch.randn(3, 4, 5)
+    for eps in (np.float32(1e-3), np.float64(1e-3)):
+        torch.testing.assert_close(F.layer_norm(x, (5,), eps=eps), nn.functional.layer_norm(x, (5,), eps=eps))
+        torch.testing.assert_close(F.group_norm(x, 2, eps=eps), nn.functional.group_norm(x, 2, eps=eps))
+    rm, rv = torch.zeros(4), torch.ones(4)
+    y = F.batch_norm(x, rm.clone(), rv.clone(), training=True, momentum=np.float32(0.3))
+    torch.testing.assert_close(y, nn.functional.batch_norm(x, rm, rv, training=True, momentum=np.float32(0.3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_family_layer_options_equal_the_transformers_classes_bit_for_bit(dtype):
+    # normscope.RMSNorm(weight_offset=, casting=) as the layer a model family ships (transformers)
+    gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 64, generator=g).to(dtype)
+    cases = [
+        (gemma.GemmaRMSNorm(64, eps=1e-6), dict(weight_offset=1.0, casting="gemma")),
+        (llama.LlamaRMSNorm(64, eps=1e-6), dict(casting="llama")),
+    ]
+    for theirs, options in cases:
+        theirs = theirs.to(dtype)
+        with torch.no_grad():
+            theirs.weight.copy_(torch.randn(64, generator=g) * 0.3)
+        ours = normscope.RMSNorm(64, eps=1e-6, dtype=dtype, **options)
+        ours.load_state_dict(theirs.state_dict())
+        for _ in range(2):  # the checked call, then the planned one
+            assert torch.equal(ours(x), theirs(x)), type(theirs).__name__
+    assert torch.equal(normscope.RMSNorm(8, weight_offset=1.0).weight, torch.zeros(8))  # Gemma's init

@@ -7,6 +7,7 @@ they run on every call.
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Sequence
 
@@ -93,7 +94,7 @@ def eps(value: object, where: str) -> None:
     own test samples call ``layer_norm`` with ``eps=-0.5``) -- but not NaN, which would silently make
     every output NaN (``docs/differences.md``). BatchNorm keeps torch's stricter rule
     (``functional._check_momentum_eps``)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):  # NumPy scalars too, as torch
         raise TypeError(f"{where}: expected `eps` to be a float, got {value!r}")
     if value != value:
         raise ValueError(f"{where}: expected `eps` to be a number, got {value!r}")

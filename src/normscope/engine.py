@@ -207,7 +207,7 @@ def recompute(call: Call, wide: bool = False) -> Tensor:
     :func:`last_backend` (a fast path that finds, at run time, that it cannot be exact).
 
     ``wide``: run the reference in float64 and return the input's dtype (the gradient too, through
-    the casts). For the rare call the fast paths find cancelling (a mean ~1e6 times the spread,
+    the casts). For the rare call the fast paths find cancelling (``|mean| * rstd`` past 1024,
     :mod:`normscope.backends.aten`): there fp32 sums lose what float64 keeps -- measured, the output
     of mean 1e4, std 1e-2 fp32 input went from ~4e-2 off the float64 result to rounding."""
     _last[0] = "reference"

@@ -10,6 +10,7 @@ The torch-named functions go through the hot path (:mod:`normscope.hot`): their 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -65,7 +66,7 @@ def _check_momentum_eps(momentum: object, eps: object, use_input_stats: bool, wh
     and non-negative otherwise; InstanceNorm's is any number, as every other op's
     (:func:`normscope._checks.eps`).
     """
-    if not isinstance(momentum, (int, float)) or isinstance(momentum, bool):
+    if not isinstance(momentum, numbers.Real) or isinstance(momentum, bool):  # NumPy scalars too
         raise TypeError(
             f"{where}: expected `momentum` to be a float (the running-statistics update factor; "
             f"the layers' momentum=None is their own cumulative average), got {momentum!r}"

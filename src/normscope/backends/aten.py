@@ -9,8 +9,10 @@ normalization as one multiply-add, ``y = x * (rstd*w) + (b - mean*rstd*w)``. Whe
 is large both terms are huge and cancel: at mean 1e4, std 1e-2 they are ~1e6, whose fp32 spacing
 (0.06) is a few percent of the output's unit spread, although the statistics themselves are
 accurate. Such inputs are rare and show in the statistics the kernels return anyway, so the
-automatic runner asks the native op for them and recomputes the rare cancelling call in the
-``(x - mean) * rstd`` form of the reference. A *forced* ``"aten"`` stays exactly torch.
+automatic runner asks the native op for them and recomputes the rare cancelling call (``|mean| *
+rstd`` past 1024) in the ``(x - mean) * rstd`` form of the reference, in float64 (the fp32 sums of
+such an input lose what float64 keeps; see :func:`normscope.engine.recompute`). A *forced*
+``"aten"`` stays exactly torch.
 """
 
 from __future__ import annotations
