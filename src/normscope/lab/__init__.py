@@ -45,6 +45,7 @@ EXPERIMENTS = {
     "rms-vs-layer": "exp_rms_vs_layer",
     "contrast-style": "exp_contrast_style",
     "sync": "exp_sync",
+    "modern": "exp_modern",
 }
 
 
