@@ -7,10 +7,10 @@ QUICK = json.loads(
     """
 {
  "batch-size": {
-  "finished_at": "2026-11-23T09:28:47Z",
-  "runs_cached": 2,
-  "runs_computed": 10,
-  "wall_s": 1756.5519551070006
+  "finished_at": "2026-11-25T00:41:51Z",
+  "runs_cached": 0,
+  "runs_computed": 20,
+  "wall_s": 919.852820271
  },
  "contrast-style": {
   "finished_at": "2026-11-22T02:39:58Z",
