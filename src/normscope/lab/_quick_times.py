@@ -19,10 +19,15 @@ QUICK = json.loads(
   "wall_s": 10.678500476000409
  },
  "padding": {
-  "finished_at": "2026-11-23T09:35:13Z",
-  "runs_cached": 2,
-  "runs_computed": 13,
-  "wall_s": 2050.142394808
+  "finished_at": "2026-11-25T00:45:14Z",
+  "load_avg": {
+   "end": 5.2734375,
+   "start": 7.71826171875
+  },
+  "runs_cached": 0,
+  "runs_computed": 21,
+  "version": "4",
+  "wall_s": 190.18494158299995
  },
  "prenorm": {
   "finished_at": "2026-11-23T09:32:08Z",
