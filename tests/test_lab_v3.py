@@ -203,3 +203,10 @@ def test_modern_derf_formula_and_qk_norm_model():
     # the recorded largest logit is q.k/sqrt(d_head) of LayerNorm-ed q and k, causal positions only
     h = blk.n1(m.tok(torch.randint(0, 1, (1, 1))))  # shape check only
     assert h.shape[-1] == 16 and blk.qn is not None and 0 < blk.max_logit < 16**0.5 * 2
+
+
+def test_docs_lab_table_is_the_committed_results():
+    """docs/lab.md's results table is exactly what the committed result.json files generate."""
+    text = (DOCS_LAB.parent / "lab.md").read_text()
+    i, j = text.index(report.BEGIN) + len(report.BEGIN), text.index(report.END)
+    assert text[i:j] == "\n" + report.markdown_table(DOCS_LAB)
