@@ -13,10 +13,15 @@ QUICK = json.loads(
   "wall_s": 919.852820271
  },
  "contrast-style": {
-  "finished_at": "2026-11-22T02:39:58Z",
+  "finished_at": "2026-11-25T00:46:39Z",
+  "load_avg": {
+   "end": 4.1162109375,
+   "start": 4.21337890625
+  },
   "runs_cached": 0,
-  "runs_computed": 8,
-  "wall_s": 10.678500476000409
+  "runs_computed": 12,
+  "version": "1",
+  "wall_s": 7.619774315999848
  },
  "padding": {
   "finished_at": "2026-11-25T00:45:14Z",
@@ -42,16 +47,26 @@ QUICK = json.loads(
   "wall_s": 1959.5786312669998
  },
  "smoothness": {
-  "finished_at": "2026-11-22T02:36:26Z",
+  "finished_at": "2026-11-25T00:46:32Z",
+  "load_avg": {
+   "end": 4.21337890625,
+   "start": 4.7763671875
+  },
   "runs_cached": 0,
-  "runs_computed": 6,
-  "wall_s": 27.361367954999878
+  "runs_computed": 9,
+  "version": "1",
+  "wall_s": 38.06281910300004
  },
  "sync": {
-  "finished_at": "2026-11-22T02:42:06Z",
+  "finished_at": "2026-11-25T00:53:32Z",
+  "load_avg": {
+   "end": 5.4150390625,
+   "start": 4.1162109375
+  },
   "runs_cached": 0,
-  "runs_computed": 1,
-  "wall_s": 127.33732581799995
+  "runs_computed": 3,
+  "version": "1",
+  "wall_s": 413.018651181
  }
 }
 """
