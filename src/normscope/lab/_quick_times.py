@@ -23,6 +23,17 @@ QUICK = json.loads(
   "version": "1",
   "wall_s": 7.619774315999848
  },
+ "modern": {
+  "finished_at": "2026-11-25T01:05:18Z",
+  "load_avg": {
+   "end": 3.14501953125,
+   "start": 2.58642578125
+  },
+  "runs_cached": 0,
+  "runs_computed": 39,
+  "version": "2",
+  "wall_s": 330.6389627520002
+ },
  "padding": {
   "finished_at": "2026-11-25T00:45:14Z",
   "load_avg": {
