@@ -44,15 +44,49 @@ LABEL = {"layer": "LN", "dyt": "DyT", "derf": "Derf"}
 
 def config(mode: str) -> dict:
     if mode == "smoke":
-        return {"d": 32, "depth": 1, "heads": 2, "seq": 32, "batch": 8, "steps": 20, "warmup": 4,
-                "lrs": [1e-3, 3e-2], "free_lr": 3e-3, "free_steps": 20, "n_chars": 50_000, "seeds": 1}
+        return {
+            "d": 32,
+            "depth": 1,
+            "heads": 2,
+            "seq": 32,
+            "batch": 8,
+            "steps": 20,
+            "warmup": 4,
+            "lrs": [1e-3, 3e-2],
+            "free_lr": 3e-3,
+            "free_steps": 20,
+            "n_chars": 50_000,
+            "seeds": 1,
+        }
     if mode == "quick":
-        return {"d": 64, "depth": 2, "heads": 4, "seq": 64, "batch": 16, "steps": 400, "warmup": 40,
-                "lrs": [1e-3, 3e-3, 1e-2, 3e-2, 1e-1], "free_lr": 3e-3, "free_steps": 600, "n_chars": 300_000,
-                "seeds": 3}
-    return {"d": 128, "depth": 4, "heads": 4, "seq": 128, "batch": 32, "steps": 2000, "warmup": 200,
-            "lrs": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1], "free_lr": 1e-3, "free_steps": 3000,
-            "n_chars": 2_000_000, "seeds": 5}
+        return {
+            "d": 64,
+            "depth": 2,
+            "heads": 4,
+            "seq": 64,
+            "batch": 16,
+            "steps": 400,
+            "warmup": 40,
+            "lrs": [1e-3, 3e-3, 1e-2, 3e-2, 1e-1],
+            "free_lr": 3e-3,
+            "free_steps": 600,
+            "n_chars": 300_000,
+            "seeds": 3,
+        }
+    return {
+        "d": 128,
+        "depth": 4,
+        "heads": 4,
+        "seq": 128,
+        "batch": 32,
+        "steps": 2000,
+        "warmup": 200,
+        "lrs": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1],
+        "free_lr": 1e-3,
+        "free_steps": 3000,
+        "n_chars": 2_000_000,
+        "seeds": 5,
+    }
 
 
 class Derf(nn.Module):
@@ -134,14 +168,16 @@ class _LM(nn.Module):
         return max(b.max_logit for b in self.blocks)
 
 
-def _train(ctx: Context, cfg: dict, label: str, model: _LM, lr: float, steps: int, seed: int,
-           train: Tensor, val: Tensor) -> dict:
+def _train(
+    ctx: Context, cfg: dict, label: str, model: _LM, lr: float, steps: int, seed: int, train: Tensor, val: Tensor
+) -> dict:
     g = seed_all(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95))
     warm = cfg["warmup"]
     # Wortsman et al.'s schedule: linear warm-up, then cosine decay (to zero here)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm))))
+        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm)))
+    )
     last_logit = 0.0
     for step in range(1, steps + 1):
         model.train()
@@ -184,14 +220,21 @@ def execute(ctx: Context, cfg: dict) -> dict:
     free_runs = []
     for norm in ("layer", "dyt", "derf"):
         for seed in ctx.seeds:
-            key = {"part": "free", "norm": norm, "seed": seed, "lr": cfg["free_lr"], "steps": cfg["free_steps"],
-                   **shape}
+            key = {
+                "part": "free",
+                "norm": norm,
+                "seed": seed,
+                "lr": cfg["free_lr"],
+                "steps": cfg["free_steps"],
+                **shape,
+            }
 
             def go(norm=norm, seed=seed) -> dict:
                 seed_all(seed)
                 model = _LM(cfg, norm)
-                out = _train(ctx, cfg, f"{LABEL[norm]} s={seed}", model, cfg["free_lr"], cfg["free_steps"], seed,
-                             train, val)
+                out = _train(
+                    ctx, cfg, f"{LABEL[norm]} s={seed}", model, cfg["free_lr"], cfg["free_steps"], seed, train, val
+                )
                 return {**out, "source": model.source}
 
             r = ctx.cached(key, go)
@@ -212,11 +255,14 @@ def plot(ctx: Context, cfg: dict, metrics: dict) -> None:
         name = "QK-norm" if qk else "no QK-norm"
         logit = [mean_std(_by(metrics["qk_runs"], "max_logit", qk_norm=qk, lr=lr))[0] for lr in lrs]
         axes[0].plot(lrs, logit, "o-", color=color, label=name)
-        loss = [mean_std([min(v, 10.0) for v in _by(metrics["qk_runs"], "val_loss", qk_norm=qk, lr=lr)])[0]
-                for lr in lrs]
+        loss = [
+            mean_std([min(v, 10.0) for v in _by(metrics["qk_runs"], "val_loss", qk_norm=qk, lr=lr)])[0] for lr in lrs
+        ]
         axes[1].plot(lrs, loss, "o-", color=color, label=name)
-    for ax, title in ((axes[0], "largest attention logit at the end"),
-                      (axes[1], "final validation loss (diverged = 10)")):
+    for ax, title in (
+        (axes[0], "largest attention logit at the end"),
+        (axes[1], "final validation loss (diverged = 10)"),
+    ):
         ax.set_xscale("log")
         ax.set_xlabel("learning rate")
         ax.set_title(title, fontsize=9)
@@ -236,8 +282,12 @@ def plot(ctx: Context, cfg: dict, metrics: dict) -> None:
 def verdicts(metrics: dict) -> list[Verdict]:
     qk = {}
     for flag in (False, True):
-        qk[flag] = {lr: (_by(metrics["qk_runs"], "val_loss", qk_norm=flag, lr=lr),
-                         _by(metrics["qk_runs"], "max_logit", qk_norm=flag, lr=lr)) for lr in metrics["lrs"]}
+        qk[flag] = {
+            lr: (
+                _by(metrics["qk_runs"], "val_loss", qk_norm=flag, lr=lr),
+                _by(metrics["qk_runs"], "max_logit", qk_norm=flag, lr=lr),
+            )
+            for lr in metrics["lrs"]
+        }
     free = {n: _by(metrics["free_runs"], "val_loss", norm=n) for n in ("layer", "dyt", "derf")}
-    return [qk_norm_rule(qk[False], qk[True], metrics["unigram_entropy"]),
-            derf_rule(free, metrics["unigram_entropy"])]
+    return [qk_norm_rule(qk[False], qk[True], metrics["unigram_entropy"]), derf_rule(free, metrics["unigram_entropy"])]
