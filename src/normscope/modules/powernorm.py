@@ -9,10 +9,12 @@ scope (valid tokens only), the normalization is the engine's ``apply``.
 
 Where the paper and the reference code differ, and what we do (see also ``docs/beyond.md``):
 
-* **Group scaling.** The reference first divides every token by the root mean square of its own
-  features (``GroupScaling1D``, ``group_num=1``: an RMSNorm without weight, eps 1e-5); the paper
-  does not mention it. ``group_scaling=None`` (default) follows the paper; ``group_scaling=1``
-  (or G groups) reproduces the reference, computed as an engine RMS scope over the channel axis.
+* **Group scaling.** The reference first divides every token by the root mean square of each of
+  ``group_num`` groups of its features (``GroupScaling1D``: an RMSNorm without weight, eps 1e-5;
+  ``group_num`` defaults to 1, and the authors' transformer passes the number of attention heads);
+  the paper does not mention it. ``group_scaling=None`` (default) follows the paper;
+  ``group_scaling=G`` reproduces the reference's ``group_num=G``, computed as an engine RMS scope
+  over channel groups.
 * **Which quadratic mean divides the gradient.** After warm-up the reference's forward divides
   by the running ``running_phi`` but its backward still divides by the *batch* quadratic mean;
   the paper's Algorithm 1, as we read it, uses the running :math:`\psi` in both passes (we could
@@ -24,7 +26,7 @@ Where the paper and the reference code differ, and what we do (see also ``docs/b
   with ``g = dL/dz`` (z: the normalized input before the affine). It is an accumulation rather
   than an exponential average in the usual ``alpha * old + (1 - alpha) * new`` form.
 * **Gradient into padding.** The reference's backward sends ``-(1 - alpha_bkw) * ema_gz * z``
-  into *padded* positions too (their ``g`` is 0 but their ``z`` is not), and from there into
+  into *padded* positions too (even where their ``g`` is 0, their ``z`` is not), and from there into
   whatever produced them (a shared pad embedding, the previous layers' weights). A padded
   position took no part in the statistic, so its exact gradient through the normalization is
   zero: we send exactly zero there, at every step.
@@ -39,8 +41,8 @@ Where the paper and the reference code differ, and what we do (see also ``docs/b
   3 seeds, group scaling over the heads, ``docs/lab/padding/result.json``): test accuracy 99.8 %
   with ``"valid"`` and 99.6 % with ``"all"`` (LN 100.0 %) -- training does not tell them apart at
   this scale, so the default is the one that keeps padding out of the state by construction
-  (tested: more padding, same state). Before padded positions got zero gradient, the same
-  experiment gave PowerNorm 52.4 %.
+  (tested: more padding, same state). Before padded positions got zero gradient, the previous
+  version of that experiment (same sizes, no group scaling) gave PowerNorm 52.4 %.
 * **Warm-up.** As the reference: for steps ``1..warmup_iters`` the forward uses the batch
   statistic; during steps ``1..warmup_iters-1`` ``running_phi`` is first replaced by the
   cumulative average of the batch statistics and then, like every step, EMA-updated with
