@@ -7,10 +7,15 @@ QUICK = json.loads(
     """
 {
  "batch-size": {
-  "finished_at": "2026-11-25T00:41:51Z",
+  "finished_at": "2026-11-25T01:15:49Z",
+  "load_avg": {
+   "end": 3.56396484375,
+   "start": 2.998046875
+  },
   "runs_cached": 0,
   "runs_computed": 20,
-  "wall_s": 919.852820271
+  "version": "3",
+  "wall_s": 507.1711659960001
  },
  "contrast-style": {
   "finished_at": "2026-11-25T00:46:39Z",
