@@ -137,7 +137,8 @@ def test_quick_time_of_a_changed_experiment_is_not_claimed(monkeypatch):
             "load_avg": {"start": 3.0, "end": 4.5},
         },
     )
-    assert lab.quick_time("sync").startswith("quick: 2 min") and "load 3.0-4.5" in lab.quick_time("sync")
+    line = lab.quick_time("sync")
+    assert line.startswith("quick: 2 min") and "load average 3.0 at the start, 4.5 at the end" in line
 
 
 @pytest.mark.parametrize("missing,verb", [({"matplotlib", "sklearn"}, "are"), ({"sklearn"}, "is")])

@@ -186,7 +186,9 @@ def quick_time(name: str) -> str:
     if t["runs_cached"]:
         took = f">= {took} ({t['runs_cached']} of {t['runs_cached'] + t['runs_computed']} runs were cached)"
     load = t.get("load_avg")
-    where = (f"load {load['start']:.1f}-{load['end']:.1f}" if load else "load not recorded")
+    where = "load not recorded"
+    if load:
+        where = f"load average {load['start']:.1f} at the start, {load['end']:.1f} at the end"
     return f"quick: {took}, 1 thread, 2-core machine shared with other jobs ({where}), {t['finished_at'][:10]}"
 
 
