@@ -45,6 +45,7 @@ EXPERIMENTS = {
     "rms-vs-layer": "exp_rms_vs_layer",
     "contrast-style": "exp_contrast_style",
     "sync": "exp_sync",
+    "modern": "exp_modern",
 }
 
 
@@ -86,6 +87,7 @@ def run_one(name: str, mode: str, out: Path, seeds: int | None = None, force: bo
     k = seeds if seeds is not None else cfg.get("seeds", 1)
     cfg = {**cfg, "seeds": k}
     ctx = Context(name, out / name, mode, list(range(k)), force=force, version=getattr(mod, "VERSION", "1"))
+    load0 = os.getloadavg()[0]  # the wall time means little without the machine's load
     t0 = time.perf_counter()
     with deterministic(threads=1):
         try:
@@ -104,6 +106,7 @@ def run_one(name: str, mode: str, out: Path, seeds: int | None = None, force: bo
     result = {
         "experiment": name,
         "title": mod.TITLE,
+        "version": ctx.version,
         "about": (mod.__doc__ or "").strip(),
         "mode": mode,
         "config": cfg,
@@ -115,6 +118,7 @@ def run_one(name: str, mode: str, out: Path, seeds: int | None = None, force: bo
         "plots": ctx.plots,
         "versions": vers,
         "wall_s": time.perf_counter() - t0,
+        "load_avg": {"start": load0, "end": os.getloadavg()[0]},
         "runs_cached": ctx.n_cached,
         "runs_computed": ctx.n_computed,
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -129,8 +133,9 @@ def run(experiments: Sequence[str] | None = None, mode: str = "quick", out: str 
 
     Args:
         experiments: names from :data:`EXPERIMENTS`. Default: all.
-        mode: ``"smoke"`` (seconds, for CI), ``"quick"`` (minutes on 2 CPU cores) or ``"full"``
-            (hours). Default: ``"quick"``.
+        mode: ``"smoke"`` (seconds, for CI), ``"quick"`` (from under a minute to about an hour
+            per experiment on a shared 2-core machine: ``normscope lab --list`` shows each one's
+            measured time) or ``"full"`` (hours). Default: ``"quick"``.
         out: output directory. Default: ``"lab-out"``.
         seeds: number of seeds (0..K-1) instead of the mode's default. Default: None.
         force: recompute runs already in the cache. Default: False.
@@ -149,8 +154,9 @@ def run(experiments: Sequence[str] | None = None, mode: str = "quick", out: str 
         if report:
             from .report import summary_table, write_report
 
-            path = write_report(out)
-            sys.stderr.write(summary_table(out) + f"\nreport: {path}\n")
+            # this run's results only: older ones in `out` are named in the report, not mixed in
+            path = write_report(out, list(results), requested=names)
+            sys.stderr.write(summary_table(out, list(results)) + f"\nreport: {path}\n")
     return results
 
 
@@ -164,13 +170,43 @@ def _seeds(text: str) -> int:
     return k
 
 
+def quick_time(name: str) -> str:
+    """How long ``name`` took in quick mode, as measured by the committed results (``docs/lab``):
+    the wall time, the runs it includes and the machine's load, or "not measured"."""
+    from ._quick_times import QUICK
+
+    t = QUICK.get(name)
+    if t is None:
+        return "quick: not measured yet"
+    version = getattr(_module(name), "VERSION", "1")
+    if t.get("version", version) != version:  # the settings changed since: the old time says nothing
+        return f"quick: not measured for this version ({version}) yet"
+    mins = t["wall_s"] / 60
+    took = f"{mins:.0f} min" if mins >= 1 else f"{t['wall_s']:.0f} s"
+    if t["runs_cached"]:
+        took = f">= {took} ({t['runs_cached']} of {t['runs_cached'] + t['runs_computed']} runs were cached)"
+    load = t.get("load_avg")
+    where = "load not recorded"
+    if load:
+        where = f"load average {load['start']:.1f} at the start, {load['end']:.1f} at the end"
+    return f"quick: {took}, 1 thread, 2-core machine shared with other jobs ({where}), {t['finished_at'][:10]}"
+
+
+def _times_epilog() -> str:
+    rows = "\n".join(f"  {n:16} {quick_time(n)}" for n in EXPERIMENTS)
+    return ("measured --quick wall times of the committed results (one thread per run; a loaded machine is "
+            "slower, an idle one faster):\n" + rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``normscope lab`` command line; returns the exit status."""
-    p = argparse.ArgumentParser(prog="normscope lab", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="normscope lab", description=__doc__.split("\n\n")[0],
+                                epilog=_times_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("experiments", nargs="*", metavar="EXPERIMENT",
                    help=f"some of: {', '.join(EXPERIMENTS)} (default: all)")
     g = p.add_mutually_exclusive_group()
-    for m, h in (("quick", "minutes on 2 CPU cores (default)"), ("full", "hours"), ("smoke", "seconds (CI)")):
+    quick = "default; under a minute to about an hour per experiment, measured times below"
+    for m, h in (("quick", quick), ("full", "hours per experiment"), ("smoke", "seconds (CI)")):
         g.add_argument(f"--{m}", dest="mode", action="store_const", const=m, help=h)
     p.add_argument(
         "--seeds", type=_seeds, default=None, metavar="K", help=f"number of seeds, 1 to {MAX_SEEDS} (default: per mode)"
@@ -182,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.list:
         try:
             for name in EXPERIMENTS:
-                print(f"{name:16} {_module(name).TITLE}", flush=True)
+                print(f"{name:16} {_module(name).TITLE}\n{'':16} {quick_time(name)}", flush=True)
         except BrokenPipeError:  # `--list | head -3`: the reader left; no traceback
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -199,7 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = [m for m in ("matplotlib", "sklearn") if importlib.util.find_spec(m) is None]
     if missing:  # say so before any run, not as a traceback from deep inside the first experiment
         need = " and ".join(missing)
-        sys.stderr.write(f"normscope lab: needs {need}, which is not installed (pip install 'normscope[lab]')\n")
+        verb = "is" if len(missing) == 1 else "are"
+        sys.stderr.write(f"normscope lab: needs {need}, which {verb} not installed (pip install 'normscope[lab]')\n")
         return 1
     try:
         run(a.experiments, mode=mode, out=a.out, seeds=a.seeds, force=a.force)

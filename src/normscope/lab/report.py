@@ -6,7 +6,10 @@ from __future__ import annotations
 import base64
 import html
 import json
+import shutil
+import textwrap
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from . import EXPERIMENTS
@@ -20,10 +23,13 @@ font-size:.8em}section{border-top:2px solid #444;margin-top:2em}
 """
 
 
-def load_results(out: Path) -> list[dict]:
-    """Every ``<out>/<experiment>/result.json`` that exists, in the lab's experiment order."""
+def load_results(out: Path, experiments: Sequence[str] | None = None) -> list[dict]:
+    """Every ``<out>/<experiment>/result.json`` that exists, in the lab's experiment order (only
+    those of ``experiments`` if given)."""
     found = []
     for name in EXPERIMENTS:
+        if experiments is not None and name not in experiments:
+            continue
         p = Path(out) / name / "result.json"
         if p.exists():
             try:
@@ -44,10 +50,20 @@ def _img(path: Path) -> str:
     return f'<img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}">'
 
 
-def write_report(out: str | Path) -> Path:
+def _when(r: dict) -> str:
+    return f"{r.get('mode', '?')} mode, finished {r.get('finished_at', '?')}"
+
+
+def write_report(out: str | Path, experiments: Sequence[str] | None = None,
+                 requested: Sequence[str] | None = None) -> Path:
+    """Write ``<out>/report.html`` from the results in ``out``: those of ``experiments`` only if
+    given (what one ``run`` finished), every one found otherwise. Results found in ``out`` but left
+    out are named at the end, with their mode and date, never mixed into the verdicts;
+    ``requested`` names not finished are listed as not run."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    results = load_results(out)
+    results = load_results(out, experiments)
+    older = [r for r in load_results(out) if experiments is not None and r["experiment"] not in experiments]
     e = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>normscope lab</title><style>{_CSS}</style>"
              "</head><body><h1>normscope lab</h1>",
@@ -62,7 +78,8 @@ def write_report(out: str | Path) -> Path:
                          f"</td><td>{e(v['published'])}</td><td>{e(v['measured'])}</td>"
                          f"<td class='{_cls(v['outcome'])}'>{e(v['outcome'])}</td></tr>")
     parts.append("</table>")
-    missing = [n for n in EXPERIMENTS if n not in {r["experiment"] for r in results}]
+    wanted = requested if requested is not None else EXPERIMENTS if experiments is None else experiments
+    missing = [n for n in wanted if n not in {r["experiment"] for r in results}]
     if missing:
         parts.append(f"<p>Not run (or interrupted): {e(', '.join(missing))}</p>")
     for r in results:
@@ -83,11 +100,15 @@ def write_report(out: str | Path) -> Path:
         if r["norm_sources"]:
             parts.append("<p><small>norm layers used: " + e("; ".join(f"{k}: {v}" for k, v in
                                                                      r["norm_sources"].items())) + "</small></p>")
-        parts.append(f"<p><small>mode {e(r['mode'])}, seeds {e(str(r['seeds']))}, wall {r['wall_s']:.1f} s "
+        parts.append(f"<p><small>mode {e(r['mode'])}, finished {e(str(r.get('finished_at', '?')))}, seeds "
+                     f"{e(str(r['seeds']))}, wall {r['wall_s']:.1f} s{e(_load_note(r))} "
                      f"({r['runs_computed']} runs computed, {r['runs_cached']} from cache), torch "
                      f"{e(r['versions'].get('torch', '?'))}</small></p>")
         parts.append(f"<details><summary>config</summary><pre>{e(json.dumps(r['config'], indent=1))}</pre></details>")
         parts.append("</section>")
+    if older:
+        parts.append("<section><h2>Not in this report</h2><p>Earlier results in this directory, not produced by "
+                     "this run: " + e("; ".join(f"{r['experiment']} ({_when(r)})" for r in older)) + "</p></section>")
     parts.append("</body></html>")
     path = out / "report.html"
     tmp = path.with_suffix(".tmp")
@@ -96,19 +117,25 @@ def write_report(out: str | Path) -> Path:
     return path
 
 
-def summary_table(out: str | Path) -> str:
-    """A plain-text table: experiment | claim | verdict | measured."""
-    rows = [("experiment", "claim", "verdict", "measured")]
-    for r in load_results(Path(out)):
-        for v in r["verdicts"]:
-            rows.append((r["experiment"], v["claim"][:60], v["outcome"], v["measured"][:90]))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+def summary_table(out: str | Path, experiments: Sequence[str] | None = None, width: int | None = None) -> str:
+    """Plain text for the terminal: per verdict, the experiment and outcome, then the claim and
+    what was measured, whole (wrapped to ``width``, the terminal's by default; never cut)."""
+    width = width or max(60, min(shutil.get_terminal_size((100, 24)).columns, 120))
     lines = []
-    for i, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3])
-        if i == 0:
-            lines.append("-" * (sum(widths) + 6 + 8))
+    for r in load_results(Path(out), experiments):
+        for v in r["verdicts"]:
+            lines.append(f"{r['experiment']}: {v['outcome']}")
+            for label, text in (("claim", v["claim"]), ("measured", v["measured"])):
+                lines.extend(textwrap.wrap(text, width, initial_indent=f"  {label}: ",
+                                           subsequent_indent=" " * (len(label) + 4)))
     return "\n".join(lines)
+
+
+def _load_note(r: dict) -> str:
+    load = r.get("load_avg")
+    if not load:
+        return ""
+    return f", 1-min load average {load['start']:.1f} at the start, {load['end']:.1f} at the end"
 
 
 BEGIN, END = "<!-- lab-table:begin (generated from result.json) -->", "<!-- lab-table:end -->"
@@ -136,7 +163,27 @@ def update_doc(doc: str | Path, out: str | Path) -> None:
     doc.write_text(text[:i] + "\n" + markdown_table(out) + text[j:])
 
 
+def quick_times(out: str | Path) -> dict[str, dict]:
+    """Per experiment, the measured time of its quick-mode result in ``out`` (what ``--list`` and
+    ``--help`` show)."""
+    keep = ("wall_s", "runs_computed", "runs_cached", "finished_at", "load_avg", "version")
+    return {r["experiment"]: {k: r[k] for k in keep if k in r} for r in load_results(Path(out)) if r["mode"] == "quick"}
+
+
+TIMES_MODULE = Path(__file__).with_name("_quick_times.py")
+
+
+def write_times(out: str | Path, path: str | Path = TIMES_MODULE) -> None:
+    """Write the module that holds :func:`quick_times` of ``out`` (the package cannot read docs/)."""
+    body = json.dumps(quick_times(out), indent=1, sort_keys=True)
+    Path(path).write_text('"""Generated by ``python -m normscope.lab.report docs/lab docs/lab.md`` from the committed\n'
+                          'results: do not edit."""\n\nimport json\n\nQUICK = json.loads(\n    """\n' + body
+                          + '\n"""\n)\n')
+
+
 if __name__ == "__main__":  # python -m normscope.lab.report docs/lab docs/lab.md
     import sys
 
     update_doc(sys.argv[2], sys.argv[1])
+    write_report(sys.argv[1])
+    write_times(sys.argv[1])

@@ -90,12 +90,17 @@ def fluctuation_rule(text_dist: float, image_dist: float) -> Verdict:
 
 POWER_CLAIM = "PowerNorm (quadratic mean, running statistics in the forward pass) closes BN's gap to LN"
 POWER_PUBLISHED = "Shen et al. 2020: PN outperforms LN and BN on IWSLT14 and WMT14 translation"
-POWER_RULE = "PowerNorm's test accuracy is within 1.0 point of LN's or above it, and above plain BN's"
+POWER_RULE = ("PowerNorm as the authors' transformer builds it (group scaling over the attention heads) has a mean "
+              "test accuracy within 1.0 point of LN's or above it, and above plain BN's")
 
 
-def power_rule(power_acc: float, ln_acc: float, plain_bn_acc: float) -> Verdict:
+def power_rule(power_acc: float, ln_acc: float, plain_bn_acc: float, others: dict[str, float] | None = None
+               ) -> Verdict:
+    """``others``: label -> accuracy of PowerNorm variants that are reported, not judged."""
     ok = _finite(power_acc, ln_acc, plain_bn_acc) and power_acc >= ln_acc - 1.0 and power_acc > plain_bn_acc
     measured = f"test accuracy: PowerNorm {power_acc:.1f}%, LN {ln_acc:.1f}%, plain BN {plain_bn_acc:.1f}%"
+    if others:
+        measured += " (not judged: " + ", ".join(f"{k} {v:.1f}%" for k, v in others.items()) + ")"
     return Verdict(POWER_CLAIM, POWER_PUBLISHED, measured, _ok(ok), POWER_RULE)
 
 
@@ -412,3 +417,71 @@ def no_norm_rule_v2(depth: int, none_failed: float, none_loss: float, ln_loss: f
     measured = (f"depth {depth}: no norm {none_failed:.0%} of seeds failed, val loss none {none_loss:.3f} vs LN "
                 f"{ln_loss:.3f}")
     return _v(NO_NORM_V2_CLAIM, NO_NORM_V2_PUBLISHED, measured, ok, NO_NORM_V2_RULE, gate, "LN failed somewhere")
+
+
+# ---------------------------------------------------------------------------------------------
+# modern: QK-norm (Dehghani et al. 2023; Wortsman et al. 2023) and DyT / Derf (Zhu et al. 2025; Chen et al. 2025)
+
+QK_CLAIM = ("Without QK-norm the attention logits grow and training becomes unstable at learning rates where "
+            "QK-norm keeps it stable")
+QK_PUBLISHED = ("Dehghani et al. 2023 (ViT-22B): attention logits grow without bound and training diverges unless "
+                "queries and keys are LayerNorm-ed; Wortsman et al. 2023, Fig. 1/2: small transformers show the same "
+                "logit growth and loss divergence at high learning rate, removed by qk-layernorm")
+QK_RULE = ("per learning rate, mean over seeds (a diverged run's loss is infinite). gate: with QK-norm the best "
+           "mean validation loss over the grid is below the unigram entropy, else inconclusive. Reproduced if (a) "
+           "at the largest learning rate the mean largest attention logit without QK-norm is >= 3x with it, AND "
+           "(b) at some learning rate every seed without QK-norm diverged or ended >= 0.2 nats above the mean with "
+           "QK-norm there, while with QK-norm the mean there is within 0.2 nats of its best over the grid")
+
+
+def _mean(vals: list[float]) -> float:
+    return sum(vals) / len(vals) if vals and all(math.isfinite(v) for v in vals) else math.inf
+
+
+def qk_norm_rule(without: dict[float, tuple[list[float], list[float]]],
+                 with_: dict[float, tuple[list[float], list[float]]], unigram: float) -> Verdict:
+    """``without``/``with_``: learning rate -> (final validation losses, largest attention logits), per seed."""
+    lrs = sorted(with_)
+    loss_w = {lr: _mean(with_[lr][0]) for lr in lrs}
+    best = min(loss_w.values())
+    top = lrs[-1]
+    logit_wo, logit_w = _mean(without[top][1]), _mean(with_[top][1])
+    growth = _finite(logit_wo, logit_w) and logit_w > 0 and logit_wo >= 3 * logit_w
+    unstable = [lr for lr in lrs if math.isfinite(loss_w[lr]) and loss_w[lr] <= best + 0.2
+                and all(not math.isfinite(v) or v >= loss_w[lr] + 0.2 for v in without[lr][0])]
+    gate = _finite(best, unigram) and best < unigram
+    loss_wo = {lr: _mean(without[lr][0]) for lr in lrs}
+    measured = (f"largest attention logit at lr {top:g}: {logit_wo:.1f} without QK-norm vs {logit_w:.1f} with; final "
+                "val loss without/with by lr: " + ", ".join(f"{lr:g}: {loss_wo[lr]:.2f}/{loss_w[lr]:.2f}" for lr in lrs)
+                + f"; unstable without only at: {', '.join(f'{lr:g}' for lr in unstable) or 'none'}")
+    return _v(QK_CLAIM, QK_PUBLISHED, measured, growth and bool(unstable), QK_RULE, gate,
+              f"best loss with QK-norm {best:.2f} not below the unigram entropy {unigram:.2f}")
+
+
+FREE_CLAIM = "Normalization-free layers (DyT, Derf) match LayerNorm in a transformer at equal steps"
+FREE_PUBLISHED = ("Zhu et al. 2025 (DyT), Tables 1-7: DyT matches LN/RMSNorm across ViT, DiT, LLaMA, wav2vec, DNA "
+                  "models; Chen et al. 2025 (Derf, arXiv:2512.10938): Derf matches or beats LN, RMSNorm and DyT")
+FREE_RULE = ("mean final validation loss over seeds, equal steps and learning rate. gate: LN's is below the unigram "
+             "entropy, else inconclusive. Reproduced if DyT's and Derf's are each at most LN's + max(0.05 nats, 2x "
+             "LN's seed std)")
+
+
+def derf_rule(losses: dict[str, list[float]], unigram: float) -> Verdict:
+    """``losses``: "layer" / "dyt" / "derf" -> final validation loss per seed."""
+    m = {k: _mean(v) for k, v in losses.items()}
+    ln_std = _sd(losses["layer"])
+    tol = max(0.05, 2 * ln_std)
+    gate = _finite(m["layer"], unigram) and m["layer"] < unigram
+    ok = _finite(m["dyt"], m["derf"], m["layer"]) and m["dyt"] <= m["layer"] + tol and m["derf"] <= m["layer"] + tol
+    measured = (f"final val loss: LN {m['layer']:.3f}±{ln_std:.3f}, DyT {m['dyt']:.3f}±{_sd(losses['dyt']):.3f}, "
+                f"Derf {m['derf']:.3f}±{_sd(losses['derf']):.3f} (nats; tolerance {tol:.3f})")
+    return _v(FREE_CLAIM, FREE_PUBLISHED, measured, ok, FREE_RULE, gate,
+              f"LN {m['layer']:.2f} not below the unigram entropy {unigram:.2f}")
+
+
+def _sd(vals: list[float]) -> float:
+    """Sample standard deviation (0 for fewer than 2 values or any non-finite one)."""
+    if len(vals) < 2 or not all(math.isfinite(v) for v in vals):
+        return 0.0
+    mu = sum(vals) / len(vals)
+    return math.sqrt(sum((v - mu) ** 2 for v in vals) / (len(vals) - 1))
