@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .cases import DTYPES, GROUPS, ROW_CASES
+from .cases import DTYPES, GROUPS, MODERN_CASES, ROW_CASES
 
 #: colours per implementation, the same in every panel of the plot
 COLORS = {"normscope": "tab:green", "torch": "tab:red", "compile": "tab:blue", "liger": "tab:orange"}
@@ -75,7 +75,8 @@ def _format_row(row: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> bool:
-    """GB/s against N per implementation, one panel per (row case, dtype, mode). False without matplotlib."""
+    """GB/s against N (the row length; head_dim for qk_norm) per implementation, one panel per (row or
+    modern case, dtype, mode). False without matplotlib."""
     try:
         import matplotlib
 
@@ -83,7 +84,7 @@ def plot(report: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [r for r in report["results"] if r["case"] in ROW_CASES]
+    rows = [r for r in report["results"] if r["case"] in ROW_CASES or r["case"] in MODERN_CASES]
     panels = sorted({(r["case"], r["dtype"], r["mode"]) for r in rows})
     if not panels:
         return False
@@ -92,10 +93,10 @@ def plot(report: dict, path: Path) -> bool:
         math.ceil(len(panels) / cols), cols, figsize=(11, 3.2 * math.ceil(len(panels) / cols)), squeeze=False
     )
     for ax, key in zip(axes.flat, panels):
-        sel = sorted((r for r in rows if (r["case"], r["dtype"], r["mode"]) == key), key=lambda r: r["shape"][1])
+        sel = sorted((r for r in rows if (r["case"], r["dtype"], r["mode"]) == key), key=lambda r: r.get("n", r["shape"][-1]))
         names = sorted({n for r in sel for n in r["impls"]})
         for name in names:
-            pts = [(r["shape"][1], r["impls"][name]["gbs"]) for r in sel if r["impls"].get(name, {}).get("gbs")]
+            pts = [(r.get("n", r["shape"][-1]), r["impls"][name]["gbs"]) for r in sel if r["impls"].get(name, {}).get("gbs")]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name, color=COLORS.get(name))
         ax.axhline(report["copy_gbs"], color="gray", ls="--", lw=1, label="copy")
