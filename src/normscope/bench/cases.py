@@ -206,7 +206,9 @@ def _modern_case(case: str, shape: tuple[int, ...], dtype, device, peers: dict, 
             return y * (1 + scale[:, None]) + shift[:, None]
 
         kind = "layer" if centered else "rms"
-        impls["normscope"] = _ns(lambda x, shift, scale: fm.modulated_norm(x, shift, scale, eps=EPS, norm=kind), kernels)
+        impls["normscope"] = _ns(
+            lambda x, shift, scale: fm.modulated_norm(x, shift, scale, eps=EPS, norm=kind), kernels
+        )
     elif case == "qk_norm":  # two RMSNorms over head_dim, Qwen3's and Gemma 3's q_norm / k_norm
         k = _randn((*shape[:2], QK_KV_HEADS, n), g, device, dtype)
         wq, wk = ((torch.rand(n, generator=g, device=device) + 0.5).to(dtype) for _ in range(2))
@@ -218,9 +220,7 @@ def _modern_case(case: str, shape: tuple[int, ...], dtype, device, peers: dict, 
         w = (0.1 * torch.randn(n, generator=g, device=device)).to(dtype)
         inputs = [x, w]
         eager = lambda x, w: (_rms(x.float()) * (1.0 + w.float())).type_as(x)  # noqa: E731 - GemmaRMSNorm
-        impls["normscope"] = _ns(
-            lambda x, w: fm.rms_norm(x, (n,), w, EPS, weight_offset=1.0, casting="gemma"), kernels
-        )
+        impls["normscope"] = _ns(lambda x, w: fm.rms_norm(x, (n,), w, EPS, weight_offset=1.0, casting="gemma"), kernels)
     elif case == "poly_norm":
         w = (torch.tensor([0.3, 0.5, 0.2], device=device) + 0.1 * torch.rand(3, generator=g, device=device)).to(dtype)
         b = (0.5 * torch.randn(1, generator=g, device=device)).to(dtype)

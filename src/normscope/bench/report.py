@@ -93,10 +93,16 @@ def plot(report: dict, path: Path) -> bool:
         math.ceil(len(panels) / cols), cols, figsize=(11, 3.2 * math.ceil(len(panels) / cols)), squeeze=False
     )
     for ax, key in zip(axes.flat, panels):
-        sel = sorted((r for r in rows if (r["case"], r["dtype"], r["mode"]) == key), key=lambda r: r.get("n", r["shape"][-1]))
+        sel = sorted(
+            (r for r in rows if (r["case"], r["dtype"], r["mode"]) == key), key=lambda r: r.get("n", r["shape"][-1])
+        )
         names = sorted({n for r in sel for n in r["impls"]})
         for name in names:
-            pts = [(r.get("n", r["shape"][-1]), r["impls"][name]["gbs"]) for r in sel if r["impls"].get(name, {}).get("gbs")]
+            pts = [
+                (r.get("n", r["shape"][-1]), r["impls"][name]["gbs"])
+                for r in sel
+                if r["impls"].get(name, {}).get("gbs")
+            ]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name, color=COLORS.get(name))
         ax.axhline(report["copy_gbs"], color="gray", ls="--", lw=1, label="copy")
