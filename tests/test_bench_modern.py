@@ -174,6 +174,7 @@ def test_modern_rows_in_bf16_on_the_kernels(tmp_path):
 
 
 @interpreted
+@pytest.mark.slow  # inductor's CPU compiles: ~30 s with a cold cache
 def test_modern_rows_with_the_compile_peer(tmp_path, monkeypatch):
     monkeypatch.setitem(cases.NS_MODERN, "interpret", (64,))
     report = _dry_run(tmp_path, ["fp32"], ["torch", "compile"])

@@ -66,7 +66,8 @@ Usage::
 
 ``--interpret`` is the GPU run's dry run on a CPU: the same code paths at tiny sizes -- normscope
 forced onto its Triton kernels and Liger's kernels both in Triton's interpreter, torch.compile
-through inductor's CPU backend, every case, the JSON and the PNG. Its times mean nothing.
+through inductor's CPU backend, every case selected (``--cases all`` for the modern ones too), the JSON
+and the PNG. Its times mean nothing.
 """
 
 from __future__ import annotations

@@ -3,8 +3,11 @@ forward check of every implementation against torch eager.
 
 Each case builder returns ``(inputs, impls, (bytes_fwd, bytes_fwdbwd), shape, normscope label or None, eager,
 n)``, where ``n`` is the number of elements in one normalized scope (what the measured-choice table is keyed by:
-the row length for LayerNorm/RMSNorm, C/G x H x W for GroupNorm, N x H x W -- valid positions only when masked --
-for BatchNorm).
+the row length for LayerNorm/RMSNorm and the modern norms -- head_dim for qk_norm --, C/G x H x W for GroupNorm,
+N x H x W -- valid positions only when masked -- for BatchNorm).
+
+The shape of a modern case's configuration is x's: (B, S, D) for the modulated (AdaLN) cases, q's (B, S, H, D)
+for qk_norm (k has ``QK_KV_HEADS`` heads), (M, N) for the others.
 """
 
 from __future__ import annotations

@@ -69,6 +69,8 @@ def _format_row(row: dict) -> str:
                 s += f" x{e['normscope_speedup']:.2f}"
             if e.get("ok") is False:
                 s += " MISMATCH"
+            if e.get("note"):
+                s += " (rounds differently: see its note)"
             parts.append(s)
     shape = "x".join(map(str, row["shape"]))
     return f"{row['case']:<18} {row['dtype']:<4} {row['mode']:<7} {shape:<16} | " + " | ".join(parts)
