@@ -110,7 +110,7 @@ def plot(report: dict, path: Path) -> bool:
         ax.axhline(report["copy_gbs"], color="gray", ls="--", lw=1, label="copy")
         ax.set_xscale("log", base=2)
         ax.set_title(" ".join(key), fontsize=9)
-        ax.set_xlabel("N (row length)")
+        ax.set_xlabel("head_dim" if key[0] == "qk_norm" else "N (row length)")
         ax.set_ylabel("GB/s")
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:
