@@ -17,6 +17,11 @@ add_rms_norm           4 numel e       8 numel e  (fwd: read x, r, write y, h; b
 group_norm[_cl]        2 numel e       5 numel e
 batch_norm             2 numel e       5 numel e
 masked_batch_norm      2 numel e       5 numel e  (the (B, S) mask is not counted)
+modulated_rms_norm,    2 numel e       5 numel e  (x (B, S, D); the (B, D) scale and shift, like
+modulated_layer_norm                               weights, are not counted)
+qk_norm                2 numel e       5 numel e  (numel: of q and k together)
+gemma_rms_norm,        2 numel e       5 numel e
+poly_norm, derf
 =====================  ==============  ===============================================
 
 Weights, statistics and the second read of long rows are not counted: an implementation that
@@ -31,6 +36,16 @@ per op and dtype, the size ranges where the Triton kernels passed the check and 
 in both forward and forward+backward. The engine chooses Triton automatically only there
 (``benchmarks/gpu_check.sh bench`` writes ``src/normscope/backends/measured/<device class>.json``).
 
+The modern norms (:mod:`normscope.functional_modern`) are a group of their own, ``--cases modern``
+(or each by name): ``modulated_rms_norm`` / ``modulated_layer_norm`` (AdaLN, scale and shift per
+sample), ``qk_norm`` (q and k, (B, S, H, D), RMSNorm over head_dim, one launch; k has a quarter of
+q's heads), ``gemma_rms_norm`` (zero-centred weight, ``weight_offset=1.0, casting="gemma"``),
+``poly_norm`` and ``derf``. They are not in the default selection, which measures the ops the
+engine chooses automatically (the measured-choice table); their fused kernels decline rows past
+16384 elements, so their widths stop there. torch eager is each one as the models' eager code
+writes it. A row names the requested peers it has no entry for and why (``declined``), and a peer
+that computes the same formula with other roundings carries a ``note``.
+
 Peers: ``torch`` (eager), ``compile`` (``torch.compile`` of the same eager function; GPU, or
 ``--interpret``), ``liger`` (Liger-Kernel's Triton autograd Functions, when ``liger_kernel`` is
 importable; see :func:`normscope.bench.peers._liger_peers` for the like-for-like choices).
@@ -44,13 +59,15 @@ Usage::
     python -m normscope.bench                     # full run on the GPU, writes benchmarks/results/
     python -m normscope.bench --quick             # small sizes (CPU: about a minute)
     python -m normscope.bench --cases layer_norm,rms_norm --dtypes bf16 --out /tmp/b
+    python -m normscope.bench --cases modern      # the modern norms (AdaLN, QK-norm, Gemma, PolyNorm, Derf)
     python -m normscope.bench --resume --budget-s 480 --out DIR   # continue DIR's JSON for 8 minutes
     python -m normscope.bench --plot-only --out DIR               # redraw DIR's PNG from its JSON
     TRITON_INTERPRET=1 python -m normscope.bench --interpret --out /tmp/dry
 
 ``--interpret`` is the GPU run's dry run on a CPU: the same code paths at tiny sizes -- normscope
 forced onto its Triton kernels and Liger's kernels both in Triton's interpreter, torch.compile
-through inductor's CPU backend, every case, the JSON and the PNG. Its times mean nothing.
+through inductor's CPU backend, every case selected (``--cases all`` for the modern ones too), the JSON
+and the PNG. Its times mean nothing.
 """
 
 from __future__ import annotations
@@ -65,10 +82,12 @@ from pathlib import Path
 import torch
 
 from .cases import (
+    CASE_GROUPS,
     CASES,
     DTYPES,
     EPS,
     GROUPS,
+    MODERN_CASES,
     ROW_CASES,
     plan,
 )
@@ -77,11 +96,13 @@ from .report import choice_table, device_class, plot, problems, write_choice, wr
 from .timing import copy_bandwidth, run, time_ms
 
 __all__ = [
+    "CASE_GROUPS",
     "CASES",
     "DTYPES",
     "EPS",
     "GROUPS",
     "LIGER_CHECKED",
+    "MODERN_CASES",
     "PEERS",
     "ROW_CASES",
     "choice_table",
@@ -118,6 +139,7 @@ _EPILOG = """examples:
   normscope bench --quick                small sizes (CPU: about a minute)
   normscope bench --quick --threads 1    the same on a shared machine
   normscope bench --cases layer_norm,rms_norm --dtypes bf16 --out /tmp/b
+  normscope bench --cases modern         the modern norms: AdaLN, QK-norm, Gemma RMSNorm, PolyNorm, Derf
   normscope bench --resume --budget-s 480 --out DIR     continue DIR's JSON for 8 minutes
   normscope bench --plot-only --out DIR                 redraw DIR's PNG from its JSON
   normscope bench --write-choice src/normscope/backends/measured/
@@ -181,7 +203,12 @@ def _main(argv: list[str]) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", default="benchmarks/results", help="directory for bench-*.json and bench-*.png")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of: {', '.join(CASES)}")
+    p.add_argument(
+        "--cases",
+        default="default",
+        help=f"comma-separated cases or groups. default: {', '.join(CASES)}; modern: {', '.join(MODERN_CASES)} "
+        "(the modern norms' fused kernels: not in the default selection); all: both (default: default)",
+    )
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated subset of: {', '.join(DTYPES)}")
     p.add_argument(
         "--peers",
@@ -216,12 +243,20 @@ def _main(argv: list[str]) -> int:
         "a directory gets <device class>.json, e.g. cuda-sm90.json",
     )
     a = p.parse_args(argv)
-    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    cases = []
+    for c in (c.strip() for c in a.cases.split(",")):
+        for case in CASE_GROUPS.get(c, (c,) if c else ()):
+            if case not in cases:
+                cases.append(case)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     peers = [q.strip() for q in (a.peers or ",".join(PEERS)).split(",") if q.strip()]
-    bad = [c for c in cases if c not in CASES] + [d for d in dtypes if d not in DTYPES]
+    known = CASE_GROUPS["all"]
+    bad = [c for c in cases if c not in known] + [d for d in dtypes if d not in DTYPES]
     if bad:
-        p.error(f"unknown case/dtype {bad}; cases: {', '.join(CASES)}; dtypes: {', '.join(DTYPES)}")
+        p.error(
+            f"unknown case/dtype {bad}; cases: {', '.join(known)}; groups: {', '.join(CASE_GROUPS)}; "
+            f"dtypes: {', '.join(DTYPES)}"
+        )
     if [q for q in peers if q not in PEERS]:
         p.error(f"unknown peer {[q for q in peers if q not in PEERS]}; expected a subset of: {', '.join(PEERS)}")
     if a.interpret and a.device not in (None, "cpu"):

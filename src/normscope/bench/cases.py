@@ -3,8 +3,11 @@ forward check of every implementation against torch eager.
 
 Each case builder returns ``(inputs, impls, (bytes_fwd, bytes_fwdbwd), shape, normscope label or None, eager,
 n)``, where ``n`` is the number of elements in one normalized scope (what the measured-choice table is keyed by:
-the row length for LayerNorm/RMSNorm, C/G x H x W for GroupNorm, N x H x W -- valid positions only when masked --
-for BatchNorm).
+the row length for LayerNorm/RMSNorm and the modern norms -- head_dim for qk_norm --, C/G x H x W for GroupNorm,
+N x H x W -- valid positions only when masked -- for BatchNorm).
+
+The shape of a modern case's configuration is x's: (B, S, D) for the modulated (AdaLN) cases, q's (B, S, H, D)
+for qk_norm (k has ``QK_KV_HEADS`` heads), (M, N) for the others.
 """
 
 from __future__ import annotations
@@ -17,13 +20,27 @@ import torch.nn.functional as F
 
 import normscope
 from normscope import functional as nf
+from normscope import functional_modern as fm
 
 ROW_CASES = ("layer_norm", "rms_norm", "add_rms_norm")
 CASES = (*ROW_CASES, "group_norm", "group_norm_cl", "batch_norm", "masked_batch_norm")
+#: the modern norms (normscope.functional_modern), a group of their own (``--cases modern``): not in the
+#: default selection, which measures the ops the engine chooses automatically (and feeds the choice table)
+MODERN_CASES = ("modulated_rms_norm", "modulated_layer_norm", "qk_norm", "gemma_rms_norm", "poly_norm", "derf")
+#: the names ``--cases`` accepts besides single cases
+CASE_GROUPS = {"default": CASES, "modern": MODERN_CASES, "all": (*CASES, *MODERN_CASES)}
 NS_FULL = (256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 NS_QUICK = (256, 4096)
 #: --interpret: 20000 > normscope's ROWS_MAX_FUSED_N (its looped path), 70000 > Liger's 65536 limit (its error path)
 NS_INTERPRET = (64, 20000, 70000)
+#: row widths of the modern cases: their fused kernels keep a row in registers and decline rows past
+#: ``kernels.config.ROWS_MAX_FUSED_N`` (16384), so no level asks for more; 1536 is not a power of two
+#: (masked lanes: Liger #518). qk_norm's width is head_dim: QK_HEAD_DIMS
+NS_MODERN = {"full": (256, 1024, 4096, 8192, 16384), "quick": (256, 4096), "interpret": (64, 1536)}
+QK_HEAD_DIMS = {"full": (64, 128, 256), "quick": (128,), "interpret": (64,)}
+#: heads of q and of k (grouped-query attention: k has a quarter of q's), and the batch of the
+#: per-sample modulation of the AdaLN cases (x is (B, S, D), scale and shift (B, D))
+QK_HEADS, QK_KV_HEADS, MOD_BATCH = 16, 4, 4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EPS = 1e-5
 GROUPS = 32
@@ -46,9 +63,25 @@ def plan(cases, dtypes, level: str) -> list[tuple[str, str, tuple[int, ...]]]:
             if case in ROW_CASES:
                 e = torch.empty((), dtype=DTYPES[dname]).element_size()
                 out += [(case, dname, (max(1, math.ceil(target / (n * e))), n)) for n in ns]
+            elif case in MODERN_CASES:
+                e = torch.empty((), dtype=DTYPES[dname]).element_size()
+                out += [(case, dname, _modern_shape(case, n, target // e)) for n in _modern_ns(case, level)]
             else:
                 out.append((case, dname, MASKED[level] if case == "masked_batch_norm" else SPATIAL[level]))
     return out
+
+
+def _modern_ns(case: str, level: str) -> tuple[int, ...]:
+    return QK_HEAD_DIMS[level] if case == "qk_norm" else NS_MODERN[level]
+
+
+def _modern_shape(case: str, n: int, numel: int) -> tuple[int, ...]:
+    """The shape of x (of q for qk_norm) with rows of ``n`` and about ``numel`` elements (of q and k together)."""
+    if case == "qk_norm":  # (B, S, H, D): B = 2
+        return (2, max(1, math.ceil(numel / (2 * (QK_HEADS + QK_KV_HEADS) * n))), QK_HEADS, n)
+    if case.startswith("modulated"):  # (B, S, D)
+        return (MOD_BATCH, max(1, math.ceil(numel / (MOD_BATCH * n))), n)
+    return (max(1, math.ceil(numel / n)), n)
 
 
 def _randn(shape, g: torch.Generator, device, dtype) -> torch.Tensor:
@@ -148,6 +181,65 @@ def _spatial_case(case: str, shape, dtype, device, peers: dict, kernels: bool):
         n = shape[0] * math.prod(shape[2:])
     else:
         n = int(lengths.sum())  # the valid tokens: the masked positions are not in any scope
+    return inputs, impls, (2 * numel * e, 5 * numel * e), tuple(shape), None, eager, n
+
+
+def _rms(u: torch.Tensor) -> torch.Tensor:
+    """RMSNorm without weight as the eager reference codes write it (PolyCom, transformers' Gemma)."""
+    return u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def _modern_case(case: str, shape: tuple[int, ...], dtype, device, peers: dict, kernels: bool):
+    """The modern norms (:mod:`normscope.functional_modern`); torch eager is each one as the models'
+    own eager code writes it, in the input dtype. Bytes: x read and y written once (q and k for
+    qk_norm) forward, x, dy read and dx written again backward -- the (B, D) modulations, like weights,
+    are not counted."""
+    g = torch.Generator(device=device).manual_seed(0)
+    n = shape[-1]
+    x = _randn(shape, g, device, dtype)
+    impls: dict[str, Callable] = {}
+    numel = x.numel()
+    if case.startswith("modulated"):  # AdaLN as DiT writes it: norm without affine, then (1 + scale), shift
+        centered = case == "modulated_layer_norm"
+        shift, scale = (0.5 * _randn((shape[0], n), g, device, dtype) for _ in range(2))
+        inputs = [x, shift, scale]
+
+        def eager(x, shift, scale):
+            y = F.layer_norm(x, (n,), None, None, EPS) if centered else F.rms_norm(x, (n,), None, EPS)
+            return y * (1 + scale[:, None]) + shift[:, None]
+
+        kind = "layer" if centered else "rms"
+        impls["normscope"] = _ns(
+            lambda x, shift, scale: fm.modulated_norm(x, shift, scale, eps=EPS, norm=kind), kernels
+        )
+    elif case == "qk_norm":  # two RMSNorms over head_dim, Qwen3's and Gemma 3's q_norm / k_norm
+        k = _randn((*shape[:2], QK_KV_HEADS, n), g, device, dtype)
+        wq, wk = ((torch.rand(n, generator=g, device=device) + 0.5).to(dtype) for _ in range(2))
+        inputs = [x, k, wq, wk]
+        numel += k.numel()
+        eager = lambda q, k, wq, wk: (F.rms_norm(q, (n,), wq, EPS), F.rms_norm(k, (n,), wk, EPS))  # noqa: E731
+        impls["normscope"] = _ns(lambda q, k, wq, wk: fm.qk_norm(q, k, wq, wk, EPS), kernels)
+    elif case == "gemma_rms_norm":  # zero-centred weight: scale 1 + w, everything in fp32, one rounding
+        w = (0.1 * torch.randn(n, generator=g, device=device)).to(dtype)
+        inputs = [x, w]
+        eager = lambda x, w: (_rms(x.float()) * (1.0 + w.float())).type_as(x)  # noqa: E731 - GemmaRMSNorm
+        impls["normscope"] = _ns(lambda x, w: fm.rms_norm(x, (n,), w, EPS, weight_offset=1.0, casting="gemma"), kernels)
+    elif case == "poly_norm":
+        w = (torch.tensor([0.3, 0.5, 0.2], device=device) + 0.1 * torch.rand(3, generator=g, device=device)).to(dtype)
+        b = (0.5 * torch.randn(1, generator=g, device=device)).to(dtype)
+        inputs = [x, w, b]
+        eager = lambda x, w, b: w[0] * _rms(x**3) + w[1] * _rms(x**2) + w[2] * _rms(x) + b  # noqa: E731 - PolyCom's
+        impls["normscope"] = _ns(lambda x, w, b: fm.poly_norm(x, w, b, EPS), kernels)
+    else:  # derf: gamma * erf(alpha x + s) + beta
+        alpha = torch.tensor([0.7], device=device).to(dtype)
+        s = torch.tensor([0.1], device=device).to(dtype)
+        w = (torch.rand(n, generator=g, device=device) + 0.5).to(dtype)
+        b = _randn(n, g, device, dtype)
+        inputs = [x, alpha, s, w, b]
+        eager = lambda x, a, s, w, b: w * torch.erf(a * x + s) + b  # noqa: E731
+        impls["normscope"] = _ns(lambda x, a, s, w, b: fm.derf(x, a, s, w, b), kernels)
+    _add_peers(impls, eager, case, peers)
+    e = x.element_size()
     return inputs, impls, (2 * numel * e, 5 * numel * e), tuple(shape), None, eager, n
 
 

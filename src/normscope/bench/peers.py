@@ -10,6 +10,26 @@ from collections.abc import Callable, Iterator
 from .cases import EPS, GROUPS
 
 PEERS = ("torch", "compile", "liger")
+#: why a requested peer has no entry in a case's rows (recorded per row as ``declined``)
+DECLINED = {
+    "liger": {
+        "batch_norm": "Liger-Kernel has no BatchNorm op",
+        "masked_batch_norm": "Liger-Kernel has no BatchNorm op",
+        "modulated_layer_norm": "Liger-Kernel's modulated op (LigerModulatedRMSNorm) is RMSNorm only",
+        "qk_norm": "Liger-Kernel has no QK-norm op (its Gemma 3 RMSNorm subclass is applied per tensor, "
+        "not q and k in one launch)",
+        "derf": "Liger-Kernel has no Derf op",
+    }
+}
+#: what a reader of a row must know about a peer that ran (recorded per row as that peer's ``note``)
+NOTES = {
+    "liger": {
+        "modulated_rms_norm": "rounds RMSNorm(x) to the input dtype, then computes (1 + scale) and + shift in "
+        "the input dtype (as eager does); normscope rounds once. Same values in fp32",
+        "poly_norm": "forms x^3, x^2 and their mean squares in the input dtype; normscope in fp32, rounding "
+        "once. Same values in fp32",
+    }
+}
 #: the Liger-Kernel release the adapter (:func:`_liger_peers`) was checked against: API read, and
 #: run on CPU in Triton's interpreter (benchmarks/README.md). Carry the same wheel to the GPU host
 #: (it is pure Python; its one undeclared need, ``packaging``, is there already):
@@ -39,6 +59,23 @@ def _liger_peers() -> tuple[dict[str, Callable] | None, str | None, str | None]:
     * ``LigerGroupNormFunction.apply(X, W, B, num_channels, num_groups, eps)``: makes a
       channels_last input contiguous first and returns NCHW (its cost, measured as such)
 
+    The modern cases (checked against 0.8.5 the same way):
+
+    * ``LigerModulatedRMSNormFunction.apply(X, W, scale, shift, eps, offset, casting_mode, in_place)``
+      (``modulated_rms_norm``): ``y = (1 + scale) * RMSNorm(x) + shift``, scale/shift (B, D) broadcast
+      over x's (B, S, D) rows -- the formula of the bench's eager AdaLN. No weight (DiT's norm has
+      none), offset 0.0, ``"gemma"`` casting, ``in_place=True`` (the default). Its rounding differs from
+      normscope's in half precision: the norm is rounded to the input dtype, then ``(1 + scale)`` and
+      ``+ shift`` are computed in the input dtype (as eager does); normscope rounds once
+      (:data:`NOTES`). Identical in fp32.
+    * ``LigerRMSNormFunction`` with offset 1.0 and ``"gemma"`` casting (``gemma_rms_norm``):
+      ``(x32 * rstd * (1 + w32)).to(x.dtype)``, transformers' ``GemmaRMSNorm`` exactly.
+    * ``LigerPolyNormFunction.apply(X, W, B, eps, in_place)`` (``poly_norm``): PolyCom's formula,
+      ``w0 rms(x^3) + w1 rms(x^2) + w2 rms(x) + b``, weight (3,) in that order; its module
+      initialises (1/3, 1/3, 1/3) and 1.0, as normscope's ``PolyNorm``. Its bias is 0-d (its backward
+      returns a 0-d gradient), so the adapter passes the bench's (1,) bias as a 0-d view. It forms the
+      powers in the input dtype (:data:`NOTES`).
+
     Liger's kernels keep a row in one block: N > 65536 raises ``RuntimeError`` (recorded as that
     peer's error for the row).
     """
@@ -64,6 +101,15 @@ def _liger_peers() -> tuple[dict[str, Callable] | None, str | None, str | None]:
         "group_norm": lambda x, w, b: LigerGroupNormFunction.apply(x, w, b, x.shape[1], GROUPS, EPS),
     }
     peers["group_norm_cl"] = peers["group_norm"]
+    try:  # the modern ops: absent from older releases, which still measure the others
+        from liger_kernel.ops import LigerModulatedRMSNormFunction, LigerPolyNormFunction
+    except ImportError:
+        return peers, ver, None
+    peers["modulated_rms_norm"] = lambda x, shift, scale: LigerModulatedRMSNormFunction.apply(
+        x, None, scale, shift, EPS, 0.0, "gemma", True
+    )
+    peers["gemma_rms_norm"] = lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 1.0, "gemma", True, None)
+    peers["poly_norm"] = lambda x, w, b: LigerPolyNormFunction.apply(x, w, b.reshape(()), EPS, True)
     return peers, ver, None
 
 
@@ -102,7 +148,7 @@ def _interpreter_shims() -> Iterator[None]:
 
     undo = [(interpreter, "_implicit_cvt", cvt)]
     interpreter._implicit_cvt = implicit_cvt
-    for name in ("layer_norm", "rms_norm", "fused_add_rms_norm", "group_norm"):
+    for name in ("layer_norm", "rms_norm", "fused_add_rms_norm", "group_norm", "modulated_rms_norm", "poly_norm"):
         mod = sys.modules.get(f"liger_kernel.ops.{name}")
         if mod is not None and hasattr(mod, "rsqrt"):
             undo.append((mod, "rsqrt", mod.rsqrt))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .cases import DTYPES, GROUPS, ROW_CASES
+from .cases import DTYPES, GROUPS, MODERN_CASES, ROW_CASES
 
 #: colours per implementation, the same in every panel of the plot
 COLORS = {"normscope": "tab:green", "torch": "tab:red", "compile": "tab:blue", "liger": "tab:orange"}
@@ -69,13 +69,16 @@ def _format_row(row: dict) -> str:
                 s += f" x{e['normscope_speedup']:.2f}"
             if e.get("ok") is False:
                 s += " MISMATCH"
+            if e.get("note") and row["dtype"] != "fp32":  # the notes are about half-precision rounding
+                s += " (rounds differently: see its note)"
             parts.append(s)
     shape = "x".join(map(str, row["shape"]))
     return f"{row['case']:<18} {row['dtype']:<4} {row['mode']:<7} {shape:<16} | " + " | ".join(parts)
 
 
 def plot(report: dict, path: Path) -> bool:
-    """GB/s against N per implementation, one panel per (row case, dtype, mode). False without matplotlib."""
+    """GB/s against N (the row length; head_dim for qk_norm) per implementation, one panel per (row or
+    modern case, dtype, mode). False without matplotlib."""
     try:
         import matplotlib
 
@@ -83,7 +86,7 @@ def plot(report: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [r for r in report["results"] if r["case"] in ROW_CASES]
+    rows = [r for r in report["results"] if r["case"] in ROW_CASES or r["case"] in MODERN_CASES]
     panels = sorted({(r["case"], r["dtype"], r["mode"]) for r in rows})
     if not panels:
         return False
@@ -92,16 +95,22 @@ def plot(report: dict, path: Path) -> bool:
         math.ceil(len(panels) / cols), cols, figsize=(11, 3.2 * math.ceil(len(panels) / cols)), squeeze=False
     )
     for ax, key in zip(axes.flat, panels):
-        sel = sorted((r for r in rows if (r["case"], r["dtype"], r["mode"]) == key), key=lambda r: r["shape"][1])
+        sel = sorted(
+            (r for r in rows if (r["case"], r["dtype"], r["mode"]) == key), key=lambda r: r.get("n", r["shape"][-1])
+        )
         names = sorted({n for r in sel for n in r["impls"]})
         for name in names:
-            pts = [(r["shape"][1], r["impls"][name]["gbs"]) for r in sel if r["impls"].get(name, {}).get("gbs")]
+            pts = [
+                (r.get("n", r["shape"][-1]), r["impls"][name]["gbs"])
+                for r in sel
+                if r["impls"].get(name, {}).get("gbs")
+            ]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name, color=COLORS.get(name))
         ax.axhline(report["copy_gbs"], color="gray", ls="--", lw=1, label="copy")
         ax.set_xscale("log", base=2)
         ax.set_title(" ".join(key), fontsize=9)
-        ax.set_xlabel("N (row length)")
+        ax.set_xlabel("head_dim" if key[0] == "qk_norm" else "N (row length)")
         ax.set_ylabel("GB/s")
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:

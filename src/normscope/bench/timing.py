@@ -14,8 +14,8 @@ import torch
 
 import normscope
 
-from .cases import DTYPES, ROW_CASES, _check, _error, _rows_case, _spatial_case, plan
-from .peers import PEERS, _interpreter_shims, _liger_peers
+from .cases import DTYPES, MODERN_CASES, ROW_CASES, _check, _error, _modern_case, _rows_case, _spatial_case, plan
+from .peers import DECLINED, NOTES, PEERS, _interpreter_shims, _liger_peers
 from .report import _device_name, _format_row, _triton_version, device_class
 
 
@@ -161,6 +161,8 @@ def run(
             "layer_norm/rms_norm": "fwd 2*numel*e, fwd+bwd 5*numel*e",
             "add_rms_norm": "fwd 4*numel*e, fwd+bwd 8*numel*e",
             "group_norm/batch_norm/masked_batch_norm": "fwd 2*numel*e, fwd+bwd 5*numel*e (mask not counted)",
+            "modulated_*/gemma_rms_norm/poly_norm/derf": "fwd 2*numel*e, fwd+bwd 5*numel*e (modulations not counted)",
+            "qk_norm": "fwd 2*(numel q + numel k)*e, fwd+bwd 5*(numel q + numel k)*e",
         },
         "check_rule": "forward outputs vs torch on fp32 inputs: max_err <= 2 x torch's own + CHECK_ATOL x (1 + max|y|)",
         "results": [],
@@ -178,13 +180,17 @@ def run(
         report["copy_gbs"] = copy_bandwidth(device, level)
     liger_said = liger_version or liger_absent
     log(f"device: {report['device']}   copy bandwidth: {report['copy_gbs']:.1f} GB/s   liger: {liger_said}")
+    # a requested peer that is not measured at all: the reason goes into every row
+    absent = {"liger": liger_absent} if "liger" in peers and liger is None else {}
     with _interpreter_shims() if interpret else contextlib.nullcontext():
-        _measure_all(report, plan(cases, dtypes, level), device, level, peer_fns, kernels, budget_s, on_config, log)
+        _measure_all(
+            report, plan(cases, dtypes, level), device, level, peer_fns, kernels, budget_s, on_config, log, absent
+        )
     report["complete"] = "remaining" not in report and "failed" not in report
     return report
 
 
-def _measure_all(report, configs, device, level, peer_fns, kernels, budget_s, on_config, log) -> None:
+def _measure_all(report, configs, device, level, peer_fns, kernels, budget_s, on_config, log, absent=None) -> None:
     """The loop of :func:`run`: appends to ``report["results"]`` (and ``remaining``, ``failed``)."""
     done = {(r["case"], r["dtype"], tuple(r["shape"]), r["mode"]) for r in report["results"]}
     todo = [c for c in configs if any((*c, m) not in done for m in ("fwd", "fwd+bwd"))]
@@ -198,7 +204,9 @@ def _measure_all(report, configs, device, level, peer_fns, kernels, budget_s, on
             break
         t1 = time.monotonic()
         try:
-            rows = _one_config(case, dname, shape, device, level, peer_fns, kernels, done, report["copy_gbs"], log)
+            rows = _one_config(
+                case, dname, shape, device, level, peer_fns, kernels, done, report["copy_gbs"], log, absent or {}
+            )
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory building the inputs: the others still run
             err = _error(exc)
             report.setdefault("failed", []).append({"case": case, "dtype": dname, "shape": list(shape), "error": err})
@@ -216,11 +224,14 @@ def _measure_all(report, configs, device, level, peer_fns, kernels, budget_s, on
             on_config(report)
 
 
-def _one_config(case, dname, shape, device, level, peer_fns, kernels, done, copy_gbs, log) -> list[dict]:
-    """The rows (fwd, fwd+bwd) of one (case, dtype, shape), but those already ``done``."""
+def _one_config(case, dname, shape, device, level, peer_fns, kernels, done, copy_gbs, log, absent=None) -> list[dict]:
+    """The rows (fwd, fwd+bwd) of one (case, dtype, shape), but those already ``done``. Each row
+    names the requested peers it has no entry for, and why (``declined``)."""
     dtype = DTYPES[dname]
     if case in ROW_CASES:
         made = _rows_case(case, shape[0], shape[1], dtype, device, peer_fns, kernels)
+    elif case in MODERN_CASES:
+        made = _modern_case(case, tuple(shape), dtype, device, peer_fns, kernels)
     else:
         made = _spatial_case(case, shape, dtype, device, peer_fns, kernels)
     inputs, impls, nbytes, shape, ns_label, eager, n = made
@@ -228,6 +239,10 @@ def _one_config(case, dname, shape, device, level, peer_fns, kernels, done, copy
     if ns_label is None:  # what the engine ran for the check's call (normscope runs first)
         ns_label = "normscope (failed)" if checks["normscope"].get("check_error") else None
         ns_label = ns_label or f"normscope ({normscope.last_backend()})"
+    declined = dict(absent or {})
+    for peer in peer_fns:
+        if peer not in impls:
+            declined[peer] = DECLINED.get(peer, {}).get(case, f"no {peer} counterpart of {case} adapted")
     rows = []
     for mode, nb in zip(("fwd", "fwd+bwd"), nbytes):
         if (case, dname, tuple(shape), mode) in done:
@@ -242,9 +257,13 @@ def _one_config(case, dname, shape, device, level, peer_fns, kernels, done, copy
             "normscope_impl": ns_label,
             "impls": {},
         }
+        if declined:
+            row["declined"] = declined
         for name, fn in impls.items():
             ms, peak, err = _measure(functools.partial(_closure, fn, inputs, mode, device), device, level)
             entry = {"ms": ms, "peak_mib": peak, "error": err, **checks.get(name, {})}
+            if NOTES.get(name, {}).get(case):
+                entry["note"] = NOTES[name][case]
             if ms is not None:
                 gbs = nb / (ms * 1e-3) / 1e9
                 entry.update(gbs=gbs, frac_of_copy=gbs / copy_gbs)
