@@ -372,15 +372,6 @@ def test_reference_normalize_with_hostile_padding(kind):
 
 # -- the other layers taking a mask: BatchRenorm, PowerNorm, SyncBatchNorm (one process) -------------
 
-NEEDS_MODULES_MASK = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "modules/powernorm.py applies its statistics without the mask and averages with t * mask: "
-        "non-finite padding gives 0 * inf = NaN gradients (and a NaN ema_gz)"
-    ),
-)
-
-
 def _padding_has_no_influence(make, shape, channel_dim, padding):
     """The same layer on the input with zero padding and with hostile padding: equal valid outputs,
     gradients, parameter gradients and state; padded inputs get no gradient."""
@@ -420,6 +411,5 @@ def test_batchrenorm_with_hostile_padding():
     _padding_has_no_influence(lambda: normscope.BatchRenorm1d(C), (4, C, 7), 1, "mixed")
 
 
-@NEEDS_MODULES_MASK
 def test_powernorm_with_hostile_padding():
     _padding_has_no_influence(lambda: normscope.PowerNorm(C, warmup_iters=0), (4, 7, C), -1, "mixed")

@@ -75,7 +75,7 @@ class _PowerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, rstd_fwd, rstd_bwd, ema_gz, scope, mask, alpha_bkw, over_all):
-        z = ref.apply(x, torch.zeros_like(rstd_fwd), rstd_fwd, scope)
+        z = ref.apply(x, torch.zeros_like(rstd_fwd), rstd_fwd, scope, mask=mask)
         ctx.save_for_backward(z, rstd_bwd, mask)
         ctx.ema_gz, ctx.scope, ctx.alpha_bkw, ctx.over_all = ema_gz, scope, alpha_bkw, over_all
         return z
@@ -85,6 +85,8 @@ class _PowerFunction(torch.autograd.Function):
         z, rstd_bwd, mask = ctx.saved_tensors
         ema = ctx.ema_gz.reshape(rstd_bwd.shape).to(rstd_bwd.dtype)
         zf = z.to(rstd_bwd.dtype)
+        if mask is not None:  # a non-finite padded value is a constant: it enters no state, no gradient
+            zf = torch.where(~torch.isfinite(zf) & ~mask, torch.zeros((), dtype=zf.dtype, device=zf.device), zf)
         approx = g.to(zf.dtype) - (1 - ctx.alpha_bkw) * ema * zf
         with torch.no_grad():
             step = _valid_mean(approx * zf, ctx.scope, None if ctx.over_all else mask)
@@ -252,4 +254,5 @@ class PowerNorm(nn.Module):
         )
         if self.weight is None:
             return z
-        return engine.apply(z, torch.zeros_like(rstd_fwd), torch.ones_like(rstd_fwd), scope, self.weight, self.bias)
+        ones = torch.ones_like(rstd_fwd)
+        return engine.apply(z, torch.zeros_like(rstd_fwd), ones, scope, self.weight, self.bias, mask)
