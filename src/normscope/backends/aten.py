@@ -311,11 +311,15 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             if _is_tracing() or _peek() is not None:
                 return plain(x, w, b, eps, r)
             if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
-                rm, rv = r.mean, r.var  # as _cancels, with the bound of this many statistics at hand
-                if not (bounded(rm, eps) if _plain_fp32(rm) else _torch_bounded(rm, eps)) and _exceeds(rm, eps, var=rv):
+                # as _cancels, with the bound of this many statistics at hand; the buffers are fp32 CPU
+                # tensors like the input (the plan's signature): contiguity is what remains to ask
+                rm, rv = r.mean, r.var
+                within = bounded(rm, eps) if rm.is_contiguous() else _torch_bounded(rm, eps)
+                if not within and _exceeds(rm, eps, var=rv):
                     return engine.recompute(as_call(x, w, b, eps, r), wide=True)
                 x2 = x.reshape(-1, x.shape[-1]) if last else x
-                y = torch.batch_norm(x2, w, b, rm, rv, False, 0.0, eps, _cudnn())
+                # cudnn_enabled=False: this runner is the CPU one, where ATen never reads the flag
+                y = torch.batch_norm(x2, w, b, rm, rv, False, 0.0, eps, False)
                 return y.reshape(x.shape) if last else y
             rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
             y, mean, invstd = native_batch_norm(x.reshape(-1, x.shape[-1]) if last else x, w, b, rm, rv, True, mom, eps)
