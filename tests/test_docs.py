@@ -26,10 +26,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: the pages whose code blocks run; docs/lab.md is the lab's own page, its examples train models for
-#: minutes (the lab's tests cover that code)
+#: the pages whose code blocks run: every one (a block that cannot run here is marked, with why)
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")), "benchmarks/README.md"]
-NOT_RUN = {"docs/lab.md": "the lab's own page, kept by its owners: its examples are training runs of minutes"}
+NOT_RUN: dict[str, str] = {}
 
 RUN = {"python", "py", "bash", "sh", "shell", "console"}
 MARKER = re.compile(r"<!--\s*docs-test:\s*skip\s+(?P<reason>.+?)\s*-->")
@@ -167,7 +166,7 @@ def test_every_skip_says_why():
 # ------------------------------------------------------------------------------------- what pages say
 
 
-USER_PAGES = ["README.md", "benchmarks/README.md", *(p for p in PAGES if p.startswith("docs/") and p != "docs/lab.md")]
+USER_PAGES = ["README.md", "benchmarks/README.md", *(p for p in PAGES if p.startswith("docs/"))]
 
 
 @pytest.mark.parametrize("page", USER_PAGES)

@@ -1,7 +1,7 @@
 """padding: BatchNorm in a transformer on heavily padded sequences (Shen et al. 2020, "PowerNorm:
 Rethinking Batch Normalization in Transformers").
 
-Part 1 (v2, issue 16): a 2-layer Pre-LN transformer encoder classifies generated variable-length
+Part 1 (v2): a 2-layer Pre-LN transformer encoder classifies generated variable-length
 sequences with LN, plain BN (statistics count the pads), masked BN (statistics over real tokens
 only) and PowerNorm (``--full`` adds RMSNorm, DyT, none). Batches are *length-bucketed* as in
 translation systems (fairseq): sequences sorted by length, cut into batches, the batch order

@@ -1,7 +1,7 @@
 """prenorm: Post-LN vs Pre-LN transformers (Xiong et al. 2020, "On Layer Normalization in the
 Transformer Architecture").
 
-Part 1 (v2, issue 16), no training, the paper's Fig. 3: the gradient norm of each layer's second
+Part 1 (v2), no training, the paper's Fig. 3: the gradient norm of each layer's second
 feed-forward weight (W2) at initialization in a 6+6 layer *encoder-decoder* with cross-attention,
 Post-LN (x <- LN(x + f(x))) vs Pre-LN (x <- x + f(LN(x))), Xavier init, on a sequence-reversal
 batch of Python standard-library source (source: a window of characters, target: the window

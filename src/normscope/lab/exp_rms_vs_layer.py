@@ -1,7 +1,7 @@
 """rms-vs-layer: RMSNorm vs LayerNorm (Zhang & Sennrich 2019, "Root Mean Square Layer
 Normalization").
 
-Part 1 (v2, issue 16): the operator's cost, like with like. Forward+backward CPU time of LayerNorm
+Part 1 (v2): the operator's cost, like with like. Forward+backward CPU time of LayerNorm
 and RMSNorm on the same (rows, features) tensor, interleaved, median per timing block, >= 3
 blocks, in three implementation styles: both as plain-PyTorch formulas (judged: the same style
 for both, as the paper compared them within one framework), both through normscope's reference

@@ -247,7 +247,7 @@ def sync_rule(local_bn_err: float, sync_err: float, gn_err: float) -> Verdict:
 
 
 # =============================================================================================
-# Lab v2 (issue 16): each claim tested the way its paper did. These rules were committed before
+# Lab v2: each claim tested the way its paper did. These rules were committed before
 # the runs that produced docs/lab/*. A rule with a *gate* returns INCONCLUSIVE when the gate fails
 # (an unconverged baseline, a task at its ceiling, timings that disagree): the experiment then
 # cannot speak to the claim either way.
