@@ -185,3 +185,22 @@ def test_family_layer_options_equal_the_transformers_classes_bit_for_bit(dtype):
         for _ in range(2):  # the checked call, then the planned one
             assert torch.equal(ours(x), theirs(x)), type(theirs).__name__
     assert torch.equal(normscope.RMSNorm(8, weight_offset=1.0).weight, torch.zeros(8))  # Gemma's init
+
+
+def test_modern_norms_take_eps_by_the_same_rule():
+    # the one rule (every op but BatchNorm's): any number, as torch's layer_norm takes it; NaN refused
+    x = torch.randn(2, 5, 8) * 3
+    shift, scale = torch.randn(2, 8), torch.randn(2, 8)
+    y = F.modulated_norm(x, shift, scale, eps=-1e-3, norm="layer")
+    want = nn.functional.layer_norm(x, (8,), eps=-1e-3) * (1 + scale[:, None]) + shift[:, None]
+    torch.testing.assert_close(y, want)
+    torch.testing.assert_close(
+        F.rms_norm(x, (8,), None, -1e-3, casting="gemma"), nn.functional.rms_norm(x, (8,), None, -1e-3)
+    )
+    for call in (
+        lambda: F.modulated_norm(x, shift, scale, eps=math.nan),
+        lambda: F.rms_norm(x, (8,), None, math.nan, casting="llama"),
+        lambda: F.poly_norm(x, torch.full((3,), 1 / 3), torch.ones(1), math.nan),
+    ):
+        with pytest.raises(ValueError, match="eps"):
+            call()

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import _checks as check
 from . import functional as F
 from .engine import norm, requested_backend
 from .reference import acc_dtype
@@ -50,12 +51,7 @@ _SCOPES = {
 # -- argument checks: each names the function, the argument, what was expected and what came -----
 
 
-def _tensor(t: object, name: str, where: str) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{where}: expected `{name}` to be a torch.Tensor, got {type(t).__name__}")
-    if not (t.is_floating_point()):
-        raise TypeError(f"{where}: expected `{name}` to be a floating-point tensor, got dtype {t.dtype}")
-
+_tensor = check.tensor  # a floating-point tensor, as every op's input
 
 def _optional(t: object, name: str, shape: tuple[int, ...], x: Tensor, where: str) -> None:
     if t is None:
@@ -68,8 +64,7 @@ def _optional(t: object, name: str, shape: tuple[int, ...], x: Tensor, where: st
 
 
 def _eps(eps: object, where: str) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"{where}: expected `eps` to be a non-negative float, got {eps!r}")
+    check.eps(eps, where)  # the one rule of every op but BatchNorm's (normscope._checks.eps)
     return float(eps)
 
 
@@ -181,16 +176,8 @@ def _last_axes(
     backend: str | None,
 ) -> Tensor:
     _tensor(input, "input", where)
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-        raise ValueError(
-            f"{where}: expected `normalized_shape` as an int or a non-empty tuple of ints, got {normalized_shape!r}"
-        )
-    if tuple(input.shape[-len(shape) :]) != shape or input.dim() < len(shape):
-        raise ValueError(
-            f"{where}: expected `input` whose last {len(shape)} dim(s) match `normalized_shape` {shape}, "
-            f"got shape {tuple(input.shape)}"
-        )
+    shape = check.normalized_shape(normalized_shape, where)  # as functional.layer_norm / rms_norm
+    check.trailing(input, shape, where)
     _optional(weight, "weight", shape, input, where)
     _optional(bias, "bias", shape, input, where)
     _choice(casting, "casting", CASTINGS, where)
