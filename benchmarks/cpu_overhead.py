@@ -13,7 +13,7 @@ exception: torch's CPU ``rms_norm`` is a chain of ops, normscope's one reduction
     import         ``import normscope`` adds <= 0.25 s to ``import torch`` (every extra installed)
     large shapes   <= 1.05 both ways; RMSNorm <= 0.5 both ways (at least 2x faster), fp32 and bf16
     compiled       a small normscope model under torch.compile <= 1.05 x the same torch.nn model compiled
-                   (the issue asks "no slower": 1.05 is the noise allowance of one such measurement)
+                   ("no slower": 1.05 is the noise allowance of one such measurement)
     rows           RMSNorm at 16..2048 x 1024, around the fast path's threshold: <= 1.05 where the fast
                    path runs, the small-shape goals below it (torch's op runs; the per-call cost is left)
 
@@ -127,7 +127,7 @@ def _cases() -> list[Case]:
             Case("BatchNorm2d", size, images[size], lambda m, c=c: m.BatchNorm2d(c)),
             Case("InstanceNorm2d", size, images[size], lambda m, c=c: m.InstanceNorm2d(c, affine=True)),
         ]
-    # the issue's per-call shapes, and RMSNorm in bf16 and at the sizes around the fast path's threshold
+    # the per-call shapes that matter most, and RMSNorm in bf16 and at the sizes around the fast path's threshold
     out += [
         Case("LayerNorm(64)", "small", (32, 64), lambda m: m.LayerNorm(64)),
         Case("GroupNorm(4,16)", "small", (8, 16, 4, 4), lambda m: m.GroupNorm(4, 16)),
