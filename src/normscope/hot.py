@@ -24,10 +24,12 @@ call and passed it the caller's very tensors -- a checked call that reshaped, ca
 argument, or masked the call, is not one the entry can stand for, and is never remembered. A checked
 call may also decline to be remembered (:func:`per_call`: it warns on every call, as torch does).
 
-No exception is caught on this path: the runner's errors reach the caller as they are, and so do
-the exceptions torch uses for control flow (activation checkpointing stops a recomputation early by
-raising one from a saved-tensor hook). A call's side effects -- the running statistics its runner
-updates -- happen once.
+No exception of a running call is caught: the runner's errors reach the caller as they are, and so
+do the exceptions torch uses for control flow (activation checkpointing stops a recomputation early
+by raising one from a saved-tensor hook). The one handler is around building and looking up the key,
+where no op runs: an argument without a signature sends the call to its checks. A call's side effects
+happen once: the running statistics its runner updates, and the caller's own (``start``: BatchNorm's
+batch count), run once the call is checked and before it runs.
 
 While dynamo traces (``torch.compile``), :func:`call` plans the call once, eagerly, on stand-ins of
 its tensors (stride-0 views of one element: the checks, the resolution and the choice read nothing
