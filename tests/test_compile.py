@@ -137,7 +137,7 @@ def _layers():
 def test_compiled_layer_guards_only_its_runner(i):
     """A compiled layer's guards cover the runner it runs, not its checked path: the checks, the
     scope's resolution and the choice of backend are planned once, eagerly, on stand-ins
-    (engine.traced_layer_plan). Traced, each function and constant they read was a guard that
+    (normscope.hot._trace_token). Traced, each function and constant they read was a guard that
     dynamo evaluated on every call (a compiled small model ~5 % slower than torch.nn's)."""
     torch._dynamo.reset()
     layer, shape = _layers()[i]

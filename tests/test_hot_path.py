@@ -1,4 +1,4 @@
-"""The layers' hot path (modules/_hot.py): a signature seen before skips checks, resolution and
+"""The hot path (normscope.hot): a signature seen before skips checks, resolution and
 planning -- and must still give torch's numbers, honour a forced backend, reject bad input and keep
 the cancellation check."""
 
@@ -196,7 +196,7 @@ def test_cancellation_check_is_exact_past_the_bound(rows):
 
 
 # ---------------------------------------------------------------------------------------------
-# the layer's last call (modules/_hot.last): what may change between two calls of one signature
+# what may change between two calls of one signature: every tensor and setting is compared again
 
 
 def _ln_ref(x, ln):

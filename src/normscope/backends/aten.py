@@ -96,7 +96,7 @@ def why_not_auto(call: Call) -> str | None:
 def _cudnn() -> bool:
     # read per call, as torch.nn.functional does: users toggle cuDNN at run time. batch_norm and
     # instance_norm only: ATen ignores layer_norm's and group_norm's flag (deprecated), and not
-    # reading it spares a compiled graph four guards (see engine.traced_layer_plan)
+    # reading it spares a compiled graph four guards (see normscope.hot, on a traced call)
     return torch.backends.cudnn.enabled
 
 
