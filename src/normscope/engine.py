@@ -726,11 +726,10 @@ def capture() -> Iterator[list]:
     ``(call, (name, runner))`` to the yielded list instead of running anything."""
     captured: list = []
     _CAPTURED.append(captured)
-    _TRACING_CHOICE[0] = True
     try:
-        yield captured
+        with _as_traced():
+            yield captured
     finally:
-        _TRACING_CHOICE[0] = False
         _CAPTURED.pop()
 
 
