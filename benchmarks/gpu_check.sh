@@ -25,6 +25,7 @@
 #   GPU_CHECK_DRY=1   rehearse on a machine without a GPU: kernel tests on the CPU interpreter,
 #                     the bench with --interpret (tiny sizes); nvidia-smi may be missing
 #   GPU_CHECK_DTYPES  the bench's passes, in order (default "bf16 fp32")
+#   GPU_CHECK_CASES   the bench's cases (default: the core cases, then the group "modern")
 #   GPU_CHECK_PEERS   the bench's peers (default torch,compile,liger; e.g. torch,liger when device
 #                     time is short: torch.compile's compiling is most of the bench's time)
 #
@@ -127,8 +128,8 @@ if [[ "$mode" == tests || "$mode" == all ]]; then
   else
     test_env=(env -u TRITON_INTERPRET NORMSCOPE_TEST_DEVICE=cuda)
   fi
-  # tests/test_kernels*.py: test_kernels.py and whichever kernel test files exist beside it
-  timeout 420 "${test_env[@]}" python3 -m pytest tests/test_kernels*.py -q -rfEs --durations=15 \
+  # tests/test_kernels*.py and tests/test_modern_kernels*.py: every kernel test file
+  timeout 420 "${test_env[@]}" python3 -m pytest tests/test_kernels*.py tests/test_modern_kernels*.py -q -rfEs --durations=15 \
     -p no:cacheprovider 2>&1 | tee "$outdir/tests.log"
   rc=$?
   if ((rc)); then status=1; fi
@@ -147,7 +148,8 @@ if [[ "$mode" == bench || "$mode" == all ]]; then
       [[ -e "$f" ]] && { cp "$f" "$outdir/" && say "resuming from $f"; }
     done
   fi
-  cases=rms_norm,layer_norm,add_rms_norm,group_norm,group_norm_cl,batch_norm,masked_batch_norm
+  # the core cases first (the measured-choice table is built from them), the modern norms' rows after
+  cases=${GPU_CHECK_CASES:-rms_norm,layer_norm,add_rms_norm,group_norm,group_norm_cl,batch_norm,masked_batch_norm,modern}
   if [[ "$dry" == 1 ]]; then
     extra=(--interpret)
     export TRITON_INTERPRET=1
