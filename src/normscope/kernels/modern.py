@@ -1,3 +1,4 @@
+# ruff: noqa: UP007, UP045  -- torch.library reads custom-op schemas from typing.Optional annotations
 """Fused Triton kernels of the modern norms: the modulated (AdaLN) norm, and q + k norm in one launch.
 
 What this covers
@@ -32,10 +33,15 @@ Limits
   the door (:mod:`normscope.backends.triton`) with that reason, and run unfused.
 * Offsets are int64 (rows * stride), so tensors past 2^31 elements index correctly.
 * Double backward (``create_graph=True``) differentiates the plain-PyTorch reference instead.
-* Not a ``torch.library`` op yet: ``torch.compile`` graph-breaks around it.
+* ``torch.compile(fullgraph=True)`` traces through them without a graph break: every forward and
+  backward is a ``torch.library`` op (``normscope::modulated_fwd``, ``qk_fwd``, ``poly_fwd``,
+  ``derf_fwd`` and their ``*_bwd``; q + k's backward is ``rows_bwd``) with a fake implementation and
+  its autograd registered, as the rows and groups kernels are. Eager autograd runs the same registered
+  backward: one code path, the same numbers (tests/test_modern_kernels_compile.py). Each op is opaque
+  to the compiler, so nothing around it is fused into the kernel.
 """
 
-from __future__ import annotations
+from typing import Optional  # noqa: F401  (custom_op schemas are read from these annotations)
 
 import torch
 import triton
@@ -171,70 +177,131 @@ def modulated_ref(x, shift, scale, weight, bias, eps, centered, per_shift, per_s
     return n.to(x.dtype)
 
 
-class _Modulated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, shift, scale, weight, bias, eps, centered, per_shift, per_scale):
-        M, N = x.shape
-        y = torch.empty_like(x)
-        mean = torch.empty(M, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-        block_m, block_n, _, warps = _config(N)
-        _mod_fwd_kernel[(triton.cdiv(M, block_m),)](
-            x, weight if weight is not None else x, bias if bias is not None else x,
-            shift if shift is not None else x, scale if scale is not None else x, y, mean, rstd,
-            x.stride(0), y.stride(0), shift.stride(0) if shift is not None else 0,
-            scale.stride(0) if scale is not None else 0,
-            M, N, per_shift, per_scale, eps,
-            BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None, HAS_SHIFT=shift is not None, HAS_SCALE=scale is not None,
-            num_warps=warps,
-        )  # fmt: skip
-        ctx.save_for_backward(x, shift, scale, weight, bias, mean, rstd)
-        ctx.args = (eps, centered, per_shift, per_scale)
-        return y
+# The ops below follow rows.py: the schema is read from plain ``typing`` annotations; optional
+# outputs are empty tensors (an op returns no None); outputs never alias inputs.
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, shift, scale, weight, bias, mean, rstd = ctx.saved_tensors
-        eps, centered, per_shift, per_scale = ctx.args
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
-            # on the saved inputs themselves, so the gradients stay connected to the caller's graph
-            inputs = (x, shift, scale, weight, bias)
-            with torch.enable_grad():
-                y = modulated_ref(*inputs, eps, centered, per_shift, per_scale)
-            live = [t for t in inputs if t is not None and t.requires_grad]
-            grads = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
-            out = [next(grads) if t is not None and t.requires_grad else None for t in inputs]
-            return (*out, None, None, None, None)
-        M, N = x.shape
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()  # a stride-0 gradient from .sum() (QuACK #88)
-        dx = torch.empty_like(x)
-        block_m, block_n, _, warps = _config(N)
-        blocks = triton.cdiv(M, block_m)
-        progs = _programs(x, blocks, config.ROWS_BWD_PROGRAMS_PER_SM)
-        rows_per_prog = triton.cdiv(blocks, progs) * block_m
-        progs = triton.cdiv(M, rows_per_prog)
-        dw = torch.empty((progs, N), dtype=torch.float32, device=x.device) if weight is not None else None
-        db = torch.empty((progs, N), dtype=torch.float32, device=x.device) if bias is not None else None
-        dsc = torch.empty((M, N), dtype=torch.float32, device=x.device) if scale is not None else None
-        _mod_bwd_kernel[(progs,)](
-            dy, x, weight if weight is not None else x, bias if bias is not None else x,
-            scale if scale is not None else x, mean, rstd, dx,
-            dw if dw is not None else dx, db if db is not None else dx, dsc if dsc is not None else dx,
-            dy.stride(0), x.stride(0), scale.stride(0) if scale is not None else 0, dx.stride(0),
-            M, N, per_scale, rows_per_prog,
-            BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, num_warps=warps,
-        )  # fmt: skip
-        d_shift = d_scale = None
-        need = ctx.needs_input_grad
-        if shift is not None and need[1]:  # fixed-order sums over each sample's rows: deterministic
-            d_shift = dy.float().reshape(-1, per_shift, N).sum(1).to(shift.dtype)
-        if scale is not None and need[2]:
-            d_scale = dsc.reshape(-1, per_scale, N).sum(1).to(scale.dtype)
-        d_w = dw.sum(0).to(weight.dtype) if weight is not None and need[3] else None
-        d_b = db.sum(0).to(bias.dtype) if bias is not None and need[4] else None
-        return dx, d_shift, d_scale, d_w, d_b, None, None, None, None
+
+@torch.library.custom_op("normscope::modulated_fwd", mutates_args=())
+def modulated_fwd(
+    x: Tensor,
+    shift: Optional[Tensor],
+    scale: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    centered: bool,
+    per_shift: int,
+    per_scale: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd) for a 2-D ``x`` with unit-stride rows; ``shift``/``scale`` hold one row per
+    ``per_shift``/``per_scale`` rows of x."""
+    M, N = x.shape
+    y = torch.empty_like(x)
+    mean = torch.empty(M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    block_m, block_n, _, warps = _config(N)
+    _mod_fwd_kernel[(triton.cdiv(M, block_m),)](
+        x, weight if weight is not None else x, bias if bias is not None else x,
+        shift if shift is not None else x, scale if scale is not None else x, y, mean, rstd,
+        x.stride(0), y.stride(0), shift.stride(0) if shift is not None else 0,
+        scale.stride(0) if scale is not None else 0,
+        M, N, per_shift, per_scale, eps,
+        BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, HAS_SHIFT=shift is not None, HAS_SCALE=scale is not None,
+        num_warps=warps,
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+@modulated_fwd.register_fake
+def _modulated_fwd_fake(x, shift, scale, weight, bias, eps, centered, per_shift, per_scale):
+    M = x.shape[0]
+    return torch.empty_like(x), x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32)
+
+
+@torch.library.custom_op("normscope::modulated_bwd", mutates_args=())
+def modulated_bwd(
+    dy: Tensor,
+    x: Tensor,
+    scale: Optional[Tensor],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    centered: bool,
+    per_scale: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx in x's dtype, dW fp32 (N,) or empty, dB fp32 (N,) or empty, d scale's per-row terms
+    ``dy * norm(x)`` fp32 (M, N) or empty -- summed per sample by the caller, in a fixed order)."""
+    M, N = x.shape
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()  # a stride-0 gradient from .sum() (QuACK #88)
+    dx = torch.empty_like(x)
+    block_m, block_n, _, warps = _config(N)
+    progs, rows_per_prog = _bwd_grid(x, M, block_m)
+    dw = torch.empty((progs, N), dtype=torch.float32, device=x.device) if weight is not None else None
+    db = torch.empty((progs, N), dtype=torch.float32, device=x.device) if bias is not None else None
+    dsc = torch.empty((M, N), dtype=torch.float32, device=x.device) if scale is not None else x.new_empty(0)
+    _mod_bwd_kernel[(progs,)](
+        dy, x, weight if weight is not None else x, bias if bias is not None else x,
+        scale if scale is not None else x, mean, rstd, dx,
+        dw if dw is not None else dx, db if db is not None else dx, dsc if scale is not None else dx,
+        dy.stride(0), x.stride(0), scale.stride(0) if scale is not None else 0, dx.stride(0),
+        M, N, per_scale, rows_per_prog,
+        BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, num_warps=warps,
+    )  # fmt: skip
+    # the second, fixed-order stage of the dW/dB reduction: deterministic, no atomics
+    return (
+        dx,
+        dw.sum(0) if dw is not None else x.new_empty(0),
+        db.sum(0) if db is not None else x.new_empty(0),
+        dsc,
+    )
+
+
+@modulated_bwd.register_fake
+def _modulated_bwd_fake(dy, x, scale, weight, bias, mean, rstd, centered, per_scale):
+    M, N = x.shape
+    vec = lambda present: x.new_empty((N,) if present else (0,), dtype=torch.float32)  # noqa: E731
+    dsc = x.new_empty((M, N) if scale is not None else (0,), dtype=torch.float32)
+    return torch.empty_like(x), vec(weight is not None), vec(bias is not None), dsc
+
+
+def _modulated_setup_context(ctx, inputs, output):
+    x, shift, scale, weight, bias, eps, centered, per_shift, per_scale = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, shift, scale, weight, bias, mean, rstd)
+    ctx.args = (eps, centered, per_shift, per_scale)
+
+
+def _modulated_backward(ctx, dy, dmean, drstd):
+    x, shift, scale, weight, bias, mean, rstd = ctx.saved_tensors
+    eps, centered, per_shift, per_scale = ctx.args
+    if dy is None:
+        dy = torch.zeros_like(x)
+    if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+        # on the saved inputs themselves, so the gradients stay connected to the caller's graph
+        inputs = (x, shift, scale, weight, bias)
+        with torch.enable_grad():
+            y = modulated_ref(*inputs, eps, centered, per_shift, per_scale)
+        live = [t for t in inputs if t is not None and t.requires_grad]
+        grads = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
+        out = [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+        return (*out, None, None, None, None)
+    N = x.shape[1]
+    dx, dw, db, dsc = modulated_bwd(dy, x, scale, weight, bias, mean, rstd, centered, per_scale)
+    d_shift = d_scale = None
+    need = ctx.needs_input_grad
+    if shift is not None and need[1]:  # fixed-order sums over each sample's rows: deterministic
+        d_shift = dy.float().reshape(-1, per_shift, N).sum(1).to(shift.dtype)
+    if scale is not None and need[2]:
+        d_scale = dsc.reshape(-1, per_scale, N).sum(1).to(scale.dtype)
+    d_w = dw.to(weight.dtype) if weight is not None and need[3] else None
+    d_b = db.to(bias.dtype) if bias is not None and need[4] else None
+    return dx, d_shift, d_scale, d_w, d_b, None, None, None, None
+
+
+modulated_fwd.register_autograd(_modulated_backward, setup_context=_modulated_setup_context)
 
 
 def modulated_rows(
@@ -262,9 +329,8 @@ def modulated_rows(
     (sh, per_shift), (sc, per_scale) = rowwise(shift), rowwise(scale)
     if not use_kernel(x2):
         return modulated_ref(x2, sh, sc, weight, bias, eps, centered, per_shift, per_scale).view(shape)
-    return _Modulated.apply(
-        x2, sh, sc, dense(weight), dense(bias), float(eps), bool(centered), per_shift, per_scale
-    ).view(shape)
+    y, _, _ = modulated_fwd(x2, sh, sc, dense(weight), dense(bias), float(eps), bool(centered), per_shift, per_scale)
+    return y.view(shape)
 
 
 @triton.jit
@@ -317,51 +383,75 @@ def _qk_fwd_kernel(
                     BLOCK_M, BLOCK_N, CENTERED, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
 
 
-class _QK(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, wq, wk, bq, bk, eps, centered, weight_offset):
-        (Mq, N), Mk = q.shape, k.shape[0]
-        yq, yk = torch.empty_like(q), torch.empty_like(k)
-        stats = [torch.empty(m, dtype=torch.float32, device=q.device) for m in (Mq, Mq, Mk, Mk)]
-        block_m, block_n, _, warps = _config(N)
-        q_blocks = triton.cdiv(Mq, block_m)
-        has_w, has_b = wq is not None, bq is not None
-        _qk_fwd_kernel[(q_blocks + triton.cdiv(Mk, block_m),)](
-            q, k, wq if has_w else q, wk if has_w else k, bq if has_b else q, bk if has_b else k, yq, yk, *stats,
-            q.stride(0), k.stride(0), yq.stride(0), yk.stride(0), Mq, Mk, N, eps, weight_offset, q_blocks,
-            BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=has_w, HAS_BIAS=has_b,
-            num_warps=warps,
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, wq, wk, bq, bk, *stats)
-        ctx.args = (eps, centered, weight_offset, has_b)
-        return yq, yk
+@torch.library.custom_op("normscope::qk_fwd", mutates_args=())
+def qk_fwd(
+    q: Tensor,
+    k: Tensor,
+    wq: Optional[Tensor],
+    wk: Optional[Tensor],
+    bq: Optional[Tensor],
+    bk: Optional[Tensor],
+    eps: float,
+    centered: bool,
+    weight_offset: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(yq, yk, mean q, rstd q, mean k, rstd k) for 2-D q and k with rows of one length, in one launch.
+    The backward is the rows kernel's (``normscope::rows_bwd``), once for q and once for k."""
+    (Mq, N), Mk = q.shape, k.shape[0]
+    yq, yk = torch.empty_like(q), torch.empty_like(k)
+    stats = [torch.empty(m, dtype=torch.float32, device=q.device) for m in (Mq, Mq, Mk, Mk)]
+    block_m, block_n, _, warps = _config(N)
+    q_blocks = triton.cdiv(Mq, block_m)
+    has_w, has_b = wq is not None, bq is not None
+    _qk_fwd_kernel[(q_blocks + triton.cdiv(Mk, block_m),)](
+        q, k, wq if has_w else q, wk if has_w else k, bq if has_b else q, bk if has_b else k, yq, yk, *stats,
+        q.stride(0), k.stride(0), yq.stride(0), yk.stride(0), Mq, Mk, N, eps, weight_offset, q_blocks,
+        BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=has_w, HAS_BIAS=has_b,
+        num_warps=warps,
+    )  # fmt: skip
+    return yq, yk, *stats
 
-    @staticmethod
-    def backward(ctx, dyq, dyk):
-        q, k, wq, wk, bq, bk, mq, rq, mk, rk = ctx.saved_tensors
-        eps, centered, offset, has_b = ctx.args
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
-            out = []
-            for x, w, b, dy in ((q, wq, bq, dyq), (k, wk, bk, dyk)):
-                ins = (x, w, b)
-                live = [t for t in ins if t is not None and t.requires_grad]
-                with torch.enable_grad():
-                    y = rows_ref(x, w, b, eps, centered, weight_offset=offset)[0]
-                if dy is None:
-                    dy = torch.zeros_like(y)
-                g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True) if live else ())
-                out.append([next(g) if t is not None and t.requires_grad else None for t in ins])
-            (dq, dwq, dbq), (dk, dwk, dbk) = out
-            return dq, dk, dwq, dwk, dbq, dbk, None, None, None
-        grads = []
-        for x, w, m, r, dy in ((q, wq, mq, rq, dyq), (k, wk, mk, rk, dyk)):
+
+@qk_fwd.register_fake
+def _qk_fwd_fake(q, k, wq, wk, bq, bk, eps, centered, weight_offset):
+    stats = [q.new_empty((m,), dtype=torch.float32) for m in (q.shape[0], q.shape[0], k.shape[0], k.shape[0])]
+    return torch.empty_like(q), torch.empty_like(k), *stats
+
+
+def _qk_setup_context(ctx, inputs, output):
+    q, k, wq, wk, bq, bk, eps, centered, weight_offset = inputs
+    ctx.save_for_backward(q, k, wq, wk, bq, bk, *output[2:])
+    ctx.args = (eps, centered, weight_offset, bq is not None)
+
+
+def _qk_backward(ctx, dyq, dyk, *dstats):
+    q, k, wq, wk, bq, bk, mq, rq, mk, rk = ctx.saved_tensors
+    eps, centered, offset, has_b = ctx.args
+    if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+        out = []
+        for x, w, b, dy in ((q, wq, bq, dyq), (k, wk, bk, dyk)):
+            ins = (x, w, b)
+            live = [t for t in ins if t is not None and t.requires_grad]
+            with torch.enable_grad():
+                y = rows_ref(x, w, b, eps, centered, weight_offset=offset)[0]
             if dy is None:
-                dy = torch.zeros_like(x)
-            dy = dy if dy.stride(-1) == 1 else dy.contiguous()  # stride 0 from .sum() (QuACK #88)
-            grads.append(rows_bwd(dy.contiguous(), None, x, w, m, r, centered, has_b, offset))
-        (dq, dwq, dbq), (dk, dwk, dbk) = grads
-        cast = lambda t, like: t.to(like.dtype) if like is not None else None  # noqa: E731
-        return dq, dk, cast(dwq, wq), cast(dwk, wk), cast(dbq, bq), cast(dbk, bk), None, None, None
+                dy = torch.zeros_like(y)
+            g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True) if live else ())
+            out.append([next(g) if t is not None and t.requires_grad else None for t in ins])
+        (dq, dwq, dbq), (dk, dwk, dbk) = out
+        return dq, dk, dwq, dwk, dbq, dbk, None, None, None
+    grads = []
+    for x, w, m, r, dy in ((q, wq, mq, rq, dyq), (k, wk, mk, rk, dyk)):
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()  # stride 0 from .sum() (QuACK #88)
+        grads.append(rows_bwd(dy.contiguous(), None, x, w, m, r, centered, has_b, offset))
+    (dq, dwq, dbq), (dk, dwk, dbk) = grads
+    cast = lambda t, like: t.to(like.dtype) if like is not None else None  # noqa: E731
+    return dq, dk, cast(dwq, wq), cast(dwk, wk), cast(dbq, bq), cast(dbk, bk), None, None, None
+
+
+qk_fwd.register_autograd(_qk_backward, setup_context=_qk_setup_context)
 
 
 def qk_rows(
@@ -385,7 +475,7 @@ def qk_rows(
         yq = rows_ref(q2, ws[0], ws[2], eps, centered, weight_offset=weight_offset)[0]
         yk = rows_ref(k2, ws[1], ws[3], eps, centered, weight_offset=weight_offset)[0]
     else:
-        yq, yk = _QK.apply(q2, k2, *ws, float(eps), bool(centered), float(weight_offset))
+        yq, yk, *_ = qk_fwd(q2, k2, *ws, float(eps), bool(centered), float(weight_offset))
     return yq.view(shapes[0]), yk.view(shapes[1])
 
 
@@ -487,43 +577,68 @@ def _bwd_grid(x: Tensor, M: int, block_m: int) -> tuple[int, int]:
     return triton.cdiv(M, rows_per_prog), rows_per_prog
 
 
-class _Poly(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        M, N = x.shape
-        y = torch.empty_like(x)
-        rstd = torch.empty((M, 3), dtype=torch.float32, device=x.device)
-        block_m, block_n, _, warps = _config(N)
-        _poly_fwd_kernel[(triton.cdiv(M, block_m),)](
-            x, weight, bias, y, rstd, x.stride(0), y.stride(0), M, N, eps,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        )  # fmt: skip
-        ctx.save_for_backward(x, weight, bias, rstd)
-        ctx.eps = eps
-        return y
+@torch.library.custom_op("normscope::poly_fwd", mutates_args=())
+def poly_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(y, rstd (M, 3) fp32: of x^3, x^2, x per row) for a 2-D ``x`` with unit-stride rows."""
+    M, N = x.shape
+    y = torch.empty_like(x)
+    rstd = torch.empty((M, 3), dtype=torch.float32, device=x.device)
+    block_m, block_n, _, warps = _config(N)
+    _poly_fwd_kernel[(triton.cdiv(M, block_m),)](
+        x, weight, bias, y, rstd, x.stride(0), y.stride(0), M, N, eps,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )  # fmt: skip
+    return y, rstd
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, bias, rstd = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
-            ins = (x, weight, bias)
-            live = [t for t in ins if t.requires_grad]
-            with torch.enable_grad():
-                y = poly_ref(x, weight, bias, ctx.eps)
-            g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
-            return (*[next(g) if t.requires_grad else None for t in ins], None)
-        M, N = x.shape
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        dx = torch.empty_like(x)
-        block_m, block_n, _, warps = _config(N)
-        progs, rows_per_prog = _bwd_grid(x, M, block_m)
-        part = torch.empty((progs, 4), dtype=torch.float32, device=x.device)
-        _poly_bwd_kernel[(progs,)](
-            dy, x, weight, rstd, dx, part, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_prog,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        )  # fmt: skip
-        total = part.sum(0)  # the fixed-order second stage of the dW/dB reduction
-        return dx, total[:3].to(weight.dtype), total[3:].to(bias.dtype), None
+
+@poly_fwd.register_fake
+def _poly_fwd_fake(x, weight, bias, eps):
+    return torch.empty_like(x), x.new_empty((x.shape[0], 3), dtype=torch.float32)
+
+
+@torch.library.custom_op("normscope::poly_bwd", mutates_args=())
+def poly_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx in x's dtype, (dw0, dw1, dw2, db) fp32)."""
+    M, N = x.shape
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    dx = torch.empty_like(x)
+    block_m, block_n, _, warps = _config(N)
+    progs, rows_per_prog = _bwd_grid(x, M, block_m)
+    part = torch.empty((progs, 4), dtype=torch.float32, device=x.device)
+    _poly_bwd_kernel[(progs,)](
+        dy, x, weight, rstd, dx, part, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_prog,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )  # fmt: skip
+    return dx, part.sum(0)  # the fixed-order second stage of the dW/dB reduction
+
+
+@poly_bwd.register_fake
+def _poly_bwd_fake(dy, x, weight, rstd):
+    return torch.empty_like(x), x.new_empty((4,), dtype=torch.float32)
+
+
+def _poly_setup_context(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    ctx.save_for_backward(x, weight, bias, output[1])
+    ctx.eps = eps
+
+
+def _poly_backward(ctx, dy, drstd):
+    x, weight, bias, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x)
+    if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+        ins = (x, weight, bias)
+        live = [t for t in ins if t.requires_grad]
+        with torch.enable_grad():
+            y = poly_ref(x, weight, bias, ctx.eps)
+        g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
+        return (*[next(g) if t.requires_grad else None for t in ins], None)
+    dx, total = poly_bwd(dy, x, weight, rstd)
+    return dx, total[:3].to(weight.dtype), total[3:].to(bias.dtype), None
+
+
+poly_fwd.register_autograd(_poly_backward, setup_context=_poly_setup_context)
 
 
 def poly_rows(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
@@ -533,7 +648,7 @@ def poly_rows(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     w, b = dense(weight), dense(bias)
     if not use_kernel(x2):
         return poly_ref(x2, w, b, eps).view(shape)
-    return _Poly.apply(x2, w, b, float(eps)).view(shape)
+    return poly_fwd(x2, w, b, float(eps))[0].view(shape)
 
 
 # -- Derf ------------------------------------------------------------------------------------------
@@ -608,49 +723,74 @@ def derf_ref(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bia
     return y.to(x.dtype)
 
 
-class _Derf(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, alpha, shift, weight, bias):
-        M, N = x.shape
-        y = torch.empty_like(x)
-        block_m, block_n, _, warps = _config(N)
-        has_w = weight is not None
-        _derf_fwd_kernel[(triton.cdiv(M, block_m),)](
-            x, alpha, shift, weight if has_w else x, bias if has_w else x, y, x.stride(0), y.stride(0), M, N,
-            BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=has_w, num_warps=warps,
-        )  # fmt: skip
-        ctx.save_for_backward(x, alpha, shift, weight, bias)
-        return y
+@torch.library.custom_op("normscope::derf_fwd", mutates_args=())
+def derf_fwd(x: Tensor, alpha: Tensor, shift: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
+    """``erf(alpha * x + shift)`` (then ``* weight + bias``) for a 2-D ``x`` with unit-stride rows."""
+    M, N = x.shape
+    y = torch.empty_like(x)
+    block_m, block_n, _, warps = _config(N)
+    has_w = weight is not None
+    _derf_fwd_kernel[(triton.cdiv(M, block_m),)](
+        x, alpha, shift, weight if has_w else x, bias if has_w else x, y, x.stride(0), y.stride(0), M, N,
+        BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=has_w, num_warps=warps,
+    )  # fmt: skip
+    return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, alpha, shift, weight, bias = ctx.saved_tensors
-        ins = (x, alpha, shift, weight, bias)
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
-            live = [t for t in ins if t is not None and t.requires_grad]
-            with torch.enable_grad():
-                y = derf_ref(*ins)
-            g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
-            return tuple(next(g) if t is not None and t.requires_grad else None for t in ins)
-        M, N = x.shape
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        dx = torch.empty_like(x)
-        block_m, block_n, _, warps = _config(N)
-        progs, rows_per_prog = _bwd_grid(x, M, block_m)
-        has_w = weight is not None
-        dwb = torch.empty((progs, 2, N), dtype=torch.float32, device=x.device) if has_w else None
-        das = torch.empty((progs, 2), dtype=torch.float32, device=x.device)
-        _derf_bwd_kernel[(progs,)](
-            dy, x, alpha, shift, weight if has_w else x, dx, dwb if has_w else das, das,
-            dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_prog,
-            BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=has_w, num_warps=warps,
-        )  # fmt: skip
-        d_as = das.sum(0)  # fixed-order second stage: deterministic
-        d_alpha, d_shift = d_as[:1].to(alpha.dtype), d_as[1:].to(shift.dtype)
-        if not has_w:
-            return dx, d_alpha, d_shift, None, None
-        dwb = dwb.sum(0)
-        return dx, d_alpha, d_shift, dwb[0].to(weight.dtype), dwb[1].to(bias.dtype)
+
+@derf_fwd.register_fake
+def _derf_fwd_fake(x, alpha, shift, weight, bias):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("normscope::derf_bwd", mutates_args=())
+def derf_bwd(
+    dy: Tensor, x: Tensor, alpha: Tensor, shift: Tensor, weight: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx in x's dtype, (d alpha, d shift) fp32, (dW, dB) fp32 (2, N) or empty)."""
+    M, N = x.shape
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    dx = torch.empty_like(x)
+    block_m, block_n, _, warps = _config(N)
+    progs, rows_per_prog = _bwd_grid(x, M, block_m)
+    has_w = weight is not None
+    dwb = torch.empty((progs, 2, N), dtype=torch.float32, device=x.device) if has_w else None
+    das = torch.empty((progs, 2), dtype=torch.float32, device=x.device)
+    _derf_bwd_kernel[(progs,)](
+        dy, x, alpha, shift, weight if has_w else x, dx, dwb if has_w else das, das,
+        dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_prog,
+        BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=has_w, num_warps=warps,
+    )  # fmt: skip
+    # fixed-order second stages: deterministic
+    return dx, das.sum(0), dwb.sum(0) if has_w else x.new_empty(0)
+
+
+@derf_bwd.register_fake
+def _derf_bwd_fake(dy, x, alpha, shift, weight):
+    dwb = x.new_empty((2, x.shape[1]) if weight is not None else (0,), dtype=torch.float32)
+    return torch.empty_like(x), x.new_empty((2,), dtype=torch.float32), dwb
+
+
+def _derf_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _derf_backward(ctx, dy):
+    x, alpha, shift, weight, bias = ctx.saved_tensors
+    ins = (x, alpha, shift, weight, bias)
+    if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+        live = [t for t in ins if t is not None and t.requires_grad]
+        with torch.enable_grad():
+            y = derf_ref(*ins)
+        g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
+        return tuple(next(g) if t is not None and t.requires_grad else None for t in ins)
+    dx, d_as, dwb = derf_bwd(dy, x, alpha, shift, weight)
+    d_alpha, d_shift = d_as[:1].to(alpha.dtype), d_as[1:].to(shift.dtype)
+    if weight is None:
+        return dx, d_alpha, d_shift, None, None
+    return dx, d_alpha, d_shift, dwb[0].to(weight.dtype), dwb[1].to(bias.dtype)
+
+
+derf_fwd.register_autograd(_derf_backward, setup_context=_derf_setup_context)
 
 
 def derf_rows(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
@@ -660,4 +800,4 @@ def derf_rows(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bi
     a, s, w, b = (dense(t) for t in (alpha, shift, weight, bias))
     if not use_kernel(x2):
         return derf_ref(x2, a, s, w, b).view(shape)
-    return _Derf.apply(x2, a, s, w, b).view(shape)
+    return derf_fwd(x2, a, s, w, b).view(shape)
