@@ -49,7 +49,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import config
-from .rows import _config, _programs, dense, interpreting, rows_bwd, rows_ref, use_kernel
+from .rows import _config, _programs, _row_stats, dense, interpreting, rows_bwd, rows_ref, use_kernel
 
 if interpreting():
     from .rows import _fix_interpreter_index
@@ -75,17 +75,7 @@ def _mod_fwd_kernel(
     mask = rmask[:, None] & cmask[None, :]
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if CENTERED:
-        # shift by the row's first element first (large offsets), as the rows kernel does
-        k = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
-        xk = tl.where(mask, x - k[:, None], 0.0)
-        mk = tl.sum(xk, axis=1) / N
-        mean = k + mk
-        d = tl.where(mask, xk - mk[:, None], 0.0)
-    else:
-        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-        d = x
-    rstd = tl.rsqrt(tl.sum(d * d, axis=1) / N + eps)
+    mean, d, rstd = _row_stats(x, cols, mask, N, eps, CENTERED, BLOCK_M)
     tl.store(MEAN + rows, mean, mask=rmask)
     tl.store(RSTD + rows, rstd, mask=rmask)
     y = d * rstd[:, None]
@@ -347,16 +337,7 @@ def _rows_block(
     mask = rmask[:, None] & cmask[None, :]
     r64 = rows.to(tl.int64)[:, None]
     x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if CENTERED:
-        k = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
-        xk = tl.where(mask, x - k[:, None], 0.0)
-        mk = tl.sum(xk, axis=1) / N
-        mean = k + mk
-        d = tl.where(mask, xk - mk[:, None], 0.0)
-    else:
-        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-        d = x
-    rstd = tl.rsqrt(tl.sum(d * d, axis=1) / N + eps)
+    mean, d, rstd = _row_stats(x, cols, mask, N, eps, CENTERED, BLOCK_M)
     tl.store(MEAN + rows, mean, mask=rmask)
     tl.store(RSTD + rows, rstd, mask=rmask)
     y = d * rstd[:, None]

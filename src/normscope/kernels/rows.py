@@ -112,6 +112,25 @@ def _chan_combine(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 
 
 @triton.jit
+def _row_stats(x, cols, mask, N, eps, CENTERED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(mean, d, rstd)`` of a block of whole rows held in registers (fp32, masked lanes 0): ``d`` is
+    ``x - mean`` (``x`` itself, mean 0, for RMS), zero in masked lanes, and ``rstd = rsqrt(mean(d^2) +
+    eps)`` -- divided by N, not BLOCK_N, so the masked lanes count as nothing (Liger #518). Centred,
+    the row is first shifted by its first element: with |mean| >> std the fp32 sum of raw values
+    loses the digits the deviations live in. Every kernel that holds whole rows computes them here."""
+    if CENTERED:
+        k = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
+        xk = tl.where(mask, x - k[:, None], 0.0)
+        mk = tl.sum(xk, axis=1) / N
+        mean = k + mk
+        d = tl.where(mask, xk - mk[:, None], 0.0)
+    else:
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        d = x
+    return mean, d, tl.rsqrt(tl.sum(d * d, axis=1) / N + eps)
+
+
+@triton.jit
 def _rows_fwd_kernel(
     X, R, W, B, Y, RES, MEAN, RSTD,
     stride_x, stride_r, stride_y, stride_res,
@@ -134,19 +153,7 @@ def _rows_fwd_kernel(
             s = x.to(RES.dtype.element_ty)
             tl.store(RES + r64 * stride_res + cols[None, :], s, mask=mask)
             x = s.to(tl.float32)  # normalize what "add, then norm" would see
-        if CENTERED:
-            # shift by the row's first element before summing: with |mean| >> std the fp32 sum of
-            # raw values loses the digits that the deviations live in
-            k = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
-            xk = tl.where(mask, x - k[:, None], 0.0)
-            mk = tl.sum(xk, axis=1) / N
-            mean = k + mk
-            d = tl.where(mask, xk - mk[:, None], 0.0)
-        else:
-            mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-            d = x
-        var = tl.sum(d * d, axis=1) / N
-        rstd = tl.rsqrt(var + eps)
+        mean, d, rstd = _row_stats(x, cols, mask, N, eps, CENTERED, BLOCK_M)
         tl.store(MEAN + rows, mean, mask=rmask)
         tl.store(RSTD + rows, rstd, mask=rmask)
         y = d * rstd[:, None]
