@@ -12,6 +12,7 @@ import torch as _torch
 
 from . import functional
 from .convert import convert
+from .doctor import doctor, recalibrate  # the functions: ``normscope.doctor`` is the function, as ``convert``
 from .engine import last_backend, use_backend
 from .functional import normalize
 from .modules import (
@@ -82,6 +83,8 @@ __all__ = [
     "norm_names",
     "register_norm",
     "convert",
+    "doctor",
+    "recalibrate",
 ]
 
 # every backend, registered with the engine in the automatic order named in normscope/backends/;

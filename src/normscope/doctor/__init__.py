@@ -1,0 +1,20 @@
+"""``normscope doctor``: diagnose a model's normalization layers on a real batch.
+
+One forward with hooks measures what each norm sees; each check turns a classic failure of
+normalization into a number, a threshold with its source, a severity and a fix::
+
+    report = normscope.doctor(model, x)
+    for f in report.findings:                 # most serious first
+        print(f.severity, f.check, f.module, f.measured, f.fix)
+    report.to_json()                          # schema "normscope.doctor/1"
+
+The model's state is put back bit for bit afterwards. :func:`recalibrate` is the fix for running
+statistics that drifted from the data (fvcore's PreciseBN estimator). See docs/doctor.md.
+"""
+
+from ._fix import apply_fixes
+from ._report import SCHEMA, SEVERITIES, Finding, Report
+from ._run import doctor, recalibrate
+from .checks import CHECKS
+
+__all__ = ["doctor", "recalibrate", "apply_fixes", "Report", "Finding", "CHECKS", "SCHEMA", "SEVERITIES"]

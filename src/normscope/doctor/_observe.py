@@ -1,0 +1,262 @@
+"""What the doctor looks at: the model's state (saved and put back bit for bit), each norm's scope
+on the tensor it received, and a recorder of module calls made with forward hooks only."""
+
+from __future__ import annotations
+
+import random
+import sys
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Snapshot", "NormScope", "norm_scope", "scope_stats", "Recorder", "Call"]
+
+
+# ------------------------------------------------------------------------------------------ state
+
+
+class Snapshot:
+    """Everything a diagnosis may change, taken before it runs and put back after, in place: every
+    parameter's and buffer's values (the tensor objects stay the same, so optimizers and ties keep
+    working), each parameter's ``.grad`` and ``requires_grad``, each module's ``training`` flag and
+    its other plain (int, float, bool) attributes, and the random number generators (torch's CPU
+    generator, CUDA's when initialized, Python's ``random``, NumPy's global one when imported)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.tensors: list[tuple[Tensor, Tensor]] = []
+        self.grads: list[tuple[nn.Parameter, Tensor | None, bool]] = []
+        seen: set[int] = set()
+        for m in model.modules():
+            for t in list(m._parameters.values()) + list(m._buffers.values()):
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                self.tensors.append((t, t.detach().clone()))
+                if isinstance(t, nn.Parameter):
+                    g = None if t.grad is None else t.grad.detach().clone()
+                    self.grads.append((t, g, t.requires_grad))
+        self.attrs = [(m, {k: v for k, v in vars(m).items() if type(v) in (bool, int, float)}) for m in model.modules()]
+        self.rng_torch = torch.get_rng_state()
+        self.rng_cuda = (
+            torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        )
+        self.rng_python = random.getstate()
+        np = sys.modules.get("numpy")
+        self.rng_numpy = np.random.get_state() if np is not None else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, saved in self.tensors:
+                if t.shape != saved.shape or t.dtype != saved.dtype:  # a forward that reassigned .data
+                    t.data = saved
+                else:
+                    t.copy_(saved)
+        for p, g, requires_grad in self.grads:
+            p.grad = g
+            p.requires_grad_(requires_grad)
+        for m, attrs in self.attrs:
+            for k in [k for k, v in vars(m).items() if type(v) in (bool, int, float) and k not in attrs]:
+                delattr(m, k)
+            vars(m).update(attrs)
+        torch.set_rng_state(self.rng_torch)
+        if self.rng_cuda is not None:
+            torch.cuda.set_rng_state_all(self.rng_cuda)
+        random.setstate(self.rng_python)
+        if self.rng_numpy is not None:
+            sys.modules["numpy"].random.set_state(self.rng_numpy)
+
+
+# ------------------------------------------------------------------------------------------ scopes
+
+
+@dataclass(frozen=True)
+class NormScope:
+    """One norm's statistics on one input: which kind (``"batch"``, ``"instance"``, ``"group"``,
+    ``"layer"``, ``"rms"``, ``"power"``, ``"frozen"``), the axes each statistic reduces (``reduce``,
+    non-negative), the channel axis of a per-channel norm (else None), GroupNorm's group count,
+    whether the mean is subtracted, and eps."""
+
+    kind: str
+    reduce: tuple[int, ...]
+    channel: int | None
+    groups: int | None
+    centered: bool
+    eps: float | None
+
+    @property
+    def batch_stats(self) -> bool:
+        """Whether statistics span samples (axis 0 reduced) -- BatchNorm's and PowerNorm's."""
+        return 0 in self.reduce and self.groups is None
+
+
+_EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
+
+
+def _eps(m: nn.Module) -> float | None:
+    for name in _EPS_NAMES:
+        v = getattr(m, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def is_norm(m: nn.Module) -> bool:
+    """A normalization layer: torch's, normscope's, or a model family's ``...Norm`` class with a weight."""
+    from .. import modules as M
+
+    known = (
+        nn.modules.batchnorm._NormBase,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.RMSNorm,
+        M.FrozenBatchNorm2d,
+        M.PowerNorm,
+    )
+    if isinstance(m, known):
+        return True
+    name = type(m).__name__
+    return name.endswith(("RMSNorm", "LayerNorm")) and isinstance(getattr(m, "weight", None), Tensor)
+
+
+def norm_scope(m: nn.Module, x: Tensor) -> NormScope | None:
+    """The scope of ``m``'s statistics on ``x``, None where it is not one of the known layouts."""
+    from .. import modules as M
+
+    d = x.dim()
+    eps = _eps(m)
+    if isinstance(m, M.FrozenBatchNorm2d):
+        c = m.channel_dim % d
+        return NormScope("frozen", (), c, None, True, eps)
+    if isinstance(m, M.PowerNorm):  # (B, S, D): a quadratic mean per feature over the positions
+        return NormScope("power", tuple(range(d - 1)), d - 1, None, False, eps)
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):  # BatchNorm*d, SyncBatchNorm, BatchRenorm
+        if d < 2:
+            return None
+        c = getattr(m, "channel_dim", 1) % d
+        return NormScope("batch", tuple(i for i in range(d) if i != c), c, None, True, eps)
+    if isinstance(m, nn.modules.instancenorm._InstanceNorm):
+        if d < 3:
+            return None
+        return NormScope("instance", tuple(range(2, d)), 1, None, True, eps)
+    if isinstance(m, nn.GroupNorm):
+        if d < 2:
+            return None
+        return NormScope("group", tuple(range(1, d)), 1, m.num_groups, True, eps)
+    if isinstance(m, M.LayerNorm2d):
+        return NormScope("layer", (1,), None, None, True, eps) if d >= 2 else None
+    centered = not (isinstance(m, nn.RMSNorm) or type(m).__name__.endswith("RMSNorm"))
+    shape = getattr(m, "normalized_shape", None)
+    k = len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
+    if k > d:
+        return None
+    return NormScope("layer" if centered else "rms", tuple(range(d - k, d)), None, None, centered, eps)
+
+
+def scope_rows(x: Tensor, scope: NormScope) -> Tensor:
+    """``x`` as (statistics, elements) in float64: one row per statistic of ``scope``."""
+    x = x.detach().double()
+    if scope.groups is not None:
+        return x.reshape(x.shape[0] * scope.groups, -1)
+    keep = [i for i in range(x.dim()) if i not in scope.reduce]
+    return x.permute(*keep, *scope.reduce).reshape(-1, _numel(x.shape, scope.reduce))
+
+
+def channel_rows(x: Tensor, channel: int) -> Tensor:
+    """``x`` as (channels, elements) in float64: every value of a channel in one row."""
+    return x.detach().double().movedim(channel, 0).reshape(x.shape[channel], -1)
+
+
+def scope_stats(x: Tensor, scope: NormScope) -> tuple[Tensor, Tensor, int]:
+    """Per statistic of ``scope``: the mean, the biased variance (float64, two-pass) and the count."""
+    rows = scope_rows(x, scope)
+    mean = rows.mean(1)
+    var = (rows - mean[:, None]).square().mean(1)
+    return mean, var, rows.shape[1]
+
+
+def _numel(shape: torch.Size, dims: tuple[int, ...]) -> int:
+    n = 1
+    for i in dims:
+        n *= shape[i]
+    return n
+
+
+# ------------------------------------------------------------------------------------------ recording
+
+
+@dataclass
+class Call:
+    """One call of one module in the diagnosed forward."""
+
+    path: str
+    module: nn.Module
+    training: bool
+    args: tuple
+    kwargs: dict
+    output: Any
+    producer: str | None = None  # the Linear/Conv whose output is this call's first input, unaltered
+    sample: tuple | None = None  # (args, kwargs, output) of the first sample, for batch invariance
+    extra: dict = field(default_factory=dict)
+
+
+_PRODUCERS = (nn.Linear, nn.modules.conv._ConvNd)
+
+
+class Recorder:
+    """Forward hooks on every module of a model (removed by :meth:`close`): each norm's call is kept
+    with its tensors; the other leaf modules keep only their first sample's input and output, so
+    the memory held is the norms' inputs and outputs plus one sample's worth of the rest."""
+
+    def __init__(self, model: nn.Module, batch: int | None) -> None:
+        self.calls: list[Call] = []
+        self.order: list[str] = []
+        self.batch = batch
+        self.first_sample = False
+        self._outputs: dict[int, tuple[str, weakref.ref]] = {}
+        self._handles = []
+        for path, m in model.named_modules():
+            self._handles.append(m.register_forward_hook(self._hook(path), with_kwargs=True))
+
+    def _hook(self, path: str):
+        def hook(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            self.order.append(path)
+            x = next((a for a in args if isinstance(a, Tensor)), None)
+            producer = None
+            if x is not None:
+                entry = self._outputs.get(id(x))
+                if entry is not None and entry[1]() is x:
+                    producer = entry[0]
+            if isinstance(m, _PRODUCERS) and isinstance(output, Tensor):
+                self._outputs[id(output)] = (path, weakref.ref(output))
+            norm = is_norm(m)
+            leaf = not any(True for _ in m.children())
+            if not (norm or leaf):
+                return
+            call = Call(path, m, m.training, args if norm else (), kwargs if norm else {}, output if norm else None)
+            call.producer = producer
+            if self.first_sample and self.batch and self.batch > 1:
+                call.sample = _first_sample(args, kwargs, output, self.batch)
+            self.calls.append(call)
+
+        return hook
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._outputs.clear()
+
+
+def _first_sample(args: tuple, kwargs: dict, output: Any, n: int) -> tuple | None:
+    """The first sample of a call's batched tensors (those whose dim 0 is the batch), cloned."""
+    x = next((a for a in args if isinstance(a, Tensor)), None)
+    if x is None or x.dim() == 0 or x.shape[0] != n or not isinstance(output, Tensor) or output.dim() == 0:
+        return None
+    if output.shape[0] != n:
+        return None
+    cut = lambda v: v[:1].detach().clone() if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == n else v  # noqa: E731
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}, output[:1].detach().clone()

@@ -1,0 +1,301 @@
+"""Running a diagnosis: :func:`doctor`, and the fix for train/eval drift, :func:`recalibrate`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._observe import Recorder, Snapshot, is_norm, norm_scope
+from ._report import Report
+from .checks import CHECKS, Context
+
+__all__ = ["doctor", "recalibrate"]
+
+_MASK_KWARGS = {  # name -> True when the tensor marks padding (torch), False when it marks real tokens
+    "attention_mask": False,
+    "src_key_padding_mask": True,
+    "key_padding_mask": True,
+}
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, Tensor):
+        return f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+    return type(v).__name__
+
+
+def _first_tensor(inputs: tuple, kwargs: dict) -> Tensor | None:
+    for v in (*inputs, *kwargs.values()):
+        if isinstance(v, Tensor) and v.dim() > 0:
+            return v
+    return None
+
+
+def _running(model: nn.Module) -> dict[str, tuple[Tensor | None, Tensor | None, Tensor | None]]:
+    out = {}
+    for path, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase):
+            out[path] = tuple(
+                None if t is None else t.detach().clone()
+                for t in (m.running_mean, m.running_var, m.num_batches_tracked)
+            )
+    return out
+
+
+def _resolve_mask(mask: Tensor | None, kwargs: dict) -> tuple[Tensor | None, str]:
+    """The padding mask as (B, S) bool, True = a real position, and where it came from."""
+    if mask is not None:
+        if not isinstance(mask, Tensor) or mask.dim() != 2:
+            got = f"{mask.dtype} of shape {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
+            raise ValueError(f"doctor: expected `mask` to be a (batch, positions) tensor, True = real, got {got}")
+        return mask.bool(), "mask="
+    for name, marks_pads in _MASK_KWARGS.items():
+        v = kwargs.get(name)
+        if isinstance(v, Tensor) and v.dim() == 2:
+            return (~v.bool() if marks_pads else v.bool()), name
+    return None, ""
+
+
+def _forward(model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
+    return model(*inputs, **kwargs)
+
+
+def _first_output(y: Any) -> Tensor | None:
+    if isinstance(y, Tensor):
+        return y
+    if isinstance(y, dict):
+        y = list(y.values())
+    if isinstance(y, (list, tuple)):
+        return next((t for t in map(_first_output, y) if t is not None), None)
+    return None
+
+
+def _mode_outputs(model: nn.Module, inputs: tuple, kwargs: dict) -> tuple[Tensor, Tensor] | None:
+    """The model's output with its running-statistics norms in training mode, then in eval mode;
+    every other module keeps its mode, and the same seed before both gives dropout the same masks."""
+    norms = [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and getattr(m, "running_mean", None) is not None
+    ]
+    if not norms:
+        return None
+    outs = []
+    for training in (True, False):
+        for m in norms:
+            m.training = training
+        torch.manual_seed(0)
+        with torch.no_grad():
+            y = _first_output(_forward(model, inputs, kwargs))
+        if y is None or not y.is_floating_point():
+            return None
+        outs.append(y.detach().clone())
+    return outs[0], outs[1]
+
+
+def doctor(
+    model: nn.Module,
+    *inputs: Any,
+    mask: Tensor | None = None,
+    world_size: int | None = None,
+    checks: Iterable[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+    **kwargs: Any,
+) -> Report:
+    """Diagnose ``model``'s normalization layers on a real batch: ``model(*inputs, **kwargs)``.
+
+    One forward in the model's own mode, with forward hooks on every module, records what each norm
+    sees; the checks (:data:`normscope.doctor.CHECKS`) measure it. Some checks run more: the model
+    with its BatchNorms in train and then eval mode (two forwards, ``train-eval-drift``), each leaf
+    module once more on the first sample alone (``batch-invariance``), and copies of norm layers on
+    probe inputs (``cancellation``). The model's parameters and buffers (the same tensor objects,
+    bit for bit), gradients, ``requires_grad`` and ``training`` flags, its other plain attributes,
+    and the random number generators (torch, CUDA, ``random``, NumPy) are put back afterwards,
+    also when the forward raises.
+
+    Run it in the mode you train in: the batch-size and frozen-statistics checks look at the layers
+    that use batch statistics in this forward.
+
+    Args:
+        model: any ``nn.Module``.
+        *inputs: the positional inputs of one forward (one device's batch unless ``world_size``
+            says otherwise).
+        mask: (batch, positions) bool, True = a real position, for the padding check. Default: the
+            ``attention_mask`` (1 = real) or ``src_key_padding_mask`` / ``key_padding_mask``
+            (True = pad) among ``kwargs``, else None.
+        world_size: the number of data-parallel processes the batch is split over (as
+            ``torch.tensor_split`` cuts it): a BatchNorm then sees one rank's share, a SyncBatchNorm
+            all of it. Default: None (one process).
+        checks: the identifiers to run. Default: all.
+        progress: called with a short line as each stage starts (the CLI prints them).
+        **kwargs: keyword inputs of the forward.
+
+    Returns:
+        a :class:`~normscope.doctor.Report`.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+        >>> report = normscope.doctor(model, torch.randn(2, 3, 8, 8))
+        >>> [f.check for f in report.findings if f.severity == "error"]
+        ['bn-elements']
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"doctor: expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+    if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
+        raise ValueError(f"doctor: expected `world_size` to be a positive int or None, got {world_size!r}")
+    names = list(CHECKS) if checks is None else list(checks)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        raise ValueError(f"doctor: expected `checks` from {list(CHECKS)}, got unknown {unknown}")
+    mask, mask_source = _resolve_mask(mask, kwargs)
+    say = progress or (lambda line: None)
+    start = time.perf_counter()
+    x0 = _first_tensor(inputs, kwargs)
+    batch = int(x0.shape[0]) if x0 is not None else None
+    snapshot = Snapshot(model)
+    recorder = None
+    try:
+        before = _running(model)
+        say(f"forward with hooks on {sum(1 for _ in model.modules())} modules")
+        recorder = Recorder(model, batch)
+        recorder.first_sample = "batch-invariance" in names
+        # autograd's graph shows where residual adds meet norms (post-ln); it needs a parameter
+        # that requires grad, and costs the memory of one training forward
+        grad_graph = "post-ln" in names and any(p.requires_grad for p in model.parameters())
+        with torch.set_grad_enabled(grad_graph):
+            _forward(model, inputs, kwargs)
+        recorder.close()
+        after = _running(model)
+        norms, leaves, seen = [], [], set()
+        for call in recorder.calls:
+            if call.path in seen:
+                continue  # a module called again (shared, recurrent): its first call speaks for it
+            seen.add(call.path)
+            if is_norm(call.module):
+                x = next((a for a in call.args if isinstance(a, Tensor)), None)
+                scope = None if x is None else norm_scope(call.module, x)
+                if scope is None:
+                    continue
+                call.args = (x, *call.args[1:]) if call.args and call.args[0] is x else (x,)
+                call.extra["scope"] = scope
+                norms.append(call)
+            else:
+                leaves.append(call)
+        # the forward may have moved running statistics; the checks that run modules again start
+        # from the state the user had
+        snapshot.restore()
+        mode_outputs = None
+        if "train-eval-drift" in names:
+            say("forward with BatchNorms in train mode, then in eval mode")
+            mode_outputs = _mode_outputs(model, inputs, kwargs)
+            snapshot.restore()
+        ctx = Context(
+            model, batch, norms, leaves, before, after, mask, mask_source, world_size, mode_outputs, grad_graph
+        )
+        findings = []
+        for name in names:
+            say(f"check {name}")
+            findings.extend(CHECKS[name](ctx))
+    finally:
+        if recorder is not None:
+            recorder.close()
+        snapshot.restore()
+    checks_run = {n: {"ran": n not in ctx.notes, "note": ctx.notes.get(n, "")} for n in names}
+    return Report(
+        findings,
+        checks_run,
+        model=type(model).__name__,
+        inputs=[_describe(v) for v in inputs] + [f"{k}={_describe(v)}" for k, v in kwargs.items()],
+        world_size=world_size,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _batchnorms(model: nn.Module) -> list[nn.Module]:
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None and m.running_var is not None
+    ]
+
+
+def recalibrate(model: nn.Module, batches: Iterable[Any]) -> nn.Module:
+    """Set every BatchNorm's running statistics to precise estimates over ``batches``.
+
+    The estimator of fvcore's PreciseBN (Wu & Johnson 2021, "Rethinking 'Batch' in BatchNorm"): each
+    BatchNorm computes each batch's statistics as in training (momentum 1: running = this batch's
+    mean and unbiased variance, masks and synchronization included, as the layer itself does it);
+    the new running statistics are the plain averages of those over the batches. The BatchNorms run
+    in training mode during the passes, every other module in its own mode (dropout off in an eval
+    model); afterwards each BatchNorm's mode, momentum and ``num_batches_tracked`` are as before.
+    Runs without gradients. In place; returns ``model``.
+
+    Args:
+        model: the model.
+        batches: an iterable of inputs, each a tensor, a tuple/list of positional inputs, or a
+            dict of keyword inputs -- a few training batches (fvcore uses 200).
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8)).eval()
+        >>> model = normscope.recalibrate(model, [torch.randn(4, 3, 8, 8) for _ in range(3)])
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"recalibrate: expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(batches, Tensor):
+        raise TypeError(
+            "recalibrate: expected `batches` to be an iterable of batches (a list of tensors, a "
+            f"DataLoader), got one tensor of shape {tuple(batches.shape)}; wrap it: [x]"
+        )
+    bns = _batchnorms(model)
+    if not bns:
+        return model
+    saved = [
+        (m, m.training, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+        for m in bns
+    ]
+    sums = [
+        (torch.zeros_like(m.running_mean, dtype=torch.float64), torch.zeros_like(m.running_var, dtype=torch.float64))
+        for m in bns
+    ]
+    seen = [0] * len(bns)
+    n = 0
+    try:
+        for m in bns:
+            m.train()
+            m.momentum = 1.0
+        with torch.no_grad():
+            for batch in batches:
+                marks = [m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None for m in bns]
+                if isinstance(batch, dict):
+                    model(**batch)
+                elif isinstance(batch, (tuple, list)):
+                    model(*batch)
+                else:
+                    model(batch)
+                n += 1
+                for i, m in enumerate(bns):
+                    ran = marks[i] is None or not torch.equal(marks[i], m.num_batches_tracked)
+                    if ran:  # a layer the batch did not reach keeps its sum
+                        sums[i][0].add_(m.running_mean.double())
+                        sums[i][1].add_(m.running_var.double())
+                        seen[i] += 1
+        if n == 0:
+            raise ValueError("recalibrate: expected `batches` to hold at least one batch, got none")
+    finally:
+        for m, training, momentum, nbt in saved:
+            m.train(training)
+            m.momentum = momentum
+            if nbt is not None:
+                m.num_batches_tracked.copy_(nbt)
+    with torch.no_grad():
+        for m, (s_mean, s_var), k in zip(bns, sums, seen):
+            if k:
+                m.running_mean.copy_(s_mean / k)
+                m.running_var.copy_(s_var / k)
+    return model

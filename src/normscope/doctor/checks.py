@@ -1,0 +1,982 @@
+"""The doctor's checks: each a small function of what one diagnosed forward recorded
+(:class:`Context`) that returns its :class:`~normscope.doctor.Finding` list.
+
+Every check states what it measures (per module, by path), its threshold and where the threshold
+comes from (a paper's figure, a published error bound, or this repository's lab: docs/lab.md), the
+severity, and a fix as one line of Python for a model named ``model``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._observe import Call, NormScope, channel_rows, scope_stats
+from ._report import Finding
+
+__all__ = ["CHECKS", "Context"]
+
+
+@dataclass
+class Context:
+    """What one diagnosis recorded, shared by the checks (see :func:`normscope.doctor`)."""
+
+    model: nn.Module
+    batch: int | None  # the samples in the forward (dim 0 of the first tensor input)
+    norms: list[Call]  # each norm's first call, with extra["scope"]
+    leaves: list[Call]  # every other leaf module's first call, with its first sample
+    running_before: dict[str, tuple[Tensor | None, Tensor | None, Tensor | None]]
+    running_after: dict[str, tuple[Tensor | None, Tensor | None, Tensor | None]]
+    mask: Tensor | None  # (B, S) bool, True = a real position
+    mask_source: str
+    world_size: int | None
+    mode_outputs: tuple[Tensor, Tensor] | None  # model output with norms in train mode, in eval mode
+    grad_graph: bool  # whether the forward recorded autograd's graph (post-ln reads it)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def note(self, check: str, text: str) -> None:
+        self.notes[check] = text
+
+
+def _where(path: str) -> str:
+    return f"lambda name, m: name == {path!r}"
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3g}"
+
+
+# -------------------------------------------------------------------------------------- bn-elements
+
+# Wu & He 2018 ("Group Normalization"), Table 2 / Fig. 1, ResNet-50 on ImageNet: BN's top-1 error
+# by images per GPU is 23.6 (32), 23.7 (16), 24.8 (8), 27.3 (4), 34.7 (2). Its last stage is 7x7,
+# so a statistic there covers 49 x batch elements: 784 at batch 16 (no loss), 392 at 8 (+1.2
+# points), 196 at 4 (+3.7), 98 at 2 (+11.1). The lab's batch-size run (docs/lab.md) did not see the
+# loss at batch 2 on its small task (128 elements per statistic): the size of the loss depends on
+# the task, which is why the band between the two bounds is a warning, not an error.
+BN_ELEMENTS_WARNING = 784
+BN_ELEMENTS_ERROR = 100
+_BN_SOURCE = (
+    "Wu & He 2018 (Group Normalization), Table 2: ResNet-50/ImageNet BN error 23.7 at 16 images per GPU "
+    "(784 elements per statistic in its 7x7 last stage), 24.8 at 8 (392), 27.3 at 4 (196), 34.7 at 2 (98) vs "
+    "23.6 at 32; normscope lab batch-size (docs/lab.md): no loss measured at 128 elements on cluttered digits"
+)
+
+
+def _split(n: int, world: int) -> list[int]:
+    """Per-rank batch sizes of ``n`` samples over ``world`` ranks, as ``torch.tensor_split`` cuts."""
+    return [n // world + (1 if r < n % world else 0) for r in range(world)]
+
+
+def bn_elements(ctx: Context) -> list[Finding]:
+    """Elements per statistic of each BatchNorm that normalizes with batch statistics in this forward
+    (N x spatial per channel; per device under ``world_size``: a plain BatchNorm sees one rank's
+    share, a SyncBatchNorm all of them)."""
+    out = []
+    world = ctx.world_size or 1
+    seen = False
+    for call in ctx.norms:
+        s: NormScope = call.extra["scope"]
+        m = call.module
+        if s.kind != "batch" or not (call.training or getattr(m, "running_mean", None) is None):
+            continue
+        seen = True
+        x = call.args[0]
+        spatial = x.numel() // (x.shape[0] * x.shape[s.channel])
+        sync = isinstance(m, nn.SyncBatchNorm)
+        per_rank = min(_split(x.shape[0], world)) if world > 1 else x.shape[0]
+        n = x.shape[0] if sync or world == 1 else per_rank
+        elements = n * spatial
+        if elements >= BN_ELEMENTS_WARNING:
+            continue
+        severity = "error" if elements < BN_ELEMENTS_ERROR else "warning"
+        c = x.shape[s.channel]
+        groups = next(g for g in (32, 16, 8, 4, 2, 1) if c % g == 0)
+        if world > 1 and not sync:
+            fix = f"model, _ = normscope.convert(model, to='sync', where={_where(call.path)})"
+            why = f"statistics over all {world} ranks ({x.shape[0] * spatial} elements)"
+        else:
+            fix = f"model, _ = normscope.convert(model, to='group:{groups}', where={_where(call.path)})"
+            why = "GroupNorm's statistics do not depend on the batch (or freeze_batchnorm(model) when fine-tuning)"
+        out.append(
+            Finding(
+                "bn-elements",
+                call.path,
+                severity,
+                {
+                    "elements": elements,
+                    "samples": n,
+                    "spatial": spatial,
+                    "channels": c,
+                    "world_size": world,
+                    "sync": sync,
+                },
+                {"warning_below": BN_ELEMENTS_WARNING, "error_below": BN_ELEMENTS_ERROR, "source": _BN_SOURCE},
+                f"each statistic is estimated from {elements} elements ({n} sample(s) x {spatial} positions); "
+                f"BatchNorm's error grows as that shrinks. The fix: {why}",
+                fix,
+            )
+        )
+    if not seen:
+        ctx.note("bn-elements", "no BatchNorm normalizes with batch statistics in this forward")
+    return out
+
+
+# -------------------------------------------------------------------------------------- train-eval-drift
+
+# The lab's padding experiment measured this very distance on the first BatchNorm during training
+# (Shen et al. 2020's Fig. 2 metric, docs/lab.md): 0.045 on images, where BN trains well, and 0.133
+# on padded text, where BN lost 4 points of accuracy to masked BN.
+DRIFT_WARNING = 0.133
+_DRIFT_SOURCE = (
+    "normscope lab padding (docs/lab.md), Shen et al. 2020 Fig. 2 metric mean_c |mu_B - mu|/sigma + "
+    "mean_c |var_B/var - 1|: 0.045 for BN on images (trains well), 0.133 on padded text (4 points below masked BN)"
+)
+
+
+def _distance(x: Tensor, channel: int, rm: Tensor, rv: Tensor, eps: float) -> tuple[float, float]:
+    rows = channel_rows(x, channel)
+    mu, var = rows.mean(1), rows.var(1, unbiased=False)
+    sd = (rv.double() + eps).sqrt()
+    return float(((mu - rm.double()).abs() / sd).mean()), float((var / (rv.double() + eps) - 1).abs().mean())
+
+
+def train_eval_drift(ctx: Context) -> list[Finding]:
+    """Each BatchNorm's running statistics against this batch's, and the model's output with its
+    norms in eval mode against train mode."""
+    out = []
+    for call in ctx.norms:
+        s = call.extra["scope"]
+        before = ctx.running_before.get(call.path)
+        if s.kind != "batch" or before is None or before[0] is None or before[1] is None:
+            continue
+        rm, rv, nbt = before
+        dm, dv = _distance(call.args[0], s.channel, rm, rv, s.eps)
+        total = dm + dv
+        if total <= DRIFT_WARNING:
+            continue
+        out.append(
+            Finding(
+                "train-eval-drift",
+                call.path,
+                "warning",
+                {
+                    "distance": total,
+                    "mean_term": dm,
+                    "var_term": dv,
+                    "batches_tracked": None if nbt is None else int(nbt),
+                },
+                {"warning_above": DRIFT_WARNING, "source": _DRIFT_SOURCE},
+                f"the running statistics are {_fmt(total)} away from this batch's (mean term {_fmt(dm)}, "
+                f"variance term {_fmt(dv)}): eval() normalizes with other numbers than training did",
+                "model = normscope.recalibrate(model, batches)  # a few training batches",
+            )
+        )
+    if ctx.mode_outputs is not None and out:
+        yt, ye = ctx.mode_outputs
+        rel = float((yt.double() - ye.double()).norm() / ye.double().norm().clamp_min(1e-30))
+        out.append(
+            Finding(
+                "train-eval-drift",
+                "",
+                "info",
+                {"output_relative_difference": rel, "layers": len(out)},
+                {"reported_with": "a BatchNorm above the threshold", "source": _DRIFT_SOURCE},
+                f"the model's output in eval mode differs from train mode by {_fmt(rel)} (relative L2)",
+                "model = normscope.recalibrate(model, batches)  # a few training batches",
+            )
+        )
+    if not any(c.extra["scope"].kind == "batch" for c in ctx.norms):
+        ctx.note("train-eval-drift", "no BatchNorm with running statistics")
+    return out
+
+
+# -------------------------------------------------------------------------------------- padding
+
+_PADDING_SOURCE = (
+    "normscope lab padding (docs/lab.md): with pads inside BatchNorm's statistics a transformer reached "
+    "90.9% test accuracy, with masked BatchNorm 94.9% (Shen et al. 2020, Sec. 3); any pad in a scope counts"
+)
+
+
+def _mask_axes(shape: torch.Size, mask: Tensor) -> tuple[int, ...] | None:
+    """The axes of a tensor of ``shape`` that a (B, S) mask indexes: (0, 1) for (B, S, D), (0, 2)
+    for (B, D, S), (1, 0) for (S, B, D); (0,) after flattening to (B*S, D); None if none fits."""
+    b, s = mask.shape
+    for a0, a1 in ((0, 1), (0, 2), (1, 0)):
+        if len(shape) > max(a0, a1) and shape[a0] == b and shape[a1] == s:
+            return (a0, a1)
+    if len(shape) >= 2 and shape[0] == b * s:
+        return (0,)
+    return None
+
+
+def _broadcast_mask(x: Tensor, mask: Tensor, axes: tuple[int, ...]) -> Tensor:
+    """``mask`` shaped to broadcast against ``x``."""
+    if axes == (0,):
+        m = mask.reshape(-1)
+        return m.reshape(m.shape[0], *([1] * (x.dim() - 1)))
+    shape = [1] * x.dim()
+    shape[axes[0]], shape[axes[1]] = mask.shape
+    m = mask if axes[0] < axes[1] else mask.t()
+    return m.reshape(shape)
+
+
+def _masked_arg(call: Call) -> bool:
+    if call.kwargs.get("mask") is not None:
+        return True
+    return len(call.args) > 1 and isinstance(call.args[1], Tensor) and call.args[1].dtype == torch.bool
+
+
+def padding(ctx: Context) -> list[Finding]:
+    """With a mask: the fraction of padded positions inside each statistic's scope, and the shift in
+    the statistics that the pads cause (with them against without them)."""
+    if ctx.mask is None:
+        ctx.note("padding", "no mask= and no attention_mask / key_padding_mask among the inputs")
+        return []
+    out = []
+    for call in ctx.norms:
+        s: NormScope = call.extra["scope"]
+        if s.kind == "frozen" or _masked_arg(call):
+            continue
+        x = call.args[0]
+        axes = _mask_axes(x.shape, ctx.mask)
+        if axes is None or not set(axes) & set(s.reduce):
+            continue  # the pads are not inside any statistic (LayerNorm per token, ...)
+        valid = _broadcast_mask(x, ctx.mask.to(x.device), axes).expand_as(x)
+        all_mean, all_var, _ = scope_stats(x, s)
+        rows_valid = scope_stats_masked(x, valid, s)
+        if rows_valid is None:
+            continue
+        v_mean, v_var, v_count, count = rows_valid
+        frac = 1.0 - v_count.double() / count
+        if float(frac.max()) <= 0:
+            continue
+        ok = v_count > 1
+        sd = (v_var + (s.eps or 0.0)).sqrt().clamp_min(1e-30)
+        shift_mean = float(((all_mean - v_mean).abs() / sd)[ok].max()) if ok.any() else float("nan")
+        ratio = (all_var + (s.eps or 0.0)) / (v_var + (s.eps or 0.0))
+        shift_var = float((ratio[ok].log().abs()).max().exp()) if ok.any() else float("nan")
+        kind = {"batch": "masked BatchNorm", "power": "PowerNorm with mask="}.get(s.kind, f"masked {s.kind} norm")
+        out.append(
+            Finding(
+                "padding",
+                call.path,
+                "warning",
+                {
+                    "pad_fraction_max": float(frac.max()),
+                    "pad_fraction_mean": float(frac.mean()),
+                    "mean_shift_in_std": shift_mean,
+                    "variance_ratio": shift_var,
+                    "mask": ctx.mask_source,
+                },
+                {"warning_above": 0.0, "source": _PADDING_SOURCE},
+                f"up to {100 * float(frac.max()):.1f}% of the positions in a statistic are padding: they move its "
+                f"mean by {_fmt(shift_mean)} std and scale its variance by {_fmt(shift_var)}",
+                f"model, _ = normscope.convert(model, where={_where(call.path)})  # then pass mask= to it: {kind}",
+            )
+        )
+    return out
+
+
+def scope_stats_masked(x: Tensor, valid: Tensor, s: NormScope):
+    """Per statistic: mean and biased variance over the valid elements, their count and the total."""
+    from ._observe import scope_rows
+
+    rows = scope_rows(x, s)
+    keep = scope_rows(valid.to(x.dtype), s) > 0.5
+    n = keep.sum(1)
+    mean = (rows * keep).sum(1) / n.clamp_min(1)
+    var = (((rows - mean[:, None]) * keep) ** 2).sum(1) / n.clamp_min(1)
+    return mean, var, n, rows.shape[1]
+
+
+# -------------------------------------------------------------------------------------- frozen-bn-updating
+
+_FROZEN_SOURCE = (
+    "torch semantics: a BatchNorm in training mode updates its running statistics whatever requires_grad says"
+)
+
+
+def frozen_bn_updating(ctx: Context) -> list[Finding]:
+    """BatchNorms whose affine parameters are frozen (``requires_grad=False``) while their running
+    statistics still move, because they are in training mode; the movement in this one forward."""
+    out = []
+    trainable = any(p.requires_grad for p in ctx.model.parameters())
+    for call in ctx.norms:
+        m = call.module
+        if call.extra["scope"].kind != "batch" or not call.training or call.path not in ctx.running_before:
+            continue
+        params = [p for p in (getattr(m, "weight", None), getattr(m, "bias", None)) if isinstance(p, Tensor)]
+        frozen = all(not p.requires_grad for p in params) if params else not trainable
+        rm0, rv0, n0 = ctx.running_before[call.path]
+        rm1, rv1, n1 = ctx.running_after[call.path]
+        if not frozen or rm0 is None or rm1 is None:
+            continue
+        moved = float(((rm1.double() - rm0.double()).abs() / (rv0.double() + m.eps).sqrt()).max())
+        var_moved = float(((rv1.double() / rv0.double().clamp_min(1e-30)).log().abs()).max().exp())
+        if moved == 0 and var_moved == 1:
+            continue
+        out.append(
+            Finding(
+                "frozen-bn-updating",
+                call.path,
+                "warning",
+                {
+                    "running_mean_moved_in_std": moved,
+                    "running_var_ratio": var_moved,
+                    "momentum": m.momentum,
+                    "batches_tracked_added": None if n0 is None else int(n1) - int(n0),
+                },
+                {"warning_above": 0.0, "source": _FROZEN_SOURCE},
+                f"weight and bias are frozen but the layer is in training mode: one forward moved its running mean "
+                f"by {_fmt(moved)} std",
+                "model = normscope.freeze_batchnorm(model)",
+            )
+        )
+    return out
+
+
+# -------------------------------------------------------------------------------------- half-overflow, eps-underflow
+
+_HALF = (torch.float16, torch.bfloat16)
+_OVERFLOW_SOURCE = (
+    "torch.finfo(dtype).max (65504 for float16); T5 in float16 overflows to inf in its feed-forward output before "
+    "the LayerNorm (huggingface/transformers#9295), and squaring in float16 overflows for |x| > 255.9"
+)
+
+
+def _computes_in_fp32(m: nn.Module) -> bool:
+    """torch's and normscope's layers accumulate statistics in float32 whatever the input dtype."""
+    return type(m).__module__.split(".")[0] in ("torch", "normscope")
+
+
+def half_overflow(ctx: Context) -> list[Finding]:
+    """The largest |x| and the largest sum of squares each norm sees, against the dtype's range."""
+    out = []
+    for call in ctx.norms:
+        x = call.args[0]
+        s = call.extra["scope"]
+        if not x.is_floating_point():
+            continue
+        big = torch.finfo(x.dtype).max
+        xd = x.detach().double()
+        finite = bool(torch.isfinite(xd).all())
+        xmax = float(xd.abs().nan_to_num(posinf=math.inf).max()) if x.numel() else 0.0
+        if s.reduce:
+            mean_sq, _, count = scope_stats(xd.nan_to_num(nan=0.0).square(), s)
+            ssq = float(mean_sq.max()) * count
+        else:
+            ssq = xmax * xmax
+        measured = {
+            "dtype": str(x.dtype).replace("torch.", ""),
+            "max_abs": xmax,
+            "max_sum_of_squares": ssq,
+            "dtype_max": big,
+            "headroom": big / xmax if xmax else math.inf,
+        }
+        threshold = {"error": "non-finite input", "warning_above": big / 2, "source": _OVERFLOW_SOURCE}
+        fix = "model = model.to(torch.bfloat16)  # float32's range with 8 bits of mantissa"
+        if not finite:
+            out.append(
+                Finding(
+                    "half-overflow",
+                    call.path,
+                    "error",
+                    measured,
+                    threshold,
+                    "the norm's input already holds inf or NaN: something before it overflowed",
+                    fix,
+                )
+            )
+        elif x.dtype in _HALF and 2 * xmax >= big:
+            out.append(
+                Finding(
+                    "half-overflow",
+                    call.path,
+                    "warning",
+                    measured,
+                    threshold,
+                    f"|x| reaches {_fmt(xmax)}, within 2x of {x.dtype}'s largest value: one more residual "
+                    "add of that size overflows",
+                    fix,
+                )
+            )
+        elif x.dtype in _HALF and not _computes_in_fp32(call.module) and max(xmax * xmax, ssq) >= big:
+            out.append(
+                Finding(
+                    "half-overflow",
+                    call.path,
+                    "warning",
+                    measured,
+                    {**threshold, "warning_above": big},
+                    f"x^2 (up to {_fmt(xmax * xmax)}) or the sum of squares ({_fmt(ssq)}) exceeds "
+                    f"{x.dtype}'s range: a norm that squares in the input dtype gets inf",
+                    fix,
+                )
+            )
+        elif x.dtype == torch.float32 and xmax >= torch.finfo(torch.float16).max:
+            out.append(
+                Finding(
+                    "half-overflow",
+                    call.path,
+                    "info",
+                    measured,
+                    {**threshold, "info_above": torch.finfo(torch.float16).max},
+                    f"|x| reaches {_fmt(xmax)}: this norm's input overflows if the model runs in float16 "
+                    "(bfloat16 keeps float32's range)",
+                    fix,
+                )
+            )
+    return out
+
+
+_EPS_SOURCE = "torch.finfo(dtype).tiny (smallest normal number: 6.1e-05 for float16) and rounding eps to dtype"
+
+
+def eps_underflow(ctx: Context) -> list[Finding]:
+    """eps against the resolution of the dtype it is added in, for norms that do not accumulate in
+    float32 (torch's and normscope's add eps in float32 and are skipped)."""
+    out = []
+    for call in ctx.norms:
+        x, eps = call.args[0], call.extra["scope"].eps
+        if eps is None or not x.is_floating_point() or _computes_in_fp32(call.module) or eps <= 0:
+            continue
+        dtype = x.dtype
+        info = torch.finfo(dtype)
+        stored = float(torch.tensor(eps, dtype=dtype))
+        measured = {"eps": eps, "dtype": str(dtype).replace("torch.", ""), "eps_in_dtype": stored, "tiny": info.tiny}
+        threshold = {"error": "eps rounds to 0", "warning_below": info.tiny, "source": _EPS_SOURCE}
+        fix = f"model.get_submodule({call.path!r}).float()  # statistics and eps in float32"
+        if stored == 0:
+            out.append(
+                Finding(
+                    "eps-underflow",
+                    call.path,
+                    "error",
+                    measured,
+                    threshold,
+                    f"eps={eps:g} rounds to 0 in {dtype}: a constant scope divides by zero",
+                    fix,
+                )
+            )
+        elif eps < info.tiny:
+            out.append(
+                Finding(
+                    "eps-underflow",
+                    call.path,
+                    "warning",
+                    measured,
+                    threshold,
+                    f"eps={eps:g} is subnormal in {dtype} (stored as {stored:g}); hardware that flushes "
+                    "subnormals to zero divides by zero on a constant scope",
+                    fix,
+                )
+            )
+    return out
+
+
+# -------------------------------------------------------------------------------------- cancellation
+
+# Chan, Golub & LeVeque 1983 ("Algorithms for computing the sample variance"): the textbook one-pass
+# formula E[x^2] - E[x]^2 has a relative error of about u * kappa^2, kappa^2 = 1 + (mean/std)^2,
+# u the unit roundoff of the accumulation; two-pass and Welford are about u * kappa.
+CANCEL_WARNING = 1e-3
+CANCEL_ERROR = 1.0
+_CANCEL_SOURCE = "Chan, Golub & LeVeque 1983: one-pass variance relative error ~ u (1 + (mean/std)^2)"
+_PROBE_OFFSET = 1e4
+
+
+def _one_pass(call: Call) -> bool | None:
+    """Whether the module computes the variance in one pass, by probe: on a copy, the same input
+    shifted by 1e4 must give the same output (a two-pass variance does; E[x^2] - E[x]^2 in float32
+    loses every digit). None where it cannot be probed (not float32/float64, other arguments)."""
+    x = call.args[0]
+    if x.dtype not in (torch.float32, torch.float64):
+        return None
+    g = torch.Generator(device="cpu").manual_seed(0)
+    z = torch.randn(x.shape, generator=g, dtype=torch.float64).to(device=x.device, dtype=x.dtype)
+    m = copy.deepcopy(call.module)
+    m.train(call.training)
+    try:
+        with torch.no_grad():
+            base, shifted = m(z), m(z + _PROBE_OFFSET)
+    except (RuntimeError, ValueError, TypeError):
+        return None
+    if not isinstance(base, Tensor) or not isinstance(shifted, Tensor):
+        return None
+    rel = float((shifted.double() - base.double()).abs().max() / base.double().abs().max().clamp_min(1e-30))
+    return rel > 0.05
+
+
+def cancellation(ctx: Context) -> list[Finding]:
+    """|mean| / std per statistic of each centered norm, and whether the implementation in use
+    computes the variance in one pass (probed)."""
+    out = []
+    for call in ctx.norms:
+        s: NormScope = call.extra["scope"]
+        if not s.centered or s.kind == "frozen" or not s.reduce:
+            continue
+        if s.kind == "batch" and not call.training and getattr(call.module, "running_var", None) is not None:
+            continue  # eval: the variance comes from the running statistics, not from this input
+        mean, var, _ = scope_stats(call.args[0], s)
+        ok = var > 0
+        if not ok.any():
+            continue
+        ratio = float((mean.abs()[ok] / var[ok].sqrt()).max())
+        acc = torch.float64 if call.args[0].dtype == torch.float64 else torch.float32
+        u = torch.finfo(acc).eps / 2
+        err = u * (1 + ratio * ratio)
+        if err < CANCEL_WARNING:
+            continue
+        one_pass = _one_pass(call)
+        measured = {"max_mean_over_std": ratio, "one_pass_relative_error": err, "one_pass_in_use": one_pass}
+        threshold = {"warning_above": CANCEL_WARNING, "error_above": CANCEL_ERROR, "source": _CANCEL_SOURCE}
+        fix = f"model, _ = normscope.convert(model, where={_where(call.path)})  # two-pass statistics"
+        if one_pass:
+            sev = "error" if err >= CANCEL_ERROR else "warning"
+            reason = (
+                f"|mean|/std reaches {_fmt(ratio)} and this layer computes E[x^2] - E[x]^2 (probed): its variance "
+                f"is off by about {_fmt(err)} relative" + (" -- negative variances, NaN" if sev == "error" else "")
+            )
+        else:
+            sev = "info"
+            what = "two-pass (probed)" if one_pass is False else "not probed"
+            reason = (
+                f"|mean|/std reaches {_fmt(ratio)}; this implementation is {what}, but a one-pass "
+                f"kernel (an exporter's or a runtime's) would lose about {_fmt(err)} of the variance"
+            )
+            fix = f"# keep a two-pass implementation for {call.path!r} when exporting or swapping kernels"
+        out.append(Finding("cancellation", call.path, sev, measured, threshold, reason, fix))
+    return out
+
+
+# -------------------------------------------------------------------------------------- dead-channels
+
+_DEAD_SOURCE = "the layer's own eps: below it, eps and not the data sets the channel's scale"
+
+
+def dead_channels(ctx: Context) -> list[Finding]:
+    """Channels (of per-channel norms) whose variance over this batch is below eps -- constant or
+    dead -- and constant scopes of per-sample norms; what eps then does to them."""
+    out = []
+    for call in ctx.norms:
+        s: NormScope = call.extra["scope"]
+        if s.eps is None or s.kind == "frozen":
+            continue
+        x = call.args[0]
+        if s.channel is not None and s.kind in ("batch", "instance", "power"):
+            rows = channel_rows(x, s.channel)
+            var = rows.var(1, unbiased=False) if s.centered else rows.square().mean(1)
+            unit = "channels"
+        elif s.kind == "group":
+            rows = channel_rows(x, 1)
+            var = rows.var(1, unbiased=False)
+            unit = "channels"
+        else:
+            var = scope_stats(x, s)[1] if s.centered else scope_stats(x.square(), s)[0]
+            unit = "scopes"
+        dead = (var < s.eps).nonzero().flatten()
+        if dead.numel() == 0:
+            continue
+        gain = float((var[dead] + s.eps).rsqrt().max())
+        sev = "warning" if unit == "channels" else "info"
+        idx = [int(i) for i in dead[:16]]
+        out.append(
+            Finding(
+                "dead-channels",
+                call.path,
+                sev,
+                {
+                    unit: int(dead.numel()),
+                    "of": int(var.numel()),
+                    "indices": idx,
+                    "max_variance": float(var[dead].max()),
+                    "eps": s.eps,
+                    "gain": gain,
+                },
+                {"warning_below": s.eps, "source": _DEAD_SOURCE},
+                f"{dead.numel()} of {var.numel()} {unit} have variance below eps={s.eps:g}: nearly constant, "
+                f"so eps sets their scale -- deviations are multiplied by up to {_fmt(gain)} instead of normalized",
+                f"print(model.get_submodule({call.path!r}))  # {unit} {idx[:8]}: check the layer before (dead ReLU, "
+                "zero weights)",
+            )
+        )
+    return out
+
+
+# -------------------------------------------------------------------------------------- bias-before-norm
+
+_BIAS_SOURCE = "AllenNLP NormalizationBiasVerification: a bias directly before a norm that subtracts its mean"
+
+
+def bias_before_norm(ctx: Context) -> list[Finding]:
+    """A Linear/Conv bias feeding a norm that subtracts a per-channel mean over every axis the bias
+    is constant along (BatchNorm, InstanceNorm on the bias's channel axis): the norm removes it."""
+    out = []
+    for call in ctx.norms:
+        s: NormScope = call.extra["scope"]
+        if call.producer is None or not s.centered or s.channel is None or s.kind not in ("batch", "instance"):
+            continue
+        prod = ctx.model.get_submodule(call.producer)
+        bias = getattr(prod, "bias", None)
+        if not isinstance(bias, Tensor):
+            continue
+        x = call.args[0]
+        bias_axis = 1 if isinstance(prod, nn.modules.conv._ConvNd) else x.dim() - 1
+        if s.channel != bias_axis:
+            continue
+        fix = (
+            f"conv, norm = model.get_submodule({call.producer!r}), model.get_submodule({call.path!r}); "
+            "norm.running_mean.sub_(conv.bias.detach()) if norm.running_mean is not None else None; conv.bias = None"
+        )
+        out.append(
+            Finding(
+                "bias-before-norm",
+                call.path,
+                "warning",
+                {
+                    "producer": call.producer,
+                    "bias_max_abs": float(bias.detach().abs().max()),
+                    "bias_numel": bias.numel(),
+                },
+                {"warning": "any bias directly before a mean-subtracting per-channel norm", "source": _BIAS_SOURCE},
+                f"{call.producer}'s bias is subtracted again by this norm's per-channel mean: {bias.numel()} "
+                "parameters that cannot change the output (and take weight decay)",
+                fix,
+            )
+        )
+    return out
+
+
+# -------------------------------------------------------------------------------------- post-ln
+
+_POST_LN_SOURCE = (
+    "Xiong et al. 2020 (On Layer Normalization in the Transformer Architecture): Post-LN needs learning-rate "
+    "warm-up; normscope lab prenorm (docs/lab.md): at lr 1e-2 Post-LN failed in every seed, Pre-LN in none"
+)
+
+
+def _grad_fn(t: Any):
+    return getattr(t, "grad_fn", None)
+
+
+def post_ln(ctx: Context) -> list[Finding]:
+    """A norm after a residual add whose other branch starts from a norm's output -- the residual
+    stream passes through the norm (Post-LN) -- read from autograd's graph of the forward; torch's
+    TransformerEncoder/DecoderLayer with ``norm_first=False`` when there is no graph."""
+    out = []
+    token = [c for c in ctx.norms if c.extra["scope"].kind in ("layer", "rms")]
+    if not token:
+        ctx.note("post-ln", "no LayerNorm or RMSNorm")
+        return []
+    found: dict[str, str] = {}
+    if ctx.grad_graph:
+        produced = {id(_grad_fn(c.output)): c.path for c in token if _grad_fn(c.output) is not None}
+        for c in token:
+            fn = _grad_fn(c.args[0])
+            if fn is None or not type(fn).__name__.startswith("AddBackward"):
+                continue
+            for nxt, _ in fn.next_functions:
+                if nxt is not None and id(nxt) in produced and produced[id(nxt)] != c.path:
+                    found[c.path] = produced[id(nxt)]
+    else:
+        ctx.note("post-ln", "no autograd graph (no parameter requires grad): read from torch's transformer layers")
+        for path, m in ctx.model.named_modules():
+            if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) and not m.norm_first:
+                for name, _ in m.named_children():
+                    if name.startswith("norm"):
+                        found[f"{path}.{name}" if path else name] = "(norm_first=False)"
+    for path, source in sorted(found.items()):
+        out.append(
+            Finding(
+                "post-ln",
+                path,
+                "info",
+                {"residual_from": source},
+                {"info": "a norm on the residual stream", "source": _POST_LN_SOURCE},
+                f"Post-LN: this norm sits on the residual stream (after the add whose branch starts at {source}); "
+                "train it with learning-rate warm-up, or move the norms before the sublayers (Pre-LN)",
+                "scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=4000)",
+            )
+        )
+    return out
+
+
+# -------------------------------------------------------------------------------------- casting-order
+
+_CASTING_SOURCE = (
+    "bit-for-bit probes against normscope's casting orders (normscope.functional_modern.rms_norm / layer_norm), "
+    "as normscope.integrations.transformers does"
+)
+# the casting order other installed kernels use by default, as we read their source: Liger-Kernel's
+# LigerRMSNorm(casting_mode="llama"); Apex's fused kernels normalize in float32 and cast before the
+# weight (Llama's order); Transformer Engine multiplies in float32 and casts once (Gemma's order)
+_PEERS = (
+    ("liger_kernel", "Liger-Kernel", "llama"),
+    ("apex", "Apex", "llama"),
+    ("transformer_engine", "Transformer Engine", "gemma"),
+)
+
+
+def _implements(m: nn.Module) -> tuple[bool, str, float] | None:
+    """(centered, casting, weight_offset) of an RMSNorm/LayerNorm, None if unknown."""
+    from .. import modules as M
+
+    if isinstance(m, (M.LayerNorm, M.RMSNorm)):
+        return isinstance(m, nn.LayerNorm), m.casting, m.weight_offset
+    if type(m) in (nn.LayerNorm, nn.RMSNorm):
+        return type(m) is nn.LayerNorm, "torch", 0.0
+    from ..integrations.transformers import probe_class
+
+    exact, _ = probe_class(type(m))
+    return None if exact is None else (exact.centered, exact.casting, exact.weight_offset)
+
+
+def casting_order(ctx: Context) -> list[Finding]:
+    """For RMSNorm/LayerNorm modules on half-precision input: which casting order the module
+    implements (probed bit for bit), and how far the other orders -- and the installed peers'
+    defaults -- round from it on this very input."""
+    from .. import functional_modern as FM
+
+    out = []
+    for call in ctx.norms:
+        s = call.extra["scope"]
+        x = call.args[0]
+        if s.kind not in ("layer", "rms") or x.dtype not in _HALF or not isinstance(call.output, Tensor):
+            continue
+        how = _implements(call.module)
+        if how is None:
+            continue
+        centered, casting, offset = how
+        m = call.module
+        w = getattr(m, "weight", None)
+        b = getattr(m, "bias", None) if centered else None
+        shape = tuple(x.shape[i] for i in s.reduce)
+        diffs = {}
+        with torch.no_grad():
+            for other in FM.CASTINGS:
+                if centered:
+                    y = FM.layer_norm(x, shape, w, b, s.eps, weight_offset=offset, casting=other)
+                else:
+                    y = FM.rms_norm(x, shape, w, s.eps, weight_offset=offset, casting=other)
+                if y.shape != call.output.shape:
+                    continue
+                d = (y.double() - call.output.double()).abs()
+                diffs[other] = {"max_abs": float(d.max()), "fraction_different": float((d > 0).double().mean())}
+        peers = {label: casting != order for mod, label, order in _PEERS if importlib.util.find_spec(mod) is not None}
+        kind = "layer_norm" if centered else "rms_norm"
+        layer = "LayerNorm" if centered else "RMSNorm"
+        others = [c for c in diffs if c != casting and diffs[c]["fraction_different"] > 0]
+        out.append(
+            Finding(
+                "casting-order",
+                call.path,
+                "info",
+                {
+                    "implements": f"{kind}(casting={casting!r}, weight_offset={offset:g})",
+                    "dtype": str(x.dtype).replace("torch.", ""),
+                    "other_orders": diffs,
+                    "installed_peers_differ": peers,
+                },
+                {"info": "any bit of difference", "source": _CASTING_SOURCE},
+                f"{type(m).__name__} rounds as casting={casting!r}; on this input "
+                + (
+                    ", ".join(
+                        f"casting={c!r} changes {100 * diffs[c]['fraction_different']:.1f}% of the outputs"
+                        for c in others
+                    )
+                    if others
+                    else "every other order gives the same bits"
+                ),
+                f"normscope.{layer}({shape[-1] if len(shape) == 1 else shape}, eps={s.eps}, weight_offset={offset:g}, "
+                f"casting={casting!r})  # the same bits",
+            )
+        )
+    return out
+
+
+# -------------------------------------------------------------------------------------- batch-invariance
+
+_INVARIANCE_SOURCE = (
+    "a per-sample module gives a sample the same result alone as in a batch up to rounding: relative difference "
+    "1e-5 in float32 (about 84 ulp of the largest output), 8 ulp in float16/bfloat16; BLAS picks kernels by batch "
+    "size, so torch's nn.Linear differs in the last bits"
+)
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    if dtype == torch.float64:
+        return 1e-12
+    if dtype in _HALF:
+        return 8 * torch.finfo(dtype).eps
+    return 1e-5
+
+
+def batch_invariance(ctx: Context) -> list[Finding]:
+    """Each leaf module's output for the first sample alone against the same sample inside the
+    batch, fed the same input (the module's own recorded input)."""
+    if not ctx.batch or ctx.batch < 2:
+        ctx.note("batch-invariance", "the batch has one sample")
+        return []
+    out, rounding, by_design = [], [], []
+    for call in [*ctx.norms, *ctx.leaves]:
+        m = call.module
+        s = call.extra.get("scope")
+        if s is not None and s.batch_stats and call.training:
+            by_design.append(call.path)
+            continue
+        if call.sample is None or isinstance(m, nn.modules.dropout._DropoutNd) and call.training:
+            continue
+        args, kwargs, expected = call.sample
+        was = m.training
+        m.train(call.training)
+        try:
+            with torch.no_grad():
+                got = m(*args, **kwargs)
+        except (RuntimeError, ValueError):
+            continue  # the module refuses a batch of one (and says so itself in training code)
+        finally:
+            m.train(was)
+        if not isinstance(got, Tensor) or got.shape != expected.shape or not got.is_floating_point():
+            continue
+        diff = float((got.double() - expected.double()).abs().max())
+        if diff == 0 or math.isnan(diff):
+            continue
+        rel = diff / max(float(expected.double().abs().max()), 1e-30)
+        tol = _tolerance(expected.dtype)
+        if rel <= tol:
+            rounding.append((call.path, rel))
+            continue
+        out.append(
+            Finding(
+                "batch-invariance",
+                call.path,
+                "warning",
+                {"relative_difference": rel, "max_abs_difference": diff, "batch": ctx.batch},
+                {"warning_above": tol, "source": _INVARIANCE_SOURCE},
+                f"the first sample's output alone differs from the same sample in the batch by {_fmt(rel)} relative: "
+                "this module mixes data across the batch dimension",
+                f"print(type(model.get_submodule({call.path!r})))  # statistics over samples where each sample "
+                "should stand alone",
+            )
+        )
+    if by_design:
+        out.append(
+            Finding(
+                "batch-invariance",
+                "",
+                "info",
+                {"modules": len(by_design), "paths": by_design[:16]},
+                {"info": "statistics over the batch, by design", "source": _INVARIANCE_SOURCE},
+                f"{len(by_design)} BatchNorm-type layer(s) in training mode normalize each sample with the batch's "
+                "statistics: by design, a sample's output depends on the others (in eval mode it does not)",
+                "model.eval()  # inference: running statistics, each sample on its own",
+            )
+        )
+    if rounding:
+        worst = max(r for _, r in rounding)
+        out.append(
+            Finding(
+                "batch-invariance",
+                "",
+                "info",
+                {"modules": len(rounding), "paths": [p for p, _ in rounding[:16]], "max_relative_difference": worst},
+                {"rounding_up_to": "per dtype, see source", "source": _INVARIANCE_SOURCE},
+                f"{len(rounding)} module(s) give a sample other last bits alone than in the batch (up to {_fmt(worst)} "
+                "relative): rounding, from kernels chosen by batch size",
+                "torch.use_deterministic_algorithms(True)  # fixes run-to-run, not batch-size, differences",
+            )
+        )
+    return out
+
+
+# -------------------------------------------------------------------------------------- syncbn
+
+_SYNC_SOURCE = (
+    "torch.distributed semantics: SyncBatchNorm all-gathers per-rank statistics every forward; a rank with no "
+    "samples or with fewer steps than the others leaves the collective waiting (pytorch/pytorch#38174)"
+)
+
+
+def syncbn(ctx: Context) -> list[Finding]:
+    """SyncBatchNorm hazards: a process group of one, uneven per-rank batches, a rank with none."""
+    out = []
+    syncs = [c for c in ctx.norms if isinstance(c.module, nn.SyncBatchNorm)]
+    if not syncs:
+        ctx.note("syncbn", "no SyncBatchNorm")
+        return []
+    world = ctx.world_size
+    for call in syncs:
+        n = call.args[0].shape[0]
+        fix_one = f"model, _ = normscope.convert(model, to='batch', where={_where(call.path)})"
+        if world is None or world == 1:
+            sev = "info" if world is None else "warning"
+            out.append(
+                Finding(
+                    "syncbn",
+                    call.path,
+                    sev,
+                    {"world_size": world},
+                    {"warning": "a process group of one", "source": _SYNC_SOURCE},
+                    "SyncBatchNorm over a single process is BatchNorm plus a collective per forward"
+                    + ("" if world else " (pass world_size= to check the per-rank batches)"),
+                    fix_one,
+                )
+            )
+            continue
+        sizes = _split(n, world)
+        measured = {"world_size": world, "batch": n, "per_rank": sizes}
+        threshold = {"error": "a rank with no samples", "warning": "unequal per-rank batches", "source": _SYNC_SOURCE}
+        if min(sizes) == 0:
+            out.append(
+                Finding(
+                    "syncbn",
+                    call.path,
+                    "error",
+                    measured,
+                    threshold,
+                    f"a batch of {n} over {world} ranks leaves {sizes.count(0)} rank(s) without samples: "
+                    "their SyncBatchNorm has nothing to contribute and the collective fails or hangs",
+                    "loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, drop_last=True)",
+                )
+            )
+        elif len(set(sizes)) > 1:
+            out.append(
+                Finding(
+                    "syncbn",
+                    call.path,
+                    "warning",
+                    measured,
+                    threshold,
+                    f"per-rank batches {sorted(set(sizes))} differ: the last, smaller batches are where "
+                    "ranks fall out of step (drop_last avoids them)",
+                    "loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, drop_last=True)",
+                )
+            )
+    return out
+
+
+#: every check, by its stable identifier, in the order they run
+CHECKS: dict[str, Callable[[Context], list[Finding]]] = {
+    "bn-elements": bn_elements,
+    "train-eval-drift": train_eval_drift,
+    "padding": padding,
+    "frozen-bn-updating": frozen_bn_updating,
+    "half-overflow": half_overflow,
+    "eps-underflow": eps_underflow,
+    "cancellation": cancellation,
+    "dead-channels": dead_channels,
+    "bias-before-norm": bias_before_norm,
+    "post-ln": post_ln,
+    "casting-order": casting_order,
+    "batch-invariance": batch_invariance,
+    "syncbn": syncbn,
+}
