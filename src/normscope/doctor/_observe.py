@@ -122,8 +122,34 @@ def is_norm(m: nn.Module) -> bool:
     return name.endswith(("RMSNorm", "LayerNorm")) and isinstance(getattr(m, "weight", None), Tensor)
 
 
-def norm_scope(m: nn.Module, x: Tensor) -> NormScope | None:
-    """The scope of ``m``'s statistics on ``x``, None where it is not one of the known layouts."""
+def probe(cls: type, cache: dict) -> Any:
+    """``normscope.integrations.transformers.probe_class(cls)``'s configuration (or None), once per
+    class per diagnosis (``cache``)."""
+    if cls not in cache:
+        from ..integrations.transformers import probe_class
+
+        cache[cls] = probe_class(cls)[0]
+    return cache[cls]
+
+
+def _centered(m: nn.Module, cache: dict) -> bool:
+    """Whether a LayerNorm/RMSNorm-like layer subtracts the mean: by type for torch's and normscope's,
+    by a bit-for-bit probe for a model family's class (T5's "LayerNorm" is an RMSNorm), else by name."""
+    from .. import modules as M
+
+    if isinstance(m, (nn.LayerNorm, M.LayerNorm)):
+        return True
+    if isinstance(m, nn.RMSNorm):
+        return False
+    exact = probe(type(m), cache)
+    if exact is not None:
+        return exact.centered
+    return not type(m).__name__.endswith("RMSNorm")
+
+
+def norm_scope(m: nn.Module, x: Tensor, cache: dict) -> NormScope | None:
+    """The scope of ``m``'s statistics on ``x``, None where it is not one of the known layouts
+    (``cache``: see :func:`probe`)."""
     from .. import modules as M
 
     d = x.dim()
@@ -148,7 +174,7 @@ def norm_scope(m: nn.Module, x: Tensor) -> NormScope | None:
         return NormScope("group", tuple(range(1, d)), 1, m.num_groups, True, eps)
     if isinstance(m, M.LayerNorm2d):
         return NormScope("layer", (1,), None, None, True, eps) if d >= 2 else None
-    centered = not (isinstance(m, nn.RMSNorm) or type(m).__name__.endswith("RMSNorm"))
+    centered = _centered(m, cache)
     shape = getattr(m, "normalized_shape", None)
     k = len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
     if k > d:

@@ -171,14 +171,14 @@ def doctor(
             _forward(model, inputs, kwargs)
         recorder.close()
         after = _running(model)
-        norms, leaves, seen = [], [], set()
+        norms, leaves, seen, probes = [], [], set(), {}
         for call in recorder.calls:
             if call.path in seen:
                 continue  # a module called again (shared, recurrent): its first call speaks for it
             seen.add(call.path)
             if is_norm(call.module):
                 x = next((a for a in call.args if isinstance(a, Tensor)), None)
-                scope = None if x is None else norm_scope(call.module, x)
+                scope = None if x is None else norm_scope(call.module, x, probes)
                 if scope is None:
                     continue
                 call.args = (x, *call.args[1:]) if call.args and call.args[0] is x else (x,)
@@ -195,7 +195,7 @@ def doctor(
             mode_outputs = _mode_outputs(model, inputs, kwargs)
             snapshot.restore()
         ctx = Context(
-            model, batch, norms, leaves, before, after, mask, mask_source, world_size, mode_outputs, grad_graph
+            model, batch, norms, leaves, before, after, mask, mask_source, world_size, mode_outputs, grad_graph, probes
         )
         findings = []
         for name in names:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._observe import Call, NormScope, channel_rows, scope_stats
+from ._observe import Call, NormScope, channel_rows, probe, scope_rows, scope_stats
 from ._report import Finding
 
 __all__ = ["CHECKS", "Context"]
@@ -39,10 +39,17 @@ class Context:
     world_size: int | None
     mode_outputs: tuple[Tensor, Tensor] | None  # model output with norms in train mode, in eval mode
     grad_graph: bool  # whether the forward recorded autograd's graph (post-ln reads it)
+    probes: dict = field(default_factory=dict)  # class -> its probed configuration (see _observe.probe)
     notes: dict[str, str] = field(default_factory=dict)
 
     def note(self, check: str, text: str) -> None:
         self.notes[check] = text
+
+
+def _is_sync(m: nn.Module) -> bool:
+    from ..modules import SyncBatchNorm
+
+    return isinstance(m, (nn.SyncBatchNorm, SyncBatchNorm))
 
 
 def _where(path: str) -> str:
@@ -90,7 +97,7 @@ def bn_elements(ctx: Context) -> list[Finding]:
         seen = True
         x = call.args[0]
         spatial = x.numel() // (x.shape[0] * x.shape[s.channel])
-        sync = isinstance(m, nn.SyncBatchNorm)
+        sync = _is_sync(m)
         per_rank = min(_split(x.shape[0], world)) if world > 1 else x.shape[0]
         n = x.shape[0] if sync or world == 1 else per_rank
         elements = n * spatial
@@ -288,8 +295,6 @@ def padding(ctx: Context) -> list[Finding]:
 
 def scope_stats_masked(x: Tensor, valid: Tensor, s: NormScope):
     """Per statistic: mean and biased variance over the valid elements, their count and the total."""
-    from ._observe import scope_rows
-
     rows = scope_rows(x, s)
     keep = scope_rows(valid.to(x.dtype), s) > 0.5
     n = keep.sum(1)
@@ -358,8 +363,33 @@ def _computes_in_fp32(m: nn.Module) -> bool:
     return type(m).__module__.split(".")[0] in ("torch", "normscope")
 
 
+def _lost_in_half(call: Call) -> float | None:
+    """How far the layer's half-precision output is from the same layer run in float32 on the same
+    input (a copy), relative to the largest float32 output; None if within 1% (its own rounding)."""
+    y = call.output
+    if not isinstance(y, Tensor) or not y.is_floating_point():
+        return None
+    y = y.detach()
+    m = copy.deepcopy(call.module).float()
+    m.train(call.training)
+    try:
+        with torch.no_grad():
+            y32 = m(call.args[0].float())
+    except (RuntimeError, ValueError, TypeError):
+        return None
+    if not isinstance(y32, Tensor) or y32.shape != y.shape:
+        return None
+    if not bool(torch.isfinite(y).all()):
+        return 1.0
+    rel = float((y.double() - y32.double()).abs().max() / y32.double().abs().max().clamp_min(1e-30))
+    return min(rel, 1.0) if rel > 0.01 else None
+
+
 def half_overflow(ctx: Context) -> list[Finding]:
-    """The largest |x| and the largest sum of squares each norm sees, against the dtype's range."""
+    """The largest |x| and the largest sum of squares each norm sees, against the dtype's range: an
+    input that already overflowed; where x^2 or a sum of squares exceeds the range, whether the layer
+    loses its result (its output against a float32 copy's: a layer that squares in the input dtype
+    does); |x| within 2x of the largest value; float32 input beyond float16's range."""
     out = []
     for call in ctx.norms:
         x = call.args[0]
@@ -382,7 +412,11 @@ def half_overflow(ctx: Context) -> list[Finding]:
             "dtype_max": big,
             "headroom": big / xmax if xmax else math.inf,
         }
-        threshold = {"error": "non-finite input", "warning_above": big / 2, "source": _OVERFLOW_SOURCE}
+        threshold = {
+            "error": "non-finite input, or output 1% off the float32 layer's",
+            "warning_above": big / 2,
+            "source": _OVERFLOW_SOURCE,
+        }
         fix = "model = model.to(torch.bfloat16)  # float32's range with 8 bits of mantissa"
         if not finite:
             out.append(
@@ -409,17 +443,20 @@ def half_overflow(ctx: Context) -> list[Finding]:
                     fix,
                 )
             )
-        elif x.dtype in _HALF and not _computes_in_fp32(call.module) and max(xmax * xmax, ssq) >= big:
+        elif x.dtype in _HALF and max(xmax * xmax, ssq) >= big and (lost := _lost_in_half(call)) is not None:
+            measured["output_vs_float32"] = lost
             out.append(
                 Finding(
                     "half-overflow",
                     call.path,
-                    "warning",
+                    "error",
                     measured,
-                    {**threshold, "warning_above": big},
-                    f"x^2 (up to {_fmt(xmax * xmax)}) or the sum of squares ({_fmt(ssq)}) exceeds "
-                    f"{x.dtype}'s range: a norm that squares in the input dtype gets inf",
-                    fix,
+                    threshold,
+                    f"the layer overflows inside: x^2 reaches {_fmt(xmax * xmax)} and a sum of squares {_fmt(ssq)}, "
+                    f"beyond {x.dtype}'s {_fmt(big)}, and its output differs from the same layer in float32 by "
+                    f"{_fmt(lost)} (relative; inf/NaN count as 1)",
+                    f"model.get_submodule({call.path!r}).float()  # or normscope.RMSNorm/LayerNorm: statistics in "
+                    "float32",
                 )
             )
         elif x.dtype == torch.float32 and xmax >= torch.finfo(torch.float16).max:
@@ -726,7 +763,7 @@ _PEERS = (
 )
 
 
-def _implements(m: nn.Module) -> tuple[bool, str, float] | None:
+def _implements(m: nn.Module, cache: dict) -> tuple[bool, str, float] | None:
     """(centered, casting, weight_offset) of an RMSNorm/LayerNorm, None if unknown."""
     from .. import modules as M
 
@@ -734,9 +771,7 @@ def _implements(m: nn.Module) -> tuple[bool, str, float] | None:
         return isinstance(m, nn.LayerNorm), m.casting, m.weight_offset
     if type(m) in (nn.LayerNorm, nn.RMSNorm):
         return type(m) is nn.LayerNorm, "torch", 0.0
-    from ..integrations.transformers import probe_class
-
-    exact, _ = probe_class(type(m))
+    exact = probe(type(m), cache)
     return None if exact is None else (exact.centered, exact.casting, exact.weight_offset)
 
 
@@ -752,7 +787,7 @@ def casting_order(ctx: Context) -> list[Finding]:
         x = call.args[0]
         if s.kind not in ("layer", "rms") or x.dtype not in _HALF or not isinstance(call.output, Tensor):
             continue
-        how = _implements(call.module)
+        how = _implements(call.module, ctx.probes)
         if how is None:
             continue
         centered, casting, offset = how
@@ -874,7 +909,7 @@ def batch_invariance(ctx: Context) -> list[Finding]:
                 "batch-invariance",
                 "",
                 "info",
-                {"modules": len(by_design), "paths": by_design[:16]},
+                {"kind": "by design", "modules": len(by_design), "paths": by_design[:16]},
                 {"info": "statistics over the batch, by design", "source": _INVARIANCE_SOURCE},
                 f"{len(by_design)} BatchNorm-type layer(s) in training mode normalize each sample with the batch's "
                 "statistics: by design, a sample's output depends on the others (in eval mode it does not)",
@@ -888,7 +923,12 @@ def batch_invariance(ctx: Context) -> list[Finding]:
                 "batch-invariance",
                 "",
                 "info",
-                {"modules": len(rounding), "paths": [p for p, _ in rounding[:16]], "max_relative_difference": worst},
+                {
+                    "kind": "rounding",
+                    "modules": len(rounding),
+                    "paths": [p for p, _ in rounding[:16]],
+                    "max_relative_difference": worst,
+                },
                 {"rounding_up_to": "per dtype, see source", "source": _INVARIANCE_SOURCE},
                 f"{len(rounding)} module(s) give a sample other last bits alone than in the batch (up to {_fmt(worst)} "
                 "relative): rounding, from kernels chosen by batch size",
@@ -909,7 +949,7 @@ _SYNC_SOURCE = (
 def syncbn(ctx: Context) -> list[Finding]:
     """SyncBatchNorm hazards: a process group of one, uneven per-rank batches, a rank with none."""
     out = []
-    syncs = [c for c in ctx.norms if isinstance(c.module, nn.SyncBatchNorm)]
+    syncs = [c for c in ctx.norms if _is_sync(c.module)]
     if not syncs:
         ctx.note("syncbn", "no SyncBatchNorm")
         return []

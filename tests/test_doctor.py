@@ -1,0 +1,644 @@
+"""normscope.doctor: every check finds its planted problem with the right number -- computed here
+independently, from the layer's input or from torch -- and stays silent on a healthy twin; the
+model's state and the random generators are bitwise the same afterwards; recalibrate equals
+fvcore's PreciseBN estimate (its loop written out here) and the direct formula."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+from torch import nn
+
+import normscope
+from normscope.doctor import CHECKS, SCHEMA, Finding, Report, apply_fixes, doctor, recalibrate
+
+
+def _only(report: Report, check: str, module: str | None = None) -> Finding:
+    found = [f for f in report.by_check(check) if module is None or f.module == module]
+    assert len(found) == 1, (check, module, report.by_check(check))
+    return found[0]
+
+
+def _conv_bn(bias=False, c=8):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, c, 3, bias=bias), nn.BatchNorm2d(c))
+
+
+# ------------------------------------------------------------------------------------------ bn-elements
+
+
+@pytest.mark.parametrize(("n", "hw", "severity"), [(2, 10, "warning"), (2, 5, "error"), (16, 10, None)])
+def test_bn_elements_counts_n_times_spatial_per_channel(n, hw, severity):
+    model = _conv_bn()
+    report = doctor(model, torch.randn(n, 3, hw, hw))
+    expected = n * (hw - 2) * (hw - 2)  # the conv's output: N x H' x W' values per channel
+    found = report.by_check("bn-elements")
+    if severity is None:
+        assert expected >= 784 and found == []
+        return
+    f = _only(report, "bn-elements", "1")
+    assert f.measured["elements"] == expected and f.severity == severity
+    assert "group:8" in f.fix and "Wu & He 2018" in f.threshold["source"]
+
+
+def test_bn_elements_per_rank_under_world_size_and_syncbn_counts_every_rank():
+    x = torch.randn(16, 3, 10, 10)
+    f = _only(doctor(_conv_bn(), x, world_size=4), "bn-elements", "1")
+    assert f.measured["elements"] == 4 * 64 and f.measured["samples"] == 4
+    assert "to='sync'" in f.fix
+    torch.manual_seed(0)
+    synced = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), normscope.SyncBatchNorm(8))
+    assert doctor(synced, x, world_size=4).by_check("bn-elements") == []  # 16 x 64 over all ranks
+
+
+def test_bn_elements_silent_in_eval_mode_and_says_why():
+    report = doctor(_conv_bn().eval(), torch.randn(2, 3, 5, 5))
+    assert report.by_check("bn-elements") == []
+    assert "batch statistics" in report.checks["bn-elements"]["note"]
+
+
+# ------------------------------------------------------------------------------------------ train-eval-drift
+
+
+def test_train_eval_drift_is_the_lab_distance_and_the_output_difference():
+    model = _conv_bn()
+    x = torch.randn(8, 3, 10, 10) * 2 + 3
+    report = doctor(model, x)
+    f = _only(report, "train-eval-drift", "1")
+    with torch.no_grad():
+        h = model[0](x).double()
+    mu, var = h.mean((0, 2, 3)), h.var((0, 2, 3), unbiased=False)
+    sd = math.sqrt(1 + 1e-5)  # fresh running statistics: mean 0, variance 1
+    expected = float((mu.abs() / sd).mean() + (var / (1 + 1e-5) - 1).abs().mean())
+    assert f.measured["distance"] == pytest.approx(expected, rel=1e-9)
+    whole = _only(report, "train-eval-drift", "")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        y_train, y_eval = twin.train()(x), twin.eval()(x)
+    rel = float((y_train - y_eval).double().norm() / y_eval.double().norm())
+    assert whole.measured["output_relative_difference"] == pytest.approx(rel, rel=1e-5)
+    assert f.fix.startswith("model = normscope.recalibrate(")
+
+
+def test_train_eval_drift_silent_when_running_statistics_fit_the_data():
+    model = _conv_bn()
+    x = torch.randn(8, 3, 10, 10) * 2 + 3
+    with torch.no_grad():
+        h = model[0](x)
+        model[1].running_mean.copy_(h.mean((0, 2, 3)))
+        model[1].running_var.copy_(h.var((0, 2, 3), unbiased=False))
+    assert doctor(model, x).by_check("train-eval-drift") == []
+
+
+# ------------------------------------------------------------------------------------------ padding
+
+
+class TokenBN(nn.Module):
+    """BatchNorm over tokens, as transformer code writes it: (B, S, D) -> BatchNorm1d over (B, D, S)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d)
+
+    def forward(self, x, attention_mask=None):
+        return self.bn(self.proj(x).transpose(1, 2)).transpose(1, 2)
+
+
+class TokenLN(TokenBN):
+    def __init__(self, d):
+        super().__init__(d)
+        self.bn = nn.LayerNorm(d)
+
+    def forward(self, x, attention_mask=None):
+        return self.bn(self.proj(x))
+
+
+class MaskedTokenBN(TokenBN):
+    def __init__(self, d):
+        super().__init__(d)
+        self.bn = normscope.BatchNorm1d(d, channel_dim=-1)
+
+    def forward(self, x, attention_mask=None):
+        return self.bn(self.proj(x), attention_mask.bool())
+
+
+def _padded(b=4, s=10, d=16):
+    torch.manual_seed(1)
+    x = torch.randn(b, s, d)
+    lengths = torch.tensor([10, 7, 3, 5])
+    mask = torch.arange(s)[None, :] < lengths[:, None]
+    x[~mask] = 0.0  # zero pads, as an embedding with padding_idx gives
+    return x, mask
+
+
+def test_padding_fraction_and_shift_against_the_valid_only_statistics():
+    x, mask = _padded()
+    model = TokenBN(16)
+    f = _only(doctor(model, x, attention_mask=mask.long()), "padding", "bn")
+    assert f.measured["pad_fraction_max"] == pytest.approx(1 - 25 / 40)
+    assert f.measured["mask"] == "attention_mask"
+    with torch.no_grad():
+        h = model.proj(x).double()  # (B, S, D): the BN's scope is every (b, s) of a channel
+    valid = h[mask]
+    mu_all, var_all = h.reshape(-1, 16).mean(0), h.reshape(-1, 16).var(0, unbiased=False)
+    mu_v, var_v = valid.mean(0), valid.var(0, unbiased=False)
+    shift = float(((mu_all - mu_v).abs() / (var_v + 1e-5).sqrt()).max())
+    ratio = float((((var_all + 1e-5) / (var_v + 1e-5)).log().abs()).max().exp())
+    assert f.measured["mean_shift_in_std"] == pytest.approx(shift, rel=1e-9)
+    assert f.measured["variance_ratio"] == pytest.approx(ratio, rel=1e-9)
+    assert f.severity == "warning" and "lab" in f.threshold["source"]
+
+
+@pytest.mark.parametrize("healthy", [TokenLN, MaskedTokenBN])
+def test_padding_silent_for_per_token_norms_and_masked_batchnorm(healthy):
+    x, mask = _padded()
+    report = doctor(healthy(16), x, attention_mask=mask.long())
+    assert report.by_check("padding") == [] and report.checks["padding"]["ran"]
+
+
+def test_padding_reads_torch_key_padding_masks_and_says_when_there_is_none():
+    x, mask = _padded()
+    assert doctor(TokenBN(16), x, mask=mask).by_check("padding")[0].measured["mask"] == "mask="
+    report = doctor(TokenBN(16), x)
+    assert report.by_check("padding") == [] and not report.checks["padding"]["ran"]
+
+
+# ------------------------------------------------------------------------------------------ frozen-bn-updating
+
+
+def test_frozen_bn_updating_measures_the_running_mean_step():
+    model = _conv_bn()
+    for p in model[1].parameters():
+        p.requires_grad_(False)
+    x = torch.randn(8, 3, 10, 10) + 2
+    f = _only(doctor(model, x), "frozen-bn-updating", "1")
+    with torch.no_grad():
+        mu = model[0](x).double().mean((0, 2, 3))
+    # momentum 0.1 from running mean 0, variance 1: the mean moves by 0.1 * mu / sqrt(1 + eps)
+    assert f.measured["running_mean_moved_in_std"] == pytest.approx(float((0.1 * mu).abs().max() / math.sqrt(1 + 1e-5)),
+                                                                    rel=1e-5)
+    assert f.measured["batches_tracked_added"] == 1
+    assert f.fix == "model = normscope.freeze_batchnorm(model)"
+    assert model[1].num_batches_tracked.item() == 0  # and the doctor put it back
+
+
+def test_frozen_bn_silent_when_evaluating_or_training_it():
+    frozen = _conv_bn().eval()
+    for p in frozen[1].parameters():
+        p.requires_grad_(False)
+    x = torch.randn(8, 3, 10, 10)
+    assert doctor(frozen, x).by_check("frozen-bn-updating") == []
+    assert doctor(_conv_bn(), x).by_check("frozen-bn-updating") == []  # trainable: moving is right
+    fixed = normscope.freeze_batchnorm(copy.deepcopy(frozen).train())
+    assert doctor(fixed, x).by_check("frozen-bn-updating") == []
+
+
+# ------------------------------------------------------------------------------------------ half-overflow, eps
+
+
+class HalfRMSNorm(nn.Module):
+    """A family-style RMSNorm that squares in the input dtype (as T5's did before its fp32 fix)."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight.to(x.dtype) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def _half_input(peak):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 64)
+    x[0, 0, 0] = peak
+    return x.half()
+
+
+def test_half_overflow_inside_a_layer_that_squares_in_float16():
+    x = _half_input(300.0)
+    f = _only(doctor(HalfRMSNorm(64).half(), x), "half-overflow")
+    assert f.severity == "error"
+    assert f.measured["max_abs"] == 300.0 and f.measured["dtype_max"] == 65504.0
+    assert f.measured["max_sum_of_squares"] == pytest.approx(float(x.double().square().sum(-1).max()))
+    # torch's LayerNorm computes in float32: the same input is fine
+    assert doctor(nn.LayerNorm(64).half(), x).by_check("half-overflow") == []
+    assert doctor(HalfRMSNorm(64).half(), _half_input(10.0)).by_check("half-overflow") == []
+
+
+def test_half_overflow_headroom_and_overflowed_input():
+    f = _only(doctor(nn.LayerNorm(64).half(), _half_input(40000.0)), "half-overflow")
+    assert f.severity == "warning" and f.measured["headroom"] == pytest.approx(65504 / 40000)
+    f = _only(doctor(nn.LayerNorm(64).half(), _half_input(float("inf"))), "half-overflow")
+    assert f.severity == "error" and f.measured["max_abs"] == math.inf
+    f = _only(doctor(nn.LayerNorm(64), torch.randn(2, 5, 64) * 1e5), "half-overflow")
+    assert f.severity == "info"  # float32 beyond float16's range: only if it ran in float16
+
+
+@pytest.mark.parametrize(("eps", "severity"), [(1e-8, "error"), (1e-6, "warning"), (1e-3, None)])
+def test_eps_underflow_against_float16_resolution(eps, severity):
+    report = doctor(HalfRMSNorm(64, eps=eps).half(), _half_input(1.0))
+    found = report.by_check("eps-underflow")
+    stored = torch.tensor(eps, dtype=torch.float16).item()
+    if severity is None:
+        assert found == [] and stored >= torch.finfo(torch.float16).tiny
+        return
+    assert found[0].severity == severity and found[0].measured["eps_in_dtype"] == stored
+    assert (stored == 0) == (severity == "error")
+
+
+def test_eps_underflow_silent_for_layers_that_add_eps_in_float32():
+    assert doctor(nn.LayerNorm(64, eps=1e-8).half(), _half_input(1.0)).by_check("eps-underflow") == []
+
+
+# ------------------------------------------------------------------------------------------ cancellation
+
+
+class OnePassLayerNorm(nn.Module):
+    """LayerNorm with the textbook one-pass variance E[x^2] - E[x]^2."""
+
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+        self.eps = eps
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        var = (x * x).mean(-1, keepdim=True) - mean * mean
+        return (x - mean) / torch.sqrt(var.clamp_min(0) + self.eps) * self.weight + self.bias
+
+
+@pytest.mark.parametrize(("offset", "severity"), [(1e3, "warning"), (1e4, "error")])
+def test_cancellation_ratio_and_probed_one_pass(offset, severity):
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 64) + offset
+    f = _only(doctor(OnePassLayerNorm(64), x), "cancellation")
+    xd = x.double()
+    ratio = float((xd.mean(-1).abs() / xd.var(-1, unbiased=False).sqrt()).max())
+    assert f.measured["max_mean_over_std"] == pytest.approx(ratio, rel=1e-9)
+    assert f.measured["one_pass_relative_error"] == pytest.approx(2**-24 * (1 + ratio**2), rel=1e-9)
+    assert f.measured["one_pass_in_use"] is True and f.severity == severity
+
+
+def test_cancellation_two_pass_layers_are_information_and_centred_data_silent():
+    torch.manual_seed(0)
+    f = _only(doctor(nn.LayerNorm(64), torch.randn(4, 6, 64) + 1e3), "cancellation")
+    assert f.severity == "info" and f.measured["one_pass_in_use"] is False
+    assert doctor(OnePassLayerNorm(64), torch.randn(4, 6, 64)).by_check("cancellation") == []
+
+
+# ------------------------------------------------------------------------------------------ dead-channels
+
+
+def test_dead_channels_below_eps_and_the_gain_eps_then_gives():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.BatchNorm2d(8))
+    with torch.no_grad():
+        model[0].weight[[2, 5]] = 0.0
+        model[0].bias[[2, 5]] = -1.0  # ReLU never fires: constant 0
+    x = torch.randn(8, 3, 10, 10)
+    f = _only(doctor(model, x), "dead-channels", "2")
+    with torch.no_grad():
+        var = model[1](model[0](x)).double().var((0, 2, 3), unbiased=False)
+    assert f.measured["indices"] == (var < 1e-5).nonzero().flatten().tolist() == [2, 5]
+    assert f.measured["gain"] == pytest.approx(1 / math.sqrt(1e-5))
+    torch.manual_seed(0)
+    healthy = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.BatchNorm2d(8))
+    assert doctor(healthy, x).by_check("dead-channels") == []
+
+
+# ------------------------------------------------------------------------------------------ bias-before-norm
+
+
+def test_bias_before_batchnorm_found_and_the_fix_keeps_eval_outputs():
+    model = _conv_bn(bias=True)
+    x = torch.randn(8, 3, 10, 10)
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+    f = _only(doctor(model, x), "bias-before-norm", "1")
+    assert f.measured["producer"] == "0"
+    assert f.measured["bias_max_abs"] == float(model[0].bias.detach().abs().max())
+    model.eval()
+    with torch.no_grad():
+        before = model(x)
+    fixed, lines = apply_fixes(model, doctor(model, x))
+    assert fixed[0].bias is None and lines
+    with torch.no_grad():
+        torch.testing.assert_close(fixed(x), before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "healthy",
+    [
+        lambda: _conv_bn(bias=False),
+        lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8)),  # removes only the group's mean
+        lambda: nn.Sequential(nn.Linear(3, 8), nn.LayerNorm(8)),  # removes only the bias's mean
+    ],
+)
+def test_bias_before_norm_silent_where_the_norm_does_not_remove_it(healthy):
+    x = torch.randn(8, 3, 10, 10) if not isinstance(healthy()[0], nn.Linear) else torch.randn(8, 3)
+    assert doctor(healthy(), x).by_check("bias-before-norm") == []
+
+
+# ------------------------------------------------------------------------------------------ post-ln
+
+
+def _encoder(norm_first, frozen=False):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=norm_first)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    if frozen:
+        model.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_post_ln_norms_on_the_residual_stream(frozen):
+    report = doctor(_encoder(norm_first=False, frozen=frozen), torch.randn(2, 5, 16))
+    found = {f.module for f in report.by_check("post-ln")}
+    if frozen:  # no autograd graph: torch's layers say norm_first=False, every norm of them
+        assert found == {f"layers.{i}.norm{j}" for i in (0, 1) for j in (1, 2)}
+    else:  # the first norm's residual comes from the input; every later one from a norm
+        assert found == {"layers.0.norm2", "layers.1.norm1", "layers.1.norm2"}
+    assert all(f.severity == "info" and "Xiong" in f.threshold["source"] for f in report.by_check("post-ln"))
+
+
+def test_pre_ln_silent():
+    assert doctor(_encoder(norm_first=True), torch.randn(2, 5, 16)).by_check("post-ln") == []
+
+
+# ------------------------------------------------------------------------------------------ casting-order
+
+
+class LlamaStyleRMSNorm(nn.Module):
+    """A model family's RMSNorm written out: normalize in float32, cast, then scale (Llama's order)."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x):
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * y.to(x.dtype)
+
+
+def test_casting_order_probed_and_compared_with_torch_rounding():
+    torch.manual_seed(0)
+    norm = LlamaStyleRMSNorm(64)
+    with torch.no_grad():
+        norm.weight.normal_()
+    norm = norm.bfloat16()
+    x = (torch.randn(4, 8, 64) * 3).bfloat16()
+    f = _only(doctor(norm, x), "casting-order")
+    assert f.measured["implements"] == "rms_norm(casting='llama', weight_offset=0)"
+    assert f.measured["other_orders"]["llama"]["max_abs"] == 0.0
+    with torch.no_grad():  # torch's own rounding of the same layer: F.rms_norm in bfloat16
+        ours = norm(x)
+        theirs = TF.rms_norm(x, (64,), norm.weight, 1e-6)
+    differ = (theirs.double() != ours.double()).double().mean().item()
+    assert differ > 0
+    assert f.measured["other_orders"]["torch"]["fraction_different"] == pytest.approx(differ)
+    assert f.measured["other_orders"]["torch"]["max_abs"] == (theirs.double() - ours.double()).abs().max().item()
+    assert f.severity == "info" and "casting='llama'" in f.fix
+
+
+def test_casting_order_silent_in_float32():
+    assert doctor(nn.RMSNorm(64), torch.randn(4, 8, 64)).by_check("casting-order") == []
+
+
+# ------------------------------------------------------------------------------------------ batch-invariance
+
+
+class MixBatch(nn.Module):
+    """A per-sample layer in name that subtracts the batch mean (mixing samples)."""
+
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+def test_batch_invariance_names_a_module_that_mixes_samples():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), MixBatch(), nn.LayerNorm(8)).eval()
+    x = torch.randn(6, 8)
+    f = _only(doctor(model, x), "batch-invariance", "1")
+    with torch.no_grad():
+        h = model[0](x)
+        inside = (h - h.mean(0))[:1]
+        alone = h[:1] - h[:1]
+    expected = float((inside - alone).abs().max() / inside.abs().max())
+    assert f.severity == "warning" and f.measured["relative_difference"] == pytest.approx(expected)
+
+
+def test_batch_invariance_batchnorm_by_design_and_per_sample_model_silent():
+    report = doctor(_conv_bn(), torch.randn(4, 3, 10, 10))
+    (f,) = [g for g in report.by_check("batch-invariance") if g.measured["kind"] == "by design"]
+    assert f.severity == "info" and f.module == "" and f.measured["paths"] == ["1"]
+    assert all(g.severity == "info" for g in report.by_check("batch-invariance"))  # the conv: rounding at most
+    torch.manual_seed(0)
+    healthy = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16)).eval()
+    found = doctor(healthy, torch.randn(6, 8)).by_check("batch-invariance")
+    assert [f for f in found if f.severity != "info"] == []
+
+
+# ------------------------------------------------------------------------------------------ syncbn
+
+
+def _synced():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), normscope.SyncBatchNorm(8))
+
+
+@pytest.mark.parametrize(
+    ("world", "severity", "per_rank"),
+    [(None, "info", None), (1, "warning", None), (3, "warning", [3, 3, 2]), (16, "error", [1] * 8 + [0] * 8),
+     (4, None, None)],
+)
+def test_syncbn_hazards(world, severity, per_rank):
+    found = doctor(_synced(), torch.randn(8, 3, 10, 10), world_size=world).by_check("syncbn")
+    if severity is None:
+        assert found == []
+        return
+    assert found[0].severity == severity
+    if per_rank is not None:
+        assert found[0].measured["per_rank"] == per_rank == [len(c) for c in torch.arange(8).tensor_split(world)]
+
+
+def test_syncbn_check_silent_without_syncbn():
+    report = doctor(_conv_bn(), torch.randn(8, 3, 10, 10), world_size=2)
+    assert report.by_check("syncbn") == [] and "no SyncBatchNorm" in report.checks["syncbn"]["note"]
+
+
+# ------------------------------------------------------------------------------------------ state
+
+
+class Trainee(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(8, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.drop(torch.relu(self.bn(self.conv(x))))
+        return self.head(h.mean((2, 3)))
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def test_state_rng_and_flags_are_restored_bitwise():
+    torch.manual_seed(3)
+    model = Trainee()
+    model.head.eval()  # a mixed-mode model
+    model.conv.weight.requires_grad_(False)
+    model(torch.randn(4, 3, 8, 8)).sum().backward()  # populated gradients
+    objects = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+    before, grads = _state(model), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    flags = {n: m.training for n, m in model.named_modules()}
+    requires = {n: p.requires_grad for n, p in model.named_parameters()}
+    calls = model.calls
+    x = torch.randn(4, 3, 8, 8)
+    random.seed(5)
+    np.random.seed(5)
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    doctor(model, x)
+    for k, v in model.state_dict(keep_vars=True).items():
+        assert v is objects[k] and torch.equal(v, before[k]) and v.dtype == before[k].dtype, k
+    assert {n: p.grad for n, p in model.named_parameters() if p.grad is not None}.keys() == grads.keys()
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters() if p.grad is not None)
+    assert {n: m.training for n, m in model.named_modules()} == flags
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == requires
+    assert model.calls == calls
+    assert torch.equal(torch.get_rng_state(), rng[0]) and random.getstate() == rng[1]
+    np_state = np.random.get_state()
+    assert np_state[0] == rng[2][0] and np.array_equal(np_state[1], rng[2][1]) and np_state[2:] == rng[2][2:]
+
+
+class Explodes(Trainee):
+    def forward(self, x):
+        self.bn(self.conv(x))  # the running statistics move first
+        raise RuntimeError("boom")
+
+
+def test_state_restored_when_the_forward_raises():
+    model = Explodes()
+    before = _state(model)
+    x = torch.randn(4, 3, 8, 8)
+    rng = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match="boom"):
+        doctor(model, x)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+# ------------------------------------------------------------------------------------------ recalibrate
+
+
+def _fvcore_precise_bn(model, batches):
+    """fvcore.nn.precise_bn.update_bn_stats, its loop written out: momentum 1 so each forward leaves
+    that batch's statistics in the buffers, a running average of those, then restore momentum."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momentum = [bn.momentum for bn in bns]
+    for bn in bns:
+        bn.momentum = 1.0
+    mean = [torch.zeros_like(bn.running_mean) for bn in bns]
+    var = [torch.zeros_like(bn.running_var) for bn in bns]
+    with torch.no_grad():
+        for ind, x in enumerate(batches):
+            model(x)
+            for i, bn in enumerate(bns):
+                mean[i] += (bn.running_mean - mean[i]) / (ind + 1)
+                var[i] += (bn.running_var - var[i]) / (ind + 1)
+    for i, bn in enumerate(bns):
+        bn.running_mean, bn.running_var, bn.momentum = mean[i], var[i], momentum[i]
+
+
+def test_recalibrate_equals_fvcore_and_the_direct_formula():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4))
+    batches = [torch.randn(4, 3, 10, 10) * (i + 1) + i for i in range(5)]
+    theirs = copy.deepcopy(model).train()
+    _fvcore_precise_bn(theirs, batches)
+    model.eval()
+    nbt = model[1].num_batches_tracked.clone()
+    out = recalibrate(model, batches)
+    assert out is model and not model[1].training and model[1].momentum == 0.1
+    assert torch.equal(model[1].num_batches_tracked, nbt)
+    for i in (1, 4):
+        torch.testing.assert_close(model[i].running_mean, theirs[i].running_mean, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(model[i].running_var, theirs[i].running_var, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # the population estimate by hand, first BatchNorm
+        hs = [model[0](x).double() for x in batches]
+    mean = sum(h.mean((0, 2, 3)) for h in hs) / len(hs)
+    var = sum(h.var((0, 2, 3), unbiased=True) for h in hs) / len(hs)
+    torch.testing.assert_close(model[1].running_mean.double(), mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model[1].running_var.double(), var, rtol=1e-6, atol=1e-6)
+
+
+def test_recalibrate_removes_the_drift_finding_and_checks_its_arguments():
+    model = _conv_bn()
+    x = torch.randn(8, 3, 10, 10) * 2 + 3
+    assert doctor(model, x).by_check("train-eval-drift")
+    recalibrate(model, [x])
+    assert doctor(model, x).by_check("train-eval-drift") == []
+    with pytest.raises(TypeError, match="iterable of batches"):
+        recalibrate(model, x)
+    with pytest.raises(ValueError, match="at least one batch"):
+        recalibrate(model, [])
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        recalibrate("model", [x])
+
+
+# ------------------------------------------------------------------------------------------ report, arguments
+
+
+def test_report_json_schema_and_order():
+    report = doctor(_conv_bn(bias=True), torch.randn(2, 3, 5, 5))
+    doc = json.loads(report.to_json())
+    assert doc["schema"] == SCHEMA == "normscope.doctor/1"
+    assert set(doc) >= {"normscope", "torch", "model", "inputs", "world_size", "summary", "checks", "findings"}
+    assert set(doc["checks"]) == set(CHECKS)
+    sev = [f["severity"] for f in doc["findings"]]
+    assert sev == sorted(sev, key=["error", "warning", "info"].index)
+    assert set(doc["findings"][0]) == {"check", "module", "severity", "measured", "threshold", "reason", "fix"}
+    assert doc["summary"]["error"] == report.count("error") >= 1
+    assert all(f["threshold"]["source"] for f in doc["findings"])
+
+
+def test_every_fix_line_compiles():
+    report = doctor(_conv_bn(bias=True), torch.randn(2, 3, 5, 5))
+    for f in report.findings:
+        compile(f.fix, f.check, "exec")
+
+
+def test_bad_arguments_name_what_was_expected():
+    with pytest.raises(TypeError, match="expected `model` to be a torch.nn.Module, got str"):
+        doctor("resnet", torch.randn(2, 3))
+    with pytest.raises(ValueError, match="expected `world_size` to be a positive int or None, got 0"):
+        doctor(_conv_bn(), torch.randn(2, 3, 5, 5), world_size=0)
+    with pytest.raises(ValueError, match="unknown \\['bn'\\]"):
+        doctor(_conv_bn(), torch.randn(2, 3, 5, 5), checks=["bn"])
+    with pytest.raises(ValueError, match="expected `mask` to be a \\(batch, positions\\) tensor"):
+        doctor(_conv_bn(), torch.randn(2, 3, 5, 5), mask=torch.ones(2, 3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="expected `name` to be one of"):
+        Report([]).by_check("no-such-check")
+
+
+def test_exported_from_normscope():
+    assert normscope.doctor is doctor and normscope.recalibrate is recalibrate
+    assert {"doctor", "recalibrate"} <= set(normscope.__all__)
