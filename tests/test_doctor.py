@@ -183,8 +183,9 @@ def test_frozen_bn_updating_measures_the_running_mean_step():
     with torch.no_grad():
         mu = model[0](x).double().mean((0, 2, 3))
     # momentum 0.1 from running mean 0, variance 1: the mean moves by 0.1 * mu / sqrt(1 + eps)
-    assert f.measured["running_mean_moved_in_std"] == pytest.approx(float((0.1 * mu).abs().max() / math.sqrt(1 + 1e-5)),
-                                                                    rel=1e-5)
+    assert f.measured["running_mean_moved_in_std"] == pytest.approx(
+        float((0.1 * mu).abs().max() / math.sqrt(1 + 1e-5)), rel=1e-5
+    )
     assert f.measured["batches_tracked_added"] == 1
     assert f.fix == "model = normscope.freeze_batchnorm(model)"
     assert model[1].num_batches_tracked.item() == 0  # and the doctor put it back
@@ -461,8 +462,13 @@ def _synced():
 
 @pytest.mark.parametrize(
     ("world", "severity", "per_rank"),
-    [(None, "info", None), (1, "warning", None), (3, "warning", [3, 3, 2]), (16, "error", [1] * 8 + [0] * 8),
-     (4, None, None)],
+    [
+        (None, "info", None),
+        (1, "warning", None),
+        (3, "warning", [3, 3, 2]),
+        (16, "error", [1] * 8 + [0] * 8),
+        (4, None, None),
+    ],
 )
 def test_syncbn_hazards(world, severity, per_rank):
     found = doctor(_synced(), torch.randn(8, 3, 10, 10), world_size=world).by_check("syncbn")
