@@ -204,6 +204,20 @@ def scope_stats(x: Tensor, scope: NormScope) -> tuple[Tensor, Tensor, int]:
     return mean, var, rows.shape[1]
 
 
+def call_stats(call: Call) -> tuple[Tensor, Tensor, int]:
+    """:func:`scope_stats` of a norm call's input, computed once (float64, Welford) and kept on the call."""
+    if "stats" not in call.extra:
+        x, s = call.args[0].detach(), call.extra["scope"]
+        xd = x.double()
+        if s.groups is not None:
+            xd, dims = xd.reshape(x.shape[0], s.groups, -1), (2,)
+        else:
+            dims = s.reduce
+        var, mean = torch.var_mean(xd, dim=dims, correction=0) if dims else (torch.zeros_like(xd), xd)
+        call.extra["stats"] = (mean.flatten(), var.flatten(), _numel(xd.shape, dims))
+    return call.extra["stats"]
+
+
 def _numel(shape: torch.Size, dims: tuple[int, ...]) -> int:
     n = 1
     for i in dims:

@@ -60,6 +60,10 @@ def _resolve_mask(mask: Tensor | None, kwargs: dict) -> tuple[Tensor | None, str
     return None, ""
 
 
+#: the seed of every forward the doctor runs (dropout gets the same masks in each)
+_SEED = 0
+
+
 def _forward(model: nn.Module, inputs: tuple, kwargs: dict) -> Any:
     return model(*inputs, **kwargs)
 
@@ -74,9 +78,11 @@ def _first_output(y: Any) -> Tensor | None:
     return None
 
 
-def _mode_outputs(model: nn.Module, inputs: tuple, kwargs: dict) -> tuple[Tensor, Tensor] | None:
+def _mode_outputs(model: nn.Module, inputs: tuple, kwargs: dict, main: Any) -> tuple[Tensor, Tensor] | None:
     """The model's output with its running-statistics norms in training mode, then in eval mode;
-    every other module keeps its mode, and the same seed before both gives dropout the same masks."""
+    every other module keeps its mode, and the same seed as the diagnosed forward gives dropout the
+    same masks. Where every such norm already ran in one mode, ``main`` (that forward's output) is
+    that mode's output and only the other forward runs."""
     norms = [
         m
         for m in model.modules()
@@ -84,13 +90,17 @@ def _mode_outputs(model: nn.Module, inputs: tuple, kwargs: dict) -> tuple[Tensor
     ]
     if not norms:
         return None
+    modes = {m.training for m in norms}
     outs = []
     for training in (True, False):
-        for m in norms:
-            m.training = training
-        torch.manual_seed(0)
-        with torch.no_grad():
-            y = _first_output(_forward(model, inputs, kwargs))
+        if modes == {training}:
+            y = _first_output(main)
+        else:
+            for m in norms:
+                m.training = training
+            torch.manual_seed(_SEED)
+            with torch.no_grad():
+                y = _first_output(_forward(model, inputs, kwargs))
         if y is None or not y.is_floating_point():
             return None
         outs.append(y.detach().clone())
@@ -167,8 +177,9 @@ def doctor(
         # autograd's graph shows where residual adds meet norms (post-ln); it needs a parameter
         # that requires grad, and costs the memory of one training forward
         grad_graph = "post-ln" in names and any(p.requires_grad for p in model.parameters())
+        torch.manual_seed(_SEED)
         with torch.set_grad_enabled(grad_graph):
-            _forward(model, inputs, kwargs)
+            main = _forward(model, inputs, kwargs)
         recorder.close()
         after = _running(model)
         norms, leaves, seen, probes = [], [], set(), {}
@@ -189,11 +200,14 @@ def doctor(
         # the forward may have moved running statistics; the checks that run modules again start
         # from the state the user had
         snapshot.restore()
-        mode_outputs = None
-        if "train-eval-drift" in names:
-            say("forward with BatchNorms in train mode, then in eval mode")
-            mode_outputs = _mode_outputs(model, inputs, kwargs)
-            snapshot.restore()
+
+        def mode_outputs() -> tuple[Tensor, Tensor] | None:
+            say("forward with BatchNorms in train mode and in eval mode")
+            try:
+                return _mode_outputs(model, inputs, kwargs, main)
+            finally:
+                snapshot.restore()
+
         ctx = Context(
             model, batch, norms, leaves, before, after, mask, mask_source, world_size, mode_outputs, grad_graph, probes
         )

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._observe import Call, NormScope, channel_rows, probe, scope_rows, scope_stats
+from ._observe import Call, NormScope, call_stats, channel_rows, probe, scope_rows, scope_stats
 from ._report import Finding
 
 __all__ = ["CHECKS", "Context"]
@@ -37,7 +37,9 @@ class Context:
     mask: Tensor | None  # (B, S) bool, True = a real position
     mask_source: str
     world_size: int | None
-    mode_outputs: tuple[Tensor, Tensor] | None  # model output with norms in train mode, in eval mode
+    # the model's output with its BatchNorms in train mode, then in eval mode (None: none to switch);
+    # forwards run on first use only, as only a drifting model reports them
+    mode_outputs: Callable[[], tuple[Tensor, Tensor] | None]
     grad_graph: bool  # whether the forward recorded autograd's graph (post-ln reads it)
     probes: dict = field(default_factory=dict)  # class -> its probed configuration (see _observe.probe)
     notes: dict[str, str] = field(default_factory=dict)
@@ -148,9 +150,8 @@ _DRIFT_SOURCE = (
 )
 
 
-def _distance(x: Tensor, channel: int, rm: Tensor, rv: Tensor, eps: float) -> tuple[float, float]:
-    rows = channel_rows(x, channel)
-    mu, var = rows.mean(1), rows.var(1, unbiased=False)
+def _distance(call: Call, rm: Tensor, rv: Tensor, eps: float) -> tuple[float, float]:
+    mu, var, _ = call_stats(call)  # a BatchNorm's scopes are its channels
     sd = (rv.double() + eps).sqrt()
     return float(((mu - rm.double()).abs() / sd).mean()), float((var / (rv.double() + eps) - 1).abs().mean())
 
@@ -165,7 +166,7 @@ def train_eval_drift(ctx: Context) -> list[Finding]:
         if s.kind != "batch" or before is None or before[0] is None or before[1] is None:
             continue
         rm, rv, nbt = before
-        dm, dv = _distance(call.args[0], s.channel, rm, rv, s.eps)
+        dm, dv = _distance(call, rm, rv, s.eps)
         total = dm + dv
         if total <= DRIFT_WARNING:
             continue
@@ -186,8 +187,9 @@ def train_eval_drift(ctx: Context) -> list[Finding]:
                 "model = normscope.recalibrate(model, batches)  # a few training batches",
             )
         )
-    if ctx.mode_outputs is not None and out:
-        yt, ye = ctx.mode_outputs
+    modes = ctx.mode_outputs() if out else None
+    if modes is not None:
+        yt, ye = modes
         rel = float((yt.double() - ye.double()).norm() / ye.double().norm().clamp_min(1e-30))
         out.append(
             Finding(
@@ -397,11 +399,17 @@ def half_overflow(ctx: Context) -> list[Finding]:
         if not x.is_floating_point():
             continue
         big = torch.finfo(x.dtype).max
-        xd = x.detach().double()
-        finite = bool(torch.isfinite(xd).all())
-        xmax = float(xd.abs().nan_to_num(posinf=math.inf).max()) if x.numel() else 0.0
+        x = x.detach()
+        if not x.numel():
+            continue
+        xmax = float(x.abs().amax())  # exact in x's own dtype; inf and NaN propagate: one pass
+        finite = math.isfinite(xmax)
+        if math.isnan(xmax):
+            xmax = float(x.abs().nan_to_num(nan=0.0).amax())
+        if finite and x.dtype not in _HALF and xmax < torch.finfo(torch.float16).max:
+            continue  # nothing below can be found: skip the float64 pass over a large activation
         if s.reduce:
-            mean_sq, _, count = scope_stats(xd.nan_to_num(nan=0.0).square(), s)
+            mean_sq, _, count = scope_stats(x.double().nan_to_num(nan=0.0).square(), s)
             ssq = float(mean_sq.max()) * count
         else:
             ssq = xmax * xmax
@@ -563,7 +571,7 @@ def cancellation(ctx: Context) -> list[Finding]:
             continue
         if s.kind == "batch" and not call.training and getattr(call.module, "running_var", None) is not None:
             continue  # eval: the variance comes from the running statistics, not from this input
-        mean, var, _ = scope_stats(call.args[0], s)
+        mean, var, _ = call_stats(call)
         ok = var > 0
         if not ok.any():
             continue
@@ -609,7 +617,10 @@ def dead_channels(ctx: Context) -> list[Finding]:
         if s.eps is None or s.kind == "frozen":
             continue
         x = call.args[0]
-        if s.channel is not None and s.kind in ("batch", "instance", "power"):
+        if s.kind == "batch":
+            var = call_stats(call)[1]
+            unit = "channels"
+        elif s.channel is not None and s.kind in ("instance", "power"):
             rows = channel_rows(x, s.channel)
             var = rows.var(1, unbiased=False) if s.centered else rows.square().mean(1)
             unit = "channels"
@@ -618,7 +629,7 @@ def dead_channels(ctx: Context) -> list[Finding]:
             var = rows.var(1, unbiased=False)
             unit = "channels"
         else:
-            var = scope_stats(x, s)[1] if s.centered else scope_stats(x.square(), s)[0]
+            var = call_stats(call)[1] if s.centered else scope_stats(x.square(), s)[0]
             unit = "scopes"
         dead = (var < s.eps).nonzero().flatten()
         if dead.numel() == 0:
@@ -856,12 +867,13 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 
 def batch_invariance(ctx: Context) -> list[Finding]:
-    """Each leaf module's output for the first sample alone against the same sample inside the
-    batch, fed the same input (the module's own recorded input)."""
+    """Each norm's and each leaf module's output for the first sample alone against the same sample
+    inside the batch, fed the same input (the module's own recorded input); of torch's own non-norm
+    layers, one per class."""
     if not ctx.batch or ctx.batch < 2:
         ctx.note("batch-invariance", "the batch has one sample")
         return []
-    out, rounding, by_design = [], [], []
+    out, rounding, by_design, torch_classes = [], [], [], set()
     for call in [*ctx.norms, *ctx.leaves]:
         m = call.module
         s = call.extra.get("scope")
@@ -870,6 +882,13 @@ def batch_invariance(ctx: Context) -> list[Finding]:
             continue
         if call.sample is None or isinstance(m, nn.modules.dropout._DropoutNd) and call.training:
             continue
+        if s is None and type(m).__module__.startswith("torch.nn."):
+            # torch's own non-norm layers (conv, linear, activations, pooling) are per-sample by
+            # construction: one of each class shows the rounding level; the rest would cost a
+            # forward's worth of time and say the same
+            if type(m) in torch_classes:
+                continue
+            torch_classes.add(type(m))
         args, kwargs, expected = call.sample
         was = m.training
         m.train(call.training)
