@@ -465,7 +465,7 @@ def _synced():
         (None, "info", None),
         (1, "warning", None),
         (3, "warning", [3, 3, 2]),
-        (16, "error", [1] * 8 + [0] * 8),
+        (16, "warning", [1] * 8 + [0] * 8),
         (4, None, None),
     ],
 )

@@ -960,8 +960,8 @@ def batch_invariance(ctx: Context) -> list[Finding]:
 # -------------------------------------------------------------------------------------- syncbn
 
 _SYNC_SOURCE = (
-    "torch.distributed semantics: SyncBatchNorm all-gathers per-rank statistics every forward; a rank with no "
-    "samples or with fewer steps than the others leaves the collective waiting (pytorch/pytorch#38174)"
+    "torch.distributed semantics: SyncBatchNorm all-gathers per-rank statistics every forward, so every rank must run "
+    "every step; ranks with uneven shards that run out at different steps hang (pytorch/pytorch#38174)"
 )
 
 
@@ -993,33 +993,22 @@ def syncbn(ctx: Context) -> list[Finding]:
             continue
         sizes = _split(n, world)
         measured = {"world_size": world, "batch": n, "per_rank": sizes}
-        threshold = {"error": "a rank with no samples", "warning": "unequal per-rank batches", "source": _SYNC_SOURCE}
+        threshold = {"warning": "unequal per-rank batches, or a rank with none", "source": _SYNC_SOURCE}
+        loader = "sampler = torch.utils.data.DistributedSampler(dataset, drop_last=True)  # equal shards, full batches"
         if min(sizes) == 0:
-            out.append(
-                Finding(
-                    "syncbn",
-                    call.path,
-                    "error",
-                    measured,
-                    threshold,
-                    f"a batch of {n} over {world} ranks leaves {sizes.count(0)} rank(s) without samples: "
-                    "their SyncBatchNorm has nothing to contribute and the collective fails or hangs",
-                    "loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, drop_last=True)",
-                )
+            reason = (
+                f"a batch of {n} over {world} ranks leaves {sizes.count(0)} rank(s) without samples: each still joins "
+                "every all-gather (torch's and normscope's SyncBatchNorm accept an empty batch), so a rank that "
+                "skips the step instead leaves the others waiting"
             )
         elif len(set(sizes)) > 1:
-            out.append(
-                Finding(
-                    "syncbn",
-                    call.path,
-                    "warning",
-                    measured,
-                    threshold,
-                    f"per-rank batches {sorted(set(sizes))} differ: the last, smaller batches are where "
-                    "ranks fall out of step (drop_last avoids them)",
-                    "loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, drop_last=True)",
-                )
+            reason = (
+                f"per-rank batches {sizes} differ: uneven shards are where ranks end up running different numbers of "
+                "steps, and a rank waiting in SyncBatchNorm's all-gather for one that finished hangs"
             )
+        else:
+            continue
+        out.append(Finding("syncbn", call.path, "warning", measured, threshold, reason, loader))
     return out
 
 
