@@ -27,9 +27,10 @@ def apply_fixes(model: nn.Module, report: Report, batches: Any = None) -> tuple[
 
     Example::
 
+        >>> from normscope.doctor import apply_fixes
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
         >>> report = normscope.doctor(model, torch.randn(16, 4))
-        >>> model, lines = normscope.doctor.apply_fixes(model, report)
+        >>> model, lines = apply_fixes(model, report)
         >>> normscope.doctor(model, torch.randn(16, 4)).by_check("bias-before-norm")
         []
     """
