@@ -3,6 +3,7 @@ on the tensor it received, and a recorder of module calls made with forward hook
 
 from __future__ import annotations
 
+import copy
 import random
 import sys
 import weakref
@@ -132,9 +133,10 @@ def probe(cls: type, cache: dict) -> Any:
     return cache[cls]
 
 
-def _centered(m: nn.Module, cache: dict) -> bool:
+def _centered(m: nn.Module, x: Tensor, cache: dict) -> bool:
     """Whether a LayerNorm/RMSNorm-like layer subtracts the mean: by type for torch's and normscope's,
-    by a bit-for-bit probe for a model family's class (T5's "LayerNorm" is an RMSNorm), else by name."""
+    by a bit-for-bit probe for a model family's class, else by a shift probe (T5's "LayerNorm" is an
+    RMSNorm)."""
     from .. import modules as M
 
     if isinstance(m, (nn.LayerNorm, M.LayerNorm)):
@@ -144,7 +146,27 @@ def _centered(m: nn.Module, cache: dict) -> bool:
     exact = probe(type(m), cache)
     if exact is not None:
         return exact.centered
-    return not type(m).__name__.endswith("RMSNorm")
+    return _shift_invariant(m, x, cache)
+
+
+def _shift_invariant(m: nn.Module, x: Tensor, cache: dict) -> bool:
+    """Whether a layer's output ignores a shift of its input (it subtracts the mean), probed once
+    per class on a float32 copy with a random input shaped like one sample of ``x``; by its name
+    (``...RMSNorm``: no) where the probe cannot run."""
+    key = ("centered", type(m))
+    if key not in cache:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        z = torch.randn((2, *x.shape[1:]), generator=g).to(x.device)
+        copy_ = copy.deepcopy(m).float()
+        try:
+            with torch.no_grad():
+                y0, y1 = copy_(z), copy_(z + 3.0)
+        except (RuntimeError, ValueError, TypeError):
+            cache[key] = not type(m).__name__.endswith("RMSNorm")
+        else:
+            rel = (y1.double() - y0.double()).abs().max() / y0.double().abs().max().clamp_min(1e-30)
+            cache[key] = bool(rel < 1e-3)
+    return cache[key]
 
 
 def norm_scope(m: nn.Module, x: Tensor, cache: dict) -> NormScope | None:
@@ -174,7 +196,7 @@ def norm_scope(m: nn.Module, x: Tensor, cache: dict) -> NormScope | None:
         return NormScope("group", tuple(range(1, d)), 1, m.num_groups, True, eps)
     if isinstance(m, M.LayerNorm2d):
         return NormScope("layer", (1,), None, None, True, eps) if d >= 2 else None
-    centered = _centered(m, cache)
+    centered = _centered(m, x, cache)
     shape = getattr(m, "normalized_shape", None)
     k = len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
     if k > d:

@@ -483,24 +483,63 @@ def half_overflow(ctx: Context) -> list[Finding]:
     return out
 
 
-_EPS_SOURCE = "torch.finfo(dtype).tiny (smallest normal number: 6.1e-05 for float16) and rounding eps to dtype"
+_EPS_SOURCE = (
+    "torch.finfo(dtype).tiny (smallest normal number: 6.1e-05 for float16): a near-constant scope (variance ~ eps) "
+    "run through the layer and through a float32 copy; > 5% apart is a warning, inf/NaN an error"
+)
+
+
+def _near_constant(call: Call, eps: float) -> tuple[float, bool] | None:
+    """The layer's output on its own first sample rescaled so that each scope's mean square is eps
+    -- where eps decides the result -- against a float32 copy's: (relative difference, finite)."""
+    x = call.args[0].detach()[:1].float()
+    rms = x.square().mean(dim=call.extra["scope"].reduce, keepdim=True).sqrt().clamp_min(1e-30)
+    probe_x = (x / rms * math.sqrt(eps)).to(call.args[0].dtype)
+    m16, m32 = copy.deepcopy(call.module), copy.deepcopy(call.module).float()
+    m16.train(call.training)
+    m32.train(call.training)
+    try:
+        with torch.no_grad():
+            y, y32 = m16(probe_x), m32(probe_x.float())
+    except (RuntimeError, ValueError, TypeError):
+        return None
+    if not isinstance(y, Tensor) or not isinstance(y32, Tensor) or y.shape != y32.shape:
+        return None
+    if not bool(torch.isfinite(y).all()):
+        return math.inf, False
+    return float((y.double() - y32.double()).abs().max() / y32.double().abs().max().clamp_min(1e-30)), True
 
 
 def eps_underflow(ctx: Context) -> list[Finding]:
-    """eps against the resolution of the dtype it is added in, for norms that do not accumulate in
-    float32 (torch's and normscope's add eps in float32 and are skipped)."""
+    """eps against the resolution of a half-precision input's dtype, for layers that may add it in
+    that dtype (torch's and normscope's add it in float32 and are skipped): where eps is subnormal
+    or rounds to 0 there, the layer runs on a near-constant probe (each scope's mean square = eps)
+    beside a float32 copy of itself -- a layer that adds eps in float32 agrees, one that adds it in
+    the input dtype does not."""
     out = []
     for call in ctx.norms:
         x, eps = call.args[0], call.extra["scope"].eps
-        if eps is None or not x.is_floating_point() or _computes_in_fp32(call.module) or eps <= 0:
+        if eps is None or x.dtype not in _HALF or _computes_in_fp32(call.module) or eps <= 0:
             continue
-        dtype = x.dtype
-        info = torch.finfo(dtype)
-        stored = float(torch.tensor(eps, dtype=dtype))
-        measured = {"eps": eps, "dtype": str(dtype).replace("torch.", ""), "eps_in_dtype": stored, "tiny": info.tiny}
-        threshold = {"error": "eps rounds to 0", "warning_below": info.tiny, "source": _EPS_SOURCE}
+        info = torch.finfo(x.dtype)
+        stored = float(torch.tensor(eps, dtype=x.dtype))
+        if eps >= info.tiny:
+            continue
+        probed = _near_constant(call, eps)
+        if probed is None or probed[0] <= 0.05:
+            continue  # the layer adds eps where it is representable
+        rel, finite = probed
+        measured = {
+            "eps": eps,
+            "dtype": str(x.dtype).replace("torch.", ""),
+            "eps_in_dtype": stored,
+            "tiny": info.tiny,
+            "near_constant_vs_float32": rel if finite else "inf/nan",
+        }
+        threshold = {"error": "inf/NaN on near-constant scopes", "warning_above": 0.05, "source": _EPS_SOURCE}
         fix = f"model.get_submodule({call.path!r}).float()  # statistics and eps in float32"
-        if stored == 0:
+        where = "rounds to 0" if stored == 0 else f"is subnormal (stored as {stored:g})"
+        if not finite:
             out.append(
                 Finding(
                     "eps-underflow",
@@ -508,11 +547,12 @@ def eps_underflow(ctx: Context) -> list[Finding]:
                     "error",
                     measured,
                     threshold,
-                    f"eps={eps:g} rounds to 0 in {dtype}: a constant scope divides by zero",
+                    f"eps={eps:g} {where} in {x.dtype}, and this layer adds it there: a near-constant "
+                    "scope gives inf/NaN",
                     fix,
                 )
             )
-        elif eps < info.tiny:
+        else:
             out.append(
                 Finding(
                     "eps-underflow",
@@ -520,8 +560,8 @@ def eps_underflow(ctx: Context) -> list[Finding]:
                     "warning",
                     measured,
                     threshold,
-                    f"eps={eps:g} is subnormal in {dtype} (stored as {stored:g}); hardware that flushes "
-                    "subnormals to zero divides by zero on a constant scope",
+                    f"eps={eps:g} {where} in {x.dtype}, and this layer computes its statistics there: "
+                    f"near-constant scopes come out {100 * rel:.0f}% off the float32 layer",
                     fix,
                 )
             )
