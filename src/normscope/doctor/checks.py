@@ -150,10 +150,16 @@ _DRIFT_SOURCE = (
 )
 
 
-def _distance(call: Call, rm: Tensor, rv: Tensor, eps: float) -> tuple[float, float]:
+def _distance(call: Call, rm: Tensor, rv: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Per channel: |mu_B - mu| / sigma and |var_B / var - 1| (the lab's terms, before the means)."""
     mu, var, _ = call_stats(call)  # a BatchNorm's scopes are its channels
     sd = (rv.double() + eps).sqrt()
-    return float(((mu - rm.double()).abs() / sd).mean()), float((var / (rv.double() + eps) - 1).abs().mean())
+    return (mu - rm.double()).abs() / sd, (var / (rv.double() + eps) - 1).abs()
+
+
+def _compact(t: Tensor) -> list[float]:
+    """Per-channel figures for the report's plots: 4 significant digits."""
+    return [float(f"{v:.4g}") for v in t.tolist()]
 
 
 def train_eval_drift(ctx: Context) -> list[Finding]:
@@ -166,7 +172,8 @@ def train_eval_drift(ctx: Context) -> list[Finding]:
         if s.kind != "batch" or before is None or before[0] is None or before[1] is None:
             continue
         rm, rv, nbt = before
-        dm, dv = _distance(call, rm, rv, s.eps)
+        mean_z, var_z = _distance(call, rm, rv, s.eps)
+        dm, dv = float(mean_z.mean()), float(var_z.mean())
         total = dm + dv
         if total <= DRIFT_WARNING:
             continue
@@ -180,6 +187,8 @@ def train_eval_drift(ctx: Context) -> list[Finding]:
                     "mean_term": dm,
                     "var_term": dv,
                     "batches_tracked": None if nbt is None else int(nbt),
+                    "per_channel_mean_shift": _compact(mean_z),
+                    "per_channel_var_change": _compact(var_z),
                 },
                 {"warning_above": DRIFT_WARNING, "source": _DRIFT_SOURCE},
                 f"the running statistics are {_fmt(total)} away from this batch's (mean term {_fmt(dm)}, "

@@ -227,7 +227,40 @@ def _plots(report) -> list[tuple[str, str]]:
         if not items:
             continue
         figures.append((f"{check}: {label}", _bar_chart(items, label, log)))
+    drift = [f for f in report.findings if f.check == "train-eval-drift" and "per_channel_mean_shift" in f.measured]
+    if drift:
+        hist = _histograms(drift[:6])
+        if hist:
+            figures.append(("train-eval-drift: per-channel |mu_B - mu| / sigma and |var_B / var - 1|", hist))
     return figures
+
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _histograms(findings: list) -> str | None:
+    """Per layer, histograms of its channels' mean shift and variance change (matplotlib only)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(len(findings), 2, figsize=(7, 1.6 * len(findings) + 0.4), squeeze=False)
+    for row, f in zip(axes, findings):
+        for ax, key, color in zip(row, ("per_channel_mean_shift", "per_channel_var_change"), ("#4a7fc1", "#b36b00")):
+            ax.hist(f.measured[key], bins=30, color=color)
+            ax.set_title(f"{f.module}: {key.replace('per_channel_', '').replace('_', ' ')}", fontsize=8)
+            ax.tick_params(labelsize=7)
+    return f"<img alt='per-channel histograms' src='data:image/png;base64,{_png(fig)}'>"
 
 
 def _bar_chart(items: list, label: str, log: bool) -> str:
@@ -258,11 +291,12 @@ def _bar_chart(items: list, label: str, log: bool) -> str:
     ax.set_xlabel(label)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return f"<img alt='{html.escape(label)}' src='data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}'>"
+    return f"<img alt='{html.escape(label)}' src='data:image/png;base64,{_png(fig)}'>"
+
+
+def _scalars(measured: dict) -> dict:
+    """The figures of a finding without its long per-channel lists (those are plotted)."""
+    return {k: v for k, v in measured.items() if not (isinstance(v, list) and len(v) > 16)}
 
 
 def to_html(report, fixed: tuple | None = None) -> str:
@@ -270,8 +304,8 @@ def to_html(report, fixed: tuple | None = None) -> str:
     e = html.escape
     rows = "".join(
         f"<tr><td class='{f.severity}'>{f.severity}</td><td>{e(f.check)}</td><td><code>{e(f.module or '<model>')}"
-        f"</code></td><td>{e(f.reason)}<br><small>measured: {e(json.dumps(f.as_dict()['measured']))}<br>threshold: "
-        f"{e(json.dumps(f.as_dict()['threshold']))}</small></td><td><code>{e(f.fix)}</code></td></tr>"
+        f"</code></td><td>{e(f.reason)}<br><small>measured: {e(json.dumps(_scalars(f.as_dict()['measured'])))}"
+        f"<br>threshold: {e(json.dumps(f.as_dict()['threshold']))}</small></td><td><code>{e(f.fix)}</code></td></tr>"
         for f in report.findings
     )
     figs = "".join(f"<figure><figcaption>{e(t)}</figcaption>{img}</figure>" for t, img in _plots(report))
