@@ -676,6 +676,8 @@ def test_bad_arguments_name_what_was_expected():
         doctor("resnet", torch.randn(2, 3))
     with pytest.raises(ValueError, match="expected `world_size` to be a positive int or None, got 0"):
         doctor(_conv_bn(), torch.randn(2, 3, 5, 5), world_size=0)
+    with pytest.raises(TypeError, match="expected `checks` to be a list of check names, got the string 'padding'"):
+        doctor(_conv_bn(), torch.randn(2, 3, 5, 5), checks="padding")
     with pytest.raises(ValueError, match="unknown \\['bn'\\]"):
         doctor(_conv_bn(), torch.randn(2, 3, 5, 5), checks=["bn"])
     with pytest.raises(ValueError, match="expected `mask` to be a \\(batch, positions\\) tensor"):
@@ -687,3 +689,8 @@ def test_bad_arguments_name_what_was_expected():
 def test_exported_from_normscope():
     assert normscope.doctor is doctor and normscope.recalibrate is recalibrate
     assert {"doctor", "recalibrate"} <= set(normscope.__all__)
+
+
+def test_a_subset_of_checks_runs_only_those():
+    report = doctor(_conv_bn(bias=True), torch.randn(2, 3, 5, 5), checks=["bn-elements"])
+    assert set(report.checks) == {"bn-elements"} and {f.check for f in report.findings} == {"bn-elements"}

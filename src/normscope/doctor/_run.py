@@ -158,6 +158,8 @@ def doctor(
         raise TypeError(f"doctor: expected `model` to be a torch.nn.Module, got {type(model).__name__}")
     if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
         raise ValueError(f"doctor: expected `world_size` to be a positive int or None, got {world_size!r}")
+    if isinstance(checks, str):
+        raise TypeError(f"doctor: expected `checks` to be a list of check names, got the string {checks!r}")
     names = list(CHECKS) if checks is None else list(checks)
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
