@@ -198,10 +198,16 @@ def norm_scope(m: nn.Module, x: Tensor, cache: dict) -> NormScope | None:
         return NormScope("layer", (1,), None, None, True, eps) if d >= 2 else None
     centered = _centered(m, x, cache)
     shape = getattr(m, "normalized_shape", None)
-    k = len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
-    if k > d:
-        return None
-    return NormScope("layer" if centered else "rms", tuple(range(d - k, d)), None, None, centered, eps)
+    if not isinstance(shape, (tuple, list, torch.Size)):
+        w = getattr(m, "weight", None)
+        shape = tuple(w.shape) if isinstance(w, Tensor) else (x.shape[-1],)
+    shape, k = tuple(shape), len(shape)
+    kind = "layer" if centered else "rms"
+    if k <= d and tuple(x.shape[d - k :]) == shape:
+        return NormScope(kind, tuple(range(d - k, d)), None, None, centered, eps)
+    if k == 1 and d >= 3 and x.shape[1] == shape[0]:  # a channels-first LayerNorm2d (timm's permutes inside)
+        return NormScope(kind, (1,), None, None, centered, eps)
+    return None
 
 
 def scope_rows(x: Tensor, scope: NormScope) -> Tensor:
