@@ -694,3 +694,20 @@ def test_exported_from_normscope():
 def test_a_subset_of_checks_runs_only_those():
     report = doctor(_conv_bn(bias=True), torch.randn(2, 3, 5, 5), checks=["bn-elements"])
     assert set(report.checks) == {"bn-elements"} and {f.check for f in report.findings} == {"bn-elements"}
+
+
+class PermutingLayerNorm2d(nn.LayerNorm):
+    """timm's LayerNorm2d: an nn.LayerNorm over C of (N, C, H, W), by permuting inside."""
+
+    def forward(self, x):
+        y = TF.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps)
+        return y.permute(0, 3, 1, 2)
+
+
+def test_channels_first_layer_norm_gets_the_channel_scope():
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 5, 7) + 300.0
+    f = _only(doctor(PermutingLayerNorm2d(8), x), "cancellation")
+    xd = x.double()  # statistics over C at each (n, h, w)
+    expected = float((xd.mean(1).abs() / xd.var(1, unbiased=False).sqrt()).max())
+    assert f.measured["max_mean_over_std"] == pytest.approx(expected, rel=1e-9)
