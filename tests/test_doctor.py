@@ -711,3 +711,12 @@ def test_channels_first_layer_norm_gets_the_channel_scope():
     xd = x.double()  # statistics over C at each (n, h, w)
     expected = float((xd.mean(1).abs() / xd.var(1, unbiased=False).sqrt()).max())
     assert f.measured["max_mean_over_std"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_healthy_cnn_has_nothing_above_information():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    x = torch.randn(32, 3, 10, 10)  # 32 x 8 x 8 = 2048 values per statistic
+    recalibrate(model, [x])
+    report = doctor(model, x)
+    assert [f for f in report.findings if f.severity != "info"] == []
