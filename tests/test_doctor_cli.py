@@ -101,6 +101,11 @@ def test_fail_on_exit_status(models, capsys, target, fail_on, rc):
     assert ("error" in worst) == (target == "small")
 
 
+def test_checks_option_runs_only_those(models, capsys):
+    rc, out, _ = _run(capsys, "doctor_cli_models:small", "--json", "--checks", "bn-elements, syncbn")
+    assert rc == 0 and set(json.loads(out)["checks"]) == {"bn-elements", "syncbn"}
+
+
 def test_kwargs_and_a_py_path(models, capsys, tmp_path):
     rc, out, _ = _run(capsys, "doctor_cli_models:with_kwargs", "--json")
     assert rc == 0 and json.loads(out)["inputs"] == ["input=float32[6, 4]"]
@@ -176,6 +181,9 @@ def test_bad_options_exit_2(models, capsys):
     with pytest.raises(SystemExit) as e:
         main(["doctor", "doctor_cli_models:small", "--world-size", "0"])
     assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "doctor_cli_models:small", "--checks", "bn-elements,nope"])
+    assert e.value.code == 2 and "expected names from bn-elements" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["doctor", "doctor_cli_models:small", "--html", "/no/such/dir/r.html"])
     assert e.value.code == 2

@@ -106,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-on", choices=("warning", "error"), help="exit 1 if a finding is at least this serious")
     p.add_argument("--fix", action="store_true", help="apply the fixes to the model in memory, print them, re-check")
     p.add_argument("--world-size", type=int, metavar="N", help="data-parallel processes the batch is split over")
+    p.add_argument("--checks", metavar="A,B", help="run only these checks (comma-separated). Default: all")
     p.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
@@ -117,6 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"argument --world-size: expected a positive integer, got {args.world_size}")
+    from .checks import CHECKS
+
+    checks = None
+    if args.checks is not None:
+        checks = [c.strip() for c in args.checks.split(",") if c.strip()]
+        unknown = [c for c in checks if c not in CHECKS]
+        if unknown or not checks:
+            parser.error(f"argument --checks: expected names from {', '.join(CHECKS)}, got {args.checks!r}")
     if args.html:
         parent = Path(args.html).resolve().parent
         if not parent.is_dir():
@@ -131,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import apply_fixes, doctor
 
     try:
-        report = doctor(model, *inputs, world_size=args.world_size, progress=progress, **kwargs)
+        report = doctor(model, *inputs, world_size=args.world_size, checks=checks, progress=progress, **kwargs)
     except Exception as e:  # the user's forward: reported, and the doctor has put the model back
         print(f"normscope doctor: the model's forward raised {_where(e)}; the model is unchanged", file=sys.stderr)
         return 1
@@ -143,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         model_copy = copy.deepcopy(model)
         model_copy, lines = apply_fixes(model_copy, report, batches)
         progress(f"re-checking after {len(lines)} fix line(s)")
-        fixed = (lines, doctor(model_copy, *inputs, world_size=args.world_size, progress=progress, **kwargs))
+        again = doctor(model_copy, *inputs, world_size=args.world_size, checks=checks, progress=progress, **kwargs)
+        fixed = (lines, again)
     if args.json:
         doc = report.as_dict()
         if fixed is not None:
