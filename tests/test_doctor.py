@@ -720,3 +720,21 @@ def test_a_healthy_cnn_has_nothing_above_information():
     recalibrate(model, [x])
     report = doctor(model, x)
     assert [f for f in report.findings if f.severity != "info"] == []
+
+
+def test_one_value_per_channel_is_the_bn_elements_error_not_a_traceback():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.BatchNorm1d(8))
+    before = _state(model)
+    x = torch.randn(1, 3, 8, 8)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        model(x)  # what torch says, and where the forward stops
+    model.load_state_dict(before)
+    report = doctor(model, x)
+    f = _only(report, "bn-elements", "3")
+    assert f.severity == "error" and f.measured["elements"] == 1 and f.measured["input_shape"] == [1, 8]
+    assert not report.checks["padding"]["ran"] and "stopped at 3" in report.checks["padding"]["note"]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    # any other error of the forward is the model's own, and propagates
+    with pytest.raises(RuntimeError):
+        doctor(model, torch.randn(4, 5, 8, 8))

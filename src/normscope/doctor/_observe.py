@@ -288,6 +288,22 @@ class Recorder:
         self._handles = []
         for path, m in model.named_modules():
             self._handles.append(m.register_forward_hook(self._hook(path), with_kwargs=True))
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                self._handles.append(m.register_forward_pre_hook(self._single_value(path)))
+        #: (path, input shape) of a BatchNorm about to normalize one value per channel in training,
+        #: which torch refuses ("Expected more than 1 value per channel when training")
+        self.single_value: tuple[str, tuple[int, ...]] | None = None
+
+    def _single_value(self, path: str):
+        def hook(m: nn.Module, args: tuple) -> None:
+            x = args[0] if args and isinstance(args[0], Tensor) else None
+            if x is None or x.dim() < 2 or not (m.training or m.running_mean is None) or self.single_value:
+                return
+            c = getattr(m, "channel_dim", 1) % x.dim()
+            if x.shape[c] and x.numel() // x.shape[c] == 1:
+                self.single_value = (path, tuple(x.shape))
+
+        return hook
 
     def _hook(self, path: str):
         def hook(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ._observe import Recorder, Snapshot, is_norm, norm_scope
-from ._report import Report
+from ._report import Finding, Report
 from .checks import CHECKS, Context
 
 __all__ = ["doctor", "recalibrate"]
@@ -180,8 +180,16 @@ def doctor(
         # that requires grad, and costs the memory of one training forward
         grad_graph = "post-ln" in names and any(p.requires_grad for p in model.parameters())
         torch.manual_seed(_SEED)
-        with torch.set_grad_enabled(grad_graph):
-            main = _forward(model, inputs, kwargs)
+        try:
+            with torch.set_grad_enabled(grad_graph):
+                main = _forward(model, inputs, kwargs)
+        except ValueError:
+            # torch's "Expected more than 1 value per channel when training" is the bn-elements
+            # finding at its extreme: report it rather than the traceback; anything else is the
+            # model's own error
+            if recorder.single_value is None or "bn-elements" not in names:
+                raise
+            return _single_value_report(model, recorder.single_value, names, inputs, kwargs, world_size, start)
         recorder.close()
         after = _running(model)
         norms, leaves, seen, probes = [], [], set(), {}
@@ -225,6 +233,33 @@ def doctor(
     return Report(
         findings,
         checks_run,
+        model=type(model).__name__,
+        inputs=[_describe(v) for v in inputs] + [f"{k}={_describe(v)}" for k, v in kwargs.items()],
+        world_size=world_size,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _single_value_report(model, where, names, inputs, kwargs, world_size, start) -> Report:
+    """The report of a forward that stopped at a BatchNorm given one value per channel."""
+    from .checks import _BN_SOURCE, BN_ELEMENTS_ERROR, BN_ELEMENTS_WARNING
+
+    path, shape = where
+    finding = Finding(
+        "bn-elements",
+        path,
+        "error",
+        {"elements": 1, "input_shape": list(shape)},
+        {"warning_below": BN_ELEMENTS_WARNING, "error_below": BN_ELEMENTS_ERROR, "source": _BN_SOURCE},
+        f'one value per channel (input {list(shape)}): torch refuses to train this BatchNorm ("Expected more than 1 '
+        'value per channel when training") and the forward stopped here, so no other check ran',
+        f"model, _ = normscope.convert(model, to='group:1', where=lambda name, m: name == {path!r})",
+    )
+    note = f"the forward stopped at {path}: one value per channel"
+    checks = {n: {"ran": n == "bn-elements", "note": "" if n == "bn-elements" else note} for n in names}
+    return Report(
+        [finding],
+        checks,
         model=type(model).__name__,
         inputs=[_describe(v) for v in inputs] + [f"{k}={_describe(v)}" for k, v in kwargs.items()],
         world_size=world_size,
