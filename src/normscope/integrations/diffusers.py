@@ -136,10 +136,17 @@ class _AdaptiveConfig:
         return eps_of(self.norm)
 
 
+_CONFIG_NAMES = ("embedding_dim", "cond_dim", "chunks", "gate", "norm_type", "eps", "casting", "order")
+
+
 def _adaptive_unfit(m: nn.Module, sig: tuple[str, ...]) -> str | None:
     """Why ``m`` is not an AdaLayerNorm configuration by its structure; None if it may be."""
     if sig not in _SIGNATURES:
         return f"forward takes {list(sig)}, not one of the adaptive norms' call signatures"
+    original = getattr(type(m), "_normscope_original", type(m))
+    clash = [n for n in _CONFIG_NAMES if n in vars(m) or any(n in vars(c) for c in original.__mro__)]
+    if clash:
+        return f"its own attributes {clash} would be shadowed by the configuration's"
     linear, norm = getattr(m, "linear", None), getattr(m, "norm", None)
     if not isinstance(linear, nn.Linear) or not isinstance(norm, nn.Module):
         return "no `linear` projection and `norm` submodule"
@@ -273,9 +280,9 @@ def _plain_probe(m: nn.Module, original: type, own_weights: bool) -> tuple[Exact
 
 def _structure(m: nn.Module) -> tuple:
     """What decides whether a configuration reproduces an instance, besides its weights' values."""
-    parts = [type(m)]
+    parts: list = [getattr(type(m), "_normscope_original", type(m))]
     for sub in [m, *m.children()]:
-        parts.append(type(sub))
+        parts.append(type(sub) if sub is not m else None)
         parts += [(n, None if p is None else tuple(p.shape)) for n, p in sub._parameters.items()]
         parts.append(eps_of(sub))
     return tuple(parts)
@@ -478,23 +485,26 @@ def _construct(cls: type) -> tuple[nn.Module | None, str | None]:
 
 
 def _constructed_subclass(original: type, how: object) -> type:
-    """A subclass for :func:`patch_classes`: built as ``original``, then switched to the exact
-    subclass only when the instance's structure probes exact (a constructor option the class probe
-    did not see -- another norm type, a bias -- keeps diffusers' forward)."""
+    """The class :func:`patch_classes` puts in place of ``original``: the exact subclass, built as
+    ``original`` is; an instance whose structure does not probe exact (a constructor option the
+    class probe did not see -- another norm type, a bias) runs diffusers' own forward."""
     exact = _subclass(original, how)
-    key = f"_Built_{exact.__qualname__}"
+    key = f"_Built{exact.__qualname__}"
     if not hasattr(sys.modules[__name__], key):
 
         def __init__(self, *args, **kwargs):
             original.__init__(self, *args, **kwargs)
-            mine, _ = probe(self)
-            if mine == how:
-                self.__class__ = exact
+            self._normscope_exact = probe(self)[0] == how
+
+        def forward(self, *args, **kwargs):
+            if self.__dict__.get("_normscope_exact", False):
+                return exact.forward(self, *args, **kwargs)
+            return original.forward(self, *args, **kwargs)
 
         sub = type(
             original.__name__,
-            (original,),
-            {"__init__": __init__, "__module__": __name__, "__qualname__": key, "_normscope_original": original},
+            (exact,),
+            {"__init__": __init__, "forward": forward, "__module__": __name__, "__qualname__": key},
         )
         setattr(sys.modules[__name__], key, sub)
     return getattr(sys.modules[__name__], key)
