@@ -269,9 +269,12 @@ def _candidates(m: nn.Module) -> list[_Candidate]:
     elif c is not None and eps is not None:
         names = set(m._parameters) | set(m._buffers)
         if {"weight", "bias", "running_mean", "running_var"} <= set(m._buffers):
-            found.append(_Candidate(
-                "FrozenBatchNorm2d", lambda m: M.FrozenBatchNorm2d(c, eps, device="meta"), (2, c, 3, 5)
-            ))  # fmt: skip
+            for fold in (False, True):
+                found.append(_Candidate(
+                    f"FrozenBatchNorm2d(fold={fold})",
+                    lambda m, f=fold: M.FrozenBatchNorm2d(c, eps, device="meta", fold=f),
+                    (2, c, 3, 5),
+                ))  # fmt: skip
         elif names <= {"weight", "bias"} and (w is None or isinstance(w, nn.Parameter)):
             shape = tuple(getattr(m, "normalized_shape", None) or (c,))
             affine = isinstance(w, torch.Tensor)

@@ -33,6 +33,10 @@ class FrozenBatchNorm2d(nn.Module):
         eps: added to the running variance. Default: 1e-5.
         channel_dim: the channel axis: 1, or -1 for channels-last input such as (B, S, D) (what
             :func:`freeze_batchnorm` gives a ``BatchNorm1d(channel_dim=-1)``). Default: 1.
+        fold: round as ``torchvision.ops.FrozenBatchNorm2d`` does -- the statistics and affine folded
+            into one scale and shift first (``x * scale + shift``, with ``scale = w * rsqrt(var + eps)``,
+            ``shift = b - mean * scale``), in the buffers' dtype -- instead of as a BatchNorm in
+            evaluation (what :func:`freeze_batchnorm` needs). The two differ in the last bit. Default: False.
 
     Shape:
         - Input: (N, C, *); (N, *, C) with ``channel_dim=-1``. Output: same shape.
@@ -46,7 +50,11 @@ class FrozenBatchNorm2d(nn.Module):
 
     channel_dim: int = 1  # a class attribute: the default adds nothing to __dict__ or repr
 
-    def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None, *, channel_dim: int = 1) -> None:
+    fold: bool = False
+
+    def __init__(
+        self, num_features: int, eps: float = 1e-5, device=None, dtype=None, *, channel_dim: int = 1, fold: bool = False
+    ) -> None:
         super().__init__()
         if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
             raise ValueError(f"FrozenBatchNorm2d: expected `num_features` to be a positive int, got {num_features!r}")
@@ -54,6 +62,10 @@ class FrozenBatchNorm2d(nn.Module):
             raise ValueError(f"FrozenBatchNorm2d: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
         if channel_dim != 1:
             self.channel_dim = channel_dim
+        if not isinstance(fold, bool):
+            raise TypeError(f"FrozenBatchNorm2d: expected `fold` to be a bool, got {type(fold).__name__} {fold!r}")
+        if fold:
+            self.fold = True
         kw = {"device": device, "dtype": dtype}
         self.num_features, self.eps = num_features, eps
         self.register_buffer("weight", torch.ones(num_features, **kw))
@@ -71,7 +83,8 @@ class FrozenBatchNorm2d(nn.Module):
 
     def extra_repr(self) -> str:
         s = f"{self.num_features}, eps={self.eps}"
-        return s if self.channel_dim == 1 else f"{s}, channel_dim={self.channel_dim}"
+        s = s if self.channel_dim == 1 else f"{s}, channel_dim={self.channel_dim}"
+        return f"{s}, fold=True" if self.fold else s
 
     def forward(self, input: Tensor) -> Tensor:
         name, c, cd = type(self).__name__, self.num_features, self.channel_dim
@@ -82,8 +95,13 @@ class FrozenBatchNorm2d(nn.Module):
                 f"{name}({c}): expected input of shape {layout} with {c} channels at dim {cd}, "
                 f"got shape {tuple(input.shape)}"
             )
-        # functional.batch_norm in evaluation: its checks (dtypes, eps) and the hot path (normscope.hot)
         rm, rv, w, b = self.running_mean, self.running_var, self.weight, self.bias
+        if self.fold:  # torchvision's order of operations, op for op (type promotion included)
+            scale = w * (rv + self.eps).rsqrt()
+            shape = [1] * input.dim()
+            shape[cd] = c
+            return input * scale.reshape(shape) + (b - rm * scale).reshape(shape)
+        # functional.batch_norm in evaluation: its checks (dtypes, eps) and the hot path (normscope.hot)
         return F.batch_norm(input, rm, rv, w, b, False, 0.0, self.eps, channel_dim=cd)
 
 
