@@ -246,6 +246,12 @@ def test_timm_norms_with_their_eps_and_the_ones_no_configuration_reproduces():
         assert isinstance(converted[0], want) and converted[0].eps == layer.eps, type(layer).__name__
         inp = x.permute(0, 2, 3, 1) if isinstance(layer, (L.LayerNorm, L.RmsNorm)) else x
         assert torch.equal(converted[0](inp), layer(inp)), type(layer).__name__
+    for layer in (L.GroupNormAct(8, num_groups=2, act_layer=nn.GELU), L.LayerNormAct2d(8, act_layer=nn.SiLU)):
+        _randomize_norms(nn.Sequential(layer))
+        converted, report = normscope.convert(nn.Sequential(copy.deepcopy(layer)))
+        assert not report.skipped and type(converted[0].act) is type(layer.act), type(layer).__name__
+        assert torch.equal(converted[0](x), layer(x)), type(layer).__name__
+        assert type(normscope.convert(converted, to="torch")[0][0]) is type(layer)
     converted, report = normscope.convert(nn.Sequential(L.LayerNorm(8, eps=1e-3)), to="layer")
     assert converted[0].eps == 1e-3
     _, report = normscope.convert(nn.Sequential(L.RmsNorm2d(8), L.SimpleNorm(8)))

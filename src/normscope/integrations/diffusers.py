@@ -386,10 +386,10 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
         >>> from normscope.integrations.diffusers import patch
         >>> model = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4,
         ...     num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10)
-        >>> print(patch(model))  # doctest: +ELLIPSIS
-        normscope patched 5 normalization layer(s)
+        >>> print(patch(model))
+        normscope patched 7 normalization layer(s)
           AdaLayerNormZero: 2 replaced as AdaLayerNorm(order='shift_scale', casting='eager', gate=True)
-          LayerNorm: 3 replaced
+          LayerNorm: 5 replaced
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch: expected `model` to be a torch.nn.Module, got {type(model).__name__}")
