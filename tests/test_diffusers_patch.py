@@ -233,3 +233,21 @@ def test_adaln_errors_name_the_argument_passed():
         ada(x, torch.randn(2, 4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="`chunks` to be an int >= 3"):
         normscope.AdaLayerNorm(8, 4, gate=True, chunks=2)
+
+
+def test_a_condition_diffusers_does_not_treat_per_sample_runs_diffusers_code():
+    """diffusers chunks the projection along dim 1: a (B, S, C) condition is not AdaLayerNorm's per-token one."""
+    layer = DN.AdaLayerNormZeroSingle(8).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    original = copy.deepcopy(layer)
+    ND.patch(layer)
+    x, emb = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+    try:
+        want = original(x, emb=emb)
+    except RuntimeError as e:
+        with pytest.raises(type(e)):
+            layer(x, emb=emb)
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(layer(x, emb=emb), want))

@@ -66,17 +66,28 @@ _PROBE_DTYPES = (torch.float32, torch.bfloat16)
 # -- the adaptive norms as AdaLayerNorm configurations -------------------------------------------------
 
 
+# diffusers chunks the projection along dim 1 and broadcasts each chunk over the tokens: that is
+# AdaLayerNorm's per-sample modulation for a (B, C) condition only. Any other condition runs
+# diffusers' own forward, whatever it does with it.
+
+
 def _zero_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
     if self.emb is not None:
         emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+    if not isinstance(emb, Tensor) or emb.dim() != 2:
+        return self._normscope_original.forward(self, x, timestep, class_labels, hidden_dtype, emb)
     return AdaLayerNorm.forward(self, x, emb=emb)
 
 
 def _single_forward(self, x, emb=None):
+    if not isinstance(emb, Tensor) or emb.dim() != 2:
+        return self._normscope_original.forward(self, x, emb=emb)
     return AdaLayerNorm.forward(self, x, emb=emb)
 
 
 def _continuous_forward(self, x, conditioning_embedding):
+    if not isinstance(conditioning_embedding, Tensor) or conditioning_embedding.dim() != 2:
+        return self._normscope_original.forward(self, x, conditioning_embedding)
     return AdaLayerNorm.forward(self, x, conditioning_embedding)
 
 
