@@ -18,6 +18,14 @@ too. A layer whose state cannot move without loss -- parametrized tensors
 (``torch.nn.utils.parametrize``, ``weight_norm``, ``spectral_norm``), or a tensor the new layer has no
 place for -- is refused with a ValueError before the model is touched. The old layer object shares
 its tensors with the new one: drop it.
+
+Layers that are not exactly torch.nn's -- a subclass, timm's ``LayerNorm2d``/``RmsNorm``/NormAct
+layers, torchvision's ``FrozenBatchNorm2d`` -- are converted only to a normscope configuration that
+gives their bits on a probe (a copy of the layer and of the candidate, on a sample of the layer's
+input shape, in training and evaluation, in its dtype and in bf16); their child modules (a
+NormAct's drop and activation) come along under the same names. A normalization-like layer that no
+configuration reproduces stays as it is and is named in ``report.skipped`` with the reason: a
+conversion never strips what a layer does, and never skips one silently.
 """
 
 from __future__ import annotations
