@@ -429,7 +429,7 @@ def test_convert_cnn_is_lossless():
     assert [r.path for r in report] == ["1", "4", "5", "7"]
     assert type(model[1]) is normscope.BatchNorm2d and type(model[4]) is normscope.GroupNorm
     assert "running_mean" in report[0].carried and "num_batches_tracked" in report[0].carried
-    assert "1: torch.BatchNorm2d" in str(report)
+    assert "at '1': torch.BatchNorm2d" in str(report)
     for _ in range(2):  # training: outputs, gradients and running statistics identical
         x = torch.randn(2, 3, 6, 6)
         y1, y2 = torch_model(x), model(x)

@@ -18,11 +18,21 @@ too. A layer whose state cannot move without loss -- parametrized tensors
 (``torch.nn.utils.parametrize``, ``weight_norm``, ``spectral_norm``), or a tensor the new layer has no
 place for -- is refused with a ValueError before the model is touched. The old layer object shares
 its tensors with the new one: drop it.
+
+Layers that are not exactly torch.nn's -- a subclass, timm's ``LayerNorm2d``/``RmsNorm``/NormAct
+layers, torchvision's ``FrozenBatchNorm2d`` -- are converted only to a normscope configuration that
+gives their bits on a probe (a copy of the layer and of the candidate, on a sample of the layer's
+input shape, in training and evaluation, in its dtype and in bf16); their child modules (a
+NormAct's drop and activation) come along under the same names. A normalization-like layer that no
+configuration reproduces stays as it is and is named in ``report.skipped`` with the reason: a
+conversion never strips what a layer does, and never skips one silently.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -32,7 +42,7 @@ from torch import nn
 
 from .registry import NormSpec, _resolve_name, get_norm
 
-__all__ = ["convert", "Replacement", "Report"]
+__all__ = ["convert", "Replacement", "Report", "Skipped"]
 
 
 class Replacement(NamedTuple):
@@ -46,17 +56,36 @@ class Replacement(NamedTuple):
     dropped: tuple[str, ...]
 
 
+class Skipped(NamedTuple):
+    """A normalization-like layer left as it was: its path, its repr and why."""
+
+    path: str
+    source: str
+    reason: str
+
+
+def _at(path: str) -> str:
+    # quoted: a module path such as "1" must not read as a list number
+    return "the model itself" if not path else repr(path)
+
+
 class Report(list):
-    """The list of :class:`Replacement`; ``str(report)`` is a readable table."""
+    """The list of :class:`Replacement`; ``skipped`` lists every normalization-like layer left
+    unconverted (:class:`Skipped`, with the reason). ``str(report)`` is a readable table."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.skipped: list[Skipped] = []
 
     def __str__(self) -> str:
-        if not self:
-            return "convert: no layer replaced"
-        lines = [f"convert: {len(self)} layer(s) replaced"]
+        lines = [f"convert: {len(self)} layer(s) replaced" if self else "convert: no layer replaced"]
         for r in self:
-            lines.append(f"  {r.path or '<root>'}: {r.source} -> {r.target}")
+            lines.append(f"  at {_at(r.path)}: {r.source} -> {r.target}")
             dropped = f"; dropped: {', '.join(r.dropped)}" if r.dropped else ""
             lines.append(f"      carried: {', '.join(r.carried) or '-'}{dropped}")
+        if self.skipped:
+            lines.append(f"convert: {len(self.skipped)} normalization-like layer(s) left as they are")
+            lines += [f"  at {_at(s.path)}: {s.source}: {s.reason}" for s in self.skipped]
         return "\n".join(lines)
 
 
@@ -131,7 +160,42 @@ def _norm_types() -> tuple[type, ...]:
         M.FrozenBatchNorm2d,
         M.PowerNorm,
         M.DyT,
+        M.AdaLayerNorm,
+        M.QKNorm,
+        M.PolyNorm,
+        M.Derf,
     )
+
+
+# a class named like a norm is one (timm's RmsNorm, LayerNorm2d, BatchNormAct2d, torchvision's
+# FrozenBatchNorm2d, diffusers' RMSNorm and AdaLayerNormZero), unless the name says it holds one
+# beside other layers (timm's ConvNormAct, LeViT's LinearNorm, NormMlpClassifierHead)
+_NORM_NAME = re.compile(r"Norm(?!ali[sz])")
+_HOLDER_NAME = re.compile(
+    r"Conv|Linear|Head|Block|Mlp|MLP|Attention|Stage|Stem|Model|Encoder|Decoder|Transformer|Embed"
+)
+_EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
+
+
+def _norm_like(m: nn.Module) -> bool:
+    """Whether ``m`` is a normalization layer: one of the norm types torch and normscope know, or a
+    class named like one (the zoos' own norms subclass nothing in common)."""
+    if isinstance(m, _norm_types()):
+        return True
+    name = type(m).__name__
+    return bool(_NORM_NAME.search(name)) and not _HOLDER_NAME.search(name)
+
+
+def _is_normscope(m: nn.Module) -> bool:
+    return type(m).__module__.split(".")[0] == "normscope"
+
+
+def _eps(m: nn.Module) -> float | None:
+    for attr in _EPS_NAMES:
+        v = getattr(m, attr, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
 
 
 def _channels(m: nn.Module) -> int | None:
@@ -142,13 +206,15 @@ def _channels(m: nn.Module) -> int | None:
     shape = getattr(m, "normalized_shape", None)
     if shape:
         return int(shape[-1])
+    w = getattr(m, "weight", None)  # torchvision's FrozenBatchNorm2d, timm's RmsNorm: sized by their weight
+    if isinstance(w, torch.Tensor) and w.dim() == 1:
+        return int(w.shape[0])
     return None
 
 
 def _predicate(where: Any) -> Callable[[str, nn.Module], bool]:
     if where is None:
-        types = _norm_types()
-        return lambda name, m: isinstance(m, types)
+        return lambda name, m: _norm_like(m)
     if isinstance(where, type) or (isinstance(where, tuple) and all(isinstance(t, type) for t in where)):
         return lambda name, m: isinstance(m, where)
     if callable(where):
@@ -160,6 +226,197 @@ def _predicate(where: Any) -> Callable[[str, nn.Module], bool]:
     raise TypeError(
         f"convert: expected `where` to be None, a type, a tuple of types or a predicate, got {type(where).__name__}"
     )
+
+
+# -- layers that are not exactly torch.nn's: configurations found by probing ------------------------
+
+
+class _Candidate(NamedTuple):
+    """A normscope configuration that may reproduce a layer: how to build it from the layer (on the
+    meta device; the layer's own tensors move in) and an input shape to probe it on."""
+
+    label: str
+    build: Callable[[nn.Module], nn.Module]
+    sample: tuple[int, ...]
+
+
+def _sample(base: type, m: nn.Module) -> tuple[int, ...]:
+    c = _channels(m) or 1
+    if issubclass(base, (nn.LayerNorm, nn.RMSNorm)):
+        return (3, 5, *m.normalized_shape)
+    if base in (nn.BatchNorm1d, nn.InstanceNorm1d):
+        return (4, c, 3)
+    if base in (nn.BatchNorm3d, nn.InstanceNorm3d):
+        return (2, c, 2, 3, 2)
+    return (2, c, 3, 5)
+
+
+def _candidates(m: nn.Module) -> list[_Candidate]:
+    """The normscope configurations to probe for a layer that is not exactly a torch.nn norm: the
+    namesake of its torch.nn base class, the channels-first LayerNorm (timm's and torchvision's
+    ``LayerNorm2d``), the families' casting orders (timm's ``*Fp32`` norms, ``RmsNorm``), and
+    :class:`FrozenBatchNorm2d` for torchvision's. A layer with child modules (timm's NormAct: drop,
+    then activation) is probed as the norm followed by those same modules."""
+    from . import modules as M
+
+    found: list[_Candidate] = []
+    bases = [t for t, _ in _pairs() if isinstance(m, t)]
+    c, eps = _channels(m), _eps(m)
+    w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+    if bases:
+        base = bases[-1]  # the most derived: SyncBatchNorm before BatchNorm's base
+        ns = dict((t, n) for t, n in _pairs())[base]
+        found.append(_Candidate(f"{ns.__name__} (its torch.nn base {base.__name__})", _builder(ns), _sample(base, m)))
+        if base is nn.LayerNorm:
+            found.append(_Candidate(
+                "LayerNorm(casting='gemma'): normalized and scaled in fp32",
+                lambda m: M.LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, m.bias is not None,
+                                      device="meta", casting="gemma"),
+                _sample(base, m),
+            ))  # fmt: skip
+    elif c is not None and eps is not None:
+        names = set(m._parameters) | set(m._buffers)
+        if {"weight", "bias", "running_mean", "running_var"} <= set(m._buffers):
+            for fold in (False, True):
+                found.append(_Candidate(
+                    f"FrozenBatchNorm2d(fold={fold})",
+                    lambda m, f=fold: M.FrozenBatchNorm2d(c, eps, device="meta", fold=f),
+                    (2, c, 3, 5),
+                ))  # fmt: skip
+        elif names <= {"weight", "bias"} and (w is None or isinstance(w, nn.Parameter)):
+            shape = tuple(getattr(m, "normalized_shape", None) or (c,))
+            affine = isinstance(w, torch.Tensor)
+            if isinstance(b, torch.Tensor):
+                for casting in ("torch", "gemma"):
+                    found.append(_Candidate(
+                        f"LayerNorm(casting={casting!r})",
+                        lambda m, k=casting: M.LayerNorm(shape, eps, affine, True, device="meta", casting=k),
+                        (3, 5, *shape),
+                    ))  # fmt: skip
+            else:
+                for casting in ("torch", "llama", "gemma"):
+                    found.append(_Candidate(
+                        f"RMSNorm(casting={casting!r})",
+                        lambda m, k=casting: M.RMSNorm(shape, eps, affine, device="meta", casting=k),
+                        (3, 5, *shape),
+                    ))  # fmt: skip
+    if c is not None and eps is not None and isinstance(w, torch.Tensor) and isinstance(b, torch.Tensor):
+        if isinstance(m, nn.LayerNorm) or not bases:
+            found.append(_Candidate(
+                "LayerNorm2d (channels first)", lambda m: M.LayerNorm2d(c, eps, device="meta"), (2, c, 3, 5)
+            ))  # fmt: skip
+    if m._modules:
+        found = [_Candidate(f"{k.label} then {', '.join(m._modules)}", _then_built(k.build), k.sample) for k in found]
+    return found
+
+
+_THEN: dict[type, type] = {}
+
+
+def _then(cls: type) -> type:
+    """``cls`` followed by its child modules in order: timm's NormAct layers (norm, drop, activation)
+    as a normscope layer with the same submodules under the same names."""
+    if cls not in _THEN:
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            y = cls.forward(self, input)
+            for module in self._modules.values():
+                y = module(y)
+            return y
+
+        key = f"_Then_{cls.__name__}"
+        _THEN[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": key})
+        globals()[key] = _THEN[cls]  # found by pickle
+    return _THEN[cls]
+
+
+def _then_built(build: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module], nn.Module]:
+    def make(m: nn.Module) -> nn.Module:
+        new = build(m)
+        new.__class__ = _then(type(new))
+        return new
+
+    return make
+
+
+def _bare_copy(m: nn.Module) -> nn.Module:
+    """A copy of ``m`` to probe: no hooks (a user's hook must not run on probe input)."""
+    twin = copy.deepcopy(m)
+    for sub in twin.modules():
+        for attr in _HOOKS:
+            if getattr(sub, attr, None):
+                setattr(sub, attr, OrderedDict())
+    return twin
+
+
+def _probe_input(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(shape, generator=g) * 2 + 0.5).to(device=device, dtype=dtype)
+
+
+def _probe(old: nn.Module, cand: _Candidate) -> str | None:
+    """Build ``cand`` from a copy of ``old`` and compare the two bit for bit on a sample input, in
+    training and in evaluation (outputs and running statistics), in the layer's dtype and with both
+    cast to bf16.
+    None if they agree, else how they differ."""
+    src = _bare_copy(old)
+    try:
+        new = cand.build(src)
+    except (TypeError, ValueError, AttributeError) as e:
+        return f"{cand.label} cannot be built from it ({type(e).__name__}: {e})"
+    for kind in ("_parameters", "_buffers"):
+        if set(getattr(src, kind)) != set(getattr(new, kind)):
+            have, want = sorted(getattr(src, kind)), sorted(getattr(new, kind))
+            return f"{cand.label} holds {kind[1:]} {want}, the layer {have}"
+    _move("", src, new, only_missing=True)
+    ref = _bare_copy(old)
+    t = _reference_tensor(old)
+    device = t.device if t is not None else torch.device("cpu")
+    dtype = t.dtype if t is not None and t.is_floating_point() else torch.float32
+    compared = 0
+    with torch.no_grad():
+        # in the layer's dtype, then the layer cast to bf16 (a model run in bf16)
+        for xdtype in dict.fromkeys((dtype, torch.bfloat16)):
+            if xdtype != dtype:
+                ref, new = ref.to(xdtype), new.to(xdtype)
+            for training in (True, False):
+                ref.train(training), new.train(training)
+                x = _probe_input(cand.sample, xdtype, device)
+                try:
+                    want = ref(x)
+                except Exception:  # noqa: BLE001 -- the layer itself refuses this input: nothing to compare
+                    continue
+                try:
+                    got = new(x)
+                except Exception as e:  # noqa: BLE001 -- a candidate that raises where the layer runs is a miss
+                    return f"{cand.label} raised {type(e).__name__} on {xdtype} input where the layer runs"
+                mode = "training" if training else "evaluation"
+                if not isinstance(want, torch.Tensor) or want.dtype != got.dtype or want.shape != got.shape:
+                    return f"{cand.label} returns {got.dtype} {tuple(got.shape)} in {mode}, the layer does not"
+                if not torch.equal(want, got):
+                    diff = (want.double() - got.double()).abs().max().item()
+                    return f"{cand.label} differs by {diff:.3g} on {xdtype} input in {mode}"
+                for (name, a), (_, b) in zip(ref.named_buffers(recurse=False), new.named_buffers(recurse=False)):
+                    if not torch.equal(a, b):
+                        return f"{cand.label} updates {name} differently in {mode}"
+                compared += 1
+    if not compared:
+        return f"the layer raised on every probe input (shape {cand.sample})"
+    return None
+
+
+def _exact_config(old: nn.Module) -> tuple[_Candidate | None, str]:
+    """The first candidate configuration that reproduces ``old`` bit for bit, or ``(None, why not)``."""
+    cands = _candidates(old)
+    if not cands:
+        return None, "no normscope configuration applies (no channel count or eps attribute to build one from)"
+    misses = []
+    for cand in cands:
+        why = _probe(old, cand)
+        if why is None:
+            return cand, ""
+        misses.append(why)
+    return None, "no normscope configuration reproduces it bit for bit: " + "; ".join(misses[:3])
 
 
 _HOOKS = (
@@ -222,15 +479,22 @@ def _refuse_unmovable(path: str, old: nn.Module, new: nn.Module) -> None:
             )
 
 
-def _move(path: str, old: nn.Module, new: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Lossless: the old layer's own Parameter and buffer objects (and None entries) into ``new``."""
+def _move(
+    path: str, old: nn.Module, new: nn.Module, *, only_missing: bool = False
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Lossless: the old layer's own Parameter and buffer objects (and None entries) and its child
+    modules (a NormAct's drop and activation) into ``new``. ``only_missing``: of the old layer's
+    public attributes, only those ``new`` lacks (a layer of another class configures ``new`` by
+    its constructor; its own attributes may mean something else)."""
     _refuse_unmovable(path, old, new)
     for name, p in old._parameters.items():
         new.register_parameter(name, p)
     for name, b in old._buffers.items():
         new.register_buffer(name, b, persistent=name not in old._non_persistent_buffers_set)
+    for name, child in old._modules.items():
+        new.add_module(name, child)
     for name, value in vars(old).items():  # configuration changed after construction, user attributes
-        if not name.startswith("_") and name != "training":
+        if not name.startswith("_") and name != "training" and not (only_missing and hasattr(new, name)):
             setattr(new, name, value)
     if "_version" in vars(old):
         new._version = old._version
@@ -274,22 +538,30 @@ def _reverse_builder(make: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Mod
     return build
 
 
-def _build(old: nn.Module, to: NormSpec | None, namesakes: dict, kwargs: dict) -> nn.Module | None:
-    if to is None or to in ("normscope", "torch"):
-        # exact type: a subclass (BatchRenorm...) is not its base; a parametrized layer is refused later
-        cls = type(old).__bases__[0] if _parametrized(old) else type(old)
-        make = namesakes.get(cls)
-        return None if make is None else make(old)
-    c = _channels(old)
-    if c is None:  # nothing to size the new layer by (LocalResponseNorm)
-        return None
-    return get_norm(to, c, **kwargs)
-
-
 def _parametrized(m: nn.Module) -> bool:
     from torch.nn.utils import parametrize
 
     return parametrize.is_parametrized(m)
+
+
+# the layer a lossless conversion replaced, kept (outside ``_modules``: no state_dict entry) on the
+# normscope layer that holds its tensors, so that ``to="torch"`` gives back the zoo's own class
+_SOURCE = "_normscope_source"
+
+
+def _options(old: nn.Module, cls: type) -> dict[str, Any]:
+    """The old layer's eps, momentum and affine settings, as far as ``cls``'s constructor takes them."""
+    params = inspect.signature(cls.__init__).parameters
+    out: dict[str, Any] = {}
+    eps = _eps(old)
+    if eps is not None and "eps" in params:
+        out["eps"] = eps
+    momentum = getattr(old, "momentum", 0.0)
+    if "momentum" in params and (momentum is None or isinstance(momentum, float)):
+        out["momentum"] = momentum
+    if "weight" in old._parameters and old.weight is None:  # affine=False / elementwise_affine=False
+        out.update({key: False for key in ("affine", "elementwise_affine") if key in params})
+    return out
 
 
 def convert(
@@ -300,25 +572,37 @@ def convert(
 ) -> tuple[nn.Module, Report]:
     """Replace normalization layers of ``model`` in place, carrying their state.
 
+    A layer is replaced only by a configuration that reproduces it: torch.nn's own norms by their
+    normscope namesakes; any other norm (a subclass, timm's ``LayerNorm2d``/``RmsNorm``/NormAct
+    layers, torchvision's ``FrozenBatchNorm2d``) by the first normscope configuration that gives
+    its bits on a probe (training and evaluation, its dtype and bf16), with its child modules (a
+    NormAct's drop and activation) kept under the same names. Every normalization-like layer left
+    as it was is named in ``report.skipped`` with the reason.
+
     Args:
         model: any module.
-        to: ``None`` (or ``"normscope"``): every ``torch.nn`` norm layer becomes its normscope
-            namesake with the same configuration and state -- lossless (module docstring): the same
-            tensor objects, hooks and mode; outputs are identical. ``"torch"``: the reverse, every
-            normscope layer with a torch.nn namesake becomes it, as losslessly (a BatchNorm1d with
-            ``channel_dim=-1`` is refused: torch has no such layer). Otherwise a
-            :func:`normscope.get_norm` spec (``"group:32"``, ``"layer2d"``, ``"frozen"``, a class, a
-            partial), built with the old layer's channel count and ``**kwargs``; the state entries
-            that fit move as objects (dtype and ``requires_grad`` kept), the hooks move too.
+        to: ``None`` (or ``"normscope"``): every norm layer becomes the normscope layer that
+            reproduces it, with the same configuration and state -- lossless (module docstring): the
+            same tensor objects, hooks and mode; outputs are identical. ``"torch"``: the reverse, every
+            normscope layer with a torch.nn namesake becomes it, and a layer converted from another
+            class becomes that layer again, as losslessly (a BatchNorm1d with ``channel_dim=-1`` is
+            refused: torch has no such layer). Otherwise a :func:`normscope.get_norm` spec
+            (``"group:32"``, ``"layer2d"``, ``"frozen"``, a class, a partial), built with the old
+            layer's channel count, its eps, momentum and affine setting where the new layer takes
+            them, and ``**kwargs`` (which win); the state entries that fit move as objects (dtype and
+            ``requires_grad`` kept), the hooks move too. A layer that does more than normalize (a
+            NormAct: norm, drop, activation) keeps its extra modules after the new norm, when a probe
+            shows that is what it does; otherwise it is skipped.
         where: which layers to replace: a type or tuple of types (``isinstance``), or a predicate
-            ``f(module)`` or ``f(path, module)``. Default: every normalization layer
-            (torch.nn's and normscope's).
+            ``f(module)`` or ``f(path, module)``. Default: every normalization layer (torch.nn's,
+            normscope's, and any module whose class is named like a norm).
         **kwargs: constructor arguments for ``to``.
 
     Returns:
         ``(model, report)``: the same model (the new layer itself when ``model`` is a norm layer)
         and a :class:`Report` listing each replaced path, old -> new, and which state entries
-        (parameters and buffers with the same name and shape) were carried or dropped. The new
+        (parameters and buffers with the same name and shape) were carried or dropped, and in
+        ``report.skipped`` every normalization-like layer left as it was, with why. The new
         layer gets the old one's train/eval mode; a layer of another kind takes the device and
         floating dtype of the old one's weights for what it does not carry.
 
@@ -336,23 +620,76 @@ def convert(
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected `model` to be a torch.nn.Module, got {type(model).__name__}")
     lossless = to is None or (isinstance(to, str) and to in ("normscope", "torch"))
+    reverse = to == "torch"
     if isinstance(to, str) and not lossless:
         _resolve_name(to)  # fail fast on a bad name, before touching the model
     match = _predicate(where)
-    namesakes: dict = {}
-    if lossless:
-        namesakes = _namesakes(reverse=to == "torch")
-        if to == "torch":
-            namesakes = {k: _reverse_builder(v) for k, v in namesakes.items()}
+    namesakes = _namesakes(reverse=reverse)
+    if reverse:
+        namesakes = {k: _reverse_builder(v) for k, v in namesakes.items()}
     report = Report()
 
-    def replace(path: str, old: nn.Module) -> nn.Module | None:
-        new = _build(old, to, namesakes, kwargs)
-        if new is None:
+    def skip(path: str, old: nn.Module, why: str) -> None:
+        report.skipped.append(Skipped(path, _describe(old), why))
+
+    def lossless_layer(path: str, old: nn.Module) -> tuple[nn.Module | None, bool]:
+        """(new layer or None, whether ``old`` is a foreign layer whose object is kept for the reverse)."""
+        source = vars(old).get(_SOURCE)
+        if reverse and source is not None:
+            return source, False
+        cls = type(old).__bases__[0] if _parametrized(old) else type(old)
+        make = namesakes.get(cls)
+        if make is not None:  # exact torch.nn (or normscope) type: the namesake, proven by the test suite
+            return make(old), False
+        if reverse:
+            if _is_normscope(old):
+                skip(path, old, "torch.nn has no layer computing it")
+            return None, False
+        if _is_normscope(old):
+            return None, False  # already normscope
+        cand, why = _exact_config(old)
+        if cand is None:
+            skip(path, old, why)
+            return None, False
+        return cand.build(old), True
+
+    def other_layer(path: str, old: nn.Module) -> nn.Module | None:
+        c = _channels(old)
+        if c is None:  # nothing to size the new layer by (LocalResponseNorm)
+            skip(path, old, "no channel count to size the new layer by")
             return None
+        then = False
+        if old._modules:  # more than a norm: keep its extra modules only where a probe shows norm-then-modules
+            cand, why = _exact_config(old)
+            if cand is None or " then " not in cand.label:
+                why = why or "they are not applied after the norm"
+                skip(path, old, f"it holds modules {list(old._modules)} besides the norm, and {why}")
+                return None
+            then = True
+        built = type(get_norm(to, c, **kwargs))  # which class the spec builds, to learn what it takes
+        new = get_norm(to, c, **{**_options(old, built), **kwargs})
+        if then:
+            new.__class__ = _then(type(new))
+            for name, child in old._modules.items():
+                new.add_module(name, child)
+        return new
+
+    def replace(path: str, old: nn.Module) -> nn.Module | None:
         if lossless:
-            carried, dropped = _move(path, old, new)
+            new, keep_source = lossless_layer(path, old)
+            if new is None:
+                return None
+            if vars(old).get(_SOURCE) is new:  # to="torch" of a converted zoo layer: the original comes back
+                carried, dropped = _move(path, old, new, only_missing=True)
+                new.__dict__.pop(_SOURCE, None)
+            else:
+                carried, dropped = _move(path, old, new, only_missing=keep_source)
+            if keep_source:
+                new.__dict__[_SOURCE] = old
         else:
+            new = other_layer(path, old)
+            if new is None:
+                return None
             ref = _reference_tensor(old)
             if ref is not None:
                 new = new.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
@@ -362,9 +699,17 @@ def convert(
         report.append(Replacement(path, _describe(old), _describe(new), carried, dropped))
         return new
 
-    if match("", model):
-        new = replace("", model)
-        return (new if new is not None else model), report
+    def visit(path: str, m: nn.Module) -> nn.Module | None:
+        if match(path, m):
+            return replace(path, m)
+        if _norm_like(m) and not (to is None and _is_normscope(m)) and not (reverse and not _is_normscope(m)):
+            skip(path, m, "not selected by `where`")
+        return None
+
+    if match("", model) or _norm_like(model):
+        new = visit("", model)
+        if new is not None or not list(model.children()):
+            return (new if new is not None else model), report
     # one decision per module object: a layer reached by several paths (tied, shared) is judged
     # at its first path and, if replaced, every path gets the same new layer -- the model keeps
     # its sharing (one Replacement in the report, under the first path)
@@ -373,16 +718,20 @@ def convert(
     plan: list[tuple[nn.Module, str, nn.Module]] = []
     # named_modules() lists a shared module once, so a parent shared by two paths is visited once;
     # the list keeps every old module alive, so no id is reused while `done` is consulted
+    replaced: set[int] = set()
     for parent_path, parent in list(model.named_modules()):
+        if id(parent) in replaced:  # the inside of a replaced layer (a NormAct's activation) moved with it
+            continue
         # _modules, not named_children(): that skips a second name of the same child
         for name, child in list(parent._modules.items()):
             if child is None:
                 continue
             path = f"{parent_path}.{name}" if parent_path else name
             if id(child) not in done:
-                done[id(child)] = replace(path, child) if match(path, child) else None
+                done[id(child)] = visit(path, child)
             new = done[id(child)]
             if new is not None:
+                replaced.add(id(child))
                 plan.append((parent, name, new))
     for parent, name, new in plan:
         setattr(parent, name, new)

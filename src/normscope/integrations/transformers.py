@@ -52,6 +52,12 @@ from torch import Tensor, nn
 
 from .. import functional_modern as FM
 from ..modules import LayerNorm, RMSNorm
+from ._probe import EPS_NAMES as _EPS_NAMES
+from ._probe import eps_of as _eps
+from ._probe import probe_input as _probe_input
+from ._probe import randomized as _randomized
+from ._probe import torch_agree as _torch_agree
+from ._probe import torch_replacement as _torch_replacement
 
 __all__ = [
     "LlamaRMSNorm",
@@ -227,18 +233,9 @@ def families() -> dict[str, tuple[tuple[str, str], ...]]:
 
 # -- probing ---------------------------------------------------------------------------------------
 
-_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 _PROBE_DIM = 64
 # (weight dtype, input dtype): a model in fp32, in bf16, and a norm kept in fp32 in a bf16 model
 _PROBE_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16))
-
-
-def _eps(m: nn.Module) -> float | None:
-    for attr in _EPS_NAMES:
-        v = getattr(m, attr, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-    return None
 
 
 def _shape(m: nn.Module) -> tuple[int, ...] | None:
@@ -298,20 +295,6 @@ def _agree(reference: Callable, m: nn.Module, x: Tensor, how: Exact) -> str | No
     if not torch.equal(expected, got):
         return f"differs by {(expected.double() - got.double()).abs().max().item():.3g}"
     return None
-
-
-def _probe_input(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    g = torch.Generator().manual_seed(0)
-    return (torch.randn((3, 5, *shape), generator=g) * 3 + 0.5).to(device=device, dtype=dtype)
-
-
-def _randomized(m: nn.Module, wdtype: torch.dtype) -> nn.Module:
-    # random weights: Gemma's zero and Llama's unit initial weights would hide 1 + w versus w
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in m.named_parameters(recurse=False):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5 + (1.0 if name == "weight" else 0.0))
-    return m.to(wdtype)
 
 
 def _construct(cls: type) -> nn.Module:
@@ -442,32 +425,6 @@ def _candidate(cls: type) -> bool:
 
 
 # -- patching --------------------------------------------------------------------------------------
-
-
-def _torch_replacement(m: nn.Module) -> nn.Module:
-    if type(m) is nn.LayerNorm:
-        new = LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, m.bias is not None, device="meta")
-    else:
-        new = RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine, device="meta")
-    # share the very Parameter objects (ties, optimizer state); built on "meta" so nothing is allocated
-    for p in ("weight", "bias"):
-        if getattr(new, p, None) is not None:
-            setattr(new, p, getattr(m, p))
-    new.train(m.training)
-    return new
-
-
-def _torch_agree(old: nn.Module, new: nn.Module) -> str | None:
-    w = old.weight if getattr(old, "weight", None) is not None else None
-    device = w.device if w is not None else torch.device("cpu")
-    dtype = w.dtype if w is not None else torch.float32
-    with torch.no_grad():
-        for dt in dict.fromkeys((dtype, torch.bfloat16)):
-            x = _probe_input(tuple(new.normalized_shape), dt, device)
-            a, b = old(x), new(x)
-            if a.dtype != b.dtype or not torch.equal(a, b):
-                return f"outputs differ for {dt} input"
-    return None
 
 
 def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:

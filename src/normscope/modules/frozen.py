@@ -9,6 +9,7 @@ them. Scope: :meth:`normscope.Scope.batch` with ``Running(use_input_stats=False)
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -32,6 +33,10 @@ class FrozenBatchNorm2d(nn.Module):
         eps: added to the running variance. Default: 1e-5.
         channel_dim: the channel axis: 1, or -1 for channels-last input such as (B, S, D) (what
             :func:`freeze_batchnorm` gives a ``BatchNorm1d(channel_dim=-1)``). Default: 1.
+        fold: round as ``torchvision.ops.FrozenBatchNorm2d`` does -- the statistics and affine folded
+            into one scale and shift first (``x * scale + shift``, with ``scale = w * rsqrt(var + eps)``,
+            ``shift = b - mean * scale``), in the buffers' dtype -- instead of as a BatchNorm in
+            evaluation (what :func:`freeze_batchnorm` needs). The two differ in the last bit. Default: False.
 
     Shape:
         - Input: (N, C, *); (N, *, C) with ``channel_dim=-1``. Output: same shape.
@@ -45,7 +50,11 @@ class FrozenBatchNorm2d(nn.Module):
 
     channel_dim: int = 1  # a class attribute: the default adds nothing to __dict__ or repr
 
-    def __init__(self, num_features: int, eps: float = 1e-5, device=None, dtype=None, *, channel_dim: int = 1) -> None:
+    fold: bool = False
+
+    def __init__(
+        self, num_features: int, eps: float = 1e-5, device=None, dtype=None, *, channel_dim: int = 1, fold: bool = False
+    ) -> None:
         super().__init__()
         if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
             raise ValueError(f"FrozenBatchNorm2d: expected `num_features` to be a positive int, got {num_features!r}")
@@ -53,6 +62,10 @@ class FrozenBatchNorm2d(nn.Module):
             raise ValueError(f"FrozenBatchNorm2d: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
         if channel_dim != 1:
             self.channel_dim = channel_dim
+        if not isinstance(fold, bool):
+            raise TypeError(f"FrozenBatchNorm2d: expected `fold` to be a bool, got {type(fold).__name__} {fold!r}")
+        if fold:
+            self.fold = True
         kw = {"device": device, "dtype": dtype}
         self.num_features, self.eps = num_features, eps
         self.register_buffer("weight", torch.ones(num_features, **kw))
@@ -70,7 +83,8 @@ class FrozenBatchNorm2d(nn.Module):
 
     def extra_repr(self) -> str:
         s = f"{self.num_features}, eps={self.eps}"
-        return s if self.channel_dim == 1 else f"{s}, channel_dim={self.channel_dim}"
+        s = s if self.channel_dim == 1 else f"{s}, channel_dim={self.channel_dim}"
+        return f"{s}, fold=True" if self.fold else s
 
     def forward(self, input: Tensor) -> Tensor:
         name, c, cd = type(self).__name__, self.num_features, self.channel_dim
@@ -81,8 +95,13 @@ class FrozenBatchNorm2d(nn.Module):
                 f"{name}({c}): expected input of shape {layout} with {c} channels at dim {cd}, "
                 f"got shape {tuple(input.shape)}"
             )
-        # functional.batch_norm in evaluation: its checks (dtypes, eps) and the hot path (normscope.hot)
         rm, rv, w, b = self.running_mean, self.running_var, self.weight, self.bias
+        if self.fold:  # torchvision's order of operations, op for op (type promotion included)
+            scale = w * (rv + self.eps).rsqrt()
+            shape = [1] * input.dim()
+            shape[cd] = c
+            return input * scale.reshape(shape) + (b - rm * scale).reshape(shape)
+        # functional.batch_norm in evaluation: its checks (dtypes, eps) and the hot path (normscope.hot)
         return F.batch_norm(input, rm, rv, w, b, False, 0.0, self.eps, channel_dim=cd)
 
 
@@ -130,14 +149,48 @@ def _frozen_from(bn: nn.Module) -> FrozenBatchNorm2d:
     return frozen
 
 
+def _plain(m: nn.Module) -> bool:
+    """A BatchNorm of torch.nn or normscope as it is (no subclass from elsewhere, nothing inside)."""
+    return type(m).__module__.split(".")[0] in ("torch", "normscope") and not m._modules
+
+
+def _frozen_like(bn: nn.Module) -> tuple[FrozenBatchNorm2d | None, str | None]:
+    """A frozen layer for a BatchNorm from elsewhere (timm's ``BatchNormAct2d``: norm, drop,
+    activation), probed bit for bit against the layer in evaluation: its child modules run after
+    the frozen norm under the same names. ``(None, why)`` when it does not reproduce the layer."""
+    from ..convert import _bare_copy, _probe_input, _sample, _then
+
+    frozen = _frozen_from(_bare_copy(bn))
+    if bn._modules:
+        frozen.__class__ = _then(FrozenBatchNorm2d)
+        for name, child in _bare_copy(bn)._modules.items():
+            frozen.add_module(name, child)
+    ref = _bare_copy(bn).eval()
+    base = next(t for t in (nn.BatchNorm1d, nn.BatchNorm3d, nn.BatchNorm2d) if isinstance(bn, t))
+    dtype = frozen.running_mean.dtype
+    with torch.no_grad():
+        x = _probe_input(_sample(base, bn), dtype, frozen.running_mean.device)
+        want, got = ref(x), frozen(x)
+    if not isinstance(want, Tensor) or want.dtype != got.dtype or not torch.equal(want, got):
+        return (
+            None,
+            f"a FrozenBatchNorm2d{' then ' + ', '.join(bn._modules) if bn._modules else ''} does not "
+            "reproduce it in evaluation",
+        )
+    return frozen, None
+
+
 def freeze_batchnorm(model: nn.Module) -> nn.Module:
     """Replace every BatchNorm (``torch.nn`` or normscope, 1d/2d/3d, SyncBatchNorm, BatchRenorm)
     that tracks running statistics by a :class:`FrozenBatchNorm2d` carrying its running
     statistics, weight and bias (ones/zeros when ``affine=False``) and its channel axis
-    (``channel_dim=-1`` included). A layer shared by several paths becomes one frozen layer
-    shared by the same paths. In place; returns the model
-    (the new layer itself when ``model`` is a BatchNorm). A BatchNorm without running statistics
-    (``track_running_stats=False``) has nothing to freeze and is left alone.
+    (``channel_dim=-1`` included). A BatchNorm subclass from elsewhere is frozen only where a probe
+    shows the frozen layer reproduces it in evaluation, bit for bit; one that does more than
+    normalize (timm's ``BatchNormAct2d``: drop and activation after the norm) keeps those modules
+    after the frozen norm, under the same names. A layer left as it is is named in a warning, with
+    why. A layer shared by several paths becomes one frozen layer shared by the same paths. In
+    place; returns the model (the new layer itself when ``model`` is a BatchNorm). A BatchNorm
+    without running statistics (``track_running_stats=False``) has nothing to freeze and is left alone.
 
     Example::
 
@@ -147,11 +200,45 @@ def freeze_batchnorm(model: nn.Module) -> nn.Module:
         'FrozenBatchNorm2d'
     """
     match = lambda m: isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None  # noqa: E731
-    return _replace(model, match, _frozen_from)
+    left: dict[int, str] = {}
+
+    def make(bn: nn.Module) -> nn.Module:
+        if _plain(bn):
+            return _frozen_from(bn)
+        probed, why = _frozen_like(bn)
+        if probed is None:
+            left[id(bn)] = why
+            return bn
+        frozen = _frozen_from(bn)  # from the layer itself: its own values and children
+        if bn._modules:
+            frozen.__class__ = type(probed)
+            for name, child in bn._modules.items():
+                frozen.add_module(name, child)
+        # the layer itself comes back on unfreeze_batchnorm (its class, activation and options)
+        frozen.__dict__["_normscope_source"] = bn
+        return frozen
+
+    model = _replace(model, match, make)
+    if left:
+        names = {id(m): path for path, m in model.named_modules()}
+        lines = "; ".join(f"at {names.get(k, '?')!r}: {why}" for k, why in left.items())
+        warnings.warn(f"freeze_batchnorm: {len(left)} BatchNorm layer(s) left as they are: {lines}", stacklevel=2)
+    return model
 
 
 def _unfrozen_from(frozen: FrozenBatchNorm2d) -> nn.Module:
     from . import BatchNorm1d, BatchNorm2d, BatchNorm3d
+
+    source = frozen.__dict__.get("_normscope_source")
+    if source is not None:  # a BatchNorm from elsewhere: the layer itself, with the frozen values
+        with torch.no_grad():
+            for name in ("weight", "bias", "running_mean", "running_var"):
+                if getattr(source, name, None) is not None:
+                    getattr(source, name).copy_(getattr(frozen, name))
+        for name, child in frozen._modules.items():
+            source.add_module(name, child)
+        source.train(frozen.training)
+        return source
 
     cls = frozen.source_cls
     if cls is None or not issubclass(cls, nn.modules.batchnorm._BatchNorm):

@@ -27,13 +27,18 @@ class AdaLayerNorm(nn.Module):
     r"""Adaptive LayerNorm (adaLN, adaLN-Zero) of DiT: a norm whose affine comes from a condition.
 
     .. math::
-        (\text{shift}, \text{scale}[, \text{gate}]) = \mathrm{Linear}(\mathrm{SiLU}(c)), \qquad
+        (\text{shift}, \text{scale}[, \text{gate}], \dots) = \mathrm{Linear}(\mathrm{SiLU}(c)), \qquad
         y = \mathrm{Norm}(x) \odot (1 + \text{scale}) + \text{shift}
 
     The projection is zero-initialised (adaLN-Zero: the block starts as the identity, since the
     gate that multiplies the branch output starts at 0). With ``gate=True`` the forward returns
     ``(y, gate)``; the caller computes ``x + gate * f(y)``. A condition (B, cond_dim) modulates
     per sample, one (B, S, cond_dim) per token.
+
+    A transformer block's whole modulation is one projection: with ``chunks=6`` (and ``gate=True``)
+    the layer is diffusers' ``AdaLayerNormZero`` (DiT, PixArt, SD3, Flux) -- shift, scale and gate
+    of the attention branch, then shift, scale and gate of the MLP, returned after ``y`` as
+    ``(y, gate_msa, shift_mlp, scale_mlp, gate_mlp)`` -- and its ``state_dict`` loads both ways.
 
     Args:
         embedding_dim: D, the size of x's last axis.
@@ -46,10 +51,14 @@ class AdaLayerNorm(nn.Module):
         bias: the projection has a bias. Default: True.
         order: the order of the chunks of the projection: ``"shift_scale"`` (DiT, diffusers'
             ``AdaLayerNormZero``: shift, scale[, gate]) or ``"scale_shift"`` (diffusers'
-            ``AdaLayerNormContinuous``). Default: ``"shift_scale"``.
+            ``AdaLayerNormContinuous``, which also casts ``SiLU(cond)`` to x's dtype before the
+            projection, as this layer then does). Default: ``"shift_scale"``.
         zero_init: zero the projection's weight and bias. Default: True.
         casting: ``"fp32"`` (one rounding) or ``"eager"`` (diffusers' per-op rounding); see
             :func:`normscope.functional_modern.modulated_norm`. Default: ``"fp32"``.
+        chunks: the projection's width in units of D: 2 (3 with ``gate``), or more for the chunks
+            a block uses elsewhere, returned after ``y`` (and the gate) in order. Default: None
+            (2, or 3 with ``gate``).
 
     Parameters and ``state_dict`` keys are diffusers': ``linear.weight``, ``linear.bias`` and,
     with ``elementwise_affine``, ``norm.weight`` (``norm.bias``).
@@ -62,6 +71,8 @@ class AdaLayerNorm(nn.Module):
 
         >>> ada = normscope.AdaLayerNorm(64, 128, gate=True)
         >>> y, gate = ada(torch.randn(2, 16, 64), torch.randn(2, 128))
+        >>> block = normscope.AdaLayerNorm(64, 64, gate=True, chunks=6, casting="eager")  # AdaLayerNormZero
+        >>> y, gate_msa, shift_mlp, scale_mlp, gate_mlp = block(torch.randn(2, 16, 64), emb=torch.randn(2, 64))
     """
 
     def __init__(
@@ -77,6 +88,7 @@ class AdaLayerNorm(nn.Module):
         order: str = "shift_scale",
         zero_init: bool = True,
         casting: str = "fp32",
+        chunks: int | None = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -91,10 +103,19 @@ class AdaLayerNorm(nn.Module):
         ):
             if v not in options:
                 raise ValueError(f"{where}: expected `{name}` to be one of {options}, got {v!r}")
+        least = 3 if gate else 2
+        if chunks is None:
+            chunks = least
+        elif not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < least:
+            raise ValueError(
+                f"{where}: expected `chunks` to be an int >= {least} (shift, scale{', gate' if gate else ''}), "
+                f"got {chunks!r}"
+            )
         kw = {"device": device, "dtype": dtype}
         self.gate, self.norm_type, self.eps, self.order = bool(gate), norm, float(eps), order
         self.casting, self.zero_init, self.elementwise_affine = casting, bool(zero_init), bool(elementwise_affine)
-        self.linear = nn.Linear(cond_dim, (3 if gate else 2) * embedding_dim, bias=bias, **kw)
+        self.chunks = chunks
+        self.linear = nn.Linear(cond_dim, chunks * embedding_dim, bias=bias, **kw)
         # a parameter holder named as diffusers' submodule, so state_dicts load both ways; never called
         self.norm = nn.Module()
         if elementwise_affine:
@@ -117,22 +138,61 @@ class AdaLayerNorm(nn.Module):
             nn.init.zeros_(self.norm.bias)
 
     def extra_repr(self) -> str:
+        more = f", chunks={self.chunks}" if self.chunks != (3 if self.gate else 2) else ""
         return (
             f"{self.embedding_dim}, cond_dim={self.cond_dim}, gate={self.gate}, norm={self.norm_type!r}, "
             f"eps={self.eps}, elementwise_affine={self.elementwise_affine}, order={self.order!r}, "
-            f"casting={self.casting!r}"
+            f"casting={self.casting!r}{more}"
         )
 
-    def forward(self, x: Tensor, cond: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        if not isinstance(cond, Tensor) or cond.shape[-1:] != (self.cond_dim,):
-            got = tuple(cond.shape) if isinstance(cond, Tensor) else type(cond).__name__
-            raise ValueError(f"AdaLayerNorm: expected `cond` of shape (B, [S,] {self.cond_dim}), got {got}")
-        chunks = self.linear(TF.silu(cond)).chunk(3 if self.gate else 2, dim=-1)
+    def forward(
+        self, x: Tensor, cond: Tensor | None = None, *, emb: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, ...]:
+        """Normalize ``x`` and modulate it by the projection of ``cond`` (``emb=`` is the same
+        argument under diffusers' name)."""
+        cond, arg = _condition(self, x, cond, emb)
+        h = TF.silu(cond)
+        if self.order == "scale_shift":  # diffusers' AdaLayerNormContinuous: SiLU(cond) in x's dtype
+            h = h.to(x.dtype)
+        if h.dtype != self.linear.weight.dtype:
+            raise TypeError(
+                f"AdaLayerNorm: expected `{arg}` of the projection's dtype {self.linear.weight.dtype}, got {cond.dtype}"
+            )
+        chunks = self.linear(h).chunk(self.chunks, dim=-1)
         shift, scale = chunks[:2] if self.order == "shift_scale" else chunks[1::-1]
         y = FM.modulated_norm(
             x, shift, scale, self.norm.weight, self.norm.bias, self.eps, norm=self.norm_type, casting=self.casting
         )
-        return (y, chunks[2]) if self.gate else y
+        return (y, *chunks[2:]) if len(chunks) > 2 else y
+
+
+def _condition(layer: AdaLayerNorm, x: Tensor, cond: Tensor | None, emb: Tensor | None) -> tuple[Tensor, str]:
+    """The condition and the name the caller gave it, checked against x and the layer."""
+    where, d, c = type(layer).__name__, layer.embedding_dim, layer.cond_dim
+    if (cond is None) == (emb is None):
+        raise TypeError(
+            f"{where}: expected the condition as `cond` or `emb` (one of them), got "
+            + ("both" if cond is not None else "neither")
+        )
+    arg, cond = ("cond", cond) if cond is not None else ("emb", emb)
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{where}: expected `x` to be a Tensor, got {type(x).__name__}")
+    if x.dim() < 2 or x.shape[-1] != d:
+        raise ValueError(f"{where}({d}, cond_dim={c}): expected `x` of shape (B, *, {d}), got {tuple(x.shape)}")
+    if not isinstance(cond, Tensor):
+        raise TypeError(f"{where}: expected `{arg}` to be a Tensor, got {type(cond).__name__}")
+    if not cond.is_floating_point():
+        raise TypeError(f"{where}: expected `{arg}` to be a floating-point tensor, got {cond.dtype}")
+    per_sample = cond.dim() == 2 and cond.shape[0] in (x.shape[0], 1)
+    per_token = cond.dim() == x.dim() and cond.shape[:-1] == x.shape[:-1]
+    if cond.shape[-1] != c or not (per_sample or per_token):
+        raise ValueError(
+            f"{where}({d}, cond_dim={c}): expected `{arg}` of shape ({x.shape[0]}, {c}) or "
+            f"{(*x.shape[:-1], c)} for x of shape {tuple(x.shape)}, got {tuple(cond.shape)}"
+        )
+    if cond.device != x.device:
+        raise ValueError(f"{where}: expected `{arg}` on {x.device} (x's device), got {cond.device}")
+    return cond, arg
 
 
 class QKNorm(nn.Module):

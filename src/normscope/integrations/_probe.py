@@ -1,0 +1,69 @@
+"""What the model-library integrations share: reading a layer's epsilon, the probe inputs and random
+weights a candidate configuration is checked on, and the lossless swap of ``torch.nn.LayerNorm`` /
+``RMSNorm`` for normscope's subclasses, verified bit for bit before it is made.
+
+A layer is patched only after normscope reproduces it **bit for bit** on these probes; the probes
+are deterministic (fixed generators), so a class is judged the same way on every run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..modules import LayerNorm, RMSNorm
+
+EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+
+
+def eps_of(m: nn.Module) -> float | None:
+    """The layer's epsilon under any of the names the libraries use, or None."""
+    for attr in EPS_NAMES:
+        v = getattr(m, attr, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def probe_input(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int = 0) -> Tensor:
+    """(3, 5, *shape), off-centre and wider than unit variance: a mean and a scale to get wrong."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn((3, 5, *shape), generator=g) * 3 + 0.5).to(device=device, dtype=dtype)
+
+
+def randomized(m: nn.Module, wdtype: torch.dtype, recurse: bool = False) -> nn.Module:
+    """``m`` with random parameters, in ``wdtype``: Gemma's zero and Llama's unit initial weights
+    (and adaLN-Zero's zero projection) would hide ``1 + w`` versus ``w``, or the whole modulation."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in m.named_parameters(recurse=recurse):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5 + (1.0 if name == "weight" else 0.0))
+    return m.to(wdtype)
+
+
+def torch_replacement(m: nn.Module) -> nn.Module:
+    """normscope's LayerNorm / RMSNorm for a ``torch.nn`` one, sharing its very Parameters."""
+    if type(m) is nn.LayerNorm:
+        new = LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, m.bias is not None, device="meta")
+    else:
+        new = RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine, device="meta")
+    # share the very Parameter objects (ties, optimizer state); built on "meta" so nothing is allocated
+    for p in ("weight", "bias"):
+        if getattr(new, p, None) is not None:
+            setattr(new, p, getattr(m, p))
+    new.train(m.training)
+    return new
+
+
+def torch_agree(old: nn.Module, new: nn.Module) -> str | None:
+    """None if ``new`` gives ``old``'s bits on the probe input in the weights' dtype and in bf16."""
+    w = old.weight if getattr(old, "weight", None) is not None else None
+    device = w.device if w is not None else torch.device("cpu")
+    dtype = w.dtype if w is not None else torch.float32
+    with torch.no_grad():
+        for dt in dict.fromkeys((dtype, torch.bfloat16)):
+            x = probe_input(tuple(new.normalized_shape), dt, device)
+            a, b = old(x), new(x)
+            if a.dtype != b.dtype or not torch.equal(a, b):
+                return f"outputs differ for {dt} input"
+    return None
