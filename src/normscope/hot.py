@@ -61,7 +61,7 @@ from torch import Tensor
 from . import engine
 from .engine import Running
 
-__all__ = ["Op", "Plan", "call", "per_call", "tensors", "running"]
+__all__ = ["Op", "Plan", "call", "per_call", "tensors", "running", "refuse_script"]
 
 _MAX_PLANS = 4096  # per op; past it the table starts afresh (a bound, not a policy: real code has few)
 
@@ -212,6 +212,21 @@ def per_call() -> None:
 #: ``running((mean, var, momentum, use_input_stats))``: a :class:`~normscope.engine.Running` without
 #: the NamedTuple's Python-level ``__new__`` (a frame per call on the hot path)
 running = functools.partial(tuple.__new__, Running)
+
+
+def refuse_script(layer: torch.nn.Module) -> torch.nn.Module:
+    """Every normscope layer's ``__prepare_scriptable__``: ``torch.jit.script`` calls it on the module
+    it scripts and on each submodule before compiling anything, so a model holding a normscope layer
+    gets this TypeError rather than TorchScript's error from deep inside this module. TorchScript
+    compiles a subset of Python that the hot path (its plans, checks and backends) is not written in;
+    torch.compile and torch.export trace through it."""
+    name = type(layer).__name__
+    raise TypeError(
+        f"torch.jit.script: normscope's {name} cannot be compiled by TorchScript (its forward runs "
+        "normscope's planned Python path); use torch.compile(model) or torch.export.export(model, args) "
+        "instead -- both trace through normscope layers -- or convert the layers to torch.nn first with "
+        "normscope.convert(model, 'torch')"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
