@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import normscope
 import normscope.functional as NF
+from conftest import direct
 
 BACKENDS = ("auto", "aten", "composite", "reference", "triton")
 
@@ -186,3 +187,31 @@ def test_warm_plan_is_not_reused_for_a_view(layout):
     for _ in range(3):
         NF.group_norm(x, 4, w.contiguous(), b.contiguous())
     torch.testing.assert_close(NF.group_norm(x, 4, w, b), F.group_norm(x, 4, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_norms_with_views_as_weight_bias_and_mask(layout, backend):
+    """The masked paths (composite, Triton's masked BatchNorm, the reference) with views as weight and
+    bias and a strided mask, against the float64 formula (torch has no masked norms)."""
+    torch.manual_seed(2)
+    c = 6
+    w, b = _views(c, 12)[layout], _views(c, 13)[layout]
+    x = torch.randn(3, c, 10)
+    mask = (torch.rand(3, 20) > 0.3)[:, ::2]  # a strided view
+    mask[:, 0] = True
+    cases = [
+        ("group_norm", lambda: NF.group_norm(x, 2, w, b, mask=mask), dict(reduce=(1, 2), groups=2)),
+        ("instance_norm", lambda: NF.instance_norm(x, None, None, w, b, mask=mask), dict(reduce=(2,))),
+        ("batch_norm", lambda: NF.batch_norm(x, None, None, w, b, True, mask=mask), dict(reduce=(0, 2))),
+    ]
+    ran = 0
+    for name, ours, scope in cases:
+        got = _run(backend, ours)
+        if got is None:
+            continue
+        ran += 1
+        expected = direct(x, affine=(1,), weight=w, bias=b, mask=mask.unsqueeze(1), **scope).float()
+        valid = mask.unsqueeze(1).expand_as(x)
+        torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert ran or backend == "aten" or backend not in ("auto", *normscope.backends()), f"{backend} ran none"
