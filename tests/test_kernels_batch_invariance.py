@@ -19,6 +19,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
 
 from normscope import functional as nf  # noqa: E402
+from normscope import functional_modern as FM  # noqa: E402
 from normscope.kernels import config as KC  # noqa: E402
 
 DEV = torch.device(TEST_DEVICE)
@@ -56,14 +57,15 @@ def _small_tiles(monkeypatch):
 def _sample_alone_and_in_batches(fn, sample: torch.Tensor) -> None:
     """``fn(xb) -> y`` on the sample alone and in the batches of :data:`BATCHES`; asserts the sample's
     output and input gradient are bitwise equal in each."""
-    torch.manual_seed(7)
-    cot = torch.randn(sample.shape, device=DEV)
+    cots = []
 
     def run(xb: torch.Tensor, at: int):
         xb = xb.detach().requires_grad_(True)
         y = fn(xb)
+        if not cots:  # the sample's output cotangent, the same in every batch
+            cots.append(torch.randn(y.shape[1:], generator=torch.Generator().manual_seed(7)).to(DEV, y.dtype))
         grad_out = torch.zeros_like(y)
-        grad_out[at] = cot.to(y.dtype)
+        grad_out[at] = cots[0]
         (g,) = torch.autograd.grad(y, xb, grad_out)
         return y[at].detach(), g[at]
 
@@ -119,4 +121,38 @@ def test_fused_add_rms_norm_kernel_is_batch_invariant():
         y, h = nf.fused_add_rms_norm(xb[..., :n], xb[..., n:], w, backend="triton")
         return torch.cat([y, h], -1)
 
+    _sample_alone_and_in_batches(fn, sample)
+
+
+def _modern(name: str):
+    """(fn(xb) on the forced kernel, one sample) for each modern kernel op: per-sample modulation for
+    AdaLN, q and k of a sample for QK-norm (k is a function of the sample too)."""
+    g = torch.Generator().manual_seed(3)
+    n = 8
+    w, b = torch.randn(n, generator=g).to(DEV), torch.randn(n, generator=g).to(DEV)
+    if name == "modulated_norm":
+        # a sample: 3 tokens of width n, then its shift and scale rows
+        def fn(xb):
+            x, shift, scale = xb[:, :3], xb[:, 3], xb[:, 4]
+            return FM.modulated_norm(x, shift, scale, w, b, norm="layer", backend="triton")
+
+        return fn, torch.randn(5, n, generator=g).to(DEV)
+    if name == "qk_norm":
+
+        def fn(xb):  # (B, S, H, D): q its heads 0-1, k head 2
+            q, k = xb[:, :, :2], xb[:, :, 2:]
+            qn, kn = FM.qk_norm(q, k, w, b, casting="gemma", weight_offset=1.0, backend="triton")
+            return torch.cat([qn, kn], 2)
+
+        return fn, torch.randn(3, 3, n, generator=g).to(DEV)
+    if name == "poly_norm":
+        wp, bp = torch.randn(3, generator=g).to(DEV), torch.randn(1, generator=g).to(DEV)
+        return (lambda xb: FM.poly_norm(xb, wp, bp, backend="triton")), torch.randn(3, n, generator=g).to(DEV)
+    alpha, shift = torch.tensor(0.7).to(DEV), torch.tensor(0.1).to(DEV)
+    return (lambda xb: FM.derf(xb, alpha, shift, w, b, backend="triton")), torch.randn(3, n, generator=g).to(DEV)
+
+
+@pytest.mark.parametrize("name", ("modulated_norm", "qk_norm", "poly_norm", "derf"))
+def test_modern_kernels_are_batch_invariant(name):
+    fn, sample = _modern(name)
     _sample_alone_and_in_batches(fn, sample)
