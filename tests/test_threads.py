@@ -213,3 +213,29 @@ def test_compiling_in_one_thread_changes_no_eager_call_in_another():
         expected = expected_gn if k == "gn" else expected_ln
         bad += not torch.allclose(y, expected, rtol=1e-5, atol=1e-5)
     assert bad == 0, f"{bad} of {len(results)} eager calls gave other numbers"
+
+
+def test_threads_sharing_plans_while_the_tables_churn(monkeypatch):
+    """Four threads call the same layer and functional with alternating signatures while the plan
+    tables start afresh every few entries: every result is torch's (a plan is read whole, never half
+    written), and each thread's last_backend() is its own call's."""
+    import normscope.hot as hot
+
+    monkeypatch.setattr(hot, "_MAX_PLANS", 2)
+    ln = normscope.LayerNorm(8)
+    shapes = [(2, 8), (3, 8), (4, 2, 8), (5, 8)]
+    inputs = [torch.randn(s) for s in shapes]
+    expected = [F.layer_norm(x, (8,), ln.weight, ln.bias) for x in inputs]
+    start = threading.Barrier(4)
+
+    def worker(seed: int):
+        start.wait(_TIMEOUT)
+        for i in range(150):
+            k = (i + seed) % len(shapes)
+            backend = "reference" if (i + seed) % 3 == 0 else None
+            with torch.no_grad(), normscope.use_backend(backend):
+                y = ln(inputs[k]) if i % 2 else NF.layer_norm(inputs[k], (8,), ln.weight, ln.bias)
+                assert normscope.last_backend() == (backend or "aten")
+            torch.testing.assert_close(y, expected[k])
+
+    _join(*[_in_thread(lambda s=s: worker(s)) for s in range(4)])
