@@ -53,7 +53,7 @@ import operator
 import threading
 import types
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 from torch import Tensor
@@ -214,7 +214,7 @@ def per_call() -> None:
 running = functools.partial(tuple.__new__, Running)
 
 
-def refuse_script(layer: torch.nn.Module) -> torch.nn.Module:
+def refuse_script(layer: torch.nn.Module) -> NoReturn:
     """Every normscope layer's ``__prepare_scriptable__``: ``torch.jit.script`` calls it on the module
     it scripts and on each submodule before compiling anything, so a model holding a normscope layer
     gets this TypeError rather than TorchScript's error from deep inside this module. TorchScript

@@ -30,7 +30,8 @@ group alone. The positions are cut into ``splits`` chunks of whole tiles so that
 ``GROUPS_CL_PROGRAMS`` programs run for one sample (each holding at least ``GROUPS_CL_MIN_SPLIT`` elements;
 small inputs get one split). The splits are a function of one sample's layout (G, Cg, HW), never of
 the batch size: they fix a group's reduction order, and a sample's bits must not depend on how many
-samples share its call (scope isolation, :mod:`normscope.engine`). The second stage is deterministic and costs no extra pass over x:
+samples share its call (scope isolation, :mod:`normscope.engine`). The second stage is deterministic
+and costs no extra pass over x:
 
 * forward: stage 1 writes each split's per-group (mean, M2) -- on values shifted by the group's
   first element, the same shift in every split -- to an ``(N * G, splits)`` fp32 buffer; in the
