@@ -46,10 +46,9 @@ BACKENDS = ("aten", "reference")
 def _clean_backend_state(monkeypatch):
     """No test sees another's forced backend or environment variable."""
     monkeypatch.delenv(engine.ENV_VAR, raising=False)
-    forced = list(engine._forced)
-    engine._forced.clear()
+    token = engine._FORCED.set(None)
     yield
-    engine._forced[:] = forced
+    engine._FORCED.reset(token)
 
 
 def direct(

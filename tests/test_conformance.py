@@ -428,7 +428,7 @@ class _NotApplicable(Exception):
 
 def _ours(run, backend: str):
     """Run normscope's call on ``backend``; a forced backend that declines raises _NotApplicable."""
-    engine._last[0] = None
+    engine._LAST.set(None)
     try:
         if backend == "auto":
             return run(), engine.last_backend()

@@ -366,7 +366,7 @@ def test_scope_validation():
 def test_choice_for_trace_matches_the_eager_choice():
     """While dynamo traces, the backend is chosen on a stand-in of the call's signature
     (engine._choice_for_trace); it must be the choice the real call gets, for every kind of call."""
-    from normscope.engine import _TRACING_CHOICE, Call, Running, _choice_for_trace, _choose, _static_signature
+    from normscope.engine import Call, Running, _as_traced, _choice_for_trace, _choose, _static_signature
     from normscope.scope import Scope
 
     x = torch.randn(4, 6, 5)
@@ -386,13 +386,11 @@ def test_choice_for_trace_matches_the_eager_choice():
     ]
     for call in calls:
         for name in ("auto", "reference", "aten", "composite"):
-            _TRACING_CHOICE[0] = True  # as while tracing: engine.tracing() is what the choice reads
             try:
-                expected = _choose(call, name)
+                with _as_traced():  # as while tracing: engine.tracing() is what the choice reads
+                    expected = _choose(call, name)
             except ValueError:
                 expected = ValueError
-            finally:
-                _TRACING_CHOICE[0] = False
             try:
                 got = _choice_for_trace(_static_signature(call), name)
             except ValueError:

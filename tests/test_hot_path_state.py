@@ -241,3 +241,27 @@ def test_checkpoint_issue_reproducer_layer_norm_non_reentrant():
     x2 = x.detach().clone().requires_grad_()
     torch.nn.functional.layer_norm(x2, (8,), ln.weight, ln.bias).sum().backward()
     torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_torch_jit_script_of_any_layer_is_a_typeerror_naming_compile_and_export():
+    """torch.jit.script of a normscope layer -- alone or inside a model -- raises a normscope TypeError
+    that names what works (torch.compile, torch.export), not TorchScript's error from inside the hot
+    path; the model's own modules are left as they were."""
+    import normscope.modules as M
+
+    layers = [
+        getattr(M, name)
+        for name in M.__all__
+        if isinstance(getattr(M, name), type) and issubclass(getattr(M, name), nn.Module)
+    ]
+    assert len(layers) >= 20
+    for cls in layers:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Identity())
+        model[1] = cls.__new__(cls)  # the refusal comes before TorchScript reads anything of the layer
+        nn.Module.__init__(model[1])
+        with pytest.raises(
+            TypeError, match=rf"torch\.jit\.script: normscope's {cls.__name__} .*torch\.compile.*torch\.export"
+        ):
+            torch.jit.script(model)
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))  # torch.nn's still script
+    assert scripted(torch.randn(2, 4)).shape == (2, 4)

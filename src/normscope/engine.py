@@ -20,11 +20,35 @@ uses.
 :func:`add_norm` is the fused residual form ``h = x + residual; y = norm(h)``: a backend that
 fuses the add (``Backend.fuses_residual``) gets the whole call; for any other the engine adds,
 then runs the plain call on the same backend.
+
+**Scope isolation.** A scope's statistics come from its elements and nothing else, and so do its
+bits: for one scope the algorithm, its blocking and its reduction order depend only on that scope's
+own extent, dtype, device and layout -- never on how many scopes the call holds, on their
+neighbours, or on values outside the scope (padding included). An automatic choice between two
+paths is made on the scope's extent (a row's length), or the two paths give the same bits per
+scope; kernels pack and split per scope. Per-sample norms are then batch-invariant on every
+backend, as torch.nn is on CPU. Weight gradients (a sum over scopes) are deterministic run to run.
+BatchNorm's scope spans the batch by definition: there the rule is about the channel. See
+``docs/guarantees.md`` for the tests that hold each promise.
+
+**Per-thread state.** Whatever a call reads besides its arguments -- the forced backend
+(:func:`use_backend`), what ran last (:func:`last_backend`), what the planner captures while a call
+is traced (:func:`capture`, :func:`record`) -- lives in :mod:`contextvars`: per thread and per
+asyncio task, as torch's grad mode and autocast state are. A ``with use_backend(...)`` in one
+thread never changes another's calls, and leaving it restores only its own thread's choice; a
+``torch.compile`` in one thread plans on stand-ins in that thread and never captures or reroutes an
+eager call of another (:func:`compiling` asks about this thread; torch's own
+``torch.compiler.is_compiling()`` answers for the process). The caches shared between threads --
+the plans by signature here and in :mod:`normscope.hot`, the traced plans -- hold values that
+depend only on their key and are never mutated once stored, so a read and a concurrent write of
+one dict (each one atomic in CPython) see either the old table or the new one, both right; the
+one publication that takes two steps (a traced plan and the token naming it) holds a lock.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import threading
@@ -51,6 +75,7 @@ __all__ = [
     "backends",
     "use_backend",
     "last_backend",
+    "report_backend",
     "requested_backend",
     "request_key",
     "constant_when_compiled",
@@ -58,6 +83,7 @@ __all__ = [
     "running_as_stats",
     "recompute",
     "tracing",
+    "compiling",
     "transformed",
     "position_mask",
     "plan",
@@ -210,7 +236,7 @@ def recompute(call: Call, wide: bool = False) -> Tensor:
     the casts). For the rare call the fast paths find cancelling (``|mean| * rstd`` past 1024,
     :mod:`normscope.backends.aten`): there fp32 sums lose what float64 keeps -- measured, the output
     of mean 1e4, std 1e-2 fp32 input went from ~4e-2 off the float64 result to rounding."""
-    _last[0] = "reference"
+    report_backend("reference")
     run = _BACKENDS["reference"].prepare(call, False)
     if not wide or call.x.dtype == torch.float64:
         return run(call)
@@ -225,10 +251,7 @@ def recompute(call: Call, wide: bool = False) -> Tensor:
 def tracing() -> bool:
     """Whether torch.compile (dynamo) or the TorchScript tracer is recording this call (or the
     engine is planning a call dynamo traces, see :func:`capture`)."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing() or _TRACING_CHOICE[0]
-
-
-_TRACING_CHOICE = [False]
+    return compiling() or torch.jit.is_tracing() or _TRACING_CHOICE.get()
 
 
 def transformed() -> bool:
@@ -253,10 +276,36 @@ def position_mask(mask: Tensor, x: Tensor, d: int) -> Tensor | None:
 
 _BACKENDS: dict[str, Backend] = {}
 _AUTO: list[str] = []
-_forced: list[str] = []  # stack of use_backend() names
-_last: list[str | None] = [None]
 _PLANS: dict[tuple, tuple[str, Runner]] = {}
 _MAX_PLANS = 4096
+
+# What a call reads besides its arguments, per thread and per asyncio task (see "Per-thread state"
+# in the module docstring). Values are immutable and only ever replaced (``set``), never mutated: a
+# context copied for a task or thread then shares nothing it could change under another.
+
+#: the innermost use_backend() name ("auto" for ``use_backend(None)``), None outside any
+_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("normscope_forced", default=None)
+#: what last_backend() answers
+_LAST: contextvars.ContextVar[str | None] = contextvars.ContextVar("normscope_last", default=None)
+#: inside _as_traced(): the planning of a call dynamo traces (tracing() is True)
+_TRACING_CHOICE: contextvars.ContextVar[bool] = contextvars.ContextVar("normscope_tracing_choice", default=False)
+#: inside capture(): the list dispatch() appends the plans it made to instead of running them
+_CAPTURED: contextvars.ContextVar[list | None] = contextvars.ContextVar("normscope_captured", default=None)
+#: the slots of the checked calls in progress (record()), innermost last
+_RECORDS: contextvars.ContextVar[tuple] = contextvars.ContextVar("normscope_records", default=())
+
+
+class _TracedView(threading.local):
+    """The forced backend as dynamo can read it: dynamo traces no ``ContextVar.get``, but it reads an
+    attribute of a thread-local object and guards on its value -- a guard evaluated, like the
+    attribute, in the calling thread. Kept equal to :data:`_FORCED` by :func:`use_backend` on entry
+    and exit; read only while dynamo traces (:func:`requested_backend`, :mod:`normscope.hot`)."""
+
+    def __init__(self) -> None:
+        self.forced: str | None = None
+
+
+_TRACED_VIEW = _TracedView()
 
 
 def register_backend(backend: Backend, *, before: str | None = None) -> None:
@@ -282,17 +331,21 @@ def use_backend(name: str | None) -> Iterator[None]:
     """Force a backend inside a ``with`` block (``None`` restores automatic choice)."""
     if name is not None:
         _check_backend_name(name, "use_backend(name)")
-    _forced.append(name or "auto")
+    token = _FORCED.set(name or "auto")
+    _TRACED_VIEW.forced = name or "auto"
     try:
         yield
     finally:
-        _forced.pop()
+        # back to what this thread (or task) had on entry: another thread's blocks are its own
+        _FORCED.reset(token)
+        _TRACED_VIEW.forced = _FORCED.get()
 
 
 def last_backend() -> str | None:
-    """Name of the backend that ran the most recent normalization (None before any). A compiled
-    layer (torch.compile) records its backend when its graph is traced, not on every call."""
-    return _last[0]
+    """Name of the backend that ran this thread's (or asyncio task's) most recent normalization
+    (None before any). A compiled layer (torch.compile) records its backend when its graph is
+    traced, not on every call."""
+    return _LAST.get()
 
 
 def _check_backend_name(name: str, where: str) -> None:
@@ -334,14 +387,31 @@ def _environ_get() -> str | None:
 _ENV_KEY = os.environ.encodekey(ENV_VAR) if hasattr(os.environ, "encodekey") else ENV_VAR
 
 
+def report_backend(name: str) -> None:
+    """Say that backend ``name`` ran the current call (what :func:`last_backend` answers): for a
+    backend's runner that hands a call on (:func:`recompute`) and for ops outside :func:`dispatch`
+    (the Triton modern kernels). Traced by dynamo it is a constant, recorded when traced."""
+    if _is_compiling() and _traces_here():  # compiling(), inline
+        _report_traced(name)
+    elif _LAST.get() is not name:
+        _LAST.set(name)
+
+
+@constant_when_compiled
+def _report_traced(name: str) -> str:
+    _LAST.set(name)
+    return name
+
+
 def requested_backend(backend: str | None = None) -> str:
     """The backend a call asks for: ``backend`` if given, else the innermost :func:`use_backend`,
     else ``NORMSCOPE_BACKEND``, else ``"auto"``."""
     if backend is not None:
         _check_backend_name(backend, "backend")
         return backend
-    if _forced:
-        return _forced[-1]
+    forced = _TRACED_VIEW.forced if compiling() else _FORCED.get()
+    if forced is not None:
+        return forced
     env = _environ_get()
     if env:
         _check_backend_name(env, f"environment variable {ENV_VAR}")
@@ -353,8 +423,9 @@ def request_key() -> str | None:
     """What :func:`requested_backend` (without ``backend=``) depends on, read as cheaply as possible
     and not validated: the innermost :func:`use_backend` name, else the raw ``NORMSCOPE_BACKEND``.
     For keys of caches whose misses go through :func:`requested_backend` (the layers' hot path)."""
-    if _forced:
-        return _forced[-1]
+    forced = _FORCED.get()
+    if forced is not None:
+        return forced
     return _ENV_DATA.get(_ENV_KEY) if _ENV_DATA is not None else os.environ.get(ENV_VAR)
 
 
@@ -510,7 +581,7 @@ def symbolic(shape: Sequence) -> bool:
     While dynamo traces, ``isinstance(n, torch.SymInt)`` and ``type(n) is int`` both answer as for
     an int, so there torch's ``has_static_value`` is asked (dynamo answers it for the traced size,
     without a guard); a torch without it (< 2.6) is answered "symbolic", the safe side."""
-    if not _is_compiling():
+    if not compiling():
         return any(isinstance(n, torch.SymInt) for n in shape)
     # imported here, not at import time: it loads torch._dynamo (~0.7 s), which dynamo, tracing
     # this, has loaded already
@@ -518,6 +589,26 @@ def symbolic(shape: Sequence) -> bool:
 
     has_static_value = getattr(symbolic_shapes, "has_static_value", None)
     return has_static_value is None or not all(has_static_value(n) for n in shape)
+
+
+def compiling() -> bool:
+    """Whether dynamo (torch.compile, torch.export) is tracing this call, on this thread.
+
+    ``torch.compiler.is_compiling()`` alone is not that: dynamo answers it True where it traces, but
+    torch (2.13) also holds it True, process-wide, for as long as any thread compiles -- so eager
+    calls of every other thread would read it True. This asks it first (False, the usual eager
+    answer, costs one call) and then :func:`_traces_here`."""
+    return _is_compiling() and _traces_here()
+
+
+@constant_when_compiled
+def _traces_here() -> bool:
+    """Eagerly: whether this thread is inside a dynamo trace (its ``TracingContext`` is set) and not
+    in the engine's own eager planning for that trace (:func:`_as_traced`), which runs as eager code.
+    Where dynamo traces a call of it, dynamo runs it eagerly -- the answer is True -- and bakes that in."""
+    from torch._guards import TracingContext  # loaded with torch; imported here, where dynamo runs
+
+    return TracingContext.try_get() is not None and not _TRACING_CHOICE.get()
 
 
 # module-level names, not ``torch.<...>`` reads: while dynamo traces a layer (normscope.hot) the
@@ -535,11 +626,11 @@ def stand_in(shape: tuple, dtype: torch.dtype, device: torch.device | str) -> Te
 def _as_traced() -> Iterator[None]:
     """Plan inside as for a traced call (:func:`tracing` is True): the eager planning of a call that
     dynamo traces (``_choice_for_trace``)."""
-    _TRACING_CHOICE[0] = True
+    token = _TRACING_CHOICE.set(True)
     try:
         yield
     finally:
-        _TRACING_CHOICE[0] = False
+        _TRACING_CHOICE.reset(token)
 
 
 _TRACE_CHOICES: dict[tuple, str] = {}
@@ -614,7 +705,7 @@ def plan(call: Call, backend: str | None = None) -> tuple[str, Runner]:
     the plan cache (planned afresh, uncached, while tracing or for symbolic sizes). A runner serves
     every call with the same :func:`signature`; the hot path keeps it per call signature (:mod:`normscope.hot`)."""
     requested = requested_backend(backend)
-    if torch.compiler.is_compiling():
+    if compiling():
         # under dynamo the planning is traced once per graph anyway; storing it in _PLANS would be
         # a side effect on a dict keyed by trace-time objects (Resolved) that dynamo cannot replay,
         # which breaks torch.compile(fullgraph=True)
@@ -636,7 +727,7 @@ def plan(call: Call, backend: str | None = None) -> tuple[str, Runner]:
 
 def run(planned: tuple[str, Runner], call: Call):
     """Run ``call`` with a plan from :func:`plan` (and say so in :func:`last_backend`)."""
-    _last[0] = planned[0]
+    report_backend(planned[0])
     return planned[1](call)
 
 
@@ -661,35 +752,26 @@ def layer_entry(call: Call, planned: tuple[str, Runner]) -> LayerEntry:
 
 def dispatch(call: Call, backend: str | None = None):
     """Run ``call`` on the requested backend, or on the first automatic one that takes it."""
-    if _CAPTURED:  # planning a traced call on stand-ins (normscope.hot): plan it, run nothing
-        _CAPTURED[-1].append((call, _plan(call, requested_backend(backend))))
+    if compiling():  # traced: no state of this thread's eager calls applies (nor can be read)
+        return run(plan(call, backend), call)
+    captured = _CAPTURED.get()
+    if captured is not None:  # planning a traced call on stand-ins (normscope.hot): plan it, run nothing
+        captured.append((call, _plan(call, requested_backend(backend))))
         return call.x
     planned = plan(call, backend)
-    if not _is_compiling():
-        stack = _RECORDS.stack
-        if stack:  # a call the hot path is checking: what it dispatched (once; twice is not a plan)
-            slot = stack[-1]
-            slot[0] = (call, planned) if slot[0] is None else False
-            start = slot[1]
-            if start is not None:  # the call is checked and about to run: the caller's side effect
-                slot[1] = None
-                start()
+    stack = _RECORDS.get()
+    if stack:  # a call the hot path is checking: what it dispatched (once; twice is not a plan)
+        slot = stack[-1]
+        slot[0] = (call, planned) if slot[0] is None else False
+        start = slot[1]
+        if start is not None:  # the call is checked and about to run: the caller's side effect
+            slot[1] = None
+            start()
     return run(planned, call)
 
 
 # ----------------------------------------------------------------------------------------------
 # what the hot path (normscope.hot) learns from a checked call
-
-
-class _Records(threading.local):
-    """Per thread: the slots of the checked calls in progress, innermost last."""
-
-    def __init__(self) -> None:
-        self.stack: list[list] = []
-
-
-_RECORDS = _Records()
-_CAPTURED: list[list] = []  # inside capture(): the plans dispatch() made instead of running
 
 
 def record(start: Callable[[], None] | None = None) -> list:
@@ -698,24 +780,24 @@ def record(start: Callable[[], None] | None = None) -> list:
     and is about to run (a layer's bookkeeping, such as counting a batch, that a refused call must
     not do and a call that raises while it runs must have done, as torch's layers do)."""
     slot = [None, start]
-    _RECORDS.stack.append(slot)
+    _RECORDS.set((*_RECORDS.get(), slot))
     return slot
 
 
 def recorded(slot: list) -> tuple | None:
     """Close ``slot``: the ``(call, plan)`` dispatched while it was open, or None when there was none,
     more than one, or the checked call declined (:func:`decline_record`)."""
-    stack = _RECORDS.stack
+    stack = _RECORDS.get()
     for i in range(len(stack) - 1, -1, -1):
         if stack[i] is slot:
-            del stack[i]
+            _RECORDS.set(stack[:i] + stack[i + 1 :])
             break
     return slot[0] or None
 
 
 def decline_record() -> None:
     """The call being checked must not be remembered (see :func:`normscope.hot.per_call`)."""
-    stack = _RECORDS.stack
+    stack = _RECORDS.get()
     if stack:
         stack[-1][0] = False
 
@@ -725,12 +807,12 @@ def capture() -> Iterator[list]:
     """Inside: :func:`dispatch` plans as for a traced call (:func:`tracing` is True) and appends
     ``(call, (name, runner))`` to the yielded list instead of running anything."""
     captured: list = []
-    _CAPTURED.append(captured)
+    token = _CAPTURED.set(captured)
     try:
         with _as_traced():
             yield captured
     finally:
-        _CAPTURED.pop()
+        _CAPTURED.reset(token)
 
 
 def norm(

@@ -31,6 +31,13 @@ where no op runs: an argument without a signature sends the call to its checks. 
 happen once: the running statistics its runner updates, and the caller's own (``start``: BatchNorm's
 batch count), run once the call is checked and before it runs.
 
+**Threads.** The plan tables are shared by every thread. A plan depends only on its key and is
+never changed once stored; a thread reads ``op.last`` (one tuple) once per call and an entry of
+``op.plans`` in one dict operation, so another thread's store -- or the table starting afresh past
+its bound -- gives it either the old plan or the new one, both right for the key. What a call
+reads besides its arguments -- the forced backend, what ran last -- is per thread and per asyncio
+task (:mod:`normscope.engine`, "Per-thread state"), and so is the key's requested backend.
+
 While dynamo traces (``torch.compile``), :func:`call` plans the call once, eagerly, on stand-ins of
 its tensors (stride-0 views of one element: the checks, the resolution and the choice read nothing
 else), and dynamo traces only the chosen runner: tracing the checks put a guard on every function
@@ -43,9 +50,10 @@ from __future__ import annotations
 
 import functools
 import operator
+import threading
 import types
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 from torch import Tensor
@@ -53,7 +61,7 @@ from torch import Tensor
 from . import engine
 from .engine import Running
 
-__all__ = ["Op", "Plan", "call", "per_call", "tensors", "running"]
+__all__ = ["Op", "Plan", "call", "per_call", "tensors", "running", "refuse_script"]
 
 _MAX_PLANS = 4096  # per op; past it the table starts afresh (a bound, not a policy: real code has few)
 
@@ -97,8 +105,10 @@ _sig = operator.attrgetter("shape", "dtype", "device", "layout")
 _ENV_GET = engine._ENV_DATA.get if engine._ENV_DATA is not None else (lambda _: engine.request_key())
 _ENV_KEY = engine._ENV_KEY
 _is_compiling = torch.compiler.is_compiling
-_LAST = engine._last  # what engine.last_backend() answers
-_FORCED = engine._forced
+_traces_here = engine._traces_here  # `_is_compiling() and _traces_here()`: engine.compiling(), inline
+_forced = engine._FORCED.get  # the innermost use_backend() name of this thread (or task), else None
+_last = engine._LAST.get  # what engine.last_backend() answers, per thread (or task)
+_set_last = engine._LAST.set
 
 
 def call(
@@ -118,7 +128,7 @@ def call(
     ``start``: the caller's side effect of a call that runs (BatchNorm's batch count), called once,
     after the checks pass and before the work starts -- so a refused call changes nothing, and a
     call that raises while it runs (activation checkpointing's early stop) has counted, as in torch."""
-    if _is_compiling():
+    if _is_compiling() and _traces_here():
         return _traced_call(op, settings, x, weight, bias, eps, running, mask, start)
     if mask is not None:  # a mask's values decide the statistics: the checked call, every time
         return _checked(op, settings, x, weight, bias, eps, running, mask, start)[0]
@@ -128,7 +138,7 @@ def call(
             settings,
             eps,
             type(eps),
-            _FORCED[-1] if _FORCED else _ENV_GET(_ENV_KEY),  # engine.request_key(), inline
+            _forced() or _ENV_GET(_ENV_KEY),  # engine.request_key(), inline
             _sig(x),
             None if weight is None else _sig(weight),
             None if bias is None else _sig(bias),
@@ -150,7 +160,8 @@ def call(
         # wrong or runs it unplanned. Nothing here runs an op: no exception of a running call is caught
         return _checked(op, settings, x, weight, bias, eps, running, None, start)[0]
     if found is not None:
-        _LAST[0] = found.backend  # engine.last_backend(): a store, no call
+        if _last() is not found.backend:  # engine.report_backend(), inline: a set only on a change
+            _set_last(found.backend)
         if start is not None:
             start()
         return found.entry(x, weight, bias, found.eps, running)
@@ -203,6 +214,21 @@ def per_call() -> None:
 running = functools.partial(tuple.__new__, Running)
 
 
+def refuse_script(layer: torch.nn.Module) -> NoReturn:
+    """Every normscope layer's ``__prepare_scriptable__``: ``torch.jit.script`` calls it on the module
+    it scripts and on each submodule before compiling anything, so a model holding a normscope layer
+    gets this TypeError rather than TorchScript's error from deep inside this module. TorchScript
+    compiles a subset of Python that the hot path (its plans, checks and backends) is not written in;
+    torch.compile and torch.export trace through it."""
+    name = type(layer).__name__
+    raise TypeError(
+        f"torch.jit.script: normscope's {name} cannot be compiled by TorchScript (its forward runs "
+        "normscope's planned Python path); use torch.compile(model) or torch.export.export(model, args) "
+        "instead -- both trace through normscope layers -- or convert the layers to torch.nn first with "
+        "normscope.convert(model, 'torch')"
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # a layer's tensors
 
@@ -221,7 +247,7 @@ def tensors(layer: torch.nn.Module, names: tuple[str, ...]) -> list:
     of the layer defines one of the names itself (a property of a subclass shadows the dicts), nor for
     a name the dicts do not hold (moved out by ``parametrize``, pruning, ``weight_norm``, FSDP).
     ``names``: among :data:`_NAMES` (whose shadowing is what is checked, once per class)."""
-    if _is_compiling():
+    if _is_compiling() and _traces_here():
         return [getattr(layer, n) for n in names]
     cls = type(layer)
     direct = _DIRECT.get(cls)
@@ -272,7 +298,9 @@ def _traced(op, settings, x, weight, bias, eps, running) -> Plan | None:
     # the settings as Python constants for dynamo: a type (the keys' ``type(eps)``-like slots, which
     # the checked calls never read) by its name
     constants = tuple(v.__name__ if isinstance(v, type) else v for v in settings)
-    request = _FORCED[-1] if _FORCED else _environ_constant()  # engine.request_key(), a constant to dynamo
+    # engine.request_key() as dynamo reads it: the forced name from the thread's view (a guard per
+    # thread), the environment as a constant
+    request = _TRACED_VIEW.forced or _environ_constant()
     return getattr(_TRACE_PLANS, _trace_token((op.name, constants, eps, flags), tuple(metas), request))
 
 
@@ -282,6 +310,7 @@ def _traced(op, settings, x, weight, bias, eps, running) -> Plan | None:
 _is_tensor = torch.is_tensor
 _symbolic = engine.symbolic
 _environ_constant = engine._environ_get
+_TRACED_VIEW = engine._TRACED_VIEW
 
 #: the plans of the calls planned for a trace, as attributes named by token -- not a dict: dynamo
 #: reads a dict's items once per trace, and a trace plans each of its calls after the first has
@@ -289,6 +318,7 @@ _environ_constant = engine._environ_get
 _TRACE_PLANS = types.SimpleNamespace()
 _TRACE_TOKENS: dict[tuple, str] = {}
 _tokens = iter(range(1 << 62))
+_TRACE_LOCK = threading.Lock()
 
 
 @engine.constant_when_compiled
@@ -315,14 +345,20 @@ def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
         if len(captured) == 1 and _consumed(captured[0][0], x, weight, bias, run, traced=True):
             c, planned = captured[0]
             found = Plan(planned[0], engine.layer_entry(c, planned), c.eps)
-        if len(_TRACE_TOKENS) >= _MAX_PLANS:
-            _TRACE_TOKENS.clear()
-            _TRACE_PLANS.__dict__.clear()
-        token = _TRACE_TOKENS[key] = f"plan{next(_tokens)}"  # never reused: a graph guards on its plan
-        setattr(_TRACE_PLANS, token, found)
+        # Two threads may trace at once: the plan is stored before its token is published, and
+        # under a lock, so that a token another thread reads always names a stored plan
+        with _TRACE_LOCK:
+            token = _TRACE_TOKENS.get(key)
+            if token is None:
+                if len(_TRACE_TOKENS) >= _MAX_PLANS:
+                    _TRACE_TOKENS.clear()
+                    _TRACE_PLANS.__dict__.clear()
+                token = f"plan{next(_tokens)}"  # never reused: a graph guards on its plan
+                setattr(_TRACE_PLANS, token, found)
+                _TRACE_TOKENS[key] = token
     found = getattr(_TRACE_PLANS, token)
     if found is not None:
         # last_backend() names the backend the graph was traced with, from when it was traced: a
         # store traced into the graph would run on every call (measured ~4 % of a small compiled layer)
-        _LAST[0] = found.backend
+        _set_last(found.backend)
     return token

@@ -336,9 +336,13 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
             if _is_tracing() or _peek() is not None:
                 return plain(x, w, b, eps, r)
-            # as torch.group_norm: keep a channels_last input channels_last
+            # as torch.group_norm: keep a channels_last input channels_last. The native op reads
+            # weight and bias as contiguous memory (torch.group_norm makes them so, the native op
+            # does not): a view (``base[::2]``, ``g.expand(C)``) would be read out of bounds
             xc = x.contiguous(memory_format=channels_last(x) or torch.contiguous_format)
-            y, mean, rstd = torch.native_group_norm(xc, w, b, n, ch, hw, groups, eps)
+            wc = None if w is None else w.contiguous()
+            bc = None if b is None else b.contiguous()
+            y, mean, rstd = torch.native_group_norm(xc, wc, bc, n, ch, hw, groups, eps)
             if not bounded(mean, eps) and _exceeds(mean, eps, rstd):
                 return engine.recompute(as_call(x, w, b, eps, r), wide=True)
             return y

@@ -227,9 +227,7 @@ def modulated_norm(
     why = why_not_rows_op(x, x.shape[-1], shift, scale, weight, bias, max_n=config.ROWS_MAX_FUSED_N)
     if why is not None:
         raise _refuse("modulated_norm", why)
-    engine._last[0] = NAME  # last_backend(): this op ran on the kernels
-    if x.numel() == 0:  # nothing to launch (an empty grid is an error on some stacks: QuACK)
-        return x.new_empty(x.shape)
+    engine.report_backend(NAME)  # last_backend(): this op ran on the kernels (or, empty, their reference)
     return mk.modulated_rows(x, shift, scale, weight, bias, eps, centered)
 
 
@@ -243,9 +241,7 @@ def offset_rows_norm(
     why = why_not_rows_op(x, n, weight, bias)
     if why is not None:
         raise _refuse("a zero-centred-weight norm", why)
-    engine._last[0] = NAME
-    if x.numel() == 0:
-        return x.new_empty(x.shape)
+    engine.report_backend(NAME)
     return rows.rows_norm(x, weight, bias, eps, centered, weight_offset=weight_offset, n=n)[0]
 
 
@@ -267,9 +263,7 @@ def qk_norm(
         why = f"q and k of one dtype and weights of one dtype, got q {q.dtype}, k {k.dtype}"
     if why is not None:
         raise _refuse("qk_norm", why)
-    engine._last[0] = NAME
-    if q.numel() == 0 or k.numel() == 0:
-        return q.new_empty(q.shape), k.new_empty(k.shape)
+    engine.report_backend(NAME)
     return mk.qk_rows(q, k, n, *weights, eps, centered, weight_offset)
 
 
@@ -281,9 +275,7 @@ def poly_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     why = why_not_rows_op(x, x.shape[-1], weight, bias, max_n=config.ROWS_MAX_FUSED_N)
     if why is not None:
         raise _refuse("poly_norm", why)
-    engine._last[0] = NAME
-    if x.numel() == 0:
-        return x.new_empty(x.shape)
+    engine.report_backend(NAME)
     return mk.poly_rows(x, weight, bias, eps)
 
 
@@ -297,7 +289,5 @@ def derf(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: T
         why = "the kernel takes both weight and bias, or neither"
     if why is not None:
         raise _refuse("derf", why)
-    engine._last[0] = NAME
-    if x.numel() == 0:
-        return x.new_empty(x.shape)
+    engine.report_backend(NAME)
     return mk.derf_rows(x, alpha, shift, weight, bias)

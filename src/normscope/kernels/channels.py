@@ -9,7 +9,7 @@ the masked-BatchNorm1d layout without the mask) is ``(B*S, D, 1)``. A channel's 
 inner`` positions are reduced in two stages, deterministically (no atomics):
 
 1. a grid of (position chunk, channel block) programs writes each chunk's per-channel mean and
-   M2 (deviations about the chunk's own mean, on values shifted by the channel's first element,
+   M2 (deviations about the chunk's own mean, on values shifted by the channel's first valid element,
    combined tile by tile with Chan's formula) to a ``(chunks, C)`` fp32 buffer;
 2. a few torch ops combine the chunks (Chan again), in a fixed order.
 
@@ -50,13 +50,21 @@ def _offsets(p, c, C, inner):
 
 @triton.jit
 def _stats_kernel(
-    X, MASK, PMEAN, PM2, PCNT, C, inner, P, chunk,
+    X, MASK, FIRST, PMEAN, PM2, PCNT, C, inner, P, chunk,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     pid_p = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
-    k = tl.load(X + c.to(tl.int64) * inner, mask=cmask, other=0.0).to(tl.float32)  # each channel's first value
+    # the shift: each channel's value at its first *valid* position (FIRST; position 0 unmasked).
+    # A padded value as the shift would leave its rounding in the mean: with one valid value v the
+    # mean came out as k + (v - k) != v, and xhat, which must be 0, as that error times rstd
+    if HAS_MASK:
+        first = tl.load(FIRST).to(tl.int64)
+    else:
+        first = tl.zeros([], dtype=tl.int64)
+    k_offs = (first // inner) * (C * inner) + first % inner + c.to(tl.int64) * inner
+    k = tl.load(X + k_offs, mask=cmask, other=0.0).to(tl.float32)
     start = pid_p * chunk
     end = tl.minimum(start + chunk, P)
     n_a = 0.0
@@ -195,8 +203,10 @@ def _batch_stats(x3: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Te
     pmean = torch.empty((chunks, c), dtype=torch.float32, device=x3.device)
     pm2 = torch.empty((chunks, c), dtype=torch.float32, device=x3.device)
     pcnt = torch.empty((chunks, 1), dtype=torch.float32, device=x3.device)
+    # the first valid position (argmax: the first of the largest flags; 0 when none is valid), on the device
+    first = mask.reshape(-1).argmax() if mask is not None else x3
     _stats_kernel[(chunks, triton.cdiv(c, block_c))](
-        x3, mask if mask is not None else x3, pmean, pm2, pcnt, c, inner, p, chunk,
+        x3, mask if mask is not None else x3, first, pmean, pm2, pcnt, c, inner, p, chunk,
         BLOCK_P=block_p, BLOCK_C=block_c, HAS_MASK=mask is not None, num_warps=config.CHANNELS_WARPS,
     )  # fmt: skip
     # stage 2: Chan's combination of the chunks, in a fixed order

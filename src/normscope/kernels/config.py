@@ -56,8 +56,10 @@ GROUPS_CL_TILE = 2048
 #: one contiguous run of memory (InstanceNorm's one-channel groups still load coalesced rows); wider
 #: rows mean fewer, longer memory transactions but fewer positions per tile. Unmeasured.
 GROUPS_CL_WIDTH = 64
-#: channels_last kernels: programs to aim for when the positions are split (``N * G`` alone is 64 at
-#: batch 2, G = 32): more splits fill the GPU but add partials every program re-reads. Unmeasured.
+#: channels_last kernels: programs to aim for *per sample* when the positions are split (``G`` alone
+#: is 32 programs at G = 32): more splits fill the GPU but add partials every program re-reads. Per
+#: sample, never per batch: the splits are a group's reduction order, which must not depend on the
+#: batch size (scope isolation, see normscope.engine). Unmeasured.
 GROUPS_CL_PROGRAMS = 1024
 #: channels_last kernels: fewest elements one split of a group block holds, so that a split's work
 #: outweighs its share of the second (combining) stage. Unmeasured.

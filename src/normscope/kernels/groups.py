@@ -27,8 +27,11 @@ wider groups are walked in channel blocks), so a non-power-of-two ``Cg`` leaves 
 Why split the positions (a two-stage scheme rather than one program per group): ``N * G`` programs
 is 64 for a batch of 2 at G = 32 -- under half an H100's 132 SMs, each program walking a whole
 group alone. The positions are cut into ``splits`` chunks of whole tiles so that about
-``GROUPS_CL_PROGRAMS`` programs run (each holding at least ``GROUPS_CL_MIN_SPLIT`` elements; small inputs get one
-split). The second stage is deterministic and costs no extra pass over x:
+``GROUPS_CL_PROGRAMS`` programs run for one sample (each holding at least ``GROUPS_CL_MIN_SPLIT`` elements;
+small inputs get one split). The splits are a function of one sample's layout (G, Cg, HW), never of
+the batch size: they fix a group's reduction order, and a sample's bits must not depend on how many
+samples share its call (scope isolation, :mod:`normscope.engine`). The second stage is deterministic
+and costs no extra pass over x:
 
 * forward: stage 1 writes each split's per-group (mean, M2) -- on values shifted by the group's
   first element, the same shift in every split -- to an ``(N * G, splits)`` fp32 buffer; in the
@@ -449,14 +452,19 @@ def _view(x: Tensor, groups: int) -> tuple[int, int, int]:
     return n * groups, c // groups, x[0, 0].numel() if x.dim() > 2 else 1
 
 
-def _cl_config(n: int, groups: int, cg: int, hw: int) -> tuple[int, int, int, int, int, int]:
+def _cl_config(groups: int, cg: int, hw: int) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_S, BLOCK_G, BLOCK_C, num_warps, chunk, splits) of the channels_last kernels (settings:
-    ``GROUPS_CL_*`` in kernels/config.py)."""
+    ``GROUPS_CL_*`` in kernels/config.py).
+
+    A function of one sample's layout only -- never of the batch size: the splits of a group's
+    positions are its reduction order, so a group's bits would otherwise change with the samples
+    around it (scope isolation, :mod:`normscope.engine`). The split count aims at
+    ``GROUPS_CL_PROGRAMS`` programs for one sample; a larger batch has more programs anyway."""
     tile, width = config.GROUPS_CL_TILE, config.GROUPS_CL_WIDTH
     bc = min(_next_pow2(cg), width)  # a wider group is walked in several channel blocks
     bg = min(_next_pow2(groups), width // bc)
     bs = max(1, min(_next_pow2(hw), tile // (bg * bc)))
-    programs = n * triton.cdiv(groups, bg)
+    programs = triton.cdiv(groups, bg)  # per sample
     most = max(1, hw * bg * cg // config.GROUPS_CL_MIN_SPLIT)  # splits that still hold that many elements
     # every program loads its groups' partials from all splits: keep that (BLOCK_G, splits) block <= a tile
     splits = max(1, min(triton.cdiv(config.GROUPS_CL_PROGRAMS, programs), most, triton.cdiv(hw, bs), tile // bg))
@@ -488,7 +496,7 @@ def _empty_out(x: Tensor) -> Tensor:
 def _cl_fwd(x, weight, bias, y, mean, rstd, groups, eps, centered):
     n, c = x.shape[0], x.shape[1]
     cg, hw = c // groups, x[0, 0].numel()
-    bs, bg, bc, warps, chunk, splits = _cl_config(n, groups, cg, hw)
+    bs, bg, bc, warps, chunk, splits = _cl_config(groups, cg, hw)
     pm2 = torch.empty(n * groups * splits, dtype=torch.float32, device=x.device)
     pmean = torch.empty_like(pm2) if centered else pm2
     grid = (n * triton.cdiv(groups, bg), splits)
@@ -507,7 +515,7 @@ def _cl_bwd(dy, x, weight, mean, rstd, dx, groups, centered, has_bias):
     n, c = x.shape[0], x.shape[1]
     cg, hw = c // groups, x[0, 0].numel()
     has_w = weight is not None
-    bs, bg, bc, warps, chunk, splits = _cl_config(n, groups, cg, hw)
+    bs, bg, bc, warps, chunk, splits = _cl_config(groups, cg, hw)
     pc1 = torch.empty(n * groups * splits, dtype=torch.float32, device=x.device)
     pc2 = torch.empty_like(pc1) if centered else pc1
     # per-channel partials, one row per (sample, split): no atomics, summed once below

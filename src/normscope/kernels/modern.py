@@ -59,6 +59,12 @@ if interpreting():
 __all__ = ["modulated_rows", "modulated_ref", "qk_rows", "poly_rows", "derf_rows"]
 
 
+def _rows2d(t: Tensor, n: int) -> Tensor:
+    """``t`` as rows of ``n`` elements; the row count spelled out, so that empty input (rows of zero
+    elements included, which ``reshape(-1, 0)`` cannot size) has a shape."""
+    return t.reshape(t.numel() // n if n else 0, n)
+
+
 @triton.jit
 def _mod_fwd_kernel(
     X, W, B, SHIFT, SCALE, Y, MEAN, RSTD,
@@ -306,18 +312,18 @@ def modulated_rows(
     """``norm(x) * (1 + scale) + shift`` over x's last axis; ``shift``/``scale`` per sample (B, N)
     or per token (x's shape). Inputs are assumed checked (the door, :mod:`normscope.backends.triton`)."""
     shape, N = x.shape, x.shape[-1]
-    x2 = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, N)
+    x2 = _rows2d(x if x.stride(-1) == 1 else x.contiguous(), N)
     M = x2.shape[0]
 
     def rowwise(t: Tensor | None) -> tuple[Tensor | None, int]:
         if t is None:
             return None, 1
-        per = 1 if tuple(t.shape) == tuple(shape) else M // t.shape[0]
-        t2 = t.reshape(-1, N)
+        per = 1 if tuple(t.shape) == tuple(shape) or t.shape[0] == 0 else M // t.shape[0]
+        t2 = _rows2d(t, N)
         return (t2 if t2.stride(-1) == 1 else t2.contiguous()), per
 
     (sh, per_shift), (sc, per_scale) = rowwise(shift), rowwise(scale)
-    if not use_kernel(x2):
+    if not use_kernel(x2) or M * N == 0:  # empty: the reference, whose output autograd reaches
         return modulated_ref(x2, sh, sc, weight, bias, eps, centered, per_shift, per_scale).view(shape)
     y, _, _ = modulated_fwd(x2, sh, sc, dense(weight), dense(bias), float(eps), bool(centered), per_shift, per_scale)
     return y.view(shape)
@@ -353,15 +359,16 @@ def _qk_fwd_kernel(
     Q, K, WQ, WK, BQ, BK, YQ, YK, MEANQ, RSTDQ, MEANK, RSTDK,
     stride_q, stride_k, stride_yq, stride_yk, Mq, Mk, N, eps, w_offset, q_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTERED: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_WQ: tl.constexpr, HAS_WK: tl.constexpr, HAS_BQ: tl.constexpr, HAS_BK: tl.constexpr,
 ):  # fmt: skip
+    # q and k each have their own affine: either may come without weight or bias
     pid = tl.program_id(0)
     if pid < q_blocks:
         _rows_block(Q, WQ, BQ, YQ, MEANQ, RSTDQ, stride_q, stride_yq, Mq, N, eps, w_offset, pid,
-                    BLOCK_M, BLOCK_N, CENTERED, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+                    BLOCK_M, BLOCK_N, CENTERED, HAS_WQ, HAS_BQ)  # fmt: skip
     else:
         _rows_block(K, WK, BK, YK, MEANK, RSTDK, stride_k, stride_yk, Mk, N, eps, w_offset, pid - q_blocks,
-                    BLOCK_M, BLOCK_N, CENTERED, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
+                    BLOCK_M, BLOCK_N, CENTERED, HAS_WK, HAS_BK)  # fmt: skip
 
 
 @torch.library.custom_op("normscope::qk_fwd", mutates_args=())
@@ -383,11 +390,12 @@ def qk_fwd(
     stats = [torch.empty(m, dtype=torch.float32, device=q.device) for m in (Mq, Mq, Mk, Mk)]
     block_m, block_n, _, warps = _config(N)
     q_blocks = triton.cdiv(Mq, block_m)
-    has_w, has_b = wq is not None, bq is not None
     _qk_fwd_kernel[(q_blocks + triton.cdiv(Mk, block_m),)](
-        q, k, wq if has_w else q, wk if has_w else k, bq if has_b else q, bk if has_b else k, yq, yk, *stats,
+        q, k, q if wq is None else wq, k if wk is None else wk, q if bq is None else bq, k if bk is None else bk,
+        yq, yk, *stats,
         q.stride(0), k.stride(0), yq.stride(0), yk.stride(0), Mq, Mk, N, eps, weight_offset, q_blocks,
-        BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered, HAS_WEIGHT=has_w, HAS_BIAS=has_b,
+        BLOCK_M=block_m, BLOCK_N=block_n, CENTERED=centered,
+        HAS_WQ=wq is not None, HAS_WK=wk is not None, HAS_BQ=bq is not None, HAS_BK=bk is not None,
         num_warps=warps,
     )  # fmt: skip
     return yq, yk, *stats
@@ -402,12 +410,12 @@ def _qk_fwd_fake(q, k, wq, wk, bq, bk, eps, centered, weight_offset):
 def _qk_setup_context(ctx, inputs, output):
     q, k, wq, wk, bq, bk, eps, centered, weight_offset = inputs
     ctx.save_for_backward(q, k, wq, wk, bq, bk, *output[2:])
-    ctx.args = (eps, centered, weight_offset, bq is not None)
+    ctx.args = (eps, centered, weight_offset)
 
 
 def _qk_backward(ctx, dyq, dyk, *dstats):
     q, k, wq, wk, bq, bk, mq, rq, mk, rk = ctx.saved_tensors
-    eps, centered, offset, has_b = ctx.args
+    eps, centered, offset = ctx.args
     if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
         out = []
         for x, w, b, dy in ((q, wq, bq, dyq), (k, wk, bk, dyk)):
@@ -422,11 +430,11 @@ def _qk_backward(ctx, dyq, dyk, *dstats):
         (dq, dwq, dbq), (dk, dwk, dbk) = out
         return dq, dk, dwq, dwk, dbq, dbk, None, None, None
     grads = []
-    for x, w, m, r, dy in ((q, wq, mq, rq, dyq), (k, wk, mk, rk, dyk)):
+    for x, w, b, m, r, dy in ((q, wq, bq, mq, rq, dyq), (k, wk, bk, mk, rk, dyk)):
         if dy is None:
             dy = torch.zeros_like(x)
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()  # stride 0 from .sum() (QuACK #88)
-        grads.append(rows_bwd(dy.contiguous(), None, x, w, m, r, centered, has_b, offset))
+        grads.append(rows_bwd(dy.contiguous(), None, x, w, m, r, centered, b is not None, offset))
     (dq, dwq, dbq), (dk, dwk, dbk) = grads
     cast = lambda t, like: t.to(like.dtype) if like is not None else None  # noqa: E731
     return dq, dk, cast(dwq, wq), cast(dwk, wk), cast(dbq, bq), cast(dbk, bk), None, None, None
@@ -450,9 +458,9 @@ def qk_rows(
     """q and k normalized over rows of their last ``n`` elements, in one forward launch. Inputs are
     assumed checked by the door."""
     shapes = q.shape, k.shape
-    q2, k2 = (t.contiguous().reshape(-1, n) for t in (q, k))  # a transposed (B, H, S, D) view is copied once
+    q2, k2 = (_rows2d(t.contiguous(), n) for t in (q, k))  # a transposed (B, H, S, D) view is copied once
     ws = [dense(t) for t in (wq, wk, bq, bk)]
-    if not use_kernel(q2):
+    if not use_kernel(q2) or q2.numel() == 0 or k2.numel() == 0:  # empty: the reference, as below
         yq = rows_ref(q2, ws[0], ws[2], eps, centered, weight_offset=weight_offset)[0]
         yk = rows_ref(k2, ws[1], ws[3], eps, centered, weight_offset=weight_offset)[0]
     else:
@@ -625,9 +633,9 @@ poly_fwd.register_autograd(_poly_backward, setup_context=_poly_setup_context)
 def poly_rows(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     """PolyNorm over x's last axis (inputs assumed checked by the door)."""
     shape, N = x.shape, x.shape[-1]
-    x2 = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, N)
+    x2 = _rows2d(x if x.stride(-1) == 1 else x.contiguous(), N)
     w, b = dense(weight), dense(bias)
-    if not use_kernel(x2):
+    if not use_kernel(x2) or x2.numel() == 0:  # empty: the reference, whose output autograd reaches
         return poly_ref(x2, w, b, eps).view(shape)
     return poly_fwd(x2, w, b, float(eps))[0].view(shape)
 
@@ -777,8 +785,8 @@ derf_fwd.register_autograd(_derf_backward, setup_context=_derf_setup_context)
 def derf_rows(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
     """Derf over x with the features on the last axis (inputs assumed checked by the door)."""
     shape, N = x.shape, x.shape[-1]
-    x2 = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, N)
+    x2 = _rows2d(x if x.stride(-1) == 1 else x.contiguous(), N)
     a, s, w, b = (dense(t) for t in (alpha, shift, weight, bias))
-    if not use_kernel(x2):
+    if not use_kernel(x2) or x2.numel() == 0:  # empty: the reference, whose output autograd reaches
         return derf_ref(x2, a, s, w, b).view(shape)
     return derf_fwd(x2, a, s, w, b).view(shape)

@@ -8,6 +8,7 @@ conv-bn fusers rely on -- stays true. ``forward`` goes through :mod:`normscope.f
 the one engine, with clearer errors than torch's.
 """
 
+from .. import hot as _hot
 from .adain import AdaIN
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .dyt import DyT
@@ -19,6 +20,16 @@ from .normalization import GroupNorm, LayerNorm, LocalResponseNorm, RMSNorm
 from .powernorm import PowerNorm
 from .renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d
 from .syncbatchnorm import SyncBatchNorm
+
+for _cls in (
+    AdaIN, BatchNorm1d, BatchNorm2d, BatchNorm3d, DyT, FrozenBatchNorm2d, InstanceNorm1d, InstanceNorm2d,
+    InstanceNorm3d, LayerNorm2d, AdaLayerNorm, Derf, PolyNorm, QKNorm, GroupNorm, LayerNorm, LocalResponseNorm,
+    RMSNorm, PowerNorm, BatchRenorm1d, BatchRenorm2d, BatchRenorm3d, SyncBatchNorm,
+):  # fmt: skip
+    # torch.jit.script asks each module of a model for this first: a TypeError that names the way
+    # that works (torch.compile, torch.export), not TorchScript's from inside the hot path
+    _cls.__prepare_scriptable__ = _hot.refuse_script
+del _cls
 
 __all__ = [
     "BatchNorm1d",

@@ -1,0 +1,171 @@
+"""Edges of the Triton door, in Triton's interpreter on CPU (as the other kernel tests): q and k
+each with their own optional affine in the one-launch QK-norm, empty input through every modern
+kernel op with autograd, and masked BatchNorm with one valid position per channel. The oracle is
+the reference backend (plain PyTorch) or torch.nn.functional."""
+
+from __future__ import annotations
+
+import os
+
+from conftest import TEST_DEVICE, kernel_interpreter_env
+
+_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
+if TEST_DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
+
+import normscope  # noqa: E402
+from normscope import functional as nf  # noqa: E402
+from normscope import functional_modern as FM  # noqa: E402
+
+DEV = torch.device(TEST_DEVICE)
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_env():
+    yield from kernel_interpreter_env(_PREVIOUS_INTERPRET)
+
+
+def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(DEV).detach().requires_grad_()
+
+
+def _outputs_and_grads(fn, leaves):
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.manual_seed(5)
+    cots = [torch.randn(o.shape, device=DEV, dtype=o.dtype) for o in outs]
+    live = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(outs, live, cots, allow_unused=True)
+    return outs, grads
+
+
+@pytest.mark.parametrize("given", ("q_weight", "k_weight", "q_bias", "k_bias", "q_weight k_bias"))
+def test_qk_norm_with_one_side_affine(given):
+    """q and k each take their own optional weight and bias: a weight on one side only is applied to
+    that side (it was ignored for k alone, and raised in the kernel for q alone)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, 8, generator=g)
+    k = torch.randn(2, 3, 2, 8, generator=g) + 1
+    affine = {name: torch.randn(8, generator=g) for name in given.split()}
+    norm = "layer" if "bias" in given else "rms"
+
+    def run(backend):
+        leaves = [_leaf(t) for t in (q, k, affine.get("q_weight"), affine.get("k_weight"))]
+        biases = [_leaf(affine.get(n)) for n in ("q_bias", "k_bias")]
+
+        def fn(q, k, wq, wk, bq, bk):
+            return FM.qk_norm(q, k, wq, wk, norm=norm, q_bias=bq, k_bias=bk, casting="gemma", backend=backend)
+
+        return _outputs_and_grads(fn, [*leaves, *biases])
+
+    (yq, yk), grads = run("triton")
+    assert normscope.last_backend() == "triton"
+    (eq, ek), expected = run("reference")
+    torch.testing.assert_close(yq, eq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(yk, ek, rtol=1e-5, atol=1e-5)
+    assert len(grads) == len(expected)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _modern_ops():
+    """(name, fn(x, w, b) on the forced backend, the shapes of x, w, b) for the five modern kernel ops."""
+    return [
+        ("modulated_norm", lambda x, w, b, be: FM.modulated_norm(x, b, w, backend=be), (0, 4, 8), (0, 8), (0, 8)),
+        (
+            "zero-centred rms_norm",
+            lambda x, w, b, be: FM.rms_norm(x, 8, w, 1e-6, weight_offset=1.0, casting="gemma", backend=be),
+            (0, 3, 8),
+            (8,),
+            None,
+        ),
+        (
+            "qk_norm",
+            lambda x, w, b, be: FM.qk_norm(x, x * 2, w, w, casting="gemma", backend=be),
+            (0, 3, 2, 8),
+            (8,),
+            None,
+        ),
+        ("poly_norm", lambda x, w, b, be: FM.poly_norm(x, w, b, backend=be), (0, 3, 8), (3,), (1,)),
+        (
+            "derf",
+            lambda x, w, b, be: FM.derf(x, torch.tensor(0.5), torch.tensor(0.1), w, b, backend=be),
+            (2, 0, 8),
+            (8,),
+            (8,),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("i", range(5))
+def test_modern_ops_on_empty_input_keep_autograd(i):
+    """An empty input gives an empty output that autograd reaches, on the kernels as on the default
+    backend: the input's gradient is empty, the weights' are zeros."""
+    name, fn, xs, ws, bs = _modern_ops()[i]
+    g = torch.Generator().manual_seed(1)
+    tensors = [None if s is None else torch.randn(s, generator=g) for s in (xs, ws, bs)]
+
+    def run(backend):
+        leaves = [_leaf(t) for t in tensors]
+        return _outputs_and_grads(lambda x, w, b: fn(x, w, b, backend), leaves)
+
+    outs, grads = run("triton")
+    expected_outs, expected_grads = run(None)
+    for o, e in zip(outs, expected_outs):
+        assert o.shape == e.shape and o.dtype == e.dtype, name
+    assert len(grads) == len(expected_grads)
+    for got, want in zip(grads, expected_grads):
+        assert got is not None, f"{name}: no gradient reached an input"
+        torch.testing.assert_close(got, want, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("first_masked", (True, False))
+def test_masked_batch_norm_with_one_valid_position_per_channel(first_masked):
+    """Each channel's statistics come from one valid position (variance 0): output and every gradient
+    as the reference backend's -- a masked first value must shift nothing."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, 4) * 3 + 5
+    w, b = torch.randn(3), torch.randn(3)
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[1, 2] = True  # one valid position: sample 1, position 2
+    if not first_masked:
+        mask[:] = False
+        mask[0, 0] = True
+    x[~mask.unsqueeze(1).expand_as(x)] = 1e3  # padded values far from the valid ones
+
+    def run(backend):
+        leaves = [_leaf(t) for t in (x, w, b)]
+
+        def fn(x, w, b):
+            return nf.batch_norm(x, None, None, w, b, True, mask=mask.to(DEV), backend=backend)
+
+        return _outputs_and_grads(fn, leaves)
+
+    (y,), grads = run("triton")
+    (ey,), expected = run("reference")
+    valid = mask.unsqueeze(1).expand_as(x).to(DEV)
+    torch.testing.assert_close(y[valid], ey[valid], rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_batch_norm_one_valid_position_is_the_bias_and_passes_no_gradient():
+    """The independent check, from the formula: one valid value per channel has variance 0, so xhat
+    is 0 -- the output is the bias -- and dx = w * rstd * (dy - mean(dy) - xhat * mean(dy * xhat)) is 0."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 3, 4) + 2
+    x[0, :, 0] = 1e3  # a padded first value: the shift the kernel once used
+    w, b = torch.randn(3), torch.randn(3)
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[1, 3] = True
+    xl = _leaf(x)
+    y = nf.batch_norm(xl, None, None, w.to(DEV), b.to(DEV), True, mask=mask.to(DEV), backend="triton")
+    (gx,) = torch.autograd.grad(y[1, :, 3], xl, torch.randn(3, device=DEV))
+    torch.testing.assert_close(y[1, :, 3], b.to(DEV), rtol=0, atol=1e-6)
+    torch.testing.assert_close(gx, torch.zeros_like(gx), rtol=0, atol=1e-6)

@@ -1,0 +1,217 @@
+"""Views as weight, bias and running statistics: every path gives torch's numbers on any strides a
+torch op accepts -- expanded (stride 0), strided (``base[::2]``), offset into a larger storage,
+a column of a matrix -- automatically and on each forced backend that takes the call. A fast path that hands
+such a tensor to an op assuming contiguity (``torch.native_group_norm`` does) makes it contiguous
+first; and a plan made on a contiguous call is never reused for a view (the plan's key holds the
+layout of every tensor it reads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import normscope
+import normscope.functional as NF
+from conftest import direct
+
+BACKENDS = ("auto", "aten", "composite", "reference", "triton")
+
+
+def _views(n: int, seed: int) -> dict[str, torch.Tensor]:
+    """``n``-element 1-d tensors of every layout, their values all distinct from one another."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(3 * n + 5, generator=g)
+    return {
+        "contiguous": base[:n].clone(),
+        "expanded": torch.full((1,), 1.5).expand(n),
+        "strided": base[: 2 * n : 2],
+        "offset": base[n + 3 : 2 * n + 3],
+        "column": base[: 3 * n].view(n, 3)[:, 1],  # a column of a row-major matrix: stride 3, offset 1
+    }
+
+
+def _forced(backend: str):
+    return normscope.use_backend(None if backend == "auto" else backend)
+
+
+def _run(backend: str, fn):
+    """``fn()`` on ``backend``; None where a forced backend declines the call (or is not registered)."""
+    if backend != "auto" and backend not in normscope.backends():
+        return None
+    try:
+        with _forced(backend):
+            return fn()
+    except ValueError as e:
+        if backend != "auto" and "cannot run" in str(e):
+            return None
+        raise
+
+
+LAYOUTS = ("expanded", "strided", "offset", "column")
+
+
+def _cases(layout: str):
+    """(name, normscope call, torch call, weight, bias, running mean, running var) for every
+    functional with weight and bias, the views in the given layout."""
+    torch.manual_seed(1)
+    c = 6
+    w, b = _views(c, 2)[layout], _views(c, 3)[layout]
+    rm, rv = _views(c, 4)[layout], _views(c, 5)[layout].abs() + 0.5
+    x4 = torch.randn(3, c, 4, 5)
+    x3 = torch.randn(3, 5, c)
+    cl = x4.contiguous(memory_format=torch.channels_last)
+    return [
+        ("group_norm", lambda: NF.group_norm(x4, 3, w, b), lambda: F.group_norm(x4, 3, w, b)),
+        ("group_norm channels_last", lambda: NF.group_norm(cl, 2, w, b), lambda: F.group_norm(cl, 2, w, b)),
+        ("group_norm one group", lambda: NF.group_norm(x4, 1, w, b), lambda: F.group_norm(x4, 1, w, b)),
+        ("group_norm = instance", lambda: NF.group_norm(x4, c, w, b), lambda: F.group_norm(x4, c, w, b)),
+        ("layer_norm", lambda: NF.layer_norm(x3, (c,), w, b), lambda: F.layer_norm(x3, (c,), w, b)),
+        ("rms_norm", lambda: NF.rms_norm(x3, (c,), w), lambda: F.rms_norm(x3, (c,), w)),
+        (
+            "batch_norm train",
+            lambda: NF.batch_norm(x4, rm.clone(), rv.clone(), w, b, True),
+            lambda: F.batch_norm(x4, rm.clone(), rv.clone(), w, b, True),
+        ),
+        ("batch_norm eval", lambda: NF.batch_norm(x4, rm, rv, w, b), lambda: F.batch_norm(x4, rm, rv, w, b)),
+        (
+            "batch_norm eval, channels last axis",
+            lambda: NF.batch_norm(x3, rm, rv, w, b, channel_dim=-1),
+            lambda: F.batch_norm(x3.reshape(-1, c), rm, rv, w, b).reshape(x3.shape),
+        ),
+        (
+            "instance_norm",
+            lambda: NF.instance_norm(x4, None, None, w, b),
+            lambda: F.instance_norm(x4, None, None, w, b),
+        ),
+        (
+            "instance_norm eval",
+            lambda: NF.instance_norm(x4, rm, rv, w, b, use_input_stats=False),
+            lambda: F.instance_norm(x4, rm, rv, w, b, use_input_stats=False),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_functional_with_views_as_weight_bias_and_running_stats(layout, backend):
+    ran = 0
+    for name, ours, theirs in _cases(layout):
+        expected = theirs()
+        got = _run(backend, ours)
+        if got is None:
+            continue
+        ran += 1
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert ran or backend not in ("auto", *normscope.backends()), f"{backend} ran none of the calls"
+
+
+@pytest.mark.parametrize("layout", ("strided", "offset", "column"))  # torch refuses to update an expanded one
+def test_batch_norm_updates_strided_running_stats_in_place(layout):
+    """A view as running statistics is updated in place, where it lives, as torch updates it."""
+    x = torch.randn(4, 6, 3)
+    base_ours = torch.randn(40)
+    base_theirs = base_ours.clone()
+    pick = {
+        "strided": lambda t: t[:12:2],
+        "offset": lambda t: t[7:13],
+        "column": lambda t: t[:18].view(6, 3)[:, 1],
+    }[layout]
+    rm_o, rm_t = pick(base_ours), pick(base_theirs)
+    rv_o, rv_t = pick(base_ours[20:]), pick(base_theirs[20:])
+    rv_o.abs_().add_(0.5)
+    rv_t.abs_().add_(0.5)
+    y = NF.batch_norm(x, rm_o, rv_o, None, None, True, 0.3)
+    expected = F.batch_norm(x, rm_t, rv_t, None, None, True, 0.3)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(base_ours, base_theirs)  # the same elements changed, and only they
+
+
+def _layers(c: int):
+    return [
+        (normscope.GroupNorm(3, c), torch.nn.GroupNorm(3, c), (3, c, 4, 5)),
+        (normscope.GroupNorm(c, c), torch.nn.GroupNorm(c, c), (3, c, 4, 5)),
+        (normscope.LayerNorm(c), torch.nn.LayerNorm(c), (3, 5, c)),
+        (normscope.RMSNorm(c), torch.nn.RMSNorm(c), (3, 5, c)),
+        (normscope.BatchNorm2d(c).eval(), torch.nn.BatchNorm2d(c).eval(), (3, c, 4, 5)),
+        (normscope.BatchNorm2d(c), torch.nn.BatchNorm2d(c), (3, c, 4, 5)),
+        (normscope.InstanceNorm2d(c, affine=True), torch.nn.InstanceNorm2d(c, affine=True), (3, c, 4, 5)),
+    ]
+
+
+def _set_views(layer: torch.nn.Module, layout: str, seed: int) -> None:
+    """Replace the layer's parameters' and buffers' data with views of the given layout."""
+    with torch.no_grad():
+        for i, name in enumerate(("weight", "bias")):
+            p = getattr(layer, name, None)
+            if p is not None:
+                p.data = _views(p.numel(), seed + i)[layout]
+        for i, name in enumerate(("running_mean", "running_var")):
+            t = getattr(layer, name, None)
+            if t is not None and not layer.training:  # an expanded buffer cannot be updated in place
+                v = _views(t.numel(), seed + 2 + i)[layout]
+                setattr(layer, name, v.abs() + 0.5 if name == "running_var" else v)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layers_with_views_as_parameters(layout, backend):
+    c = 6
+    for ours, theirs, shape in _layers(c):
+        x = torch.randn(shape)
+        _set_views(ours, layout, 10)
+        _set_views(theirs, layout, 10)
+        got = _run(backend, lambda ours=ours, x=x: ours(x))
+        if got is None:
+            continue
+        expected = theirs(x)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m, o=ours: f"{o}: {m}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_warm_plan_is_not_reused_for_a_view(layout):
+    """A contiguous call plans; the same call with a view of the same shape as weight and bias must
+    not reuse a plan that assumed contiguous memory."""
+    c = 8
+    x = torch.randn(2, c, 3, 3)
+    gn = normscope.GroupNorm(4, c)
+    ref = torch.nn.GroupNorm(4, c)
+    for _ in range(3):  # planned, then warm
+        torch.testing.assert_close(gn(x), ref(x))
+    with torch.no_grad():
+        for p, q in ((gn.weight, ref.weight), (gn.bias, ref.bias)):
+            v = _views(c, 7)[layout]
+            p.data, q.data = v, v.clone()
+    torch.testing.assert_close(gn(x), ref(x), rtol=1e-5, atol=1e-5)
+    w, b = _views(c, 8)[layout], _views(c, 9)[layout]
+    for _ in range(3):
+        NF.group_norm(x, 4, w.contiguous(), b.contiguous())
+    torch.testing.assert_close(NF.group_norm(x, 4, w, b), F.group_norm(x, 4, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_norms_with_views_as_weight_bias_and_mask(layout, backend):
+    """The masked paths (composite, Triton's masked BatchNorm, the reference) with views as weight and
+    bias and a strided mask, against the float64 formula (torch has no masked norms)."""
+    torch.manual_seed(2)
+    c = 6
+    w, b = _views(c, 12)[layout], _views(c, 13)[layout]
+    x = torch.randn(3, c, 10)
+    mask = (torch.rand(3, 20) > 0.3)[:, ::2]  # a strided view
+    mask[:, 0] = True
+    cases = [
+        ("group_norm", lambda: NF.group_norm(x, 2, w, b, mask=mask), dict(reduce=(1, 2), groups=2)),
+        ("instance_norm", lambda: NF.instance_norm(x, None, None, w, b, mask=mask), dict(reduce=(2,))),
+        ("batch_norm", lambda: NF.batch_norm(x, None, None, w, b, True, mask=mask), dict(reduce=(0, 2))),
+    ]
+    ran = 0
+    for name, ours, scope in cases:
+        got = _run(backend, ours)
+        if got is None:
+            continue
+        ran += 1
+        expected = direct(x, affine=(1,), weight=w, bias=b, mask=mask.unsqueeze(1), **scope).float()
+        valid = mask.unsqueeze(1).expand_as(x)
+        torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert ran or backend == "aten" or backend not in ("auto", *normscope.backends()), f"{backend} ran none"

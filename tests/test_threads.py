@@ -1,0 +1,241 @@
+"""Per-thread state: what a call reads besides its arguments -- the forced backend, what ran last,
+what the planner captures while tracing -- is per thread and per asyncio task, as torch's grad mode
+is. Each test orders its threads with events, so that the interleaving it checks happens every run
+(the compile test excepted: it runs eager calls for as long as another thread compiles)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import normscope
+import normscope.functional as NF
+from conftest import direct
+from normscope import engine
+
+_TIMEOUT = 60  # seconds any thread waits for another before the test fails
+
+
+def _in_thread(fn) -> tuple[threading.Thread, list]:
+    """Start ``fn`` in a thread; the list gets the exception it raised, if any."""
+    errors: list = []
+
+    def body():
+        try:
+            fn()
+        except BaseException as e:  # reported by _join, in the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t, errors
+
+
+def _join(*started) -> None:
+    for t, errors in started:
+        t.join(_TIMEOUT)
+        assert not t.is_alive(), "a thread did not finish"
+        if errors:
+            raise errors[0]
+
+
+def _wait(event: threading.Event) -> None:
+    assert event.wait(_TIMEOUT), "the other thread never got there"
+
+
+def _masked_group_norm_case():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 6)
+    w, b = torch.randn(4), torch.randn(4)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, 4:] = False
+    expected = direct(x, (1, 2), groups=2, affine=(1,), weight=w, bias=b, mask=mask.unsqueeze(1)).float()
+    return (x, w, b, mask), expected
+
+
+def test_forced_backend_in_one_thread_leaves_anothers_calls_automatic():
+    """One thread stays inside use_backend("aten") while another runs masked GroupNorm (which aten
+    cannot run): the other thread's calls run on their automatic backend, without error."""
+    (x, w, b, mask), expected = _masked_group_norm_case()
+    entered, done = threading.Event(), threading.Event()
+
+    def forcing():
+        with normscope.use_backend("aten"):
+            entered.set()
+            _wait(done)
+            assert engine.requested_backend() == "aten"
+
+    outs, ran = [], []
+
+    def masked():
+        _wait(entered)
+        try:
+            for _ in range(200):
+                outs.append(NF.group_norm(x, 2, w, b, mask=mask))
+                ran.append(normscope.last_backend())
+        finally:
+            done.set()
+
+    _join(_in_thread(forcing), _in_thread(masked))
+    assert set(ran) == {"composite"}
+    for y in outs:
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_leaving_a_with_block_pops_only_this_threads_entry():
+    """Thread A enters use_backend("reference"), thread B enters use_backend("aten"), A leaves first:
+    B is still inside its own block, and A is back to automatic."""
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        with normscope.use_backend("reference"):
+            a_in.set()
+            _wait(b_in)
+        seen["a after"] = engine.requested_backend()
+        a_out.set()
+
+    def thread_b():
+        _wait(a_in)
+        with normscope.use_backend("aten"):
+            b_in.set()
+            _wait(a_out)
+            seen["b inside"] = engine.requested_backend()
+        seen["b after"] = engine.requested_backend()
+
+    _join(_in_thread(thread_a), _in_thread(thread_b))
+    assert seen == {"a after": "auto", "b inside": "aten", "b after": "auto"}
+    assert engine.requested_backend() == "auto"
+
+
+def test_last_backend_is_per_thread():
+    """Each thread's last_backend() names the backend of its own last call."""
+    x = torch.randn(3, 8)
+    a_ran, b_ran = threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        NF.layer_norm(x, (8,), backend="reference")
+        a_ran.set()
+        _wait(b_ran)
+        seen["a"] = normscope.last_backend()
+
+    def thread_b():
+        _wait(a_ran)
+        seen["b before"] = normscope.last_backend()  # this thread has run nothing yet
+        NF.layer_norm(x, (8,))
+        seen["b"] = normscope.last_backend()
+        b_ran.set()
+
+    _join(_in_thread(thread_a), _in_thread(thread_b))
+    assert seen == {"a": "reference", "b before": None, "b": "aten"}
+
+
+def test_asyncio_tasks_have_their_own_forced_backend_and_last_backend():
+    """A task inside use_backend("reference") awaits while another task runs: the other task's calls
+    are automatic, and each task's last_backend() is its own."""
+    x = torch.randn(3, 8)
+    expected = F.layer_norm(x, (8,))
+
+    async def main():
+        forced_in, other_done = asyncio.Event(), asyncio.Event()
+        seen = {}
+
+        async def forcing():
+            with normscope.use_backend("reference"):
+                torch.testing.assert_close(NF.layer_norm(x, (8,)), expected)
+                forced_in.set()
+                await other_done.wait()
+                seen["forcing"] = (engine.requested_backend(), normscope.last_backend())
+
+        async def other():
+            await forced_in.wait()
+            torch.testing.assert_close(NF.layer_norm(x, (8,)), expected)
+            seen["other"] = (engine.requested_backend(), normscope.last_backend())
+            other_done.set()
+
+        await asyncio.wait_for(asyncio.gather(forcing(), other()), _TIMEOUT)
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen == {"forcing": ("reference", "reference"), "other": ("auto", "aten")}
+
+
+@pytest.mark.slow
+def test_compiling_in_one_thread_changes_no_eager_call_in_another():
+    """While one thread compiles layers (the planner captures plans on stand-ins as it traces), eager
+    masked GroupNorm and LayerNorm calls in another thread each run, give torch's (or the float64
+    formula's) numbers and report their automatic backend."""
+    (x, w, b, mask), expected_gn = _masked_group_norm_case()
+    xl, wl, bl = torch.randn(4, 16), torch.randn(16), torch.randn(16)
+    expected_ln = F.layer_norm(xl, (16,), wl, bl)
+    compiling = threading.Event()
+    done = threading.Event()
+
+    def compiler():
+        try:
+            torch._dynamo.reset()
+            compiling.set()
+            layers = [
+                (normscope.GroupNorm(2, 4), (3, 4, 5)),
+                (normscope.LayerNorm(6), (3, 4, 6)),
+                (normscope.BatchNorm1d(4), (3, 4, 5)),
+                (normscope.InstanceNorm1d(4, affine=True), (3, 4, 5)),
+                (normscope.RMSNorm(6), (3, 4, 6)),
+                (normscope.GroupNorm(4, 8), (2, 8, 3)),
+            ]
+            for layer, shape in layers:
+                xc = torch.randn(shape)
+                with torch.no_grad():
+                    torch.testing.assert_close(torch.compile(layer, backend="eager")(xc), layer(xc))
+        finally:
+            done.set()
+
+    results = []
+
+    def eager():
+        _wait(compiling)
+        while not done.is_set() or len(results) < 200:
+            y = NF.group_norm(x, 2, w, b, mask=mask)
+            results.append(("gn", y, normscope.last_backend()))
+            y = NF.layer_norm(xl, (16,), wl, bl)
+            results.append(("ln", y, normscope.last_backend()))
+
+    _join(_in_thread(compiler), _in_thread(eager))
+    wrong = [(k, ran) for k, y, ran in results if ran != {"gn": "composite", "ln": "aten"}[k]]
+    assert not wrong, f"{len(wrong)} of {len(results)} eager calls ran another backend: {wrong[:5]}"
+    bad = 0
+    for k, y, _ in results:
+        expected = expected_gn if k == "gn" else expected_ln
+        bad += not torch.allclose(y, expected, rtol=1e-5, atol=1e-5)
+    assert bad == 0, f"{bad} of {len(results)} eager calls gave other numbers"
+
+
+def test_threads_sharing_plans_while_the_tables_churn(monkeypatch):
+    """Four threads call the same layer and functional with alternating signatures while the plan
+    tables start afresh every few entries: every result is torch's (a plan is read whole, never half
+    written), and each thread's last_backend() is its own call's."""
+    import normscope.hot as hot
+
+    monkeypatch.setattr(hot, "_MAX_PLANS", 2)
+    ln = normscope.LayerNorm(8)
+    shapes = [(2, 8), (3, 8), (4, 2, 8), (5, 8)]
+    inputs = [torch.randn(s) for s in shapes]
+    expected = [F.layer_norm(x, (8,), ln.weight, ln.bias) for x in inputs]
+    start = threading.Barrier(4)
+
+    def worker(seed: int):
+        start.wait(_TIMEOUT)
+        for i in range(150):
+            k = (i + seed) % len(shapes)
+            backend = "reference" if (i + seed) % 3 == 0 else None
+            with torch.no_grad(), normscope.use_backend(backend):
+                y = ln(inputs[k]) if i % 2 else NF.layer_norm(inputs[k], (8,), ln.weight, ln.bias)
+                assert normscope.last_backend() == (backend or "aten")
+            torch.testing.assert_close(y, expected[k])
+
+    _join(*[_in_thread(lambda s=s: worker(s)) for s in range(4)])
