@@ -79,9 +79,11 @@ def why_not(call: Call) -> str | None:
 
 
 def why_not_auto(call: Call) -> str | None:
-    """Leave large CPU RMS scopes to the composite backend's one-reduction form (:mod:`.rms`),
-    which ``benchmarks/results/cpu_speed.json`` measured faster than ``torch.rms_norm`` there
-    (forward and forward+backward); under tracing torch.compile fuses torch's op itself."""
+    """Leave large CPU RMS scopes to the composite backend's rows (:mod:`.rms`), which
+    ``benchmarks/results/cpu_speed.json`` measured faster than ``torch.rms_norm`` there (forward and
+    forward+backward); under tracing torch.compile fuses torch's op itself. The choice is made on the
+    input's total size, which the batch decides, and that is safe only because the rows give every
+    row torch's bits, output and input gradient (``tests/test_batch_invariance.py``)."""
     if (
         kind(call) == "rms_norm"
         and call.x.device.type == "cpu"

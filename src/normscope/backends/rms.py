@@ -4,14 +4,23 @@ torch's ``rms_norm`` on a CPU is not one kernel: it runs as a chain of ATen ops 
 mean, add, rsqrt, two multiplies) and autograd differentiates that chain op by op, about twenty ATen
 ops in the backward. Here the same function takes one reduction each way:
 
-* **forward**: ``r = rsqrt(||x||^2 / N + eps)`` per row from one ``vector_norm`` (a single read of
-  ``x``, accumulated in fp32 -- fp64 for fp64), then ``y = x * r * w``;
-* **backward** (closed form): with ``gx = dy * x``,
-  ``dx = r * (dy * w) - x * r^3 / N * (gx @ w)`` and ``dw = gx^T @ r``: one elementwise product and
-  two matrix-vector products for the sums, and two fused passes for ``dx``. ``dw`` sums the rows in
-  groups of :data:`DW_GROUP_ROWS` (one batched product), then the groups: one long matrix-vector
-  product added the rows one after another, an error growing with their number (~17x torch's at
-  8192 rows in fp32), the groups keep it at torch's for the same time.
+* **forward**: ``r = rsqrt(mean(x^2) + eps)`` per row, then ``y = x * r * w``;
+* **backward** (closed form): ``dx`` from elementwise products and one row reduction, ``dw`` from
+  batched products (:func:`_backward`). ``dw`` sums the rows in groups of :data:`DW_GROUP_ROWS`
+  (one batched product), then the groups: one long matrix-vector product added the rows one after
+  another, an error growing with their number (~17x torch's at 8192 rows in fp32), the groups keep
+  it at torch's for the same time.
+
+**Torch's bits, row by row.** Every rounding step of the output and of ``dx`` is the one torch's
+``rms_norm`` and autograd's differentiation of it take (the same ATen ops on the same values, in the
+same order, none fused), and a row's reduction in torch depends on the row alone. So a row's output
+and input gradient are torch's, bit for bit, whichever of the two paths runs -- and the automatic
+choice between them, made on the input's total size (:data:`MIN_AUTO_ELEMENTS`), never makes a
+sample's result depend on its batch (``tests/test_batch_invariance.py``). This is also why the model
+families' casting orders, whose modules compute ``x * rsqrt(x.pow(2).mean(-1) + eps)``, are exact
+here at every size. What the path saves is torch's full-size temporaries and autograd's chain of
+twenty-odd ops, not any rounding. ``dw`` is a sum over rows (no per-row bits to keep): it is summed
+its own way, as accurate as torch's and the same from run to run.
 
 Blocks of rows: fp16/bf16 both ways, and fp32/fp64 from :data:`BLOCKED_BYTES`,
 run block by block (:data:`BLOCK_ELEMENTS` elements a block). Each block is upcast once into fp32
@@ -22,9 +31,8 @@ pages from the system on every call -- which made the bf16 path ~10x slower than
 large fp32 backward gains too. Small fp32/fp64 inputs keep the whole-input calls (fewer of them).
 
 Numbers: the statistics are accumulated in fp32 like torch's (which upcasts fp16/bf16 input to fp32
-first), the output is rounded once to the input dtype; the tests bound the difference from torch and
-from a float64 computation (``tests/test_cpu_rms.py``), blocks and groups included. There is no
-mean, so no cancellation: a large offset is simply a large root mean square.
+first), the output is rounded once to the input dtype. There is no mean, so no cancellation: a large
+offset is simply a large root mean square.
 
 Double backward: the backward above is a closed form of the first derivative. When autograd asks
 for a differentiable one (``create_graph=True``) it differentiates the reference computation of the
@@ -75,6 +83,10 @@ def takes(call: Call) -> str | None:
         return "an RMS scope over grouped axes or with an affine over other axes"
     if call.x.dtype not in _FLOATS:
         return f"floating-point input only, got {call.x.dtype}"
+    w, acc = call.weight, ref.acc_dtype(call.x.dtype)
+    if w is not None and w.dtype not in (call.x.dtype, acc):
+        # torch multiplies by such a weight in the promoted dtype (fp64 for an fp64 weight): other bits
+        return f"a weight of the input's dtype or {acc} only, got {w.dtype} for {call.x.dtype} input"
     return None
 
 
@@ -117,12 +129,13 @@ def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Ten
     step, blocks = _blocks(rows, n, low, x2.element_size())
     y = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
     r = torch.empty((rows, 1), dtype=acc, device=x2.device)
-    buf = torch.empty((min(step, rows), n), dtype=acc, device=x2.device) if low else None
+    m = min(step, rows)
+    buf, sq = (torch.empty((m, n), dtype=acc, device=x2.device) for _ in range(2)) if low else (None, None)
     for s, e in blocks:
         xc, rc = x2[s:e], r[s:e]
         if low:
             xc = buf[: e - s].copy_(xc)
-        _rstd(xc, n, eps, rc)
+        _rstd(xc, eps, rc, sq[: e - s] if low else y[s:e])
         yc = xc.mul_(rc) if low else torch.mul(xc, rc, out=y[s:e])  # x * r * w in fp32, as torch ...
         if w is not None:
             yc.mul_(w)
@@ -131,28 +144,17 @@ def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Ten
     return y, r
 
 
-#: :func:`_rstd` takes each row's sum of squares as norms of chunks of this many columns
-RSTD_CHUNK = 128
+def _rstd(xc: Tensor, eps: float, out: Tensor, sq: Tensor) -> None:
+    """``out = rsqrt(mean(x^2) + eps)`` per row of a (R, N) block, by the very ops torch's
+    ``rms_norm`` runs (``pow(2)``, ``mean``, ``add``, ``rsqrt``), so every row gets torch's bits.
 
-
-def _rstd(xc: Tensor, n: int, eps: float, out: Tensor) -> None:
-    """``out = rsqrt(mean(x^2) + eps)`` per row of a (R, N) block.
-
-    The sum of squares is read once, as the fp32 norms of chunks of :data:`RSTD_CHUNK` columns (one
-    ``vector_norm``), whose squares are added and finished in float64 (R * N / 128 numbers: free
-    beside the read). One fp32 norm of the whole row, squared back, was ~1.2x further from float64
-    than torch's ``mean(x^2)`` (8192 x 1024: 5.8e-8 vs 4.8e-8 relative), and so were the gradients,
-    which all carry ``r``; by chunks it is 3.0e-8, at the same time (``tests/test_cpu_rms.py``)."""
-    k = n // RSTD_CHUNK
-    if k < 2 or xc.stride(-1) != 1:
-        torch.linalg.vector_norm(xc, 2, -1, keepdim=True, out=out)
-        ss = out.double().square_()
-    else:
-        main = xc[:, : k * RSTD_CHUNK].unflatten(-1, (k, RSTD_CHUNK))  # a view: the columns are contiguous
-        ss = torch.linalg.vector_norm(main, 2, -1).double().square_().sum(-1, keepdim=True)
-        if k * RSTD_CHUNK < n:
-            ss += torch.linalg.vector_norm(xc[:, k * RSTD_CHUNK :], 2, -1, keepdim=True).double().square_()
-    out.copy_(ss.div_(n).add_(eps).rsqrt_())
+    A row's reduction in torch does not depend on the other rows of the tensor (its order is fixed
+    by the row's length and layout), so a block of rows gives each row the bits the whole input
+    does, and the automatic choice between torch's op and this path, made on the input's size,
+    changes no bit of any row (see the module docstring). ``sq``: a buffer of ``xc``'s shape and dtype
+    for the squares (the block of the output, overwritten next, where it has that dtype)."""
+    torch.mean(torch.pow(xc, 2, out=sq), -1, keepdim=True, out=out)
+    out.add_(eps).rsqrt_()
 
 
 #: ``dw`` sums dy * x * r over the rows in groups of this many (one batched product), then adds the
@@ -183,9 +185,17 @@ def _weighted_row_sum(gx: Tensor, r: Tensor) -> Tensor:
 def _backward(
     x2: Tensor, dy: Tensor, weight: Tensor | None, r: Tensor, need_x: bool, need_w: bool
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Closed-form ``(dx, dw)`` of :func:`_forward`: with ``gx = dy * x``,
-    ``dx = r * (dy * w) - x * r^3 / N * (gx @ w)`` and ``dw = gx^T @ r``; by blocks of rows (``dw``
-    summed over the blocks) for fp16/bf16 and large fp32/fp64 (:data:`BLOCKED_BYTES`)."""
+    """Closed-form ``(dx, dw)`` of :func:`_forward`, by blocks of rows (``dw`` summed over the blocks)
+    for fp16/bf16 and large fp32/fp64 (:data:`BLOCKED_BYTES`).
+
+    ``dx`` is the gradient autograd computes through torch's ``rms_norm`` (``y = x * r * w``,
+    ``r = rsqrt(mean(x^2) + eps)``), op for op and in its order, so its bits are torch's for every
+    row: ``da = dy * w``; ``dr = sum(da * x)``; ``g = (-0.5 * dr) * r^3 / N``;
+    ``dx = da * r + g * (2 * x)`` -- each a separate rounding, no fused multiply-add (whose rounding
+    differs), one row reduction (never a matrix-vector product: BLAS takes rows in unrolled groups and
+    the remainder another way, so a row's bits would depend on how many rows the call holds).
+    ``dw = sum_i r_i * (dy_i * x_i)`` is its own sum (:func:`_weighted_row_sum`), as accurate as
+    torch's and the same from run to run, though not bitwise torch's."""
     rows, n = x2.shape
     acc = r.dtype
     w = None if weight is None else weight.to(acc)
@@ -197,29 +207,32 @@ def _backward(
     grad_w = None
     prod = torch.empty((m, n), dtype=acc, device=x2.device)
     xbuf, gbuf = (torch.empty((m, n), dtype=acc, device=x2.device) for _ in range(2)) if low else (None, None)
+    scratch = torch.empty((m, n), dtype=acc, device=x2.device) if need_x else None
     for s, e in blocks:
         xc, gc, rc = x2[s:e], dy[s:e], r[s:e]
         if low:  # upcast once into fp32 buffers of one block
             xc, gc = xbuf[: e - s].copy_(xc), gbuf[: e - s].copy_(gc)
-        gx = torch.mul(gc, xc, out=prod[: e - s])
-        if need_w and weight.dtype == torch.float64 and acc != torch.float64:
-            # an fp64 weight's gradient in fp64, as torch gives it (rare: fp32 input, fp64 weight)
-            part = _weighted_row_sum(gc.double() * xc.double(), rc.double())
-            grad_w = part if grad_w is None else grad_w.add_(part)
-        elif need_w:  # sum over rows of dy * x * r
-            part = _weighted_row_sum(gx, rc)
+        if need_w:
+            gx = torch.mul(gc, xc, out=prod[: e - s])
+            if weight.dtype == torch.float64 and acc != torch.float64:
+                # an fp64 weight's gradient in fp64, as torch gives it (rare: fp32 input, fp64 weight)
+                part = _weighted_row_sum(gc.double() * xc.double(), rc.double())
+            else:  # sum over rows of dy * x * r
+                part = _weighted_row_sum(gx, rc)
             grad_w = part if grad_w is None else grad_w.add_(part)
         if need_x:
-            # the row sums of dy * w * x: one matrix-vector product (one sum without weight)
-            dot = gx.sum(-1, keepdim=True) if w is None else torch.mv(gx, w).unsqueeze(-1)
-            c = rc.pow(3).mul_(dot).div_(-n)
-            # dx = dy * w * r + x * c: in the upcast dy's buffer (then rounded once), or straight into dx
+            # da = dy * w: in the upcast dy's buffer (then rounded once into dx), or straight into dx
             out = gc if low else grad_x[s:e]
-            if w is None:
-                torch.mul(gc, rc, out=out)
-            else:
-                torch.mul(gc, w, out=out).mul_(rc)
-            out.addcmul_(xc, c)
+            if w is not None:
+                torch.mul(gc, w, out=out)
+            elif not low:
+                out.copy_(gc)
+            tmp = scratch[: e - s]
+            dr = torch.mul(out, xc, out=tmp).sum(-1, keepdim=True)
+            # torch: (-0.5 * dr) * r^3, its mean's backward / N, its square's * (2 * x); x * (2 * g)
+            # rounds as g * (2 * x) does: doubling is exact
+            g = dr.mul_(-0.5).mul_(rc.pow(3)).div_(n).mul_(2.0)
+            out.mul_(rc).add_(torch.mul(xc, g, out=tmp))
             if low:
                 grad_x[s:e].copy_(out)
     if need_w and grad_w is None:  # no rows
