@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .. import engine
+from .. import reference as ref
 from ..engine import Backend, Call, LayerEntry, Runner, Running
 from . import rms
 from ._layout import channels_last, reduced_last
@@ -70,7 +71,15 @@ def kind(call: Call) -> str | None:
     return None
 
 
+def _family(call: Call) -> bool:
+    """A model family's options (:class:`normscope.engine.Call`): torch's op normalizes in fp32 without
+    affine, :func:`normscope.reference.cast_affine` does the rest."""
+    return call.casting != "torch" or call.weight_offset != 0.0
+
+
 def why_not(call: Call) -> str | None:
+    if _family(call) and call.residual is None and kind(call._replace(bias=None)) not in ("layer_norm", "rms_norm"):
+        return "the model families' casting orders are for LayerNorm/RMSNorm scopes"
     if kind(call) is None:
         if call.mask is not None:
             return "ATen has no masked normalization"
@@ -118,10 +127,30 @@ def _running(r: Running | None) -> tuple:
 
 
 def prepare(call: Call, automatic: bool) -> Runner:
+    if _family(call):
+        return _runner(_family_entry(call, automatic))
     entry = _plain(call)
     if automatic:
         entry = _guard_cancellation(call, entry)
     return _runner(entry)
+
+
+def _family_entry(call: Call, automatic: bool) -> LayerEntry:
+    """A family's call: torch's op on the fp32 (fp64) input without affine -- the families' modules
+    normalize exactly so, ``x32 * rsqrt(x32.pow(2).mean(-1) + eps)`` for RMSNorm -- then the family's
+    affine and rounding (:func:`normscope.reference.cast_affine`)."""
+    acc = ref.acc_dtype(call.x.dtype)
+    plain = call._replace(x=engine.stand_in(tuple(call.x.shape), acc, call.x.device), weight=None, bias=None)
+    plain = plain._replace(weight_offset=0.0, casting="torch")
+    inner = _plain(plain)
+    if automatic:
+        inner = _guard_cancellation(plain, inner)
+    s, offset, casting, cast_affine = call.scope, call.weight_offset, call.casting, ref.cast_affine
+
+    def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+        return cast_affine(inner(x.to(acc), None, None, eps, None), s, w, b, offset, casting, x.dtype)
+
+    return run
 
 
 def _runner(entry: LayerEntry) -> Runner:

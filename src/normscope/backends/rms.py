@@ -84,7 +84,8 @@ def takes(call: Call) -> str | None:
     if call.x.dtype not in _FLOATS:
         return f"floating-point input only, got {call.x.dtype}"
     w, acc = call.weight, ref.acc_dtype(call.x.dtype)
-    if w is not None and w.dtype not in (call.x.dtype, acc):
+    family = call.casting != "torch" or call.weight_offset != 0.0  # any weight: see prepare
+    if w is not None and not family and w.dtype not in (call.x.dtype, acc):
         # torch multiplies by such a weight in the promoted dtype (fp64 for an fp64 weight): other bits
         return f"a weight of the input's dtype or {acc} only, got {w.dtype} for {call.x.dtype} input"
     return None
@@ -277,10 +278,18 @@ _ROWS = Scope(reduce=(-1,), centered=False)
 
 def prepare(call: Call) -> Runner:
     """The runner of an RMS call (``takes(call)`` is None): the reduced axes moved last (a view,
-    free when they already are), the input as (rows, N), one :class:`_RMSRows`."""
+    free when they already are), the input as (rows, N), one :class:`_RMSRows`.
+
+    The model families' casting orders (:func:`normscope.reference.cast_affine`), exactly: Gemma's
+    ``(x32 * r * (w32 + offset)).to(x.dtype)`` is these rows with the fp32 scale ``w32 + offset`` as
+    their weight (they compute in fp32 and round once); Llama's ``w * (x32 * r).to(x.dtype)`` is the
+    rows without weight, then the weight's product."""
     s = call.scope
     tail, moved = reduced_last(s)
     n = math.prod([s.shape[d] for d in s.reduce])
+    offset, casting = call.weight_offset, call.casting
+    llama, scaled = casting == "llama", casting != "torch" or offset != 0.0
+    acc = ref.acc_dtype(call.x.dtype)
 
     def run(c: Call) -> Tensor:
         if engine.transformed():
@@ -289,7 +298,9 @@ def prepare(call: Call) -> Runner:
             return engine.recompute(c)
         xm = c.x.movedim(s.reduce, tail) if moved else c.x
         # the weight spans the reduced axes in their order, which is the order they have at the end
-        w = None if c.weight is None else c.weight.reshape(n)
+        w = None if c.weight is None or llama else c.weight.reshape(n)
+        if scaled and w is not None:
+            w = w.to(acc) + offset  # Gemma's 1 + w, formed in fp32
         x2 = xm.reshape(-1, n)
         if torch.is_grad_enabled() and (x2.requires_grad or w is not None and w.requires_grad):
             y = _RMSRows.apply(x2, w, float(c.eps))
@@ -298,6 +309,7 @@ def prepare(call: Call) -> Runner:
         y = y.view(xm.shape)
         y = y.movedim(tail, s.reduce) if moved else y
         fmt = channels_last(c.x)
-        return y if fmt is None else y.contiguous(memory_format=fmt)  # torch keeps the input's layout
+        y = y if fmt is None else y.contiguous(memory_format=fmt)  # torch keeps the input's layout
+        return ref.cast_affine(y, s, c.weight, None, offset, casting, c.x.dtype) if llama else y
 
     return run
