@@ -258,7 +258,10 @@ def modulated_norm(
         casting: ``"fp32"``: normalize and modulate in fp32, round once to x's dtype (what a fused
             kernel does: most accurate); ``"eager"``: each step rounded to the input dtype as the
             unfused eager code of DiT and diffusers does (bit-for-bit with diffusers' bf16 output).
-            Both are identical for fp32 input. Default: ``"fp32"``.
+            For fp32 input without ``weight``/``bias`` the two give the same bits; with an
+            elementwise affine they round it differently (``"eager"`` lets torch's layer_norm fuse it
+            into the normalization, ``"fp32"`` multiplies and adds after it), by an ulp or so.
+            Default: ``"fp32"``.
         backend: force a backend for the statistics.
 
     Example::

@@ -194,7 +194,7 @@ class QKNorm(nn.Module):
                 raise ValueError(f"{where}: expected `{name}` to be one of {tuple(options)}, got {v!r}")
         self.num_heads, self.num_kv_heads, self.per_head = num_heads, num_kv_heads, bool(per_head)
         self.norm_type, self.eps, self.layout = norm, float(eps), layout
-        self.weight_offset, self.casting = float(weight_offset), casting
+        self.weight_offset, self.casting = FM._offset(weight_offset, where), casting
         self.elementwise_affine = bool(elementwise_affine)
         kw = {"device": device, "dtype": dtype}
         q_n = head_dim if per_head else num_heads * head_dim

@@ -33,6 +33,8 @@ class _FamilyOptions:
         name = type(self).__name__
         if not isinstance(weight_offset, (int, float)) or isinstance(weight_offset, bool):
             raise TypeError(f"{name}: expected `weight_offset` to be a float, got {weight_offset!r}")
+        if weight_offset != weight_offset:  # NaN: every output NaN, refused as a NaN eps is
+            raise ValueError(f"{name}: expected `weight_offset` to be a number, got {weight_offset!r}")
         if casting not in FM.CASTINGS:
             raise ValueError(f"{name}: expected `casting` to be one of {list(FM.CASTINGS)}, got {casting!r}")
         if weight_offset != 0.0 or casting != "torch":
