@@ -146,6 +146,29 @@ def _family_entry(call: Call, automatic: bool) -> LayerEntry:
     if automatic:
         inner = _guard_cancellation(plain, inner)
     s, offset, casting, cast_affine = call.scope, call.weight_offset, call.casting, ref.cast_affine
+    w = call.weight
+    if kind(plain) == "rms_norm" and (w is None or w.shape == tuple(s.shape[d] for d in s.reduce)):
+        # the same bits in fewer ops (a small layer's cost is its op count): torch's rms_norm is
+        # ``(x32 * r) * w32`` rounded once -- Gemma's order with ``w32 + offset`` as the weight, and
+        # Llama's ``w * (x * r)`` itself when nothing is rounded between (fp32 input and weight) --
+        # and without a weight ``(x32 * r)`` rounded to x's dtype, Llama's normalized value
+        if offset == 0.0 and call.x.dtype == acc and (w is None or w.dtype == acc):
+            return _plain(call._replace(weight_offset=0.0, casting="torch"))
+        if casting == "llama" and offset == 0.0:
+            rounded = _plain(call._replace(weight=None, weight_offset=0.0, casting="torch"))
+
+            def llama(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+                y = rounded(x, None, None, eps, None)
+                return y if w is None else w * y
+
+            return llama
+        if casting != "llama":
+
+            def gemma(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+                w = None if w is None else w.to(acc) + offset
+                return inner(x.to(acc), w, None, eps, None).to(x.dtype)
+
+            return gemma
 
     def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
         return cast_affine(inner(x.to(acc), None, None, eps, None), s, w, b, offset, casting, x.dtype)
