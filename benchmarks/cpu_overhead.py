@@ -196,6 +196,53 @@ def import_cost(pairs: int = 10) -> dict:
     }
 
 
+#: peak memory: forward + backward of (layer, rows, width, dtype), each in a fresh process, one thread
+MEMORY_CASES = (
+    ("RMSNorm", 8192, 4096, "float32"),
+    ("RMSNorm", 8192, 4096, "bfloat16"),
+    ("LayerNorm", 8192, 4096, "float32"),
+)
+
+_MEMORY_SCRIPT = """
+import json, resource, sys, torch
+torch.set_num_threads(1)
+import normscope
+impl, layer, rows, n, dtype = sys.argv[1:]
+dt = getattr(torch, dtype)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(int(rows), int(n), generator=g).to(dt).requires_grad_()
+dy = torch.randn(int(rows), int(n), generator=g).to(dt)
+m = getattr(torch.nn if impl == "torch" else normscope, layer)(int(n), dtype=dt)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+m(x).backward(dy)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"growth_mib": (after - before) / 1024}))
+"""
+
+
+def peak_memory() -> list[dict]:
+    """Max RSS growth (MiB) of one forward + backward, torch.nn's layer and normscope's, each in a fresh
+    interpreter (the input and output gradient allocated before the baseline): what a call costs in
+    memory beyond its inputs, temporaries and saved tensors included. Goal: normscope <= torch (4 MiB
+    of noise allowed: the same ATen ops differ by a page or so from process to process)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(normscope.__file__).resolve().parents[1])}
+    out = []
+    for layer, rows, n, dtype in MEMORY_CASES:
+        growth = {}
+        for impl in ("torch", "normscope"):
+            cmd = [sys.executable, "-c", _MEMORY_SCRIPT, impl, layer, str(rows), str(n), dtype]
+            done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+            growth[impl] = json.loads(done.stdout.strip().splitlines()[-1])["growth_mib"]
+        out.append({
+            "case": f"{layer}({n}) {rows}x{n} {dtype} fwd+bwd",
+            "torch_peak_growth_mib": round(growth["torch"], 1),
+            "normscope_peak_growth_mib": round(growth["normscope"], 1),
+            # RMSNorm: well under torch (its own rows); the others run torch's ops: as torch, to noise
+            "meets_target": growth["normscope"] <= growth["torch"] + 4.0,
+        })
+    return out
+
+
 def _compiled_cases() -> list[Case]:
     def block(m):  # a pre-norm MLP block's norms around two linear layers
         return nn.Sequential(
@@ -394,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="fwd,fwdbwd", help="comma-separated: fwd, fwdbwd. Default: both")
     p.add_argument("--compile", action="store_true", help="also time a compiled normscope block vs torch.nn's")
     p.add_argument("--no-import", action="store_true", help="skip the import-cost measurement")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'shared machine, noisy')")
     p.add_argument(
         "--keep-freed-memory",
@@ -458,6 +506,15 @@ def main(argv: list[str] | None = None) -> int:
             f"goal <= {IMPORT_TARGET_S} s: {'met' if imports['meets_target'] else 'NOT met'}; "
             f"normscope --version {imports['normscope_version_cli_median_s']:.3f} s"
         )
+    memory = None
+    if not args.no_memory and not args.quick:
+        memory = peak_memory()
+        print("\npeak memory, max RSS growth of one forward + backward (fresh process, one thread):")
+        for m in memory:
+            print(
+                f"  {m['case']:<40} torch +{m['torch_peak_growth_mib']:.0f} MiB, normscope "
+                f"+{m['normscope_peak_growth_mib']:.0f} MiB: {'<= torch' if m['meets_target'] else 'MORE than torch'}"
+            )
     try:
         info["loadavg_at_end"] = list(os.getloadavg())
     except OSError:
@@ -480,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": results,
         "import": imports,
+        "memory": memory,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))

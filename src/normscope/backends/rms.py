@@ -112,7 +112,7 @@ def _blocks(rows: int, n: int, low: bool, itemsize: int) -> tuple[int, list[tupl
     return step, [(s, min(s + step, rows)) for s in range(0, rows, step)]
 
 
-def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+def _forward(x2: Tensor, weight: Tensor | None, eps: float, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(y, r)`` for a (R, N) input: ``r = rsqrt(mean(x^2) + eps)`` per row, ``y = x * r * w``.
 
     By blocks of rows (:func:`_blocks`) for fp16/bf16 and for fp32/fp64 from
@@ -122,21 +122,31 @@ def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Ten
     before, 0.54-0.65 after when the allocator keeps memory (``--keep-freed-memory``; 0.39 either way with
     glibc's default, where torch's temporaries are fresh pages). fp16/bf16 blocks are
     upcast once into an fp32 buffer, computed there and rounded once into ``y`` (over the whole input
-    the upcasts were full-size temporaries, fresh pages from the system each call: ~10x slower)."""
+    the upcasts were full-size temporaries, fresh pages from the system each call: ~10x slower).
+
+    ``scale`` (with ``weight`` None): Llama's casting, ``y = scale * (x * r).to(x.dtype)`` in the
+    promoted dtype of ``scale`` and ``x``, block by block (a separate product was another pass over
+    memory: 1.5x the plain rows' time at 8192 x 1024 bf16)."""
     rows, n = x2.shape
     acc = ref.acc_dtype(x2.dtype)
     w = None if weight is None else weight if weight.dtype == acc else weight.to(acc)
     low = x2.dtype != acc
     step, blocks = _blocks(rows, n, low, x2.element_size())
-    y = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
+    out = x2.dtype if scale is None else torch.promote_types(scale.dtype, x2.dtype)
+    y = torch.empty((rows, n), dtype=out, device=x2.device)
     r = torch.empty((rows, 1), dtype=acc, device=x2.device)
     m = min(step, rows)
     buf, sq = (torch.empty((m, n), dtype=acc, device=x2.device) for _ in range(2)) if low else (None, None)
+    rounded = None if scale is None else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     for s, e in blocks:
         xc, rc = x2[s:e], r[s:e]
         if low:
             xc = buf[: e - s].copy_(xc)
-        _rstd(xc, eps, rc, sq[: e - s] if low else y[s:e])
+        _rstd(xc, eps, rc, sq[: e - s] if low else y[s:e] if scale is None else rounded[: e - s])
+        if scale is not None:  # Llama: x * r rounded to x's dtype, then the scale's product
+            yc = xc.mul_(rc) if low else torch.mul(xc, rc, out=rounded[: e - s])
+            torch.mul(rounded[: e - s].copy_(yc), scale, out=y[s:e])
+            continue
         yc = xc.mul_(rc) if low else torch.mul(xc, rc, out=y[s:e])  # x * r * w in fp32, as torch ...
         if w is not None:
             yc.mul_(w)
@@ -184,7 +194,13 @@ def _weighted_row_sum(gx: Tensor, r: Tensor) -> Tensor:
 
 
 def _backward(
-    x2: Tensor, dy: Tensor, weight: Tensor | None, r: Tensor, need_x: bool, need_w: bool
+    x2: Tensor,
+    dy: Tensor,
+    weight: Tensor | None,
+    r: Tensor,
+    need_x: bool,
+    need_w: bool,
+    scale: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Closed-form ``(dx, dw)`` of :func:`_forward`, by blocks of rows (``dw`` summed over the blocks)
     for fp16/bf16 and large fp32/fp64 (:data:`BLOCKED_BYTES`).
@@ -196,11 +212,17 @@ def _backward(
     differs), one row reduction (never a matrix-vector product: BLAS takes rows in unrolled groups and
     the remainder another way, so a row's bits would depend on how many rows the call holds).
     ``dw = sum_i r_i * (dy_i * x_i)`` is its own sum (:func:`_weighted_row_sum`), as accurate as
-    torch's and the same from run to run, though not bitwise torch's."""
+    torch's and the same from run to run, though not bitwise torch's.
+
+    ``scale`` (Llama's casting, see :func:`_forward`): autograd's gradient of the normalized value is
+    ``dy * scale`` rounded to x's dtype (the dtype of the rounded value it flows into), then the path
+    without weight; the scale's own is ``sum_i dy_i * (x_i * r_i).to(x.dtype)``."""
     rows, n = x2.shape
     acc = r.dtype
     w = None if weight is None else weight.to(acc)
+    need_s = need_w and scale is not None
     need_w = need_w and w is not None
+    grad_s = None
     low = x2.dtype != acc or dy.dtype != acc
     step, blocks = _blocks(rows, n, low, r.element_size())
     m = min(step, rows)
@@ -211,6 +233,13 @@ def _backward(
     scratch = torch.empty((m, n), dtype=acc, device=x2.device) if need_x else None
     for s, e in blocks:
         xc, gc, rc = x2[s:e], dy[s:e], r[s:e]
+        if scale is not None:
+            if need_s:  # the scale's gradient: dy times the rounded normalized value, summed over rows
+                rounded = torch.mul(xc.to(acc), rc).to(x2.dtype).to(acc)
+                wide = torch.float64 if acc == torch.float32 else acc
+                part = rounded.mul_(gc.to(acc)).sum(0, dtype=wide)
+                grad_s = part if grad_s is None else grad_s.add_(part)
+            gc = torch.mul(gc, scale).to(x2.dtype)  # the normalized value's gradient, as autograd rounds it
         if low:  # upcast once into fp32 buffers of one block
             xc, gc = xbuf[: e - s].copy_(xc), gbuf[: e - s].copy_(gc)
         if need_w:
@@ -238,6 +267,9 @@ def _backward(
                 grad_x[s:e].copy_(out)
     if need_w and grad_w is None:  # no rows
         grad_w = torch.zeros(n, dtype=weight.dtype, device=x2.device)
+    if need_s:
+        grad_s = torch.zeros(n, dtype=scale.dtype, device=x2.device) if grad_s is None else grad_s.to(scale.dtype)
+        return grad_x, grad_s
     return grad_x, None if grad_w is None else grad_w.to(weight.dtype)
 
 
@@ -261,11 +293,32 @@ class _RMSRows(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def _reference_grads(ctx, dy: Tensor, x2: Tensor, weight: Tensor | None) -> tuple:
+class _LlamaRows(torch.autograd.Function):
+    """Llama's casting over the rows of a (R, N) view, ``y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``
+    (``w``: the scale, in the promoted dtype), closed-form backward."""
+
+    @staticmethod
+    def forward(ctx, x2: Tensor, scale: Tensor, eps: float) -> Tensor:
+        y, r = _forward(x2, None, eps, scale=scale)
+        ctx.save_for_backward(x2, scale, r)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x2, scale, r = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+            return (*_reference_grads(ctx, dy, x2, scale, "llama"), None)
+        need_x, need_s = ctx.needs_input_grad[:2]
+        grad_x, grad_s = _backward(x2, dy, None, r, need_x, need_s, scale=scale)
+        return grad_x, grad_s, None
+
+
+def _reference_grads(ctx, dy: Tensor, x2: Tensor, weight: Tensor | None, casting: str = "torch") -> tuple:
     """Gradients of the reference computation of the same rows, differentiable (double backward)."""
     need = [t is not None and n for t, n in zip((x2, weight), ctx.needs_input_grad[:2])]
     scope = _ROWS_AFFINE if weight is not None else _ROWS
-    rows = Call(x2, scope.resolve(tuple(x2.shape)), weight, None, ctx.eps, None, None)
+    rows = Call(x2, scope.resolve(tuple(x2.shape)), weight, None, ctx.eps, None, None, casting=casting)
     y = reference_backend.run(rows)
     wanted = [t for t, n in zip((x2, weight), need) if n]
     grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
@@ -283,13 +336,18 @@ def prepare(call: Call) -> Runner:
     The model families' casting orders (:func:`normscope.reference.cast_affine`), exactly: Gemma's
     ``(x32 * r * (w32 + offset)).to(x.dtype)`` is these rows with the fp32 scale ``w32 + offset`` as
     their weight (they compute in fp32 and round once); Llama's ``w * (x32 * r).to(x.dtype)`` is the
-    rows without weight, then the weight's product."""
+    rows without weight, then the weight's product (for fp32 input and weight, the rows with the
+    weight: ``w * (x * r)`` is ``(x * r) * w``)."""
     s = call.scope
     tail, moved = reduced_last(s)
     n = math.prod([s.shape[d] for d in s.reduce])
     offset, casting = call.weight_offset, call.casting
-    llama, scaled = casting == "llama", casting != "torch" or offset != 0.0
     acc = ref.acc_dtype(call.x.dtype)
+    w = call.weight
+    if casting == "llama" and offset == 0.0 and call.x.dtype == acc and (w is None or w.dtype == acc):
+        casting = "torch"  # nothing is rounded between the normalization and the scale: the same bits
+    llama, scaled = casting == "llama", casting != "torch" or offset != 0.0
+    fused = llama and offset == 0.0  # Llama's scale inside the rows (with an offset: cast_affine after)
 
     def run(c: Call) -> Tensor:
         if engine.transformed():
@@ -298,18 +356,23 @@ def prepare(call: Call) -> Runner:
             return engine.recompute(c)
         xm = c.x.movedim(s.reduce, tail) if moved else c.x
         # the weight spans the reduced axes in their order, which is the order they have at the end
-        w = None if c.weight is None or llama else c.weight.reshape(n)
-        if scaled and w is not None:
+        w = None if c.weight is None else c.weight.reshape(n)
+        if scaled and not llama and w is not None:
             w = w.to(acc) + offset  # Gemma's 1 + w, formed in fp32
         x2 = xm.reshape(-1, n)
-        if torch.is_grad_enabled() and (x2.requires_grad or w is not None and w.requires_grad):
-            y = _RMSRows.apply(x2, w, float(c.eps))
+        grad = torch.is_grad_enabled() and (x2.requires_grad or w is not None and w.requires_grad)
+        if fused and w is not None:
+            y = _LlamaRows.apply(x2, w, float(c.eps)) if grad else _forward(x2, None, c.eps, scale=w)[0]
+        elif grad:
+            y = _RMSRows.apply(x2, None if llama else w, float(c.eps))
         else:  # nothing to differentiate: skip the autograd.Function's per-call cost
-            y = _forward(x2, w, c.eps)[0]
+            y = _forward(x2, None if llama else w, c.eps)[0]
         y = y.view(xm.shape)
         y = y.movedim(tail, s.reduce) if moved else y
         fmt = channels_last(c.x)
         y = y if fmt is None else y.contiguous(memory_format=fmt)  # torch keeps the input's layout
-        return ref.cast_affine(y, s, c.weight, None, offset, casting, c.x.dtype) if llama else y
+        if llama and not fused:
+            return ref.cast_affine(y, s, c.weight, None, offset, casting, c.x.dtype)
+        return y
 
     return run
