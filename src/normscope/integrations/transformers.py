@@ -273,22 +273,31 @@ def _attr(m: nn.Module, name: str) -> object:
 
 def _run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
     """``m``'s normalization on normscope: one call of the hot path (:mod:`normscope.hot`) with the
-    configuration ``how`` names, planned once per call signature as every layer's is."""
-    w, b = _attr(m, "weight"), _attr(m, "bias")
+    configuration ``how`` names, planned once per call signature as every layer's is. What it reads
+    of ``m`` -- weight, bias, eps, normalized shape -- is read on every call (a model may replace
+    them), from the instance's dicts first (:func:`_attr`)."""
+    d = m.__dict__
+    w = d["_parameters"].get("weight", _MISSING)
+    if w is _MISSING:
+        w = _attr(m, "weight")
     w = w if isinstance(w, Tensor) else None
-    b = b if isinstance(b, Tensor) else None
-    ns = _attr(m, "normalized_shape")
+    centered, casting, offset = how
+    b = None
+    if centered:  # an RMS configuration has no bias (the probe matched the module without one)
+        b = _attr(m, "bias")
+        b = b if isinstance(b, Tensor) else None
+    ns = d.get("normalized_shape")
     if isinstance(ns, (tuple, torch.Size)):
         shape = tuple(ns)
     else:
         shape = tuple(w.shape) if w is not None and w.dim() == 1 else _shape(m)
-    eps = None
+    eps = _MISSING
     for name in _EPS_NAMES:
-        v = _attr(m, name)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            eps = float(v)
+        eps = d.get(name, _MISSING)
+        if eps is not _MISSING:
             break
-    centered, casting, offset = how
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        eps = _eps(m)
     if offset == 0.0 and casting == "torch":
         op, settings = (FM._LAYER_NORM, ("layer_norm", True, shape, tuple, None)) if centered else (
             FM._RMS_NORM, ("rms_norm", False, shape, tuple, None))
@@ -296,8 +305,6 @@ def _run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
         op, settings = FM._LAYER_NORM_FAMILY, ("layer_norm", True, shape, tuple, None, offset, float, casting)
     else:
         op, settings = FM._RMS_NORM_FAMILY, ("rms_norm", False, shape, tuple, None, offset, float, casting)
-    if not centered:
-        b = None  # an RMS configuration has no bias (the probe matched the module without one)
     return hot.call(op, settings, x, w, b, eps)
 
 
