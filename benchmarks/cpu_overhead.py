@@ -101,6 +101,8 @@ def target(case: Case, mode: str) -> float:
         return RMS_LARGE_TARGET
     if case.size == "compiled":
         return COMPILED_TARGET
+    if case.size == "rows-forced":  # informational: where the rows path is faster than torch's op
+        return 1.0
     if case.kind == "functional":
         return FUNCTIONAL_TARGET
     if case.size == "rows":
@@ -137,7 +139,28 @@ def _cases() -> list[Case]:
     ]
     for rows in (16, 64, 256, 1024, 2048):
         out.append(Case(f"RMSNorm({rows}x1024)", "rows", (rows, 1024), lambda m: m.RMSNorm(1024)))
+    # the rows path forced, over row lengths and counts around MIN_AUTO_ELEMENTS: where it beats
+    # torch's op, which is what the threshold is derived from (the two give the same bits per row)
+    for n, counts in ((256, (256, 1024, 4096, 16384)), (1024, (64, 256, 1024, 4096)), (4096, (16, 64, 256, 1024))):
+        for rows in counts:
+            out.append(Case(f"RMSNorm-rows({rows}x{n})", "rows-forced", (rows, n), lambda m, n=n: _rows_forced(m, n)))
     return out
+
+
+class _RowsForced(nn.Module):
+    """normscope's RMSNorm with the CPU rows path forced (the composite backend)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return normscope.functional.rms_norm(x, (self.n,), self.weight, None, backend="composite")
+
+
+def _rows_forced(m, n: int) -> nn.Module:
+    return m.RMSNorm(n) if m is nn else _RowsForced(n)
 
 
 def _functional_cases() -> list[Case]:
@@ -210,8 +233,8 @@ import normscope
 impl, layer, rows, n, dtype = sys.argv[1:]
 dt = getattr(torch, dtype)
 g = torch.Generator().manual_seed(0)
-x = torch.randn(int(rows), int(n), generator=g).to(dt).requires_grad_()
-dy = torch.randn(int(rows), int(n), generator=g).to(dt)
+x = torch.randn(int(rows), int(n), generator=g, dtype=dt).requires_grad_()  # no fp32 copy: the baseline
+dy = torch.randn(int(rows), int(n), generator=g, dtype=dt)  # peak must be the inputs' own
 m = getattr(torch.nn if impl == "torch" else normscope, layer)(int(n), dtype=dt)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 m(x).backward(dy)

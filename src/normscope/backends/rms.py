@@ -39,14 +39,14 @@ for a differentiable one (``create_graph=True``) it differentiates the reference
 same rows instead, so higher-order gradients are exact (as :mod:`.composite` does for masks).
 
 Speed: measured against ``F.rms_norm`` by ``benchmarks/cpu_overhead.py`` (cases ``RMSNorm:large``,
-``RMSNorm-bf16:large`` and ``RMSNorm(RxN):rows``, the sizes around the threshold). At 8192 x 1024,
-one thread, 2-core AMD EPYC, median time ratio to torch: bf16 0.09-0.10 forward, 0.08-0.10 forward +
-backward; fp32 0.39-0.41 forward, 0.24 forward + backward (with glibc's default malloc; when the allocator keeps
-freed memory, ``--keep-freed-memory``, torch's full-size temporaries cost less and the fp32 forward is
-0.54-0.65). ``benchmarks/results/cpu_speed.json`` is the committed measurement that makes it
-the automatic choice on CPU from :data:`MIN_AUTO_ELEMENTS` elements (see
-:func:`normscope.backends.aten.why_not_auto`). Below that the per-call cost of an
-``autograd.Function`` outweighs the saved passes and torch's op runs.
+``RMSNorm-bf16:large``, ``RMSNorm(RxN):rows`` and, with this path forced, ``RMSNorm-rows(RxN)`` over
+row lengths 256, 1024 and 4096). ``benchmarks/results/cpu_speed_rms_rows.json`` (one thread, a shared
+2-core VM): at 8192 x 1024 the median time ratio to torch is 0.47 forward and 0.32 forward +
+backward in fp32, 0.21 and 0.22 in bf16; fwd+bwd of RMSNorm(4096) on 8192 rows grows the process by
++301 MiB (torch +807) in fp32 and +176 MiB (torch +871) in bf16. The automatic choice on CPU from
+:data:`MIN_AUTO_ELEMENTS` elements (:func:`normscope.backends.aten.why_not_auto`) is made on the
+total size because the crossover is one of total size, whatever the row length: below it the
+per-call cost of an ``autograd.Function`` outweighs the saved passes (see the constant).
 """
 
 from __future__ import annotations
@@ -65,10 +65,14 @@ from ._layout import channels_last, reduced_last
 
 __all__ = ["MIN_AUTO_ELEMENTS", "takes", "prepare"]
 
-#: Smallest input (elements) for which the automatic order picks this path on a CPU:
-#: benchmarks/results/cpu_speed.json measured it faster than ``F.rms_norm`` both ways from
-#: 1024 x 1024 elements up (forward 0.2-0.7x, forward+backward 0.3x), while at 256 x 1024 only the
-#: forward+backward was faster (0.53x) and the forward slower (1.29x: the per-call cost).
+#: Smallest input (elements) for which the automatic order picks this path on a CPU. Measured with the
+#: path forced against torch's op (``benchmarks/results/cpu_speed_rms_rows.json``, median time ratio
+#: forward / forward+backward): at 65K elements it is slower at every row length (16 x 4096: 1.81 /
+#: 1.11, 64 x 1024: 1.73 / 1.12, 256 x 256: 1.82 / 1.00); at 262K faster but by little forward (64 x
+#: 4096: 0.97 / 0.54, 256 x 1024: 0.93 / 0.83, 1024 x 256: 0.87 / 0.90); from 1M elements faster both
+#: ways at every length (256 x 4096: 0.90 / 0.60, 1024 x 1024: 0.88 / 0.46, 4096 x 256: 0.86 / 0.42).
+#: The crossover is one of total size, not of row length, and the choice may be made on the total
+#: size because the two paths give every row the same bits (the module docstring).
 MIN_AUTO_ELEMENTS = 1024 * 1024
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
