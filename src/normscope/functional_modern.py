@@ -35,7 +35,7 @@ from . import _checks as check
 from . import hot
 from .engine import norm, requested_backend
 from .reference import CASTINGS, acc_dtype
-from .scope import Resolved, Scope
+from .scope import Scope
 
 __all__ = ["modulated_norm", "qk_norm", "poly_norm", "derf", "CASTINGS"]
 
@@ -85,11 +85,6 @@ def _prod(shape: Sequence[int]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def _view(p: Tensor, s: Resolved) -> Tensor:
-    """``p`` (over the scope's affine axes, or flat) with singleton axes elsewhere."""
-    return p.reshape([s.shape[d] if d in s.affine else 1 for d in range(len(s.shape))])
 
 
 # -- LayerNorm / RMSNorm over the last axes, with the model families' options ----------------------

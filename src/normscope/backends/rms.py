@@ -234,18 +234,26 @@ def _backward(
     grad_w = None
     prod = torch.empty((m, n), dtype=acc, device=x2.device)
     xbuf, gbuf = (torch.empty((m, n), dtype=acc, device=x2.device) for _ in range(2)) if low else (None, None)
-    scratch = torch.empty((m, n), dtype=acc, device=x2.device) if need_x else None
+    scratch = torch.empty((m, n), dtype=acc, device=x2.device) if need_x or need_s else None
+    if scale is not None:  # block buffers: dy * scale (its dtype), rounded to x's dtype
+        sd = torch.empty((m, n), dtype=torch.promote_types(scale.dtype, x2.dtype), device=x2.device)
+        rounded = sd if sd.dtype == x2.dtype else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+        ones = torch.ones((m, 1), dtype=acc, device=x2.device)
     for s, e in blocks:
         xc, gc, rc = x2[s:e], dy[s:e], r[s:e]
-        if scale is not None:
-            if need_s:  # the scale's gradient: dy times the rounded normalized value, summed over rows
-                rounded = torch.mul(xc.to(acc), rc).to(x2.dtype).to(acc)
-                wide = torch.float64 if acc == torch.float32 else acc
-                part = rounded.mul_(gc.to(acc)).sum(0, dtype=wide)
-                grad_s = part if grad_s is None else grad_s.add_(part)
-            gc = torch.mul(gc, scale).to(x2.dtype)  # the normalized value's gradient, as autograd rounds it
         if low:  # upcast once into fp32 buffers of one block
-            xc, gc = xbuf[: e - s].copy_(xc), gbuf[: e - s].copy_(gc)
+            xc = xbuf[: e - s].copy_(xc)
+        if scale is not None:
+            k = e - s
+            if need_s:  # the scale's gradient: dy times the rounded normalized value, summed over rows
+                t = torch.mul(xc, rc, out=scratch[:k])
+                t.copy_(rounded[:k].copy_(t)).mul_(gc)
+                part = _weighted_row_sum(t, ones[:k])  # groups of rows in batched products, as dw's
+                grad_s = part if grad_s is None else grad_s.add_(part)
+            # the normalized value's gradient: dy * scale, rounded to x's dtype as autograd rounds it
+            gc = rounded[:k].copy_(torch.mul(gc, scale, out=sd[:k]))
+        if low:
+            gc = gbuf[: e - s].copy_(gc)
         if need_w:
             gx = torch.mul(gc, xc, out=prod[: e - s])
             if weight.dtype == torch.float64 and acc != torch.float64:
