@@ -16,6 +16,10 @@ exception: torch's CPU ``rms_norm`` is a chain of ops, normscope's one reduction
                    ("no slower": 1.05 is the noise allowance of one such measurement)
     rows           RMSNorm at 16..2048 x 1024, around the fast path's threshold: <= 1.05 where the fast
                    path runs, the small-shape goals below it (torch's op runs; the per-call cost is left)
+    rows-forced    the rows path forced at row lengths 256, 1024, 4096 and 65K..4M elements: where it
+                   beats torch's op (informational: what ``rms.MIN_AUTO_ELEMENTS`` is derived from)
+    memory         peak memory (max RSS growth, fresh process) of one forward + backward of
+                   RMSNorm(4096) on 8192 rows, fp32 and bf16, and LayerNorm(4096): <= torch's
 
 Method: for each case both layers run the same forward + backward on the same tensors; the two are
 *interleaved* (ABAB... with the order swapped every round, so drift and neighbours' load hit both
