@@ -16,6 +16,10 @@ exception: torch's CPU ``rms_norm`` is a chain of ops, normscope's one reduction
                    ("no slower": 1.05 is the noise allowance of one such measurement)
     rows           RMSNorm at 16..2048 x 1024, around the fast path's threshold: <= 1.05 where the fast
                    path runs, the small-shape goals below it (torch's op runs; the per-call cost is left)
+    rows-forced    the rows path forced at row lengths 256, 1024, 4096 and 65K..4M elements: where it
+                   beats torch's op (informational: what ``rms.MIN_AUTO_ELEMENTS`` is derived from)
+    memory         peak memory (max RSS growth, fresh process) of one forward + backward of
+                   RMSNorm(4096) on 8192 rows, fp32 and bf16, and LayerNorm(4096): <= torch's
 
 Method: for each case both layers run the same forward + backward on the same tensors; the two are
 *interleaved* (ABAB... with the order swapped every round, so drift and neighbours' load hit both
@@ -101,6 +105,8 @@ def target(case: Case, mode: str) -> float:
         return RMS_LARGE_TARGET
     if case.size == "compiled":
         return COMPILED_TARGET
+    if case.size == "rows-forced":  # informational: where the rows path is faster than torch's op
+        return 1.0
     if case.kind == "functional":
         return FUNCTIONAL_TARGET
     if case.size == "rows":
@@ -137,7 +143,28 @@ def _cases() -> list[Case]:
     ]
     for rows in (16, 64, 256, 1024, 2048):
         out.append(Case(f"RMSNorm({rows}x1024)", "rows", (rows, 1024), lambda m: m.RMSNorm(1024)))
+    # the rows path forced, over row lengths and counts around MIN_AUTO_ELEMENTS: where it beats
+    # torch's op, which is what the threshold is derived from (the two give the same bits per row)
+    for n, counts in ((256, (256, 1024, 4096, 16384)), (1024, (64, 256, 1024, 4096)), (4096, (16, 64, 256, 1024))):
+        for rows in counts:
+            out.append(Case(f"RMSNorm-rows({rows}x{n})", "rows-forced", (rows, n), lambda m, n=n: _rows_forced(m, n)))
     return out
+
+
+class _RowsForced(nn.Module):
+    """normscope's RMSNorm with the CPU rows path forced (the composite backend)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return normscope.functional.rms_norm(x, (self.n,), self.weight, None, backend="composite")
+
+
+def _rows_forced(m, n: int) -> nn.Module:
+    return m.RMSNorm(n) if m is nn else _RowsForced(n)
 
 
 def _functional_cases() -> list[Case]:
@@ -194,6 +221,53 @@ def import_cost(pairs: int = 10) -> dict:
         "target_s": IMPORT_TARGET_S,
         "meets_target": added <= IMPORT_TARGET_S,
     }
+
+
+#: peak memory: forward + backward of (layer, rows, width, dtype), each in a fresh process, one thread
+MEMORY_CASES = (
+    ("RMSNorm", 8192, 4096, "float32"),
+    ("RMSNorm", 8192, 4096, "bfloat16"),
+    ("LayerNorm", 8192, 4096, "float32"),
+)
+
+_MEMORY_SCRIPT = """
+import json, resource, sys, torch
+torch.set_num_threads(1)
+import normscope
+impl, layer, rows, n, dtype = sys.argv[1:]
+dt = getattr(torch, dtype)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(int(rows), int(n), generator=g, dtype=dt).requires_grad_()  # no fp32 copy: the baseline
+dy = torch.randn(int(rows), int(n), generator=g, dtype=dt)  # peak must be the inputs' own
+m = getattr(torch.nn if impl == "torch" else normscope, layer)(int(n), dtype=dt)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+m(x).backward(dy)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"growth_mib": (after - before) / 1024}))
+"""
+
+
+def peak_memory() -> list[dict]:
+    """Max RSS growth (MiB) of one forward + backward, torch.nn's layer and normscope's, each in a fresh
+    interpreter (the input and output gradient allocated before the baseline): what a call costs in
+    memory beyond its inputs, temporaries and saved tensors included. Goal: normscope <= torch (4 MiB
+    of noise allowed: the same ATen ops differ by a page or so from process to process)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(normscope.__file__).resolve().parents[1])}
+    out = []
+    for layer, rows, n, dtype in MEMORY_CASES:
+        growth = {}
+        for impl in ("torch", "normscope"):
+            cmd = [sys.executable, "-c", _MEMORY_SCRIPT, impl, layer, str(rows), str(n), dtype]
+            done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+            growth[impl] = json.loads(done.stdout.strip().splitlines()[-1])["growth_mib"]
+        out.append({
+            "case": f"{layer}({n}) {rows}x{n} {dtype} fwd+bwd",
+            "torch_peak_growth_mib": round(growth["torch"], 1),
+            "normscope_peak_growth_mib": round(growth["normscope"], 1),
+            # RMSNorm: well under torch (its own rows); the others run torch's ops: as torch, to noise
+            "meets_target": growth["normscope"] <= growth["torch"] + 4.0,
+        })
+    return out
 
 
 def _compiled_cases() -> list[Case]:
@@ -394,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="fwd,fwdbwd", help="comma-separated: fwd, fwdbwd. Default: both")
     p.add_argument("--compile", action="store_true", help="also time a compiled normscope block vs torch.nn's")
     p.add_argument("--no-import", action="store_true", help="skip the import-cost measurement")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. 'shared machine, noisy')")
     p.add_argument(
         "--keep-freed-memory",
@@ -458,6 +533,15 @@ def main(argv: list[str] | None = None) -> int:
             f"goal <= {IMPORT_TARGET_S} s: {'met' if imports['meets_target'] else 'NOT met'}; "
             f"normscope --version {imports['normscope_version_cli_median_s']:.3f} s"
         )
+    memory = None
+    if not args.no_memory and not args.quick:
+        memory = peak_memory()
+        print("\npeak memory, max RSS growth of one forward + backward (fresh process, one thread):")
+        for m in memory:
+            print(
+                f"  {m['case']:<40} torch +{m['torch_peak_growth_mib']:.0f} MiB, normscope "
+                f"+{m['normscope_peak_growth_mib']:.0f} MiB: {'<= torch' if m['meets_target'] else 'MORE than torch'}"
+            )
     try:
         info["loadavg_at_end"] = list(os.getloadavg())
     except OSError:
@@ -480,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": results,
         "import": imports,
+        "memory": memory,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))

@@ -128,3 +128,33 @@ def test_unknown_rmsnorm_is_reported_not_patched():
     assert "FancyRMSNorm" in report.skipped and report.replaced == {"LayerNorm": 1}
     with pytest.raises(TypeError, match="model"):
         hf.patch("not a model")
+
+
+def test_patched_llama_is_as_batch_invariant_as_the_original():
+    # sample 0's logits alone and inside a batch of 8: 8 x 130 tokens of hidden 1024 cross the CPU's
+    # size threshold between torch's rms_norm and the rows path (rms.MIN_AUTO_ELEMENTS), one sample not
+    t = transformers
+    config = t.LlamaConfig(
+        hidden_size=1024, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=64,
+    )
+    torch.manual_seed(0)
+    model = t.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (8, 130), generator=torch.Generator().manual_seed(3))
+
+    def alone_and_batched(m):
+        with torch.no_grad():
+            return m(input_ids=ids[:1]).logits[0], m(input_ids=ids).logits[0]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # with two, torch's own matrix products split by the batch: not invariant
+    try:
+        alone, batched = alone_and_batched(model)
+        assert torch.equal(alone, batched), "the unpatched model is not batch-invariant here: nothing to compare"
+        patched = copy.deepcopy(model)
+        assert hf.patch(patched).replaced == {"LlamaRMSNorm": 5}
+        p_alone, p_batched = alone_and_batched(patched)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(p_alone, p_batched)
+    assert torch.equal(p_alone, alone)

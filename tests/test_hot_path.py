@@ -340,8 +340,14 @@ def test_call_of_builds_the_same_call_as_the_constructor():
     from normscope.engine import Call, call_of
 
     x = torch.randn(2, 3)
-    fields = (x, "scope", None, None, 1e-5, None, None, None, 0.0, False, None)
+    fields = (x, "scope", None, None, 1e-5, None, None, None, 0.0, False, None, "torch")
     assert len(Call._fields) == len(fields)
     assert call_of(fields) == Call(x, "scope", None, None, 1e-5, None, None)
     assert type(call_of(fields)) is Call
-    assert Call._field_defaults == {"residual": None, "weight_offset": 0.0, "residual_fp32": False, "op": None}
+    assert Call._field_defaults == {
+        "residual": None,
+        "weight_offset": 0.0,
+        "residual_fp32": False,
+        "op": None,
+        "casting": "torch",
+    }

@@ -244,3 +244,76 @@ def test_diffusers_ada_layer_norm_continuous_layer_bitwise(dtype, norm_type, aff
     ours.load_state_dict(ref.state_dict())
     x, cond = _x((2, 6, d), dtype, seed=15), _x((2, c), dtype, seed=16)
     assert torch.equal(ours(x, cond), ref(x, cond))
+
+
+# -- bit for bit at every size: the sizes where the CPU's automatic choice moves between paths -------
+
+
+@pytest.mark.parametrize("shape", [(1, 512, 1024), (1, 1024, 1024), (4, 1024, 1024)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_families_bitwise_at_every_size(shape, dtype):
+    # below and above rms.MIN_AUTO_ELEMENTS: torch's op and the CPU rows path must give the family's bits
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    n = shape[-1]
+    llama, gemma = LlamaRMSNorm(n, eps=1e-6), Gemma3RMSNorm(n, eps=1e-6)
+    _randomize(llama, 3, std=0.1)
+    _randomize(gemma, 4, std=0.01)
+    llama, gemma = llama.to(dtype), gemma.to(dtype)
+    x = _x(shape, dtype)
+    for backend in (None, "aten", "composite", "reference"):
+        y = FM.rms_norm(x, n, llama.weight, 1e-6, casting="llama", backend=backend)
+        assert torch.equal(y, llama(x)), f"llama, backend {backend}"
+        y = FM.rms_norm(x, n, gemma.weight, 1e-6, weight_offset=1.0, casting="gemma", backend=backend)
+        assert torch.equal(y, gemma(x)), f"gemma, backend {backend}"
+    # the layers too, warm (the hot path's plan) and cold
+    ours = normscope.RMSNorm(n, eps=1e-6, casting="llama", dtype=dtype)
+    ours.weight = llama.weight
+    for _ in range(2):
+        assert torch.equal(ours(x), llama(x))
+
+
+@pytest.mark.parametrize("casting", ["gemma", "llama"])
+def test_family_options_take_a_plan(casting):
+    # a family's call is an engine configuration on the one hot path: planned once, then reused
+    from normscope import functional_modern as fm
+
+    layer = normscope.RMSNorm(64, weight_offset=1.0 if casting == "gemma" else 0.0, casting=casting)
+    before = len(fm._RMS_NORM_FAMILY.plans)
+    x = torch.randn(3, 64)
+    for _ in range(3):
+        layer(x)
+    assert len(fm._RMS_NORM_FAMILY.plans) == before + 1
+    assert normscope.last_backend() == "aten"
+
+
+def test_nan_weight_offset_is_refused_as_nan_eps_is():
+    x, w = torch.randn(2, 8), torch.zeros(8)
+    for call in (
+        lambda: FM.rms_norm(x, 8, w, 1e-6, weight_offset=float("nan"), casting="gemma"),
+        lambda: FM.layer_norm(x, 8, w, None, weight_offset=float("nan")),
+        lambda: normscope.functional.rms_norm(x, (8,), w, weight_offset=float("nan")),
+        lambda: normscope.RMSNorm(8, weight_offset=float("nan")),
+        lambda: normscope.LayerNorm(8, weight_offset=float("nan")),
+        lambda: normscope.QKNorm(8, weight_offset=float("nan")),
+    ):
+        with pytest.raises(ValueError, match="weight_offset"):
+            call()
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_modulated_castings_agree_for_fp32_without_an_affine(norm):
+    # the docstring's claim: same bits for fp32 input without weight/bias (and not promised with them)
+    g = torch.Generator().manual_seed(5)
+    x, shift, scale = (torch.randn(s, generator=g) for s in ((2, 9, 48), (2, 48), (2, 48)))
+    a = FM.modulated_norm(x, shift, scale, norm=norm, casting="fp32")
+    b = FM.modulated_norm(x, shift, scale, norm=norm, casting="eager")
+    assert torch.equal(a, b)
+    s = scale[:, None].double()
+    x64 = x.double()
+    if norm == "layer":
+        xn = (x64 - x64.mean(-1, keepdim=True)) * torch.rsqrt(x64.var(-1, unbiased=False, keepdim=True) + 1e-6)
+    else:
+        xn = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(a.double(), xn * (1 + s) + shift[:, None].double(), rtol=1e-6, atol=1e-6)

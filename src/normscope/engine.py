@@ -123,6 +123,14 @@ class Call(NamedTuple):
     and the scale is ``weight + weight_offset``. Only a backend with ``fuses_residual`` sees such a
     call; for the others the engine adds first.
 
+    ``weight_offset`` and ``casting`` are a model family's options for the last-axes LayerNorm and
+    RMSNorm scopes: the scale is ``weight + weight_offset`` formed in fp32 (Gemma's ``1 + w`` is 1.0),
+    and ``casting`` says where the result is rounded to the input dtype -- ``"torch"`` (torch's layers;
+    with an offset, as ``"gemma"``), ``"gemma"`` (normalize, scale and shift in fp32, round last) or
+    ``"llama"`` (normalize in fp32, round, then scale in the weight's dtype).
+    :func:`normscope.reference.cast_affine` is the definition; a backend runs such a call exactly or
+    declines it in ``why_not``.
+
     ``op`` names the torch op a layer stands for when two ops compute the same scope: GroupNorm(C, C)
     resolves to InstanceNorm's scope, but torch runs it through ``group_norm`` (more accurate in half
     precision, and it keeps channels_last), so ``op="group_norm"`` asks the aten backend for that op.
@@ -139,6 +147,7 @@ class Call(NamedTuple):
     weight_offset: float = 0.0
     residual_fp32: bool = False
     op: str | None = None
+    casting: str = "torch"
 
 
 Runner = Callable[[Call], Tensor]
@@ -148,7 +157,8 @@ Runner = Callable[[Call], Tensor]
 LayerEntry = Callable[[Tensor, "Tensor | None", "Tensor | None", float, "Running | None"], Tensor]
 
 
-#: ``call_of((x, scope, weight, bias, eps, mask, running, residual, weight_offset, residual_fp32, op))``:
+#: ``call_of((x, scope, weight, bias, eps, mask, running, residual, weight_offset, residual_fp32, op,
+#: casting))``:
 #: a :class:`Call` from all its fields, in order, without the NamedTuple's Python-level ``__new__``
 #: (a frame that was a measurable share of a small layer's per-call cost); for the layers' hot path.
 call_of = functools.partial(tuple.__new__, Call)
@@ -447,8 +457,10 @@ def signature(call: Call) -> tuple:
         None if call.bias is None else call.bias.shape,
         None if r is None or r.mean is None else r.mean.shape,
         None if r is None or r.var is None else r.var.shape,
-        None if res is None else (res.dtype, res.shape, call.residual_fp32, call.weight_offset != 0.0),
+        None if res is None else (res.dtype, res.shape, call.residual_fp32),
+        call.weight_offset,
         call.op,
+        call.casting,
     )
 
 
@@ -570,8 +582,9 @@ def _static_signature(call: Call) -> tuple | None:
         None if r is None else (r.use_input_stats, meta(r.mean), meta(r.var)),
         meta(res),
         call.residual_fp32,
-        call.weight_offset != 0.0,
+        call.weight_offset,
         call.op,
+        call.casting,
     )
 
 
@@ -644,7 +657,7 @@ def _choice_for_trace(sig: tuple, name: str) -> str:
     found = _TRACE_CHOICES.get(key)
     if found is None:
         (shape, reduce, centered, groups, group_dim, affine), x_shape, dtype, device = sig[:4]
-        weight, bias, mask, running, residual, residual_fp32, offset, op = sig[4:]
+        weight, bias, mask, running, residual, residual_fp32, offset, op, casting = sig[4:]
 
         def meta_in(m: tuple | None) -> Tensor | None:
             return None if m is None else stand_in(m[0], m[1], device)
@@ -661,9 +674,10 @@ def _choice_for_trace(sig: tuple, name: str) -> str:
             meta_in(mask),
             run,
             meta_in(residual),
-            1.0 if offset else 0.0,
+            offset,
             residual_fp32,
             op,
+            casting,
         )
         with _as_traced():
             found = _choose(call, name)
@@ -742,10 +756,10 @@ def layer_entry(call: Call, planned: tuple[str, Runner]) -> LayerEntry:
     if entry is not None:
         return entry
     s, mask, residual, op = call.scope, call.mask, call.residual, call.op
-    offset, fp32 = call.weight_offset, call.residual_fp32
+    offset, fp32, casting = call.weight_offset, call.residual_fp32, call.casting
 
     def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
-        return runner(call_of((x, s, w, b, eps, mask, r, residual, offset, fp32, op)))
+        return runner(call_of((x, s, w, b, eps, mask, r, residual, offset, fp32, op, casting)))
 
     return run
 
@@ -826,16 +840,19 @@ def norm(
     running: Running | None = None,
     backend: str | None = None,
     op: str | None = None,
+    weight_offset: float = 0.0,
+    casting: str = "torch",
 ) -> Tensor:
     """Normalize ``x`` over ``scope``: the one engine behind every layer.
 
     Layers and :func:`normscope.normalize` check their arguments first, with messages in their
     own terms; the engine checks once per call signature (shape, dtype, which tensors are given)
     that weight, bias and running statistics fit the scope, so a wrong size raises ValueError
-    instead of reaching a kernel. ``op``: see :class:`Call`.
+    instead of reaching a kernel. ``op``, ``weight_offset``, ``casting``: see :class:`Call`.
     """
     resolved = scope if isinstance(scope, Resolved) else scope.resolve(x.shape)
-    return dispatch(Call(x, resolved, weight, bias, eps, mask, running, op=op), backend)
+    call = Call(x, resolved, weight, bias, eps, mask, running, None, weight_offset, False, op, casting)
+    return dispatch(call, backend)
 
 
 def add_norm(

@@ -20,6 +20,10 @@ from . import _checks as check
 from . import hot
 from .engine import Running, add_norm, norm, stats
 from .engine import apply as _apply
+
+# the last-axes ops and the modern norms: normscope.functional_modern builds on the engine and the hot
+# path only, so the dependency is one way (this module on that one)
+from .functional_modern import CASTINGS, derf, layer_norm, modulated_norm, poly_norm, qk_norm, rms_norm
 from .scope import Scope
 
 __all__ = [
@@ -33,8 +37,6 @@ __all__ = [
     "adain",
 ]
 
-_LAYER_SCOPES = {k: Scope.layer(k) for k in range(1, 9)}
-_RMS_SCOPES = {k: Scope.rms(k) for k in range(1, 9)}
 _BATCH = Scope.batch(1)
 _BATCH_LAST = Scope.batch(-1)
 _INSTANCE = Scope.instance()
@@ -78,11 +80,6 @@ def _check_momentum_eps(momentum: object, eps: object, use_input_stats: bool, wh
         raise ValueError(f"{where}: expected `eps` > 0 when training (batch statistics normalize), got {eps!r}")
     if not eps >= 0:
         raise ValueError(f"{where}: expected `eps` >= 0, got {eps!r}")
-
-
-def _layer_scope(k: int, centered: bool) -> Scope:
-    table = _LAYER_SCOPES if centered else _RMS_SCOPES
-    return table.get(k) or (Scope.layer(k) if centered else Scope.rms(k))
 
 
 def batch_norm(
@@ -220,77 +217,6 @@ def _instance_norm(settings: tuple, input, weight, bias, eps, running: Running |
 
 
 _INSTANCE_NORM = hot.Op("instance_norm", _instance_norm)
-
-
-def _last_axes(settings: tuple, input, weight, bias, eps, running, mask) -> Tensor:
-    """:func:`layer_norm`'s and :func:`rms_norm`'s checked call (see :mod:`normscope.hot`)."""
-    where, centered, normalized_shape, _, backend = settings
-    check.tensor(input, "input", where)
-    shape = check.normalized_shape(normalized_shape, where)
-    check.trailing(input, shape, where)
-    if eps is None and not centered:  # rms_norm's default: the machine epsilon of the compute dtype
-        eps = torch.finfo(torch.float64 if input.dtype == torch.float64 else torch.float32).eps
-    check.eps(eps, where)
-    check.param(weight, "weight", shape, input, where, any_dtype=not centered)  # torch's rms_norm: any
-    check.param(bias, "bias", shape, input, where)
-    return norm(input, _layer_scope(len(shape), centered), weight, bias, eps, backend=backend)
-
-
-_LAYER_NORM = hot.Op("layer_norm", _last_axes)
-_RMS_NORM = hot.Op("rms_norm", _last_axes)
-
-
-def layer_norm(
-    input: Tensor,
-    normalized_shape: int | Sequence[int],
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    eps: float = 1e-5,
-    *,
-    weight_offset: float = 0.0,
-    casting: str = "torch",
-    backend: str | None = None,
-) -> Tensor:
-    """Layer Normalization over the last ``len(normalized_shape)`` dims, as
-    :func:`torch.nn.functional.layer_norm`; ``weight_offset`` and ``casting`` as in :func:`rms_norm`."""
-    if weight_offset != 0.0 or casting != "torch":
-        return _modern.layer_norm(
-            input, normalized_shape, weight, bias, eps, weight_offset=weight_offset, casting=casting, backend=backend
-        )
-    if type(normalized_shape) is list:  # hashable, for the plan's key
-        normalized_shape = tuple(normalized_shape)
-    settings = ("layer_norm", True, normalized_shape, type(normalized_shape), backend)
-    return hot.call(_LAYER_NORM, settings, input, weight, bias, eps)
-
-
-def rms_norm(
-    input: Tensor,
-    normalized_shape: int | Sequence[int],
-    weight: Tensor | None = None,
-    eps: float | None = None,
-    *,
-    weight_offset: float = 0.0,
-    casting: str = "torch",
-    backend: str | None = None,
-) -> Tensor:
-    """Root Mean Square Normalization over the last dims, as :func:`torch.nn.functional.rms_norm`.
-
-    ``eps=None`` is the machine epsilon of the dtype the statistics are computed in: fp32's for
-    fp16/bf16/fp32 input, fp64's for fp64 input.
-
-    Beyond torch, the modern families' options (see :func:`normscope.functional_modern.rms_norm`):
-    ``weight_offset`` (the scale is ``weight + weight_offset``, formed in fp32: 1.0 is Gemma's
-    ``1 + w``) and ``casting`` (``"torch"``, ``"gemma"``: scale in fp32 and cast last, ``"llama"``:
-    cast, then scale).
-    """
-    if weight_offset != 0.0 or casting != "torch":
-        return _modern.rms_norm(
-            input, normalized_shape, weight, eps, weight_offset=weight_offset, casting=casting, backend=backend
-        )
-    if type(normalized_shape) is list:  # hashable, for the plan's key
-        normalized_shape = tuple(normalized_shape)
-    settings = ("rms_norm", False, normalized_shape, type(normalized_shape), backend)
-    return hot.call(_RMS_NORM, settings, input, weight, None, eps)
 
 
 def group_norm(
@@ -578,9 +504,5 @@ def fused_add_rms_norm(
 
 
 __all__ += ["fused_add_rms_norm"]
-
-# the modern norms (normscope.functional_modern): imported last, as that module builds on the above
-from . import functional_modern as _modern  # noqa: E402
-from .functional_modern import CASTINGS, derf, modulated_norm, poly_norm, qk_norm  # noqa: E402
 
 __all__ += ["modulated_norm", "qk_norm", "poly_norm", "derf", "CASTINGS"]

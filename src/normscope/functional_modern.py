@@ -16,11 +16,12 @@ Each is a scope plus where its affine comes from, or an element-wise map:
 =================  ==========================================================================
 
 The statistics always come from :func:`normscope.engine.norm` (so from whichever backend it
-chooses or is forced to); this module adds only the affine, with each family's rounding.
-
-``rms_norm`` and ``layer_norm`` here are supersets of :mod:`normscope.functional`'s (same
-positional signature, plus ``weight_offset`` and ``casting``); they are left out of ``__all__`` so
-that ``from normscope.functional_modern import *`` does not shadow those.
+chooses or is forced to). The families' options -- the zero-centred weight and the casting orders --
+are fields of the engine's call (:class:`normscope.engine.Call`), defined once in
+:func:`normscope.reference.cast_affine` and run by the backends; ``rms_norm`` and ``layer_norm``,
+the torch-named ops that take them, are defined here and are :mod:`normscope.functional`'s (which
+imports this module: the dependency is one way). They are left out of ``__all__`` so that
+``from normscope.functional_modern import *`` does not shadow ``torch.nn.functional``'s names.
 """
 
 from __future__ import annotations
@@ -31,19 +32,16 @@ import torch
 from torch import Tensor
 
 from . import _checks as check
-from . import functional as F
+from . import hot
 from .engine import norm, requested_backend
-from .reference import acc_dtype
-from .scope import Resolved, Scope
+from .reference import CASTINGS, acc_dtype
+from .scope import Scope
 
 __all__ = ["modulated_norm", "qk_norm", "poly_norm", "derf", "CASTINGS"]
 
-#: the casting orders of :func:`rms_norm` / :func:`layer_norm` (see there)
-CASTINGS = ("torch", "gemma", "llama")
-
 _SCOPES = {
     (k, c): Scope(reduce=tuple(range(-k, 0)), centered=c, affine=tuple(range(-k, 0)))
-    for k in (1, 2)
+    for k in range(1, 9)
     for c in (True, False)
 }
 
@@ -52,6 +50,7 @@ _SCOPES = {
 
 
 _tensor = check.tensor  # a floating-point tensor, as every op's input
+
 
 def _optional(t: object, name: str, shape: tuple[int, ...], x: Tensor, where: str) -> None:
     if t is None:
@@ -69,13 +68,15 @@ def _eps(eps: object, where: str) -> float:
 
 
 def _choice(value: object, name: str, options: Sequence[str], where: str) -> None:
-    if value not in options:
+    if not isinstance(value, str) or value not in options:
         raise ValueError(f"{where}: expected `{name}` to be one of {tuple(options)}, got {value!r}")
 
 
 def _offset(value: object, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{where}: expected `weight_offset` to be a float, got {type(value).__name__} {value!r}")
+    if value != value:  # NaN: every output would be NaN, as with a NaN eps
+        raise ValueError(f"{where}: expected `weight_offset` to be a number, got {value!r}")
     return float(value)
 
 
@@ -86,110 +87,48 @@ def _prod(shape: Sequence[int]) -> int:
     return n
 
 
-def _view(p: Tensor, s: Resolved) -> Tensor:
-    """``p`` (over the scope's affine axes, or flat) with singleton axes elsewhere."""
-    return p.reshape([s.shape[d] if d in s.affine else 1 for d in range(len(s.shape))])
+# -- LayerNorm / RMSNorm over the last axes, with the model families' options ----------------------
 
 
-# -- zero-centred weight and the families' casting orders ------------------------------------------
-
-
-_TRAILING = {scope: key for key, scope in _SCOPES.items()}  # (axes, centered) of the trailing-axes scopes
-
-
-def _normalized(
-    x: Tensor, scope: Scope | Resolved, weight: Tensor | None, bias: Tensor | None, eps: float, backend: str | None
-) -> Tensor:
-    """``engine.norm(x, scope, weight, bias, eps)``; for the trailing-axes scopes through
-    :func:`normscope.functional.layer_norm` / :func:`~normscope.functional.rms_norm`, the one hot
-    path (:mod:`normscope.hot`): planned once per call signature, as every layer is."""
-    found = _TRAILING.get(scope) if isinstance(scope, Scope) else None
-    if found is not None and x.dim() >= found[0]:
-        shape = tuple(x.shape[-found[0] :])
-        if found[1]:
-            return F.layer_norm(x, shape, weight, bias, eps, backend=backend)
-        if bias is None:
-            return F.rms_norm(x, shape, weight, eps, backend=backend)
-    return norm(x, scope, weight, bias, eps, backend=backend)
-
-
-def _affine_norm(
-    x: Tensor,
-    scope: Scope,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    weight_offset: float,
-    casting: str,
-    backend: str | None,
-) -> Tensor:
-    """The engine's normalization over ``scope``, with the affine rounded as ``casting`` says.
-
-    * ``"torch"``: the engine's own affine (torch's layers' rounding). With a ``weight_offset`` the
-      scale ``weight + offset`` is formed in fp32 -- a bf16 ``1 + w`` would round away any
-      ``|w| < 2^-8`` (Liger #1462) -- so it is then as ``"gemma"``.
-    * ``"gemma"``: normalize in fp32, scale (and shift) in fp32, cast last -- Gemma's and OLMo 2's
-      RMSNorm (``(x32 * rstd * (1 + w32)).to(x.dtype)``).
-    * ``"llama"``: normalize in fp32, cast to the input dtype, then scale in the weight's dtype
-      (type promotion: an fp32 weight on bf16 input gives fp32 output) -- Llama's, Qwen's and
-      diffusers' RMSNorm (``w * (x32 * rstd).to(x.dtype)``).
-    """
-    if casting == "torch" and weight_offset == 0.0:
-        return _normalized(x, scope, weight, bias, eps, backend)
-    acc = acc_dtype(x.dtype)
-    s = scope.resolve(tuple(x.shape))
-    if casting != "llama" and requested_backend(backend) == "triton":
-        # one launch: the rows kernel forms w + offset in fp32 and rounds the result once
-        from .backends import triton as door
-
-        n = _prod([s.shape[d] for d in s.reduce])
-        return door.offset_rows_norm(x, n, weight, bias, eps, s.centered, weight_offset)
-    if casting == "llama":
-        y = _normalized(x.to(acc), scope, None, None, eps, backend).to(x.dtype)
-        if weight is not None:
-            if weight_offset == 0.0:
-                y = _view(weight, s) * y
-            else:  # 1 + w in fp32 (never rounded to bf16), the product rounded once to promote(w, x)
-                out = torch.promote_types(weight.dtype, x.dtype)
-                y = ((_view(weight, s).to(acc) + weight_offset) * y.to(acc)).to(out)
-        if bias is not None:
-            y = y + _view(bias, s)
-        return y
-    y = _normalized(x.to(acc), scope, None, None, eps, backend)
-    if weight is not None:
-        y = y * (_view(weight, s).to(acc) + weight_offset)
-    if bias is not None:
-        y = y + _view(bias, s).to(acc)
-    return y.to(x.dtype)
-
-
-def _last_axes(
-    where: str,
-    centered: bool,
-    input: Tensor,
-    normalized_shape: int | Sequence[int],
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float | None,
-    weight_offset: float,
-    casting: str,
-    backend: str | None,
-) -> Tensor:
-    _tensor(input, "input", where)
-    shape = check.normalized_shape(normalized_shape, where)  # as functional.layer_norm / rms_norm
+def _last_axes(settings: tuple, input, weight, bias, eps, running, mask) -> Tensor:
+    """:func:`layer_norm`'s and :func:`rms_norm`'s checked call (see :mod:`normscope.hot`):
+    ``settings`` is ``(where, centered, normalized_shape, its type, backend)``, and with a family's
+    options ``(..., weight_offset, its type, casting)``."""
+    where, centered, normalized_shape, _, backend = settings[:5]
+    family = len(settings) > 5
+    check.tensor(input, "input", where)
+    shape = check.normalized_shape(normalized_shape, where)
     check.trailing(input, shape, where)
-    _optional(weight, "weight", shape, input, where)
-    _optional(bias, "bias", shape, input, where)
-    _choice(casting, "casting", CASTINGS, where)
-    offset = _offset(weight_offset, where)
-    if eps is None:  # torch.nn.functional.rms_norm's default: machine epsilon of the statistics' dtype
+    if eps is None and not centered:  # rms_norm's default: the machine epsilon of the compute dtype
         eps = torch.finfo(acc_dtype(input.dtype)).eps
-    eps = _eps(eps, where)
+    check.eps(eps, where)
     scope = _SCOPES.get((len(shape), centered))
     if scope is None:
         axes = tuple(range(-len(shape), 0))
         scope = Scope(reduce=axes, centered=centered, affine=axes)
-    return _affine_norm(input, scope, weight, bias, eps, offset, casting, backend)
+    if not family:
+        check.param(weight, "weight", shape, input, where, any_dtype=not centered)  # torch's rms_norm: any
+        check.param(bias, "bias", shape, input, where)
+        return norm(input, scope, weight, bias, eps, backend=backend)
+    # a family's parameters may be of any floating dtype (an fp32 weight on bf16 input: Llama's
+    # casting then gives fp32), and flat over several normalized axes
+    offset, casting = _offset(settings[5], where), settings[7]
+    _choice(casting, "casting", CASTINGS, where)
+    _optional(weight, "weight", shape, input, where)
+    _optional(bias, "bias", shape, input, where)
+    if casting != "llama" and requested_backend(backend) == "triton":
+        # forced: one launch, the rows kernel forms w + offset in fp32 and rounds the result once
+        from .backends import triton as door
+
+        return door.offset_rows_norm(input, _prod(shape), weight, bias, eps, centered, offset)
+    return norm(input, scope, weight, bias, eps, backend=backend, weight_offset=offset, casting=casting)
+
+
+_LAYER_NORM = hot.Op("layer_norm", _last_axes)
+_RMS_NORM = hot.Op("rms_norm", _last_axes)
+# the family options' own ops: their keys hold three settings more, which the plain calls need not compare
+_LAYER_NORM_FAMILY = hot.Op("layer_norm_family", _last_axes)
+_RMS_NORM_FAMILY = hot.Op("rms_norm_family", _last_axes)
 
 
 def rms_norm(
@@ -202,7 +141,8 @@ def rms_norm(
     casting: str = "torch",
     backend: str | None = None,
 ) -> Tensor:
-    r"""RMSNorm over the last dims with a zero-centred weight and a family's casting order.
+    r"""Root Mean Square Normalization over the last dims, as :func:`torch.nn.functional.rms_norm`,
+    with the model families' zero-centred weight and casting orders.
 
     .. math:: y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} \cdot (w + \text{weight\_offset})
 
@@ -213,9 +153,13 @@ def rms_norm(
             (Transformer Engine's ``zero_centered_gamma``, Liger's ``offset``). Default: 0.0.
         casting: where the result is rounded to the input dtype: ``"torch"`` (torch's RMSNorm),
             ``"gemma"`` (normalize and scale in fp32, cast last: Gemma, Gemma 2/3, OLMo 2) or
-            ``"llama"`` (normalize in fp32, cast, then scale: Llama, Mistral, Qwen 2/3).
+            ``"llama"`` (normalize in fp32, cast, then scale: Llama, Mistral, Qwen 2/3) -- bit for bit
+            the families' modules at every size (:func:`normscope.reference.cast_affine`).
             Default: ``"torch"``.
-        backend: force a backend for the statistics.
+        backend: force a backend.
+
+    Like every op it goes through the one hot path (:mod:`normscope.hot`), planned once per call
+    signature, the options included.
 
     Example::
 
@@ -223,7 +167,14 @@ def rms_norm(
         >>> w = torch.zeros(64, dtype=torch.bfloat16)          # Gemma's weight starts at 0
         >>> y = rms_norm(x, 64, w, 1e-6, weight_offset=1.0, casting="gemma")
     """
-    return _last_axes("rms_norm", False, input, normalized_shape, weight, None, eps, weight_offset, casting, backend)
+    if type(normalized_shape) is list:  # hashable, for the plan's key
+        normalized_shape = tuple(normalized_shape)
+    if weight_offset == 0.0 and casting == "torch":
+        settings = ("rms_norm", False, normalized_shape, type(normalized_shape), backend)
+        return hot.call(_RMS_NORM, settings, input, weight, None, eps)
+    settings = ("rms_norm", False, normalized_shape, type(normalized_shape), backend)
+    family = (*settings, weight_offset, type(weight_offset), casting)
+    return hot.call(_RMS_NORM_FAMILY, family, input, weight, None, eps)
 
 
 def layer_norm(
@@ -237,9 +188,35 @@ def layer_norm(
     casting: str = "torch",
     backend: str | None = None,
 ) -> Tensor:
-    """LayerNorm over the last dims with a zero-centred weight (``weight_offset``) and a casting
-    order, as :func:`rms_norm` (the bias is added after the scale, in the same precision)."""
-    return _last_axes("layer_norm", True, input, normalized_shape, weight, bias, eps, weight_offset, casting, backend)
+    """Layer Normalization over the last ``len(normalized_shape)`` dims, as
+    :func:`torch.nn.functional.layer_norm`; ``weight_offset`` and ``casting`` as in :func:`rms_norm`
+    (the bias is added after the scale, in the same precision)."""
+    if type(normalized_shape) is list:  # hashable, for the plan's key
+        normalized_shape = tuple(normalized_shape)
+    if weight_offset == 0.0 and casting == "torch":
+        settings = ("layer_norm", True, normalized_shape, type(normalized_shape), backend)
+        return hot.call(_LAYER_NORM, settings, input, weight, bias, eps)
+    settings = ("layer_norm", True, normalized_shape, type(normalized_shape), backend)
+    family = (*settings, weight_offset, type(weight_offset), casting)
+    return hot.call(_LAYER_NORM_FAMILY, family, input, weight, bias, eps)
+
+
+def _affine_norm(
+    x: Tensor,
+    k: int,
+    centered: bool,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    weight_offset: float,
+    casting: str,
+    backend: str | None,
+) -> Tensor:
+    """The family norm over the last ``k`` axes, as the modern norms below use it."""
+    shape = tuple(x.shape[-k:])
+    if centered:
+        return layer_norm(x, shape, weight, bias, eps, weight_offset=weight_offset, casting=casting, backend=backend)
+    return rms_norm(x, shape, weight, eps, weight_offset=weight_offset, casting=casting, backend=backend)
 
 
 # -- AdaLN: an affine from another tensor ---------------------------------------------------------
@@ -276,7 +253,10 @@ def modulated_norm(
         casting: ``"fp32"``: normalize and modulate in fp32, round once to x's dtype (what a fused
             kernel does: most accurate); ``"eager"``: each step rounded to the input dtype as the
             unfused eager code of DiT and diffusers does (bit-for-bit with diffusers' bf16 output).
-            Both are identical for fp32 input. Default: ``"fp32"``.
+            For fp32 input without ``weight``/``bias`` the two give the same bits; with an
+            elementwise affine they round it differently (``"eager"`` lets torch's layer_norm fuse it
+            into the normalization, ``"fp32"`` multiplies and adds after it), by an ulp or so.
+            Default: ``"fp32"``.
         backend: force a backend for the statistics.
 
     Example::
@@ -322,18 +302,18 @@ def modulated_norm(
         from .backends import triton as door
 
         return door.modulated_norm(x, shift, scale, weight, bias, eps, norm == "layer")
-    scope = _SCOPES[(1, norm == "layer")]
+    centered = norm == "layer"
     if casting == "eager":
         # torch's LayerNorm / diffusers' RMSNorm (normalize in fp32, cast, then scale), then the
         # modulation op by op in the input dtype, each op rounding as the eager code's does
-        y = _affine_norm(x, scope, weight, bias, eps, 0.0, "torch" if norm == "layer" else "llama", backend)
+        y = _affine_norm(x, 1, centered, weight, bias, eps, 0.0, "torch" if centered else "llama", backend)
         if scale is not None:
             y = y * (1 + scale)
         if shift is not None:
             y = y + shift
         return y
     acc = acc_dtype(x.dtype)
-    y = _affine_norm(x.to(acc), scope, weight, bias, eps, 0.0, "gemma", backend)
+    y = _affine_norm(x.to(acc), 1, centered, weight, bias, eps, 0.0, "gemma", backend)
     if scale is not None:
         y = y * (1 + scale.to(acc))
     if shift is not None:
@@ -430,7 +410,7 @@ def qk_norm(
     for t, w, b in ((q, q_weight, q_bias), (k, k_weight, k_bias)):
         heads, d = t.shape[h_axis], t.shape[-1]
         if per_head:
-            out.append(_affine_norm(t, _SCOPES[(1, norm == "layer")], w, b, eps, offset, casting, backend))
+            out.append(_affine_norm(t, 1, norm == "layer", w, b, eps, offset, casting, backend))
             continue
         # all heads of a token: the scope (H, D) of each (b, s). In (B, H, S, D) those axes are not
         # adjacent; the transposed view puts them last, so both layouts are one scope and give the
@@ -438,7 +418,7 @@ def qk_norm(
         tv = t if layout == "bshd" else t.transpose(1, 2)
         w2 = None if w is None else w.reshape(heads, d)
         b2 = None if b is None else b.reshape(heads, d)
-        y = _affine_norm(tv, _SCOPES[(2, norm == "layer")], w2, b2, eps, offset, casting, backend)
+        y = _affine_norm(tv, 2, norm == "layer", w2, b2, eps, offset, casting, backend)
         out.append(y if layout == "bshd" else y.transpose(1, 2))
     return out[0], out[1]
 
@@ -483,10 +463,10 @@ def poly_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-6, *, bac
         return door.poly_norm(x, weight, bias, eps)
     acc = acc_dtype(x.dtype)
     xf, w = x.to(acc), weight.to(acc)
-    rms = _SCOPES[(1, False)]
     y = bias.to(acc)
+    d = (x.shape[-1],)
     for i, p in enumerate((3, 2, 1)):
-        y = y + w[i] * _normalized(xf**p if p > 1 else xf, rms, None, None, eps, backend)
+        y = y + w[i] * rms_norm(xf**p if p > 1 else xf, d, None, eps, backend=backend)
     return y.to(x.dtype)
 
 

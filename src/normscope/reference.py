@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .scope import Resolved
 
-__all__ = ["Moments", "acc_dtype", "moments", "rstd", "apply", "normalize"]
+__all__ = ["Moments", "acc_dtype", "moments", "rstd", "apply", "normalize", "CASTINGS", "cast_affine"]
 
 
 class Moments(NamedTuple):
@@ -188,6 +188,48 @@ def apply(
     if bias is not None:
         y = y + _affine_view(bias, scope).to(y.dtype)
     return y.to(x.dtype)
+
+
+#: the casting orders of the model families (see :func:`cast_affine`)
+CASTINGS = ("torch", "gemma", "llama")
+
+
+def cast_affine(
+    y: Tensor,
+    scope: Resolved,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    weight_offset: float,
+    casting: str,
+    dtype: torch.dtype,
+) -> Tensor:
+    """A model family's affine on ``y`` -- the input normalized, without affine, in the accumulation
+    dtype (or already rounded to ``dtype`` for ``"llama"``) -- rounded to ``dtype`` where the family
+    rounds. The one definition of the casting orders; the backends that run them give these bits.
+
+    * ``"gemma"`` (Gemma, Gemma 2/3, OLMo 2): scale by ``weight + weight_offset`` formed in fp32 (a
+      bf16 ``1 + w`` would round away any ``|w| < 2^-8``, Liger #1462), shift in fp32, round last:
+      ``(x32 * rstd * (1 + w32)).to(x.dtype)``. ``"torch"`` with an offset is this too.
+    * ``"llama"`` (Llama, Mistral, Qwen 2/3, diffusers): round the normalized value first, then scale
+      in the weight's dtype (type promotion: an fp32 weight on bf16 input gives fp32):
+      ``w * (x32 * rstd).to(x.dtype)``; with an offset the scale ``w32 + offset`` times the rounded
+      value in fp32, rounded once to the promoted dtype. A bias is added after, in the same way.
+    """
+    if casting == "llama":
+        y = y.to(dtype)
+        if weight is not None:
+            w = _affine_view(weight, scope)
+            if weight_offset == 0.0:
+                y = w * y
+            else:
+                acc = acc_dtype(dtype)
+                y = ((w.to(acc) + weight_offset) * y.to(acc)).to(torch.promote_types(weight.dtype, dtype))
+        return y if bias is None else y + _affine_view(bias, scope)
+    if weight is not None:
+        y = y * (_affine_view(weight, scope).to(y.dtype) + weight_offset)
+    if bias is not None:
+        y = y + _affine_view(bias, scope).to(y.dtype)
+    return y.to(dtype)
 
 
 def normalize(

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .. import engine
+from .. import reference as ref
 from ..engine import Backend, Call, LayerEntry, Runner, Running
 from . import rms
 from ._layout import channels_last, reduced_last
@@ -70,7 +71,15 @@ def kind(call: Call) -> str | None:
     return None
 
 
+def _family(call: Call) -> bool:
+    """A model family's options (:class:`normscope.engine.Call`): torch's op normalizes in fp32 without
+    affine, :func:`normscope.reference.cast_affine` does the rest."""
+    return call.casting != "torch" or call.weight_offset != 0.0
+
+
 def why_not(call: Call) -> str | None:
+    if _family(call) and call.residual is None and kind(call._replace(bias=None)) not in ("layer_norm", "rms_norm"):
+        return "the model families' casting orders are for LayerNorm/RMSNorm scopes"
     if kind(call) is None:
         if call.mask is not None:
             return "ATen has no masked normalization"
@@ -79,9 +88,11 @@ def why_not(call: Call) -> str | None:
 
 
 def why_not_auto(call: Call) -> str | None:
-    """Leave large CPU RMS scopes to the composite backend's one-reduction form (:mod:`.rms`),
-    which ``benchmarks/results/cpu_speed.json`` measured faster than ``torch.rms_norm`` there
-    (forward and forward+backward); under tracing torch.compile fuses torch's op itself."""
+    """Leave large CPU RMS scopes to the composite backend's rows (:mod:`.rms`), which
+    ``benchmarks/results/cpu_speed.json`` measured faster than ``torch.rms_norm`` there (forward and
+    forward+backward); under tracing torch.compile fuses torch's op itself. The choice is made on the
+    input's total size, which the batch decides, and that is safe only because the rows give every
+    row torch's bits, output and input gradient (``tests/test_batch_invariance.py``)."""
     if (
         kind(call) == "rms_norm"
         and call.x.device.type == "cpu"
@@ -116,10 +127,53 @@ def _running(r: Running | None) -> tuple:
 
 
 def prepare(call: Call, automatic: bool) -> Runner:
+    if _family(call):
+        return _runner(_family_entry(call, automatic))
     entry = _plain(call)
     if automatic:
         entry = _guard_cancellation(call, entry)
     return _runner(entry)
+
+
+def _family_entry(call: Call, automatic: bool) -> LayerEntry:
+    """A family's call: torch's op on the fp32 (fp64) input without affine -- the families' modules
+    normalize exactly so, ``x32 * rsqrt(x32.pow(2).mean(-1) + eps)`` for RMSNorm -- then the family's
+    affine and rounding (:func:`normscope.reference.cast_affine`)."""
+    acc = ref.acc_dtype(call.x.dtype)
+    plain = call._replace(x=engine.stand_in(tuple(call.x.shape), acc, call.x.device), weight=None, bias=None)
+    plain = plain._replace(weight_offset=0.0, casting="torch")
+    inner = _plain(plain)
+    if automatic:
+        inner = _guard_cancellation(plain, inner)
+    s, offset, casting, cast_affine = call.scope, call.weight_offset, call.casting, ref.cast_affine
+    w = call.weight
+    if kind(plain) == "rms_norm" and (w is None or w.shape == tuple(s.shape[d] for d in s.reduce)):
+        # the same bits in fewer ops (a small layer's cost is its op count): torch's rms_norm is
+        # ``(x32 * r) * w32`` rounded once -- Gemma's order with ``w32 + offset`` as the weight, and
+        # Llama's ``w * (x * r)`` itself when nothing is rounded between (fp32 input and weight) --
+        # and without a weight ``(x32 * r)`` rounded to x's dtype, Llama's normalized value
+        if offset == 0.0 and call.x.dtype == acc and (w is None or w.dtype == acc):
+            return _plain(call._replace(weight_offset=0.0, casting="torch"))
+        if casting == "llama" and offset == 0.0:
+            rounded = _plain(call._replace(weight=None, weight_offset=0.0, casting="torch"))
+
+            def llama(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+                y = rounded(x, None, None, eps, None)
+                return y if w is None else w * y
+
+            return llama
+        if casting != "llama":
+
+            def gemma(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+                w = None if w is None else w.to(acc) + offset
+                return inner(x.to(acc), w, None, eps, None).to(x.dtype)
+
+            return gemma
+
+    def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+        return cast_affine(inner(x.to(acc), None, None, eps, None), s, w, b, offset, casting, x.dtype)
+
+    return run
 
 
 def _runner(entry: LayerEntry) -> Runner:

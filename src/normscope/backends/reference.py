@@ -28,6 +28,9 @@ def run(call: Call) -> Tensor:
         if r is not None:
             engine.update_running(call, m)
         mean, rstd = m.mean, ref.rstd(m.var, call.eps, m.count)
+    if call.casting != "torch" or call.weight_offset != 0.0:  # a model family's affine and rounding
+        y = ref.apply(xf, mean, rstd, call.scope, None, None, call.mask)
+        return ref.cast_affine(y, call.scope, call.weight, call.bias, call.weight_offset, call.casting, x.dtype)
     return ref.apply(xf, mean, rstd, call.scope, call.weight, call.bias, call.mask).to(x.dtype)
 
 

@@ -4,14 +4,23 @@ torch's ``rms_norm`` on a CPU is not one kernel: it runs as a chain of ATen ops 
 mean, add, rsqrt, two multiplies) and autograd differentiates that chain op by op, about twenty ATen
 ops in the backward. Here the same function takes one reduction each way:
 
-* **forward**: ``r = rsqrt(||x||^2 / N + eps)`` per row from one ``vector_norm`` (a single read of
-  ``x``, accumulated in fp32 -- fp64 for fp64), then ``y = x * r * w``;
-* **backward** (closed form): with ``gx = dy * x``,
-  ``dx = r * (dy * w) - x * r^3 / N * (gx @ w)`` and ``dw = gx^T @ r``: one elementwise product and
-  two matrix-vector products for the sums, and two fused passes for ``dx``. ``dw`` sums the rows in
-  groups of :data:`DW_GROUP_ROWS` (one batched product), then the groups: one long matrix-vector
-  product added the rows one after another, an error growing with their number (~17x torch's at
-  8192 rows in fp32), the groups keep it at torch's for the same time.
+* **forward**: ``r = rsqrt(mean(x^2) + eps)`` per row, then ``y = x * r * w``;
+* **backward** (closed form): ``dx`` from elementwise products and one row reduction, ``dw`` from
+  batched products (:func:`_backward`). ``dw`` sums the rows in groups of :data:`DW_GROUP_ROWS`
+  (one batched product), then the groups: one long matrix-vector product added the rows one after
+  another, an error growing with their number (~17x torch's at 8192 rows in fp32), the groups keep
+  it at torch's for the same time.
+
+**Torch's bits, row by row.** Every rounding step of the output and of ``dx`` is the one torch's
+``rms_norm`` and autograd's differentiation of it take (the same ATen ops on the same values, in the
+same order, none fused), and a row's reduction in torch depends on the row alone. So a row's output
+and input gradient are torch's, bit for bit, whichever of the two paths runs -- and the automatic
+choice between them, made on the input's total size (:data:`MIN_AUTO_ELEMENTS`), never makes a
+sample's result depend on its batch (``tests/test_batch_invariance.py``). This is also why the model
+families' casting orders, whose modules compute ``x * rsqrt(x.pow(2).mean(-1) + eps)``, are exact
+here at every size. What the path saves is torch's full-size temporaries and autograd's chain of
+twenty-odd ops, not any rounding. ``dw`` is a sum over rows (no per-row bits to keep): it is summed
+its own way, as accurate as torch's and the same from run to run.
 
 Blocks of rows: fp16/bf16 both ways, and fp32/fp64 from :data:`BLOCKED_BYTES`,
 run block by block (:data:`BLOCK_ELEMENTS` elements a block). Each block is upcast once into fp32
@@ -22,23 +31,22 @@ pages from the system on every call -- which made the bf16 path ~10x slower than
 large fp32 backward gains too. Small fp32/fp64 inputs keep the whole-input calls (fewer of them).
 
 Numbers: the statistics are accumulated in fp32 like torch's (which upcasts fp16/bf16 input to fp32
-first), the output is rounded once to the input dtype; the tests bound the difference from torch and
-from a float64 computation (``tests/test_cpu_rms.py``), blocks and groups included. There is no
-mean, so no cancellation: a large offset is simply a large root mean square.
+first), the output is rounded once to the input dtype. There is no mean, so no cancellation: a large
+offset is simply a large root mean square.
 
 Double backward: the backward above is a closed form of the first derivative. When autograd asks
 for a differentiable one (``create_graph=True``) it differentiates the reference computation of the
 same rows instead, so higher-order gradients are exact (as :mod:`.composite` does for masks).
 
 Speed: measured against ``F.rms_norm`` by ``benchmarks/cpu_overhead.py`` (cases ``RMSNorm:large``,
-``RMSNorm-bf16:large`` and ``RMSNorm(RxN):rows``, the sizes around the threshold). At 8192 x 1024,
-one thread, 2-core AMD EPYC, median time ratio to torch: bf16 0.09-0.10 forward, 0.08-0.10 forward +
-backward; fp32 0.39-0.41 forward, 0.24 forward + backward (with glibc's default malloc; when the allocator keeps
-freed memory, ``--keep-freed-memory``, torch's full-size temporaries cost less and the fp32 forward is
-0.54-0.65). ``benchmarks/results/cpu_speed.json`` is the committed measurement that makes it
-the automatic choice on CPU from :data:`MIN_AUTO_ELEMENTS` elements (see
-:func:`normscope.backends.aten.why_not_auto`). Below that the per-call cost of an
-``autograd.Function`` outweighs the saved passes and torch's op runs.
+``RMSNorm-bf16:large``, ``RMSNorm(RxN):rows`` and, with this path forced, ``RMSNorm-rows(RxN)`` over
+row lengths 256, 1024 and 4096). ``benchmarks/results/cpu_speed_rms_rows.json`` (one thread, a shared
+2-core VM): at 8192 x 1024 the median time ratio to torch is 0.47 forward and 0.32 forward +
+backward in fp32, 0.21 and 0.22 in bf16; fwd+bwd of RMSNorm(4096) on 8192 rows grows the process by
++301 MiB (torch +807) in fp32 and +176 MiB (torch +871) in bf16. The automatic choice on CPU from
+:data:`MIN_AUTO_ELEMENTS` elements (:func:`normscope.backends.aten.why_not_auto`) is made on the
+total size because the crossover is one of total size, whatever the row length: below it the
+per-call cost of an ``autograd.Function`` outweighs the saved passes (see the constant).
 """
 
 from __future__ import annotations
@@ -57,10 +65,14 @@ from ._layout import channels_last, reduced_last
 
 __all__ = ["MIN_AUTO_ELEMENTS", "takes", "prepare"]
 
-#: Smallest input (elements) for which the automatic order picks this path on a CPU:
-#: benchmarks/results/cpu_speed.json measured it faster than ``F.rms_norm`` both ways from
-#: 1024 x 1024 elements up (forward 0.2-0.7x, forward+backward 0.3x), while at 256 x 1024 only the
-#: forward+backward was faster (0.53x) and the forward slower (1.29x: the per-call cost).
+#: Smallest input (elements) for which the automatic order picks this path on a CPU. Measured with the
+#: path forced against torch's op (``benchmarks/results/cpu_speed_rms_rows.json``, median time ratio
+#: forward / forward+backward): at 65K elements it is slower at every row length (16 x 4096: 1.81 /
+#: 1.11, 64 x 1024: 1.73 / 1.12, 256 x 256: 1.82 / 1.00); at 262K faster but by little forward (64 x
+#: 4096: 0.97 / 0.54, 256 x 1024: 0.93 / 0.83, 1024 x 256: 0.87 / 0.90); from 1M elements faster both
+#: ways at every length (256 x 4096: 0.90 / 0.60, 1024 x 1024: 0.88 / 0.46, 4096 x 256: 0.86 / 0.42).
+#: The crossover is one of total size, not of row length, and the choice may be made on the total
+#: size because the two paths give every row the same bits (the module docstring).
 MIN_AUTO_ELEMENTS = 1024 * 1024
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -75,6 +87,11 @@ def takes(call: Call) -> str | None:
         return "an RMS scope over grouped axes or with an affine over other axes"
     if call.x.dtype not in _FLOATS:
         return f"floating-point input only, got {call.x.dtype}"
+    w, acc = call.weight, ref.acc_dtype(call.x.dtype)
+    family = call.casting != "torch" or call.weight_offset != 0.0  # any weight: see prepare
+    if w is not None and not family and w.dtype not in (call.x.dtype, acc):
+        # torch multiplies by such a weight in the promoted dtype (fp64 for an fp64 weight): other bits
+        return f"a weight of the input's dtype or {acc} only, got {w.dtype} for {call.x.dtype} input"
     return None
 
 
@@ -99,7 +116,7 @@ def _blocks(rows: int, n: int, low: bool, itemsize: int) -> tuple[int, list[tupl
     return step, [(s, min(s + step, rows)) for s in range(0, rows, step)]
 
 
-def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+def _forward(x2: Tensor, weight: Tensor | None, eps: float, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(y, r)`` for a (R, N) input: ``r = rsqrt(mean(x^2) + eps)`` per row, ``y = x * r * w``.
 
     By blocks of rows (:func:`_blocks`) for fp16/bf16 and for fp32/fp64 from
@@ -109,20 +126,31 @@ def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Ten
     before, 0.54-0.65 after when the allocator keeps memory (``--keep-freed-memory``; 0.39 either way with
     glibc's default, where torch's temporaries are fresh pages). fp16/bf16 blocks are
     upcast once into an fp32 buffer, computed there and rounded once into ``y`` (over the whole input
-    the upcasts were full-size temporaries, fresh pages from the system each call: ~10x slower)."""
+    the upcasts were full-size temporaries, fresh pages from the system each call: ~10x slower).
+
+    ``scale`` (with ``weight`` None): Llama's casting, ``y = scale * (x * r).to(x.dtype)`` in the
+    promoted dtype of ``scale`` and ``x``, block by block (a separate product was another pass over
+    memory: 1.5x the plain rows' time at 8192 x 1024 bf16)."""
     rows, n = x2.shape
     acc = ref.acc_dtype(x2.dtype)
     w = None if weight is None else weight if weight.dtype == acc else weight.to(acc)
     low = x2.dtype != acc
     step, blocks = _blocks(rows, n, low, x2.element_size())
-    y = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
+    out = x2.dtype if scale is None else torch.promote_types(scale.dtype, x2.dtype)
+    y = torch.empty((rows, n), dtype=out, device=x2.device)
     r = torch.empty((rows, 1), dtype=acc, device=x2.device)
-    buf = torch.empty((min(step, rows), n), dtype=acc, device=x2.device) if low else None
+    m = min(step, rows)
+    buf, sq = (torch.empty((m, n), dtype=acc, device=x2.device) for _ in range(2)) if low else (None, None)
+    rounded = None if scale is None else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     for s, e in blocks:
         xc, rc = x2[s:e], r[s:e]
         if low:
             xc = buf[: e - s].copy_(xc)
-        _rstd(xc, n, eps, rc)
+        _rstd(xc, eps, rc, sq[: e - s] if low else y[s:e] if scale is None else rounded[: e - s])
+        if scale is not None:  # Llama: x * r rounded to x's dtype, then the scale's product
+            yc = xc.mul_(rc) if low else torch.mul(xc, rc, out=rounded[: e - s])
+            torch.mul(rounded[: e - s].copy_(yc), scale, out=y[s:e])
+            continue
         yc = xc.mul_(rc) if low else torch.mul(xc, rc, out=y[s:e])  # x * r * w in fp32, as torch ...
         if w is not None:
             yc.mul_(w)
@@ -131,28 +159,17 @@ def _forward(x2: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Ten
     return y, r
 
 
-#: :func:`_rstd` takes each row's sum of squares as norms of chunks of this many columns
-RSTD_CHUNK = 128
+def _rstd(xc: Tensor, eps: float, out: Tensor, sq: Tensor) -> None:
+    """``out = rsqrt(mean(x^2) + eps)`` per row of a (R, N) block, by the very ops torch's
+    ``rms_norm`` runs (``pow(2)``, ``mean``, ``add``, ``rsqrt``), so every row gets torch's bits.
 
-
-def _rstd(xc: Tensor, n: int, eps: float, out: Tensor) -> None:
-    """``out = rsqrt(mean(x^2) + eps)`` per row of a (R, N) block.
-
-    The sum of squares is read once, as the fp32 norms of chunks of :data:`RSTD_CHUNK` columns (one
-    ``vector_norm``), whose squares are added and finished in float64 (R * N / 128 numbers: free
-    beside the read). One fp32 norm of the whole row, squared back, was ~1.2x further from float64
-    than torch's ``mean(x^2)`` (8192 x 1024: 5.8e-8 vs 4.8e-8 relative), and so were the gradients,
-    which all carry ``r``; by chunks it is 3.0e-8, at the same time (``tests/test_cpu_rms.py``)."""
-    k = n // RSTD_CHUNK
-    if k < 2 or xc.stride(-1) != 1:
-        torch.linalg.vector_norm(xc, 2, -1, keepdim=True, out=out)
-        ss = out.double().square_()
-    else:
-        main = xc[:, : k * RSTD_CHUNK].unflatten(-1, (k, RSTD_CHUNK))  # a view: the columns are contiguous
-        ss = torch.linalg.vector_norm(main, 2, -1).double().square_().sum(-1, keepdim=True)
-        if k * RSTD_CHUNK < n:
-            ss += torch.linalg.vector_norm(xc[:, k * RSTD_CHUNK :], 2, -1, keepdim=True).double().square_()
-    out.copy_(ss.div_(n).add_(eps).rsqrt_())
+    A row's reduction in torch does not depend on the other rows of the tensor (its order is fixed
+    by the row's length and layout), so a block of rows gives each row the bits the whole input
+    does, and the automatic choice between torch's op and this path, made on the input's size,
+    changes no bit of any row (see the module docstring). ``sq``: a buffer of ``xc``'s shape and dtype
+    for the squares (the block of the output, overwritten next, where it has that dtype)."""
+    torch.mean(torch.pow(xc, 2, out=sq), -1, keepdim=True, out=out)
+    out.add_(eps).rsqrt_()
 
 
 #: ``dw`` sums dy * x * r over the rows in groups of this many (one batched product), then adds the
@@ -181,15 +198,35 @@ def _weighted_row_sum(gx: Tensor, r: Tensor) -> Tensor:
 
 
 def _backward(
-    x2: Tensor, dy: Tensor, weight: Tensor | None, r: Tensor, need_x: bool, need_w: bool
+    x2: Tensor,
+    dy: Tensor,
+    weight: Tensor | None,
+    r: Tensor,
+    need_x: bool,
+    need_w: bool,
+    scale: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Closed-form ``(dx, dw)`` of :func:`_forward`: with ``gx = dy * x``,
-    ``dx = r * (dy * w) - x * r^3 / N * (gx @ w)`` and ``dw = gx^T @ r``; by blocks of rows (``dw``
-    summed over the blocks) for fp16/bf16 and large fp32/fp64 (:data:`BLOCKED_BYTES`)."""
+    """Closed-form ``(dx, dw)`` of :func:`_forward`, by blocks of rows (``dw`` summed over the blocks)
+    for fp16/bf16 and large fp32/fp64 (:data:`BLOCKED_BYTES`).
+
+    ``dx`` is the gradient autograd computes through torch's ``rms_norm`` (``y = x * r * w``,
+    ``r = rsqrt(mean(x^2) + eps)``), op for op and in its order, so its bits are torch's for every
+    row: ``da = dy * w``; ``dr = sum(da * x)``; ``g = (-0.5 * dr) * r^3 / N``;
+    ``dx = da * r + g * (2 * x)`` -- each a separate rounding, no fused multiply-add (whose rounding
+    differs), one row reduction (never a matrix-vector product: BLAS takes rows in unrolled groups and
+    the remainder another way, so a row's bits would depend on how many rows the call holds).
+    ``dw = sum_i r_i * (dy_i * x_i)`` is its own sum (:func:`_weighted_row_sum`), as accurate as
+    torch's and the same from run to run, though not bitwise torch's.
+
+    ``scale`` (Llama's casting, see :func:`_forward`): autograd's gradient of the normalized value is
+    ``dy * scale`` rounded to x's dtype (the dtype of the rounded value it flows into), then the path
+    without weight; the scale's own is ``sum_i dy_i * (x_i * r_i).to(x.dtype)``."""
     rows, n = x2.shape
     acc = r.dtype
     w = None if weight is None else weight.to(acc)
+    need_s = need_w and scale is not None
     need_w = need_w and w is not None
+    grad_s = None
     low = x2.dtype != acc or dy.dtype != acc
     step, blocks = _blocks(rows, n, low, r.element_size())
     m = min(step, rows)
@@ -197,33 +234,54 @@ def _backward(
     grad_w = None
     prod = torch.empty((m, n), dtype=acc, device=x2.device)
     xbuf, gbuf = (torch.empty((m, n), dtype=acc, device=x2.device) for _ in range(2)) if low else (None, None)
+    scratch = torch.empty((m, n), dtype=acc, device=x2.device) if need_x or need_s else None
+    if scale is not None:  # block buffers: dy * scale (its dtype), rounded to x's dtype
+        sd = torch.empty((m, n), dtype=torch.promote_types(scale.dtype, x2.dtype), device=x2.device)
+        rounded = sd if sd.dtype == x2.dtype else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+        ones = torch.ones((m, 1), dtype=acc, device=x2.device)
     for s, e in blocks:
         xc, gc, rc = x2[s:e], dy[s:e], r[s:e]
         if low:  # upcast once into fp32 buffers of one block
-            xc, gc = xbuf[: e - s].copy_(xc), gbuf[: e - s].copy_(gc)
-        gx = torch.mul(gc, xc, out=prod[: e - s])
-        if need_w and weight.dtype == torch.float64 and acc != torch.float64:
-            # an fp64 weight's gradient in fp64, as torch gives it (rare: fp32 input, fp64 weight)
-            part = _weighted_row_sum(gc.double() * xc.double(), rc.double())
-            grad_w = part if grad_w is None else grad_w.add_(part)
-        elif need_w:  # sum over rows of dy * x * r
-            part = _weighted_row_sum(gx, rc)
+            xc = xbuf[: e - s].copy_(xc)
+        if scale is not None:
+            k = e - s
+            if need_s:  # the scale's gradient: dy times the rounded normalized value, summed over rows
+                t = torch.mul(xc, rc, out=scratch[:k])
+                t.copy_(rounded[:k].copy_(t)).mul_(gc)
+                part = _weighted_row_sum(t, ones[:k])  # groups of rows in batched products, as dw's
+                grad_s = part if grad_s is None else grad_s.add_(part)
+            # the normalized value's gradient: dy * scale, rounded to x's dtype as autograd rounds it
+            gc = rounded[:k].copy_(torch.mul(gc, scale, out=sd[:k]))
+        if low:
+            gc = gbuf[: e - s].copy_(gc)
+        if need_w:
+            gx = torch.mul(gc, xc, out=prod[: e - s])
+            if weight.dtype == torch.float64 and acc != torch.float64:
+                # an fp64 weight's gradient in fp64, as torch gives it (rare: fp32 input, fp64 weight)
+                part = _weighted_row_sum(gc.double() * xc.double(), rc.double())
+            else:  # sum over rows of dy * x * r
+                part = _weighted_row_sum(gx, rc)
             grad_w = part if grad_w is None else grad_w.add_(part)
         if need_x:
-            # the row sums of dy * w * x: one matrix-vector product (one sum without weight)
-            dot = gx.sum(-1, keepdim=True) if w is None else torch.mv(gx, w).unsqueeze(-1)
-            c = rc.pow(3).mul_(dot).div_(-n)
-            # dx = dy * w * r + x * c: in the upcast dy's buffer (then rounded once), or straight into dx
+            # da = dy * w: in the upcast dy's buffer (then rounded once into dx), or straight into dx
             out = gc if low else grad_x[s:e]
-            if w is None:
-                torch.mul(gc, rc, out=out)
-            else:
-                torch.mul(gc, w, out=out).mul_(rc)
-            out.addcmul_(xc, c)
+            if w is not None:
+                torch.mul(gc, w, out=out)
+            elif not low:
+                out.copy_(gc)
+            tmp = scratch[: e - s]
+            dr = torch.mul(out, xc, out=tmp).sum(-1, keepdim=True)
+            # torch: (-0.5 * dr) * r^3, its mean's backward / N, its square's * (2 * x); x * (2 * g)
+            # rounds as g * (2 * x) does: doubling is exact
+            g = dr.mul_(-0.5).mul_(rc.pow(3)).div_(n).mul_(2.0)
+            out.mul_(rc).add_(torch.mul(xc, g, out=tmp))
             if low:
                 grad_x[s:e].copy_(out)
     if need_w and grad_w is None:  # no rows
         grad_w = torch.zeros(n, dtype=weight.dtype, device=x2.device)
+    if need_s:
+        grad_s = torch.zeros(n, dtype=scale.dtype, device=x2.device) if grad_s is None else grad_s.to(scale.dtype)
+        return grad_x, grad_s
     return grad_x, None if grad_w is None else grad_w.to(weight.dtype)
 
 
@@ -247,11 +305,32 @@ class _RMSRows(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def _reference_grads(ctx, dy: Tensor, x2: Tensor, weight: Tensor | None) -> tuple:
+class _LlamaRows(torch.autograd.Function):
+    """Llama's casting over the rows of a (R, N) view, ``y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``
+    (``w``: the scale, in the promoted dtype), closed-form backward."""
+
+    @staticmethod
+    def forward(ctx, x2: Tensor, scale: Tensor, eps: float) -> Tensor:
+        y, r = _forward(x2, None, eps, scale=scale)
+        ctx.save_for_backward(x2, scale, r)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x2, scale, r = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+            return (*_reference_grads(ctx, dy, x2, scale, "llama"), None)
+        need_x, need_s = ctx.needs_input_grad[:2]
+        grad_x, grad_s = _backward(x2, dy, None, r, need_x, need_s, scale=scale)
+        return grad_x, grad_s, None
+
+
+def _reference_grads(ctx, dy: Tensor, x2: Tensor, weight: Tensor | None, casting: str = "torch") -> tuple:
     """Gradients of the reference computation of the same rows, differentiable (double backward)."""
     need = [t is not None and n for t, n in zip((x2, weight), ctx.needs_input_grad[:2])]
     scope = _ROWS_AFFINE if weight is not None else _ROWS
-    rows = Call(x2, scope.resolve(tuple(x2.shape)), weight, None, ctx.eps, None, None)
+    rows = Call(x2, scope.resolve(tuple(x2.shape)), weight, None, ctx.eps, None, None, casting=casting)
     y = reference_backend.run(rows)
     wanted = [t for t, n in zip((x2, weight), need) if n]
     grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
@@ -264,10 +343,23 @@ _ROWS = Scope(reduce=(-1,), centered=False)
 
 def prepare(call: Call) -> Runner:
     """The runner of an RMS call (``takes(call)`` is None): the reduced axes moved last (a view,
-    free when they already are), the input as (rows, N), one :class:`_RMSRows`."""
+    free when they already are), the input as (rows, N), one :class:`_RMSRows`.
+
+    The model families' casting orders (:func:`normscope.reference.cast_affine`), exactly: Gemma's
+    ``(x32 * r * (w32 + offset)).to(x.dtype)`` is these rows with the fp32 scale ``w32 + offset`` as
+    their weight (they compute in fp32 and round once); Llama's ``w * (x32 * r).to(x.dtype)`` is the
+    rows without weight, then the weight's product (for fp32 input and weight, the rows with the
+    weight: ``w * (x * r)`` is ``(x * r) * w``)."""
     s = call.scope
     tail, moved = reduced_last(s)
     n = math.prod([s.shape[d] for d in s.reduce])
+    offset, casting = call.weight_offset, call.casting
+    acc = ref.acc_dtype(call.x.dtype)
+    w = call.weight
+    if casting == "llama" and offset == 0.0 and call.x.dtype == acc and (w is None or w.dtype == acc):
+        casting = "torch"  # nothing is rounded between the normalization and the scale: the same bits
+    llama, scaled = casting == "llama", casting != "torch" or offset != 0.0
+    fused = llama and offset == 0.0  # Llama's scale inside the rows (with an offset: cast_affine after)
 
     def run(c: Call) -> Tensor:
         if engine.transformed():
@@ -277,14 +369,22 @@ def prepare(call: Call) -> Runner:
         xm = c.x.movedim(s.reduce, tail) if moved else c.x
         # the weight spans the reduced axes in their order, which is the order they have at the end
         w = None if c.weight is None else c.weight.reshape(n)
+        if scaled and not llama and w is not None:
+            w = w.to(acc) + offset  # Gemma's 1 + w, formed in fp32
         x2 = xm.reshape(-1, n)
-        if torch.is_grad_enabled() and (x2.requires_grad or w is not None and w.requires_grad):
-            y = _RMSRows.apply(x2, w, float(c.eps))
+        grad = torch.is_grad_enabled() and (x2.requires_grad or w is not None and w.requires_grad)
+        if fused and w is not None:
+            y = _LlamaRows.apply(x2, w, float(c.eps)) if grad else _forward(x2, None, c.eps, scale=w)[0]
+        elif grad:
+            y = _RMSRows.apply(x2, None if llama else w, float(c.eps))
         else:  # nothing to differentiate: skip the autograd.Function's per-call cost
-            y = _forward(x2, w, c.eps)[0]
+            y = _forward(x2, None if llama else w, c.eps)[0]
         y = y.view(xm.shape)
         y = y.movedim(tail, s.reduce) if moved else y
         fmt = channels_last(c.x)
-        return y if fmt is None else y.contiguous(memory_format=fmt)  # torch keeps the input's layout
+        y = y if fmt is None else y.contiguous(memory_format=fmt)  # torch keeps the input's layout
+        if llama and not fused:
+            return ref.cast_affine(y, s, c.weight, None, offset, casting, c.x.dtype)
+        return y
 
     return run

@@ -73,6 +73,8 @@ def why_not(call: Call) -> str | None:
             return "the fused residual add has a kernel only for RMSNorm over the last axes, without bias"
         if call.residual.dtype not in _DTYPES:
             return f"the kernels take a float32/float16/bfloat16 residual, got {call.residual.dtype}"
+    if call.residual is None and (call.casting != "torch" or call.weight_offset != 0.0):
+        return "the model families' casting orders run on the other backends (forced: functional_modern's door)"
     if call.mask is not None and kind[0] != "channels":
         return "masked normalization has a kernel only for BatchNorm scopes (per-channel statistics)"
     if call.running is not None and kind[0] != "channels":

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional_modern as FM
+from .. import hot
 from ..modules import LayerNorm, RMSNorm
 from ._probe import EPS_NAMES as _EPS_NAMES
 from ._probe import eps_of as _eps
@@ -251,14 +252,57 @@ def _shape(m: nn.Module) -> tuple[int, ...] | None:
     return None
 
 
+_MISSING = object()
+
+
+def _attr(m: nn.Module, name: str) -> object:
+    """``getattr(m, name, None)``, read from the instance's dicts where the name is in one of them:
+    ``nn.Module.__getattr__`` is a Python call per name (and an AttributeError raised and caught for
+    an absent one, a Llama norm's ``bias``) -- a measurable share of a small layer's call. Anything
+    else (a property, a parametrization) is read the usual way."""
+    d = m.__dict__
+    for where in (d["_parameters"], d["_buffers"], d):
+        v = where.get(name, _MISSING)
+        if v is not _MISSING:
+            return v
+    return getattr(m, name, None) if hasattr(type(m), name) else None
+
+
 def _run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
-    """``m``'s normalization on normscope: one call of the functional form ``how`` names."""
-    w = m.weight if isinstance(getattr(m, "weight", None), Tensor) else None
-    b = m.bias if isinstance(getattr(m, "bias", None), Tensor) else None
-    shape, eps = _shape(m), _eps(m)
-    if how.centered:
-        return FM.layer_norm(x, shape, w, b, eps, weight_offset=how.weight_offset, casting=how.casting)
-    return FM.rms_norm(x, shape, w, eps, weight_offset=how.weight_offset, casting=how.casting)
+    """``m``'s normalization on normscope: one call of the hot path (:mod:`normscope.hot`) with the
+    configuration ``how`` names, planned once per call signature as every layer's is. What it reads
+    of ``m`` -- weight, bias, eps, normalized shape -- is read on every call (a model may replace
+    them), from the instance's dicts first (:func:`_attr`)."""
+    d = m.__dict__
+    w = d["_parameters"].get("weight", _MISSING)
+    if w is _MISSING:
+        w = _attr(m, "weight")
+    w = w if isinstance(w, Tensor) else None
+    centered, casting, offset = how
+    b = None
+    if centered:  # an RMS configuration has no bias (the probe matched the module without one)
+        b = _attr(m, "bias")
+        b = b if isinstance(b, Tensor) else None
+    ns = d.get("normalized_shape")
+    if isinstance(ns, (tuple, torch.Size)):
+        shape = tuple(ns)
+    else:
+        shape = tuple(w.shape) if w is not None and w.dim() == 1 else _shape(m)
+    eps = _MISSING
+    for name in _EPS_NAMES:
+        eps = d.get(name, _MISSING)
+        if eps is not _MISSING:
+            break
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        eps = _eps(m)
+    if offset == 0.0 and casting == "torch":
+        op, settings = (FM._LAYER_NORM, ("layer_norm", True, shape, tuple, None)) if centered else (
+            FM._RMS_NORM, ("rms_norm", False, shape, tuple, None))
+    elif centered:
+        op, settings = FM._LAYER_NORM_FAMILY, ("layer_norm", True, shape, tuple, None, offset, float, casting)
+    else:
+        op, settings = FM._RMS_NORM_FAMILY, ("rms_norm", False, shape, tuple, None, offset, float, casting)
+    return hot.call(op, settings, x, w, b, eps)
 
 
 def _why_unfit(m: nn.Module, forward: Callable) -> str | None:

@@ -33,6 +33,8 @@ class _FamilyOptions:
         name = type(self).__name__
         if not isinstance(weight_offset, (int, float)) or isinstance(weight_offset, bool):
             raise TypeError(f"{name}: expected `weight_offset` to be a float, got {weight_offset!r}")
+        if weight_offset != weight_offset:  # NaN: every output NaN, refused as a NaN eps is
+            raise ValueError(f"{name}: expected `weight_offset` to be a number, got {weight_offset!r}")
         if casting not in FM.CASTINGS:
             raise ValueError(f"{name}: expected `casting` to be one of {list(FM.CASTINGS)}, got {casting!r}")
         if weight_offset != 0.0 or casting != "torch":
@@ -97,9 +99,10 @@ class LayerNorm(_FamilyOptions, nn.LayerNorm):
         w, b = hot.tensors(self, _WB)
         shape = self.normalized_shape
         if self.weight_offset or self.casting != "torch":
-            return FM.layer_norm(input, shape, w, b, self.eps, weight_offset=self.weight_offset, casting=self.casting)
+            family = ("layer_norm", True, shape, type(shape), None, self.weight_offset, float, self.casting)
+            return hot.call(FM._LAYER_NORM_FAMILY, family, input, w, b, self.eps)
         settings = ("layer_norm", True, shape, type(shape), None)
-        return hot.call(F._LAYER_NORM, settings, input, w, b, self.eps)
+        return hot.call(FM._LAYER_NORM, settings, input, w, b, self.eps)
 
 
 class RMSNorm(_FamilyOptions, nn.RMSNorm):
@@ -148,9 +151,10 @@ class RMSNorm(_FamilyOptions, nn.RMSNorm):
         (w,) = hot.tensors(self, _W)
         shape = self.normalized_shape
         if self.weight_offset or self.casting != "torch":
-            return FM.rms_norm(x, shape, w, self.eps, weight_offset=self.weight_offset, casting=self.casting)
+            family = ("rms_norm", False, shape, type(shape), None, self.weight_offset, float, self.casting)
+            return hot.call(FM._RMS_NORM_FAMILY, family, x, w, None, self.eps)
         settings = ("rms_norm", False, shape, type(shape), None)
-        return hot.call(F._RMS_NORM, settings, x, w, None, self.eps)
+        return hot.call(FM._RMS_NORM, settings, x, w, None, self.eps)
 
 
 class GroupNorm(nn.GroupNorm):

@@ -1,0 +1,221 @@
+"""CPU speed of the model families' options and of Hugging Face models patched with normscope.
+
+Two comparisons, each interleaved as ``cpu_overhead.py`` does (ABBA blocks, median of per-pair ratios):
+
+    family layer   ``RMSNorm(d, casting="llama")`` and ``RMSNorm(d, weight_offset=1.0, casting="gemma")``
+                   against the plain ``normscope.RMSNorm(d)`` of the same dtype: a warm call <= 1.1x
+                   the plain layer's at a small shape, <= 1.05x (as fast) at a large one, where both
+                   run the CPU rows path
+    patched model  tiny Llama, Qwen3 and Gemma3 (hidden 256, 4 layers, random weights from a config,
+                   nothing downloaded), ``normscope.integrations.transformers.patch`` against the
+                   unpatched model, inference forward at 1 x 8 and 4 x 128 tokens: <= 1.02x
+
+    PYTHONPATH=src python3 benchmarks/families.py --threads 1 --out benchmarks/results/families.json
+    PYTHONPATH=src python3 benchmarks/families.py --quick          # smoke test
+
+Writes JSON (machine, torch version, threads, every sample) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import normscope
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_overhead import _block, machine  # noqa: E402  (the same timing and machine record)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FAMILY_SMALL, FAMILY_LARGE, MODEL = 1.1, 1.05, 1.02
+
+
+def interleaved(steps: dict[str, Callable[[], None]], rounds: int, min_block_s: float, warmup_s: float) -> dict:
+    """``steps = {"base": ..., "ours": ...}`` timed in ABBA pairs; the ratio ours / base."""
+    per_call = min(_block(steps["base"], 1)[0] for _ in range(3))
+    _block(steps["ours"], 3)
+    inner = max(1, min(1000, int(min_block_s / max(per_call, 1e-7))))
+    t_end = time.perf_counter() + warmup_s
+    while time.perf_counter() < t_end:
+        _block(steps["base"], inner)
+        _block(steps["ours"], inner)
+    samples: dict[str, list[float]] = {"base": [], "ours": []}
+    ratios, cpu_ratios = [], []
+    for _ in range(max(1, rounds // 2)):
+        wall = {"base": 0.0, "ours": 0.0}
+        cpu = {"base": 0.0, "ours": 0.0}
+        for order in (("base", "ours"), ("ours", "base")):
+            for name in order:
+                t, c = _block(steps[name], inner)
+                samples[name].append(t)
+                wall[name] += t
+                cpu[name] += c
+        ratios.append(wall["ours"] / wall["base"])
+        cpu_ratios.append(cpu["ours"] / max(cpu["base"], 1e-12))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return {
+        "calls_per_block": inner,
+        "rounds": 2 * len(ratios),
+        "base_median_us": statistics.median(samples["base"]) * 1e6,
+        "ours_median_us": statistics.median(samples["ours"]) * 1e6,
+        "ratio": statistics.median(ratios),
+        "ratio_q1_q3": [q[0], q[2]],
+        "ratio_of_mins": min(samples["ours"]) / min(samples["base"]),
+        "cpu_ratio": statistics.median(cpu_ratios),
+    }
+
+
+def _layer_step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, mode: str) -> Callable[[], None]:
+    if mode == "fwd":
+        return lambda: layer(x)
+    params = list(layer.parameters())
+
+    def step() -> None:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        layer(x).backward(dy)
+
+    return step
+
+
+def family_cases(quick: bool) -> list[tuple[str, str, tuple[int, ...], torch.dtype, dict]]:
+    shapes = {"small": (32, 64), "large": (8192, 1024)}
+    options = {"llama": {"casting": "llama"}, "gemma": {"weight_offset": 1.0, "casting": "gemma"}}
+    out = []
+    for size, shape in shapes.items():
+        if quick and size == "large":
+            continue
+        for dtype in (torch.float32, torch.bfloat16):
+            for name, kw in options.items():
+                out.append((name, size, shape, dtype, kw))
+    return out
+
+
+def run_family(name, size, shape, dtype, kw, mode, rounds, min_block_s, warmup_s) -> dict:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(shape, generator=g).to(dtype)
+    d = shape[-1]
+    base = normscope.RMSNorm(d, eps=1e-6, dtype=dtype)
+    ours = normscope.RMSNorm(d, eps=1e-6, dtype=dtype, **kw)
+    r = interleaved({"base": _layer_step(base, x, dy, mode), "ours": _layer_step(ours, x, dy, mode)}, rounds,
+                    min_block_s, warmup_s)
+    ours(x)
+    goal = FAMILY_SMALL if size == "small" else FAMILY_LARGE
+    return {"case": f"RMSNorm-{name}:{size}", "mode": mode, "shape": list(shape), "dtype": str(dtype)[6:],
+            "options": kw, "backend": normscope.last_backend(), **r, "target": goal, "meets_target": r["ratio"] <= goal}
+
+
+def _model(kind: str) -> torch.nn.Module:
+    import transformers as t
+
+    common = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000)
+    config = {
+        "llama": lambda: (t.LlamaConfig(**common), t.LlamaForCausalLM),
+        "qwen3": lambda: (t.Qwen3Config(**common, head_dim=64), t.Qwen3ForCausalLM),
+        "gemma3": lambda: (t.Gemma3TextConfig(**common, head_dim=64), t.Gemma3ForCausalLM),
+    }[kind]
+    cfg, cls = config()
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norm weights away from their init (Gemma's zeros would hide a wrong 1 + w)
+        for m in model.modules():
+            if "Norm" in type(m).__name__:
+                for p in m.parameters(recurse=False):
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+def run_model(kind, tokens, rounds, min_block_s, warmup_s) -> dict:
+    from normscope.integrations import transformers as hf
+
+    model = _model(kind)
+    patched = copy.deepcopy(model)
+    report = hf.patch(patched)
+    ids = torch.randint(0, 1000, tokens, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        same = torch.equal(model(input_ids=ids).logits, patched(input_ids=ids).logits)
+
+    def step(m):
+        def run() -> None:
+            with torch.no_grad():
+                m(input_ids=ids)
+
+        return run
+
+    r = interleaved({"base": step(model), "ours": step(patched)}, rounds, min_block_s, warmup_s)
+    return {"case": f"{kind}:{tokens[0]}x{tokens[1]}", "mode": "fwd (no_grad)", "tokens": list(tokens),
+            "patched": dict(report.replaced), "logits_bitwise_equal": same, **r, "target": MODEL,
+            "meets_target": r["ratio"] <= MODEL}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="JSON path. Default: results/families-<UTC time>.json")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads. Default: torch's")
+    p.add_argument("--rounds", type=int, default=None, help="ABBA rounds per case. Default: 40 (models 30)")
+    p.add_argument("--min-block-ms", type=float, default=20.0)
+    p.add_argument("--warmup-s", type=float, default=0.3)
+    p.add_argument("--quick", action="store_true", help="a few rounds of the small cases")
+    p.add_argument("--only", choices=("layers", "models"), default=None)
+    p.add_argument("--note", default="")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = args.out or RESULTS / f"families-{stamp}.json"
+    min_block = (2.0 if args.quick else args.min_block_ms) / 1e3
+    warm = 0.0 if args.quick else args.warmup_s
+    info = machine()
+    print(f"torch {info['torch']}, {info['torch_threads']} threads, load {info.get('loadavg_at_start')}")
+    results = []
+    t0 = time.perf_counter()
+    if args.only != "models":
+        for case in family_cases(args.quick):
+            for mode in ("fwd", "fwdbwd"):
+                rounds = args.rounds or (2 if args.quick else 40 if case[1] == "small" else 20)
+                r = run_family(*case, mode, rounds, min_block, warm)
+                results.append(r)
+                print(f"  {r['case']:<22} {r['dtype']:<9} {mode:<7} ratio {r['ratio']:.3f} "
+                      f"({r['base_median_us']:.1f} vs {r['ours_median_us']:.1f} us, {r['backend']}) "
+                      f"goal <= {r['target']}: {'met' if r['meets_target'] else 'NOT met'}", flush=True)
+    if args.only != "layers":
+        for kind in ("llama", "qwen3", "gemma3"):
+            for tokens in ((1, 8), (4, 128)):
+                rounds = args.rounds or (2 if args.quick else 30)
+                r = run_model(kind, tokens, rounds, min_block, warm)
+                results.append(r)
+                print(f"  {r['case']:<22} patched/unpatched {r['ratio']:.3f} (q1-q3 {r['ratio_q1_q3'][0]:.3f}-"
+                      f"{r['ratio_q1_q3'][1]:.3f}; {r['base_median_us']:.0f} vs {r['ours_median_us']:.0f} us) "
+                      f"logits equal {r['logits_bitwise_equal']}; goal <= {MODEL}: "
+                      f"{'met' if r['meets_target'] else 'NOT met'}", flush=True)
+    doc = {
+        "benchmark": "families",
+        "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
+        "note": args.note,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "machine": info,
+        "targets": {"family:small": FAMILY_SMALL, "family:large": FAMILY_LARGE, "patched_model": MODEL},
+        "results": results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
