@@ -52,8 +52,8 @@ def lay(values: Tensor, layout: str, dtype: torch.dtype | None = None) -> Tensor
         return buf[5:].view(v.shape).copy_(v)
     if layout == "expanded":  # stride 0 on axis 0: the values must repeat along it (see Case.expand)
         return v[:1].clone().expand(v.shape)
-    if layout == "transposed":  # first and last axes swapped in memory
-        return v.transpose(0, -1).contiguous().transpose(0, -1)
+    if layout == "transposed":  # the last two axes swapped in memory (the batch axis too for 2-D)
+        return v.transpose(-2, -1).contiguous().transpose(-2, -1)
     if layout == "channels_last":
         fmt = torch.channels_last if v.dim() == 4 else torch.channels_last_3d
         return v.contiguous(memory_format=fmt)
@@ -146,25 +146,31 @@ class Cotangents:
     float64 and rounded to that run's output dtypes (so that the float64 truth receives the very
     values the low-precision run did), then handed to every later run in its own output dtypes.
 
-    :meth:`select` gives the rows of some samples (axis 0), :meth:`where` zeroes some positions:
-    a sample's upstream gradient is then the same wherever it sits in a batch."""
+    :meth:`select` gives the rows of some samples (axis 0): a sample's upstream gradient is then the
+    same wherever it sits in a batch. :meth:`where` zeroes some positions."""
 
-    def __init__(self, seed: int = 7, values: list[Tensor] | None = None) -> None:
-        self.seed, self.values = seed, values
+    def __init__(
+        self, seed: int = 7, values: list[Tensor] | None = None, keep: Callable[[Tensor], Tensor] | None = None
+    ) -> None:
+        self.seed, self.values, self.keep = seed, values, keep
 
     def __call__(self, outputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         if self.values is None:
             g = torch.Generator().manual_seed(self.seed)
             self.values = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype).double() for o in outputs]
+            if self.keep is not None:
+                self.values = [v * self.keep(v) for v in self.values]
         return tuple(v.to(o.dtype) for v, o in zip(self.values, outputs))
 
     def select(self, index) -> Cotangents:
         idx = torch.as_tensor(index, dtype=torch.long)
         return Cotangents(values=[v[idx] for v in self.values])
 
-    def where(self, keep: Callable[[Tensor], Tensor]) -> Cotangents:
-        """Zero every position where ``keep(value)`` (a bool tensor broadcastable to it) is False."""
-        return Cotangents(values=[v * keep(v) for v in self.values])
+    @staticmethod
+    def where(keep: Callable[[Tensor], Tensor], seed: int = 7) -> Cotangents:
+        """Upstream gradients that are zero wherever ``keep(value)`` (a bool tensor broadcastable to
+        the output) is False: a loss that ignores padded outputs."""
+        return Cotangents(seed, keep=keep)
 
 
 def execute(

@@ -25,10 +25,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 import normscope
+from normscope import engine
 from normscope import functional as NF
 from normscope import functional_modern as FM
-
-from normscope import engine
 
 from .harness import Case, Result, arg, execute, layouts_for
 
@@ -168,8 +167,9 @@ def channels_shape(data, tiny: bool, min_spatial: int = 0, groups: bool = False)
     b = draw_batch(data, rest, tiny)
     if tiny:  # the interpreter runs one program per (sample, group): keep them few
         b = max(1, min(b, 64 // c))
-    if groups and b == 1 and rest // g < 2:
-        b = 2  # torch refuses one value per group in a batch of one
+    if groups and rest // g < 2:  # torch refuses one value per group in a batch of one
+        spatial, rest = (*spatial, 2), 2 * rest
+        b = max(1, min(b, (TINY_CAP if tiny else CAP) // rest))
     return (b, c, *spatial), g
 
 
@@ -331,7 +331,9 @@ def _draw_family_rms(data, dtype, tiny=False) -> Case:
     follows = casting != "llama" or data.draw(st.booleans(), label="weight in the input's dtype")
     w = param_arg(data, shape[-1:], dtype, s + 1, "weight", offset=0.0 if offset else 1.0, scale=0.1, follows=follows)
     eps = data.draw(st.sampled_from([1e-6, 1e-5]), label="eps")
-    return Case({"x": x_arg(data, shape, dtype, s), "weight": w}, dtype, {"casting": casting, "offset": offset, "eps": eps})
+    return Case(
+        {"x": x_arg(data, shape, dtype, s), "weight": w}, dtype, {"casting": casting, "offset": offset, "eps": eps}
+    )
 
 
 def _family_rms(t, kw):
@@ -422,9 +424,10 @@ def _draw_group(masked: bool):
         shape, g = channels_shape(data, tiny, min_spatial=1 if masked else 0, groups=True)
         s = seed_of(data)
         args = {"x": x_arg(data, shape, dtype, s)}
-        if optional(data, "weight"):
+        if optional(data, "affine"):
+            # weight and bias together: torch's CPU group_norm backward with a bias and no weight
+            # raises "tensor does not have a device" (torch 2.13), and so does the aten path
             args["weight"] = param_arg(data, shape[1:2], dtype, s + 1, "weight")
-        if optional(data, "bias"):
             args["bias"] = param_arg(data, shape[1:2], dtype, s + 2, "bias", offset=0.0)
         if masked:
             args["mask"] = mask_arg(data, (shape[0], *shape[2:]), s + 4)
@@ -667,7 +670,10 @@ def _draw_adain(data, dtype, tiny=False) -> Case:
     shape, _ = channels_shape(data, tiny, min_spatial=1)
     s = seed_of(data)
     style_shape = (shape[0], shape[1], *(n + 1 for n in shape[2:]))
-    args = {"content": x_arg(data, shape, dtype, s, "content"), "style": x_arg(data, style_shape, dtype, s + 1, "style")}
+    args = {
+        "content": x_arg(data, shape, dtype, s, "content"),
+        "style": x_arg(data, style_shape, dtype, s + 1, "style"),
+    }
     return Case(args, dtype, {"eps": 1e-5})
 
 
@@ -815,8 +821,15 @@ register(
         ("functional.qk_norm", "functional_modern.qk_norm"),
         _draw_qk,
         lambda t, kw: NF.qk_norm(
-            t["q"], t["k"], t["q_weight"], t["k_weight"], kw["eps"], layout=kw["layout"], per_head=kw["per_head"],
-            weight_offset=kw["offset"], casting=kw["casting"],
+            t["q"],
+            t["k"],
+            t["q_weight"],
+            t["k_weight"],
+            kw["eps"],
+            layout=kw["layout"],
+            per_head=kw["per_head"],
+            weight_offset=kw["offset"],
+            casting=kw["casting"],
         ),  # fmt: skip
         _qk_oracle,
         ("auto", "aten", "rows", "reference", "triton"),
@@ -938,7 +951,11 @@ class _DyTTwin(nn.Module):
 
     def __init__(self, c):
         super().__init__()
-        self.alpha, self.weight, self.bias = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c))
+        self.alpha, self.weight, self.bias = (
+            nn.Parameter(torch.ones(1)),
+            nn.Parameter(torch.ones(c)),
+            nn.Parameter(torch.zeros(c)),
+        )
 
     def forward(self, x):
         return torch.tanh(self.alpha * x) * self.weight + self.bias
@@ -1172,8 +1189,14 @@ register(
     layer_op(
         "QKNorm",
         lambda kw: normscope.QKNorm(
-            kw["d"], kw["h"], kw["hk"], per_head=kw["per_head"], eps=kw["eps"], layout=kw["layout"],
-            weight_offset=kw["offset"], casting=kw["casting"],
+            kw["d"],
+            kw["h"],
+            kw["hk"],
+            per_head=kw["per_head"],
+            eps=kw["eps"],
+            layout=kw["layout"],
+            weight_offset=kw["offset"],
+            casting=kw["casting"],
         ),  # fmt: skip
         lambda kw: _FormulaTwin(_qk_oracle, kw, ("q", "k"), q_weight=(1,), k_weight=(1,)),
         lambda data, dtype, tiny=False: _qk_layer_case(_draw_qk(data, dtype, tiny)),
@@ -1212,6 +1235,9 @@ register(
         _draw_adaln,
         ("auto", "aten", "reference", "triton"),
         inputs=("x", "cond"),
+        # its condition goes through nn.Linear, whose CPU matrix product is not batch-invariant
+        # (torch's own: the twin differs the same way); modulated_norm holds the norm's part of (b)
+        per_sample=False,
     )
 )
 register(
@@ -1284,6 +1310,45 @@ def pairs(select: Callable[[Op], bool] = lambda op: True) -> list:
     import pytest
 
     return [pytest.param(op, p, id=f"{op.name}-{p}") for op in OPS.values() if select(op) for p in op.paths]
+
+
+# ----------------------------------------------------------------------------------------------
+# size thresholds: one large shape past each (the drawn shapes are the other side)
+
+
+@dataclasses.dataclass(frozen=True)
+class Threshold:
+    """A shape past a size threshold of the code, for ``op`` on ``paths``; ``properties``: which
+    of (a) torch's numbers and (b) batch invariance it is checked for."""
+
+    op: str
+    shape: tuple[int, ...]
+    k_or_groups: int
+    dtype: torch.dtype
+    paths: tuple[str, ...]
+    properties: str
+    why: str
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+_RMS_BATCH = (300, 4096)  # 1.2M elements; a sample: 4096
+THRESHOLDS = (
+    Threshold("rms_norm", _RMS_BATCH, 1, F32, ("auto", "aten", "rows"), "ab", "MIN_AUTO_ELEMENTS (total elements)"),
+    Threshold("rms_norm", _RMS_BATCH, 1, BF16, ("auto", "rows"), "ab", "BLOCK_ELEMENTS: bf16 rows by blocks of 2^19"),
+    Threshold("rms_norm", (300, 16, 1024), 1, F32, ("auto", "rows"), "b", "BLOCKED_BYTES: 19.7 MB > 16 MiB of fp32"),
+    Threshold("rms_norm_family", (1, 1024, 1024), 1, F32, ("auto",), "a", "the family's bits past MIN_AUTO_ELEMENTS"),
+    Threshold("rms_norm_family", (1, 1024, 1024), 1, BF16, ("auto",), "a", "the same in bf16"),
+    Threshold("RMSNorm", _RMS_BATCH, 1, F32, ("auto",), "b", "MIN_AUTO_ELEMENTS through the layer"),
+    Threshold("poly_norm", _RMS_BATCH, 1, F32, ("auto",), "b", "MIN_AUTO_ELEMENTS: three RMS scopes"),
+    Threshold("modulated_norm_rms", _RMS_BATCH, 1, F32, ("auto",), "b", "MIN_AUTO_ELEMENTS under AdaLN"),
+    Threshold("fused_add_rms_norm", _RMS_BATCH, 1, F32, ("auto",), "b", "MIN_AUTO_ELEMENTS after the add"),
+    Threshold("layer_norm", (600, 8), 1, F32, ("auto",), "ab", "_BOUNDED_MAX: 600 statistics > 512"),
+    Threshold("group_norm", (300, 4, 2), 2, F32, ("auto",), "ab", "_BOUNDED_MAX: 600 group statistics"),
+    Threshold("instance_norm", (200, 4, 3), 1, F32, ("auto",), "ab", "_BOUNDED_MAX: 800 instance statistics"),
+)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from .conftest import DEFAULT_EXAMPLES, EXAMPLES, examples
 from .harness import Cotangents, assert_accurate, assert_bitwise, conditioning, execute, grad_scale
-from .ops import draw_case, pairs, run
+from .ops import OPS, THRESHOLDS, draw_case, forcing_shape, pairs, run
 
 
 def _check(op, path, case):
@@ -22,7 +22,9 @@ def _check(op, path, case):
     # float64 has no more precise truth: the oracle in float32 measures how ill-conditioned each
     # result is (a gradient that is zero in exact arithmetic, a scope of one element), and the
     # slack is taken at that scale
-    probe = execute(op.oracle, case, dtype=torch.float32, state=op.state, cot=cot) if case.dtype == torch.float64 else None
+    probe = (
+        execute(op.oracle, case, dtype=torch.float32, state=op.state, cot=cot) if case.dtype == torch.float64 else None
+    )
     exact = path in op.bitwise
     for i, (g, w, t) in enumerate(zip(got.outputs, want.outputs, truth.outputs)):
         if exact or path in op.bitwise_forward or i in op.exact_outputs:
@@ -51,5 +53,29 @@ def test_matches_torch(op, path):
     @given(data=st.data())
     def check(data):
         _check(op, path, draw_case(op, path, data))
+
+    check()
+
+
+def _thresholds():
+    return [
+        pytest.param(t, p, id=f"{t.op}-{p}-{'x'.join(map(str, t.shape))}-{t.dtype_name}")
+        for t in THRESHOLDS
+        if "a" in t.properties
+        for p in t.paths
+    ]
+
+
+@pytest.mark.parametrize("threshold,path", _thresholds())
+def test_matches_torch_past_a_size_threshold(threshold, path):
+    """One large shape per threshold (see THRESHOLDS); the drawn shapes above are the other side."""
+    op = OPS[threshold.op]
+
+    @examples(1)
+    @given(data=st.data())
+    def check(data):
+        with forcing_shape(threshold.shape, threshold.k_or_groups):
+            case = draw_case(op, path, data, dtypes=(threshold.dtype,))
+        _check(op, path, case)
 
     check()
