@@ -100,6 +100,8 @@ def draw_scale(data) -> tuple[float, float]:
 def x_arg(data, shape, dtype, seed, label="x", **flags) -> Any:
     scale, offset = draw_scale(data)
     layout = draw_layout(data, len(shape), label)
+    if label == "x" and _FORCED and _FORCED[-1][2] is not None:
+        layout = _FORCED[-1][2]
     return arg(values(shape, dtype, seed, scale, offset), layout, grad=True, batched=True, **flags)
 
 
@@ -128,10 +130,11 @@ _FORCED: list[tuple] = []
 
 
 @contextlib.contextmanager
-def forcing_shape(shape: tuple[int, ...], k_or_groups: int = 1):
-    """Inside, :func:`rows_shape` and :func:`channels_shape` return ``(shape, k_or_groups)``: the
-    threshold cases, one large shape on each side of a size threshold, everything else still drawn."""
-    _FORCED.append((tuple(shape), k_or_groups))
+def forcing_shape(shape: tuple[int, ...], k_or_groups: int = 1, x_layout: str | None = None):
+    """Inside, :func:`rows_shape` and :func:`channels_shape` return ``(shape, k_or_groups)`` (and the
+    input ``x`` takes ``x_layout`` if given): the threshold cases, a shape past a size threshold,
+    everything else still drawn."""
+    _FORCED.append((tuple(shape), k_or_groups, x_layout))
     try:
         yield
     finally:
@@ -141,7 +144,7 @@ def forcing_shape(shape: tuple[int, ...], k_or_groups: int = 1):
 def rows_shape(data, tiny: bool, max_trailing: int = 1) -> tuple[tuple[int, ...], int]:
     """(B, [M,] N...) with the last ``k`` axes normalized; returns (shape, k)."""
     if _FORCED:
-        return _FORCED[-1]
+        return _FORCED[-1][:2]
     k = data.draw(st.integers(1, max_trailing), label="normalized axes")
     lengths = TINY_ROW_LENGTHS if tiny else ROW_LENGTHS
     trailing = tuple(data.draw(st.sampled_from(lengths), label="row length") for _ in range(k))
@@ -155,8 +158,8 @@ def rows_shape(data, tiny: bool, max_trailing: int = 1) -> tuple[tuple[int, ...]
 def channels_shape(data, tiny: bool, min_spatial: int = 0, groups: bool = False) -> tuple[tuple[int, ...], int]:
     """(B, C, *spatial) and a group count G dividing C (1 unless ``groups``)."""
     if _FORCED:
-        return _FORCED[-1]
-    c = data.draw(st.sampled_from([1, 2, 3, 4, 6, 8, 16, 32]), label="channels")
+        return _FORCED[-1][:2]
+    c = data.draw(st.sampled_from([1, 2, 3, 4, 8] if tiny else [1, 2, 3, 4, 6, 8, 16, 32]), label="channels")
     nsp = data.draw(st.integers(min_spatial, 3), label="spatial axes")
     sizes = (1, 2, 3, 5, 8) if tiny else (1, 2, 3, 5, 7, 8, 17)
     spatial = tuple(data.draw(st.sampled_from(sizes), label="spatial size") for _ in range(nsp))
@@ -166,7 +169,7 @@ def channels_shape(data, tiny: bool, min_spatial: int = 0, groups: bool = False)
     rest = c * math.prod(spatial)
     b = draw_batch(data, rest, tiny)
     if tiny:  # the interpreter runs one program per (sample, group): keep them few
-        b = max(1, min(b, 64 // c))
+        b = max(1, min(b, 32 // c))
     if groups and rest // g < 2:  # torch refuses one value per group in a batch of one
         spatial, rest = (*spatial, 2), 2 * rest
         b = max(1, min(b, (TINY_CAP if tiny else CAP) // rest))

@@ -17,6 +17,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from normscope import engine
+
 from .conftest import DEFAULT_EXAMPLES, EXAMPLES, examples
 from .harness import Case, Cotangents, assert_bitwise
 from .ops import OPS, THRESHOLDS, draw_case, forcing_shape, pairs, run
@@ -97,6 +99,44 @@ def test_a_sample_is_the_same_on_both_sides_of_a_size_threshold(threshold, path)
         with forcing_shape(threshold.shape, threshold.k_or_groups):
             case = draw_case(op, path, data, dtypes=(threshold.dtype,))
         _check_batch_invariance(op, path, case, data)
+
+    check()
+
+
+#: the Triton kernels' size thresholds (kernels/config.py, read at launch) scaled down so that the
+#: interpreter crosses them on small shapes: (op, settings, shape, k or groups, input layout)
+TRITON_SCALED = [
+    pytest.param("layer_norm", {"ROWS_MAX_FUSED_N": 8}, (5, 17), 1, None, id="rows-looped-layer"),
+    pytest.param("rms_norm", {"ROWS_MAX_FUSED_N": 8}, (5, 2, 17), 1, None, id="rows-looped-rms"),
+    pytest.param(
+        "group_norm",
+        {"GROUPS_CL_TILE": 16, "GROUPS_CL_MIN_SPLIT": 16, "GROUPS_CL_PROGRAMS": 8},
+        (3, 4, 4, 4),
+        2,
+        "channels_last",
+        id="groups-channels-last-split",
+    ),
+]
+
+
+@pytest.mark.parametrize("op_name,settings,shape,k_or_groups,layout", TRITON_SCALED)
+def test_a_sample_is_the_same_past_the_kernels_thresholds(op_name, settings, shape, k_or_groups, layout, monkeypatch):
+    """The kernels split and pack per scope, never per batch: a sample's bits do not depend on how
+    many samples share the launch, past each kernel threshold too."""
+    if "triton" not in engine.backends():
+        pytest.skip("Triton is not installed")
+    from normscope.kernels import config
+
+    for name, value in settings.items():
+        monkeypatch.setattr(config, name, value)
+    op = OPS[op_name]
+
+    @examples(1)
+    @given(data=st.data())
+    def check(data):
+        with forcing_shape(shape, k_or_groups, layout):
+            case = draw_case(op, "triton", data, dtypes=(torch.float32,))
+        _check_batch_invariance(op, "triton", case, data)
 
     check()
 
