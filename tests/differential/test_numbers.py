@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from .conftest import DEFAULT_EXAMPLES, EXAMPLES, examples
-from .harness import Cotangents, assert_accurate, assert_bitwise, conditioning, execute, grad_scale
-from .ops import OPS, THRESHOLDS, draw_case, forcing_shape, pairs, run
+from .harness import LAYOUTS, Cotangents, assert_accurate, assert_bitwise, conditioning, execute, grad_scale
+from .ops import OPS, THRESHOLDS, draw_case, forcing_layout, forcing_shape, pairs, run
 
 
 def _check(op, path, case):
@@ -76,6 +76,22 @@ def test_matches_torch_past_a_size_threshold(threshold, path):
     def check(data):
         with forcing_shape(threshold.shape, threshold.k_or_groups):
             case = draw_case(op, path, data, dtypes=(threshold.dtype,))
+        _check(op, path, case)
+
+    check()
+
+
+@pytest.mark.parametrize("layout", [lt for lt in LAYOUTS if lt != "contiguous"])
+@pytest.mark.parametrize("op,path", pairs())
+def test_matches_torch_with_every_argument_in_one_layout(op, path, layout):
+    """Each layout for every tensor argument at once (the drawn cases above mix them): a fast path
+    that reads a view as if it were contiguous shows here."""
+
+    @examples(1)
+    @given(data=st.data())
+    def check(data):
+        with forcing_layout(layout):  # fp32: the dtype the most fast paths take
+            case = draw_case(op, path, data, dtypes=(torch.float32,) if torch.float32 in op.dtypes else None)
         _check(op, path, case)
 
     check()
