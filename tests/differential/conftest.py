@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 #: examples per test and path: the Triton interpreter runs a kernel program at a time
 EXAMPLES = {"triton": 2}
-DEFAULT_EXAMPLES = 3
+DEFAULT_EXAMPLES = 2
 
 
 def examples(n: int = DEFAULT_EXAMPLES):
