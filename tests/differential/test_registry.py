@@ -1,0 +1,58 @@
+"""Every backend is a path of the suite, every public op is in its table, and the table is honest:
+each listed path runs the op (``last_backend()`` says so) and every other backend refuses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from normscope import engine
+
+from .conftest import examples
+from .harness import Case
+from .ops import NOT_OPS, OPS, PATHS, covered_names, draw_case, pairs, public_names, run
+
+
+def test_every_registered_backend_is_a_path():
+    paths = {p.backend for p in PATHS.values()} - {None}
+    registered = set(engine.backends())
+    assert registered <= paths, f"backends with no path in tests/differential/ops.py PATHS: {registered - paths}"
+    unknown = paths - registered - {"triton"}  # triton is registered only where Triton is installed
+    assert not unknown, f"paths of PATHS whose backend is not registered: {unknown}"
+
+
+def test_every_public_op_is_in_the_table():
+    public, covered = public_names(), covered_names() | set(NOT_OPS)
+    assert not public - covered, f"public names in no op of tests/differential/ops.py: {sorted(public - covered)}"
+    assert not covered - public, f"ops or NOT_OPS entries that name nothing public: {sorted(covered - public)}"
+
+
+@pytest.mark.parametrize("op,path", pairs())
+@examples(1)
+@given(data=st.data())
+def test_each_listed_path_runs_the_op(op, path, data):
+    if path == "triton" and "triton" not in engine.backends():
+        pytest.skip("Triton is not installed")
+    run(op, path, draw_case(op, path, data, dtypes=(torch.float32,)), grads=False)
+
+
+def _unlisted():
+    out = []
+    for op in OPS.values():
+        if not op.engine:
+            continue  # no backend to choose: the forced one is never read
+        listed = {PATHS[p].backend for p in op.paths}
+        out += [pytest.param(op, b, id=f"{op.name}-{b}") for b in engine.backends() if b not in listed]
+    return out
+
+
+@pytest.mark.parametrize("op,backend", _unlisted())
+@examples(1)
+@given(data=st.data())
+def test_every_unlisted_backend_refuses_the_op(op, backend, data):
+    """A backend that starts taking an op fails here until the op lists it (and so is tested)."""
+    case: Case = op.draw(data, torch.float32, backend == "triton")
+    with engine.use_backend(backend), pytest.raises(ValueError):
+        op.run(case.tensors(), case.kw)
