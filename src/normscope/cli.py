@@ -38,7 +38,6 @@ _EXTRA_OF = {
     "matplotlib": "viz",
     "sklearn": "lab",
     "rich": "cli",
-    "numpy": "cli",
     "triton": "kernels",
     "liger_kernel": "bench",
     "transformers": "integrations",
@@ -57,6 +56,8 @@ def _missing_dependency(e: ImportError) -> str | None:
     top = cause.name.split(".")[0]
     if top == "normscope":
         return None
+    if top == "numpy":  # a core dependency, lost from a broken environment
+        return "needs the package 'numpy', which is not installed (pip install numpy; normscope depends on it)"
     extra = _EXTRA_OF.get(top)
     how = f"pip install 'normscope[{extra}]'" if extra else 'pip install -e ".[dev]"'
     return f"needs the package {top!r}, which is not installed ({how})"
