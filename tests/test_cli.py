@@ -62,6 +62,22 @@ def test_tour_prints_the_articles_numbers(capsys, style):
     assert "checks passed" in out and "FAIL" not in out
 
 
+def test_tour_names_the_articles_it_checks_against(capsys):
+    rc, out, _ = run(capsys, "tour", "--plain")
+    assert rc == 0
+    assert "the article (rounded)" not in out
+    section1 = out.split("== 2.")[0]
+    assert 'From the article "Q5: Layer Normalization explained" (no author named).' in section1
+    assert "the Q5 article (rounded)" in section1
+    for number in ("2.", "3."):
+        section = out.split(f"== {number}")[1].split("\n== ")[0]
+        assert "From an untitled article on normalization from CNNs to the Transformer" in section
+    rc, out, _ = run(capsys, "tour", "--json")
+    sources = json.loads(out)["sources"]
+    assert sources["layernorm_vector"]["title"] == "Q5: 层归一化（Layer Normalization）详解"
+    assert set(sources) == {"layernorm_vector", "batchnorm_channels", "tokens"}
+
+
 def test_tour_json_matches_independent_computation(capsys):
     rc, out, _ = run(capsys, "tour", "--json")
     assert rc == 0

@@ -246,3 +246,26 @@ def test_every_normscope_name_in_readme_and_docs_code_is_in_the_api_reference(tm
     for name in ("use_backend", "last_backend", "get_norm", "register_norm", "norm_names", "Scope.layer",
                  "Scope.rms", "Scope.batch", "Scope.instance", "Scope.group", "Scope.channels", "Scope.resolve"):
         assert f"normscope.{name}" in objects, name
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/integrations.md"])
+def test_the_onnx_examples_run_quietly(tmp_path, page):
+    # the export examples must not bury their result under the exporter's progress lines or a warning the
+    # reader can do nothing about (the README says in words that torch deprecates the TorchScript exporter)
+    for module in ("onnx", "onnxscript", "onnxruntime"):
+        pytest.importorskip(module, reason="the integrations extra is not installed")
+    import subprocess
+
+    text = (ROOT / page).read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "torch.onnx.export" in b]
+    assert blocks
+    for block in blocks:
+        r = subprocess.run(
+            [sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+            env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")},
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        out = r.stdout + r.stderr
+        assert "[torch.onnx]" not in out and "DeprecationWarning" not in out, out
+    if page == "README.md":
+        assert "torch deprecates the TorchScript exporter" in (ROOT / page).read_text()
