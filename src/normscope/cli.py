@@ -147,7 +147,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--shape", type=_shape, help="input shape, e.g. 2,3,2,2 (N,C,H,W; B,S,D for qk and adaln). Default: a small one"
     )
     explain.add_argument(
-        "--groups", type=_positive_int, help="group layer: number of groups. Default: 2, or the smallest divisor of C"
+        "--groups",
+        type=_positive_int,
+        help="group layer: number of groups (qk: the same as --heads). Default: 2, or the smallest divisor of C",
     )
     explain.add_argument(
         "--heads", type=_positive_int, help="qk layer: number of heads splitting D. Default: 2, or the smallest divisor"

@@ -226,7 +226,7 @@ def _setup(
                 f"expected a number of groups dividing the {c} channels (valid: {_divisors(c)}), got {groups}",
             )
     elif groups is not None:
-        raise UsageError("--groups", f"only the group layer takes --groups, got --groups {groups} for {kind}")
+        raise UsageError("--groups", f"only the group and qk layers take --groups, got --groups {groups} for {kind}")
     if kind in ("layer", "rms"):
         if last is None:
             last = max(rank - 1, 1)  # everything but the batch axis: one scope per sample
@@ -286,9 +286,12 @@ def _setup_bsd(
             "--shape", f"{title} expects 3 axes (B, S, D): batch, tokens, features; got {len(shape)}: {shape}"
         )
     d = shape[2]
+    if kind == "qk" and groups is not None:  # the heads are QK-norm's groups: --groups is accepted as --heads
+        if heads is not None and heads != groups:
+            raise UsageError("--heads", f"expected --heads and --groups to agree for qk, got {heads} and {groups}")
+        heads, groups = groups, None
     if groups is not None:
-        hint = " (QK-norm's heads: --heads H)" if kind == "qk" else ""
-        raise UsageError("--groups", f"only the group layer takes --groups, got --groups {groups} for {kind}{hint}")
+        raise UsageError("--groups", f"only the group and qk layers take --groups, got --groups {groups} for {kind}")
     if kind == "qk":
         if heads is None:
             heads = _default_divisor(d)
@@ -399,8 +402,9 @@ def explain(
         layer: a name of :func:`normscope.named.spellings` (``batch``, ``layer``, ``instance``, ``group``,
             ``rms``, ``layer2d``, ``qk``, ``adaln``, ``masked_batch``, ...) or a torch class name.
         shape: the input shape, e.g. ``(2, 3, 2, 2)``. Default: :func:`default_shape` of the layer.
-        groups: GroupNorm's number of groups (refused for other layers). Default: 2 where it divides the
-            channels, else their smallest divisor above 1.
+        groups: GroupNorm's number of groups; for ``qk`` the same as ``heads`` (its heads are groups of D).
+            Refused for other layers. Default: 2 where it divides the channels, else their smallest divisor
+            above 1.
         values: the input's values in row-major order. Default: :func:`example_values`.
         eps: added to the variance. Default: 1e-5.
         last: trailing axes normalized by LayerNorm/RMSNorm. Default: all but the first axis.
