@@ -249,7 +249,8 @@ def render_math(latex: str, display: bool = False) -> str:
         # one line of TeX: a display block written over several lines is one formula
         tex = " ".join(latex.split())
         buf = io.BytesIO()
-        with matplotlib.rc_context({"svg.hashsalt": "normscope", "svg.fonttype": "path", "mathtext.fontset": "cm"}):
+        rc = {"svg.hashsalt": "normscope", "svg.fonttype": "path", "mathtext.fontset": "cm", "savefig.transparent": True}
+        with matplotlib.rc_context(rc):
             try:
                 depth = mathtext.math_to_image(
                     f"${tex}$", buf, prop=FontProperties(size=18 if display else 12), format="svg"
@@ -261,6 +262,19 @@ def render_math(latex: str, display: bool = False) -> str:
         style = "" if display else f' style="vertical-align: -{depth:.1f}pt"'
         _MATH_CACHE[key] = f'<img class="math" src="data:image/svg+xml;base64,{data}" alt="{alt}"{style}>'
     return _MATH_CACHE[key]
+
+
+#: the formulas are black glyphs in an image: furo's dark theme (chosen, or "auto" on a dark system) inverts them
+_MATH_STYLE = """<style>
+img.math { display: inline; }
+div.math { text-align: center; margin: 0.6em 0; }
+body[data-theme="dark"] img.math { filter: invert(1); }
+@media (prefers-color-scheme: dark) { body:not([data-theme="light"]) img.math { filter: invert(1); } }
+</style>"""
+
+
+def _math_style(app, pagename, templatename, context, doctree):
+    context["metatags"] = context.get("metatags", "") + _MATH_STYLE
 
 
 def _math_markup(self, node, display: bool) -> str:
@@ -325,6 +339,7 @@ def setup(app):
     app.connect("include-read", _site_links)
     app.connect("build-finished", _nothing_fetched)
     app.add_html_math_renderer("mathtext", (_visit_math, None), (_visit_math_block, None))
+    app.connect("html-page-context", _math_style)
     app.connect("autodoc-process-docstring", _escape_stars)
     app.connect("autodoc-process-docstring", _no_docstring_of_the_type)
     app.add_directive("normscope-api", NormscopeApi)
