@@ -27,7 +27,10 @@ __all__ = ["COMMANDS", "main"]
 
 #: lazily imported subcommands: name -> (module, help). The module's ``main(argv)`` runs them.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("normscope.bench", "benchmark the fused kernels against PyTorch, torch.compile and Liger"),
+    "bench": (
+        "normscope.bench",
+        "benchmark normscope against PyTorch, torch.compile and Liger (its Triton kernels on CUDA, else its CPU paths)",
+    ),
     "draw": ("normscope.viz", "draw pictures of each normalization's scope"),
     "explore": ("normscope.explorer", "open the interactive scope explorer (a local web page)"),
     "lab": ("normscope.lab", "small CPU training runs that reproduce the classic claims"),
