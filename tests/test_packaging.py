@@ -1,6 +1,7 @@
 """The built wheel carries the license its metadata declares."""
 
 import pathlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,10 +21,15 @@ def test_wheel_carries_the_license_and_an_spdx_expression(tmp_path):
     setuptools = pytest.importorskip("setuptools")
     if int(setuptools.__version__.split(".")[0]) < 77:
         pytest.skip(f"setuptools {setuptools.__version__} here; pyproject needs >= 77 (PEP 639 license fields)")
+    # a copy of what the build reads, so that setuptools' build/ and egg-info land in tmp_path, not the checkout;
     # no build isolation: the installed setuptools builds it, so the test needs no network
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, tree / name)
     r = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "whl"),
-         str(ROOT)],
+         str(tree)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
