@@ -17,8 +17,16 @@ The build is strict and offline:
 * ``-W --keep-going -n``: every warning -- a broken reference, a malformed docstring, a page left
   out of the table of contents, a public name without a docstring (checked below) -- fails it.
 * nothing is fetched at build or view time: no intersphinx (references to torch are not linked,
-  see ``nitpick_ignore_regex``), no MathJax (formulas are shown as their LaTeX source), and the
-  furo theme uses the system's fonts.
+  see ``nitpick_ignore_regex``), no MathJax, and the furo theme uses the system's fonts.
+
+Formulas (``:math:`` in docstrings, ``$...$`` in pages) are rendered at build time by matplotlib's
+mathtext into SVG images embedded in the page (``data:`` URIs: no file, no host). Why mathtext: MathJax
+is a CDN script (or 1.5 MB of vendored JavaScript run on every page); ``sphinx.ext.imgmath`` needs LaTeX
+and dvipng, which neither CI nor a docs contributor's machine has (no TeX here, ~300 MB with it);
+mathtext is pure Python, already a dependency of the plots, and covers the TeX our formulas use
+(``\frac``, ``\sqrt``, ``\mathrm``, ``\text``, ``\left( \right)``, Greek, sub/superscripts). A formula
+it cannot parse fails the strict build, naming the formula; the image's ``alt`` text is its LaTeX
+source, so screen readers and text browsers still get it.
 
 The API pages list the public names with ``.. normscope-api:: MODULE``, which expands to one entry
 per name in ``MODULE.__all__``: a name added to ``__all__`` appears in the reference with no edit
@@ -62,7 +70,7 @@ html_title = f"normscope {release}"
 html_static_path: list[str] = []
 html_show_sourcelink = False
 html_copy_source = False
-html_math_renderer = "source"  # registered in setup(); never MathJax (a CDN script)
+html_math_renderer = "mathtext"  # registered in setup(); never MathJax (a CDN script)
 
 # Markdown: "## Set up" gets an anchor (#set-up) so pages can link to sections
 myst_heading_anchors = 3
@@ -70,7 +78,9 @@ myst_enable_extensions = ["dollarmath"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-autodoc_default_options = {"members": False}
+# a method documents itself or is left out: an override without a docstring (forward, extra_repr) would
+# otherwise show torch's text for nn.Module ("Define the computation performed at every call...")
+autodoc_inherit_docstrings = False
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_custom_sections = ["Shape"]  # torch's "Shape:" section, kept as written
@@ -218,14 +228,70 @@ def _escape_stars(app, what, name, obj, options, lines):
             literal_indent = indent
 
 
+#: rendered formulas, by (LaTeX source, display): one page shows the same formula many times
+_MATH_CACHE: dict[tuple[str, bool], str] = {}
+
+
+def render_math(latex: str, display: bool = False) -> str:
+    """``<img>`` markup of ``latex`` rendered by matplotlib's mathtext: an SVG in a ``data:`` URI,
+    the formula's baseline on the text's. ValueError for TeX that mathtext does not know."""
+    key = (latex, display)
+    if key not in _MATH_CACHE:
+        import base64
+        import io
+
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import mathtext
+        from matplotlib.font_manager import FontProperties
+
+        # one line of TeX: a display block written over several lines is one formula
+        tex = " ".join(latex.split())
+        buf = io.BytesIO()
+        rc = {"svg.hashsalt": "normscope", "svg.fonttype": "path", "mathtext.fontset": "cm", "savefig.transparent": True}
+        with matplotlib.rc_context(rc):
+            try:
+                depth = mathtext.math_to_image(
+                    f"${tex}$", buf, prop=FontProperties(size=18 if display else 12), format="svg"
+                )
+            except ValueError as e:
+                raise ValueError(f"mathtext cannot render the formula {tex!r}: {str(e).splitlines()[-1]}") from None
+        data = base64.b64encode(buf.getvalue()).decode("ascii")
+        alt = tex.replace("&", "&amp;").replace('"', "&quot;").replace("<", "&lt;")
+        style = "" if display else f' style="vertical-align: -{depth:.1f}pt"'
+        _MATH_CACHE[key] = f'<img class="math" src="data:image/svg+xml;base64,{data}" alt="{alt}"{style}>'
+    return _MATH_CACHE[key]
+
+
+#: the formulas are black glyphs in an image: furo's dark theme (chosen, or "auto" on a dark system) inverts them
+_MATH_STYLE = """<style>
+img.math { display: inline; }
+div.math { text-align: center; margin: 0.6em 0; }
+body[data-theme="dark"] img.math { filter: invert(1); }
+@media (prefers-color-scheme: dark) { body:not([data-theme="light"]) img.math { filter: invert(1); } }
+</style>"""
+
+
+def _math_style(app, pagename, templatename, context, doctree):
+    context["metatags"] = context.get("metatags", "") + _MATH_STYLE
+
+
+def _math_markup(self, node, display: bool) -> str:
+    try:
+        return render_math(node.astext(), display)
+    except ValueError as e:  # a formula the build cannot show: a warning, which fails the strict build
+        logger.warning(str(e), location=node)
+        return self.starttag(node, "code", CLASS="math") + self.encode(node.astext()) + "</code>"
+
+
 def _visit_math(self, node):
-    # formulas as their LaTeX source, in code type: MathJax would be fetched from a CDN when a page opens
-    self.body.append(self.starttag(node, "code", CLASS="math") + self.encode(node.astext()) + "</code>")
+    self.body.append(_math_markup(self, node, display=False))
     raise nodes.SkipNode
 
 
 def _visit_math_block(self, node):
-    self.body.append(self.starttag(node, "pre", CLASS="math") + self.encode(node.astext()) + "</pre>")
+    self.body.append(f'<div class="math">{_math_markup(self, node, display=True)}</div>')
     raise nodes.SkipNode
 
 
@@ -272,7 +338,8 @@ def setup(app):
     app.connect("autodoc-process-docstring", _no_inline_type, priority=900)  # after napoleon
     app.connect("include-read", _site_links)
     app.connect("build-finished", _nothing_fetched)
-    app.add_html_math_renderer("source", (_visit_math, None), (_visit_math_block, None))
+    app.add_html_math_renderer("mathtext", (_visit_math, None), (_visit_math_block, None))
+    app.connect("html-page-context", _math_style)
     app.connect("autodoc-process-docstring", _escape_stars)
     app.connect("autodoc-process-docstring", _no_docstring_of_the_type)
     app.add_directive("normscope-api", NormscopeApi)

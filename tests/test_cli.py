@@ -62,6 +62,22 @@ def test_tour_prints_the_articles_numbers(capsys, style):
     assert "checks passed" in out and "FAIL" not in out
 
 
+def test_tour_names_the_articles_it_checks_against(capsys):
+    rc, out, _ = run(capsys, "tour", "--plain")
+    assert rc == 0
+    assert "the article (rounded)" not in out
+    section1 = out.split("== 2.")[0]
+    assert 'From the article "Q5: Layer Normalization explained" (no author named).' in section1
+    assert "the Q5 article (rounded)" in section1
+    for number in ("2.", "3."):
+        section = out.split(f"== {number}")[1].split("\n== ")[0]
+        assert "From an untitled article on normalization from CNNs to the Transformer" in section
+    rc, out, _ = run(capsys, "tour", "--json")
+    sources = json.loads(out)["sources"]
+    assert sources["layernorm_vector"]["title"] == "Q5: 层归一化（Layer Normalization）详解"
+    assert set(sources) == {"layernorm_vector", "batchnorm_channels", "tokens"}
+
+
 def test_tour_json_matches_independent_computation(capsys):
     rc, out, _ = run(capsys, "tour", "--json")
     assert rc == 0
@@ -260,17 +276,22 @@ def test_explain_words_name_the_scope(capsys):
         (["explain", "foo", "--shape", "2,3"], "argument LAYER: unknown layer 'foo'"),
         (["explain", "batch", "--shape", "2,x3"], "argument --shape"),
         (["explain", "batch", "--shape", "2,0,3"], "argument --shape"),
-        (["explain", "batch"], "--shape"),
+        (["explain", "batch", "--shape", "2,3", "--mask", "2,1"], "argument --shape: a masked norm needs"),
+        (["explain", "masked_layer", "--shape", "2,3,4", "--mask", "4,5"], "argument --mask: expected 2 valid lengths"),
+        (["explain", "rms", "--mask", "2,1"], "argument --mask: expected a layer with a masked form"),
+        (["explain", "qk", "--groups", "2", "--heads", "4"], "argument --heads: expected --heads and --groups"),
+        (["explain", "adaln", "--groups", "2"], "argument --groups: only the group and qk layers take --groups"),
+        (["explain", "qk", "--shape", "2,3,6", "--heads", "4"], "argument --heads: expected a number of heads"),
+        (["explain", "layer", "--heads", "2"], "argument --heads: only the qk layer"),
         (["explain", "BatchNorm2d", "--shape", "2,3,4"], "argument --shape: BatchNorm2d expects 4 axes"),
         (["explain", "batch", "--shape", "1,3"], "argument --shape: BatchNorm1d in training needs more than one value"),
         (["explain", "instance", "--shape", "2,3"], "argument --shape"),
-        (["explain", "group", "--shape", "2,6,4"], "argument --groups: GroupNorm needs --groups"),
         (
             ["explain", "group", "--shape", "2,6,4", "--groups", "4"],
             "argument --groups: expected a number of groups dividing the 6",
         ),
         (["explain", "group", "--shape", "2,6,4", "--groups", "0"], "argument --groups"),
-        (["explain", "layer", "--shape", "2,3", "--groups", "2"], "argument --groups: only the group layer"),
+        (["explain", "layer", "--shape", "2,3", "--groups", "2"], "argument --groups: only the group and qk layers"),
         (["explain", "layer", "--shape", "2,3", "--values", "1,2"], "argument --values: expected 6 values"),
         (["explain", "layer", "--shape", "2,3", "--values", "1,a"], "argument --values"),
         (["explain", "rms", "--shape", "2,3", "--last", "3"], "argument --last"),

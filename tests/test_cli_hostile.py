@@ -104,14 +104,26 @@ def test_missing_optional_package_is_one_line_naming_the_extra(tmp_path, blocked
     assert len(lines) == 1 and blocked in lines[0] and f"normscope[{extra}]" in lines[0], r.stderr
 
 
-def test_every_extra_that_imports_torch_installs_numpy():
+@pytest.mark.parametrize("blocked", ["sklearn", "matplotlib"])
+def test_lab_without_its_extra_leaves_no_output_directory(tmp_path, blocked):
+    code = (
+        f"import sys; sys.modules[{blocked!r}] = None\n"  # as if not installed
+        "from normscope.cli import main\n"
+        "sys.exit(main(['lab', 'batch-size', '--smoke']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=180, cwd=tmp_path)
+    assert r.returncode == 1 and "normscope[lab]" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []  # no empty lab-out/ in the directory it ran in
+
+
+def test_numpy_is_a_core_dependency():
+    # torch imports its numpy bridge at start-up and warns "Failed to initialize NumPy" on every command when
+    # numpy is missing: the core install, not an extra, must bring it
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    for name, deps in extras.items():
-        if name in ("dev", "browser-test"):  # dev includes the others; browser-test is selenium for a test
-            continue
-        names = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0].lower() for d in deps}
-        assert "numpy" in names, f"extra {name!r} lacks numpy: torch warns 'Failed to initialize NumPy'"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0].lower() for d in project["dependencies"]}
+    assert {"torch", "numpy"} <= core, core
+    extras = project["optional-dependencies"]
     lab = {re.split(r"[<>=!~\[ ]", d, maxsplit=1)[0].lower() for d in extras["lab"]}
     assert "rich" in lab  # the lab's progress display
 

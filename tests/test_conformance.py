@@ -272,10 +272,48 @@ def _triton_subset(x: Tensor, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and isinstance(x, Tensor) and 0 < x.numel() <= 256
 
 
-def _backends_for(x: Tensor, dtype: torch.dtype, uses_engine: bool) -> tuple[str, ...]:
+def _backends_for(x: Tensor, dtype: torch.dtype, uses_engine: bool, forward=None) -> tuple[str, ...]:
+    """The backends a sample is run on: the automatic choice, and every forced backend that takes the sample's
+    call (``forward()`` runs normscope on it; each forced backend plans it, nothing runs). A backend that
+    declines the call -- composite runs only RMS rows and masked scopes, Triton's running statistics only
+    BatchNorm's -- has nothing to compare, so it is not a case at all (a skip would read "could not run here")."""
     if not uses_engine:
         return ("auto",)
-    return tuple(b for b in BACKENDS if b != "triton" or _triton_subset(x, dtype))
+    candidates = [b for b in BACKENDS if b != "triton" or _triton_subset(x, dtype)]
+    return tuple(b for b in candidates if b == "auto" or forward is None or _takes(b, forward))
+
+
+def _takes(backend: str, forward) -> bool:
+    """Whether the forced ``backend`` plans the call ``forward()`` makes. Under :func:`engine.capture` the engine
+    plans each call and runs nothing, so this costs no kernel run and leaves no plan cached."""
+    with normscope.use_backend(backend), engine.capture():
+        try:
+            forward()
+        except ValueError as e:
+            if "cannot run" in str(e):
+                return False
+            return True  # normscope refuses the sample itself: the test judges that, on every backend
+        except Exception:  # noqa: BLE001 - the captured call's stand-in output upset later code: the test runs it
+            return True
+    return True
+
+
+def _op_forward(name: str, sample, fmt):
+    def forward():
+        x, args, kwargs = _arguments(sample, None, fmt)
+        OPS[name].ours(x, *args, **kwargs)
+
+    return forward
+
+
+def _module_forward(name: str, sample, dtype, training: bool, fmt):
+    def forward():
+        c = sample.constructor_input
+        module = MODULES[name](*c.args, **c.kwargs).to(dtype).train(training)
+        x = _clone(sample.forward_input.args[0], None, fmt, is_input=True)
+        module(x, *sample.forward_input.args[1:], **sample.forward_input.kwargs)
+
+    return forward
 
 
 def _op_cases():
@@ -287,7 +325,7 @@ def _op_cases():
             for i, s in enumerate(_op_samples(name, dtype)):
                 fmts = [None] + ([_layout(s.input)] if _layout(s.input) else [])
                 for fmt in fmts:
-                    for b in _backends_for(s.input, dtype, op.engine):
+                    for b in _backends_for(s.input, dtype, op.engine, _op_forward(name, s, fmt)):
                         cl = "-cl" if fmt else ""
                         yield pytest.param(name, dtype, i, fmt, b, id=f"{name}-{_SHORT[dtype]}-s{i:02d}{cl}-{b}")
 
@@ -305,7 +343,8 @@ def _module_cases():
                     mode = "train" if training else "eval"
                     desc = s.desc or "default"
                     for fmt in fmts:
-                        for b in _backends_for(x, dtype, name != "nn.LocalResponseNorm"):
+                        forward = _module_forward(name, s, dtype, training, fmt)
+                        for b in _backends_for(x, dtype, name != "nn.LocalResponseNorm", forward):
                             cl = "-cl" if fmt else ""
                             case = f"{name}-{_SHORT[dtype]}-{mode}-{i:02d}_{desc}{cl}-{b}"
                             yield pytest.param(name, dtype, training, i, fmt, b, id=case)
@@ -498,7 +537,21 @@ def _run_op(name, sample, dtype, fmt, call):
     return {"out": y, "grads": _grads(y, leaves, _cotangent(y)), "buffers": buffers}
 
 
-@pytest.mark.parametrize("name,dtype,index,fmt,backend", list(_op_cases()))
+_OP_CASES = list(_op_cases())
+_MODULE_CASES = list(_module_cases())
+
+
+def test_the_applicability_probe_keeps_every_backend_where_it_runs():
+    # the probe must drop only what a backend declines: each backend keeps cases, composite at least the RMS rows
+    # it runs unmasked, and Triton (registered with the triton extra) its interpreter's subset
+    cases = [(p.values[0], p.values[-1]) for p in _OP_CASES + _MODULE_CASES]
+    assert {b for _, b in cases} == set(BACKENDS)
+    assert {name for name, b in cases if b == "composite"} >= {"nn.functional.rms_norm", "nn.RMSNorm"}
+    assert {name for name, b in cases if b == "composite"} < {name for name, _ in cases}
+    assert {name for name, b in cases if b == "aten"} == {name for name, b in cases if b == "reference"}
+
+
+@pytest.mark.parametrize("name,dtype,index,fmt,backend", _OP_CASES)
 def test_op_sample(name, dtype, index, fmt, backend, record_property):
     sample = _op_samples(name, dtype)[index]
     op, info = OPS[name], _OPINFOS[name]
@@ -557,7 +610,7 @@ def _run_module(module, sample, training, dtype, fmt):
     return {"out": y, "grads": _grads(y, leaves, _cotangent(y)), "buffers": buffers}
 
 
-@pytest.mark.parametrize("name,dtype,training,index,fmt,backend", list(_module_cases()))
+@pytest.mark.parametrize("name,dtype,training,index,fmt,backend", _MODULE_CASES)
 def test_module_sample(name, dtype, training, index, fmt, backend, record_property):
     sample = _module_samples(name, dtype, training)[index]
     log: list[str] = []

@@ -76,10 +76,12 @@ def test_explain_accepts_every_name_torch_has_and_builds_the_tables_scope(name):
     if name in explain.BSD_KINDS:  # shown on (B, S, D) against torch.nn.functional: tests/test_modern.py
         assert entry.torch_names == () and explain.parse_layer(name) == (name, None)
         return
-    if entry.torch_class is None:  # LayerNorm2d: no torch.nn layer for explain to compare against
-        assert entry.torch_names == ()
-        with pytest.raises(explain.UsageError, match="unknown layer"):
-            explain.explain(name, (2, 6, 4))
+    if entry.torch_class is None:  # LayerNorm2d: compared with its torch.nn.functional equivalent
+        assert entry.torch_names == () and explain.parse_layer(name) == (name, None)
+        for shape in [(2, 6, 4), (2, 6, 2, 2)]:
+            r = explain.explain(name, shape)
+            assert r["scope_ids"] == scope_ids(entry.scope("nchw", len(shape)).resolve(shape)).tolist()
+            assert r["torch_call"].startswith("torch.nn.functional.") and r["torch"]["allclose"], r["torch"]
         return
     assert explain.KINDS[name] == entry.torch_class
     for alias in (name, *entry.aliases, *entry.torch_names):

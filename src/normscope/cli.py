@@ -3,7 +3,8 @@
 Built-in commands::
 
     normscope tour [--json] [--plain] [--pictures DIR]
-    normscope explain LAYER --shape N,C,H,W [--groups G] [--values v1,v2,...] [--last K] [--eps E] [--json]
+    normscope explain LAYER [--shape N,C,H,W] [--groups G] [--heads H] [--mask L1,L2,...] [--values v1,v2,...]
+                      [--last K] [--eps E] [--json]
 
 Commands provided by optional parts of the package are imported only when run (so ``normscope
 tour`` never pays for them and a missing part gives a clear message, not a traceback); each
@@ -26,7 +27,10 @@ __all__ = ["COMMANDS", "main"]
 
 #: lazily imported subcommands: name -> (module, help). The module's ``main(argv)`` runs them.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("normscope.bench", "benchmark the fused kernels against PyTorch, torch.compile and Liger"),
+    "bench": (
+        "normscope.bench",
+        "benchmark normscope against PyTorch, torch.compile and Liger (its Triton kernels on CUDA, else its CPU paths)",
+    ),
     "doctor": ("normscope.doctor.cli", "diagnose a model's normalization layers on one real batch"),
     "draw": ("normscope.viz", "draw pictures of each normalization's scope"),
     "explore": ("normscope.explorer", "open the interactive scope explorer (a local web page)"),
@@ -39,7 +43,6 @@ _EXTRA_OF = {
     "matplotlib": "viz",
     "sklearn": "lab",
     "rich": "cli",
-    "numpy": "cli",
     "triton": "kernels",
     "liger_kernel": "bench",
     "transformers": "integrations",
@@ -58,6 +61,8 @@ def _missing_dependency(e: ImportError) -> str | None:
     top = cause.name.split(".")[0]
     if top == "normscope":
         return None
+    if top == "numpy":  # a core dependency, lost from a broken environment
+        return "needs the package 'numpy', which is not installed (pip install numpy; normscope depends on it)"
     extra = _EXTRA_OF.get(top)
     how = f"pip install 'normscope[{extra}]'" if extra else 'pip install -e ".[dev]"'
     return f"needs the package {top!r}, which is not installed ({how})"
@@ -80,6 +85,16 @@ def _values(text: str) -> list[float]:
         return [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 10,2,6,14, got {text!r}") from None
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths:
+        raise argparse.ArgumentTypeError(f"expected comma-separated lengths such as 4,2, got {text!r}")
+    return lengths
 
 
 def _positive_int(text: str) -> int:
@@ -112,21 +127,44 @@ def _build_parser() -> argparse.ArgumentParser:
     tour.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
     tour.add_argument("--pictures", metavar="DIR", help="also draw the scope pictures into DIR (needs normscope.viz)")
 
+    from .named import spellings
+
     explain = sub.add_parser(
         "explain",
         help="one layer on one small tensor: its scope, statistics, output and the torch comparison",
-        description="Explain what one normalization layer does to a small tensor.",
+        description="Explain what one normalization layer does to a small tensor. Every option has a default: "
+        "`normscope explain NAME` works for every NAME below.",
         epilog="examples:\n"
+        "  normscope explain group\n"
         "  normscope explain layer --shape 4 --values 10,2,6,14\n"
         "  normscope explain BatchNorm2d --shape 2,3,2,2\n"
-        "  normscope explain group --shape 2,4,2,2 --groups 2 --json",
+        "  normscope explain qk --shape 2,3,8 --heads 4\n"
+        "  normscope explain masked_batch --shape 2,3,5 --mask 5,2 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     explain.add_argument(
-        "layer", metavar="LAYER", help="batch, layer, instance, group, rms (or BatchNorm2d, LayerNorm, GroupNorm, ...)"
+        "layer",
+        metavar="LAYER",
+        help=f"{', '.join(spellings())} (or torch names: BatchNorm2d, LayerNorm, GroupNorm, LayerNorm2d, ...)",
     )
-    explain.add_argument("--shape", type=_shape, required=True, help="input shape, e.g. 2,3,2,2 (N,C,H,W)")
-    explain.add_argument("--groups", type=_positive_int, help="number of groups (group layer only)")
+    explain.add_argument(
+        "--shape", type=_shape, help="input shape, e.g. 2,3,2,2 (N,C,H,W; B,S,D for qk and adaln). Default: a small one"
+    )
+    explain.add_argument(
+        "--groups",
+        type=_positive_int,
+        help="group layer: number of groups (qk: the same as --heads). Default: 2, or the smallest divisor of C",
+    )
+    explain.add_argument(
+        "--heads", type=_positive_int, help="qk layer: number of heads splitting D. Default: 2, or the smallest divisor"
+    )
+    explain.add_argument(
+        "--mask",
+        type=_lengths,
+        metavar="L1,L2,...",
+        help="masked batch/instance/group/layer: valid lengths along the last axis, one per sample. "
+        "Default (masked_ names): every other sample half padded",
+    )
     explain.add_argument("--values", type=_values, help="input values in row-major order. Default: a seeded example")
     explain.add_argument(
         "--last", type=_positive_int, help="layer/rms: number of trailing axes normalized. Default: all but the first"
@@ -242,7 +280,14 @@ def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     try:
         result = explain.explain(
-            args.layer, args.shape, groups=args.groups, values=args.values, eps=args.eps, last=args.last
+            args.layer,
+            args.shape,
+            groups=args.groups,
+            values=args.values,
+            eps=args.eps,
+            last=args.last,
+            heads=args.heads,
+            mask=args.mask,
         )
     except explain.UsageError as e:
         parser.error(f"argument {e.argument}: {e}")  # exits with status 2

@@ -1,15 +1,18 @@
 """``normscope explain``: what one normalization layer does to one small tensor, in words and numbers.
 
-For a layer (``batch``, ``layer``, ``instance``, ``group``, ``rms`` or a torch name such as
-``BatchNorm2d``) and an input shape it reports
+For a layer -- any name of the table in :mod:`normscope.named` (``batch``, ``layer``, ``instance``, ``group``,
+``rms``, ``layer2d``, ``qk``, ``adaln``), its masked forms (``masked_batch``, ...), or a torch class name such as
+``BatchNorm2d`` -- and an input (a small default one when no shape is given) it reports
 
 * the *scope*: which axes share one mean and variance, how many scopes there are, how many
-  elements each holds;
+  elements each holds (valid elements only, for a masked norm);
 * the statistics of every scope, from :mod:`normscope.reference`: mean, biased variance and 1/std;
   for RMSNorm, which subtracts no mean, the mean square and 1/rms instead (no mean is reported, as
   none is used);
 * the normalized output of the normscope layer, and its largest difference to the ``torch.nn``
-  layer of the same configuration, computed on the spot.
+  layer of the same configuration, computed on the spot (for a layer torch has no class for: its
+  ``torch.nn.functional`` equivalent; for a masked norm, torch has none: a float64 computation of each
+  scope's mean and variance over its valid elements).
 
 :func:`explain` returns all of it as a JSON-ready dict; :func:`render` prints it for people.
 """
@@ -27,13 +30,14 @@ import normscope
 
 from . import reference
 from ._term import Out, fmt, vec
-from .named import NAMED, scope_ids
+from .named import MASKED, NAMED, parse, scope_ids
 from .scope import Resolved, Scope
 
 __all__ = [
     "KINDS",
     "BSD_KINDS",
     "UsageError",
+    "default_shape",
     "explain",
     "parse_layer",
     "render",
@@ -49,8 +53,6 @@ KINDS = {name: e.torch_class for name, e in NAMED.items() if e.torch_class is no
 #: their torch.nn.functional equivalent (:meth:`normscope.named.NamedLayer.torch_equivalent`)
 BSD_KINDS = ("qk", "adaln")
 
-_ALIASES = {alias: name for name in KINDS for alias in NAMED[name].aliases}
-_ALIASES.update({"qknorm": "qk", "adalnzero": "adaln", "adalayer": "adaln", "adaptivelayer": "adaln"})
 
 #: where the affine of a BSD_KINDS layer comes from, in words (explain shows the output before it)
 _AFFINE = {
@@ -76,24 +78,34 @@ class UsageError(ValueError):
 def parse_layer(name: str) -> tuple[str, int | None]:
     """``"BatchNorm2d"`` -> ``("batch", 2)``; ``"group"`` -> ``("group", None)``.
 
-    The number is the spatial rank a torch class name implies (``1d``/``2d``/``3d``), else None.
+    The number is the spatial rank a torch class name implies (``1d``/``2d``/``3d``), else None. Names are read
+    by :func:`normscope.named.parse`, the one reader that ``draw`` uses too (a ``masked_`` prefix is accepted
+    and not reported here: :func:`explain` reads it).
     """
-    key = name.strip().lower().replace("_", "").replace("-", "")
-    spatial = None
-    if key[-2:] in ("1d", "2d", "3d"):
-        spatial, key = int(key[-2]), key[:-2]
-    for suffix in ("normalization", "norm"):
-        if key.endswith(suffix) and key != suffix:
-            key = key[: -len(suffix)]
-            break
-    key = _ALIASES.get(key, key)
-    if key in BSD_KINDS and spatial is None:
-        return key, None
-    if key not in KINDS or (spatial is not None and not NAMED[key].per_rank):
-        torch_names = ", ".join(f"{c}1d/2d/3d" if NAMED[k].per_rank else c for k, c in KINDS.items())
-        names = ", ".join([*KINDS, *BSD_KINDS]) + f" (or torch names: {torch_names})"
-        raise UsageError("LAYER", f"unknown layer {name!r}; expected one of {names}")
-    return key, spatial
+    try:
+        parsed = parse(name)
+    except ValueError as e:
+        raise UsageError("LAYER", str(e)) from None
+    return parsed.name, parsed.spatial
+
+
+def default_shape(kind: str, spatial: int | None = None) -> tuple[int, ...]:
+    """The input ``explain`` uses when no shape is given: two samples, small enough to read every number,
+    with more than one value in every scope. ``spatial`` is the rank a torch name implies (``BatchNorm2d``)."""
+    if kind in ("batch", "instance"):
+        return (2, 3, *((2,) * spatial if spatial and spatial > 1 else (4,)))
+    return {"group": (2, 4, 3), "layer2d": (2, 3, 2, 2), "qk": (2, 3, 8)}.get(kind, (2, 3, 4))
+
+
+def _default_divisor(n: int) -> int:
+    """Groups (heads) when none are given: 2 where they divide ``n`` (``draw``'s default), else the smallest
+    divisor above 1 (1 for ``n`` = 1)."""
+    return next((g for g in (2, *range(3, n + 1)) if n % g == 0), 1)
+
+
+def _default_lengths(n: int, length: int) -> tuple[int, ...]:
+    """Valid lengths when a masked norm is asked for without ``--mask``: every other sample half padded."""
+    return tuple(length if i % 2 == 0 else max(1, length // 2) for i in range(n))
 
 
 def axis_names(rank: int) -> list[str]:
@@ -114,15 +126,18 @@ def example_values(shape: Sequence[int]) -> Tensor:
 class _Setup:
     kind: str
     shape: tuple[int, ...]
-    groups: int | None
+    groups: int | None  # GroupNorm's groups, QK-norm's heads
     last: int  # trailing axes of LayerNorm/RMSNorm
     eps: float
+    lengths: tuple[int, ...] | None = None  # a masked norm: valid positions of each sample along the last axis
 
     @property
     def torch_name(self) -> str:
-        if self.kind in BSD_KINDS:
-            return NAMED[self.kind].title
-        return NAMED[self.kind].torch_name(len(self.shape))
+        entry = NAMED[self.kind]
+        if entry.torch_class is None:
+            return entry.title
+        name = entry.torch_name(len(self.shape))
+        return f"masked {name}" if self.lengths is not None else name
 
     def scope(self) -> Scope:
         if self.kind in BSD_KINDS:  # (B, S, D) tokens
@@ -130,9 +145,17 @@ class _Setup:
         # the (N, C, *) layout of the table; `last` matters to layer/rms only
         return NAMED[self.kind].scope("nchw", len(self.shape), self.groups or 1, self.last or None)
 
+    def mask(self) -> Tensor | None:
+        """The padding mask at the input's full shape (True = valid), or None."""
+        if self.lengths is None:
+            return None
+        positions = torch.arange(self.shape[-1])
+        valid = positions < torch.tensor(self.lengths).view(-1, *([1] * (len(self.shape) - 1)))
+        return valid.expand(self.shape)
+
     def layer_args(self) -> tuple[tuple, dict]:
         c = self.shape[1] if len(self.shape) > 1 else None
-        if self.kind in ("batch", "instance"):
+        if self.kind in ("batch", "instance", "layer2d"):
             return (c,), {"eps": self.eps}
         if self.kind == "group":
             return (self.groups, c), {"eps": self.eps}
@@ -147,10 +170,25 @@ class _Setup:
 
 
 def _setup(
-    kind: str, spatial: int | None, shape: Sequence[int], groups: int | None, last: int | None, eps: float
+    kind: str,
+    spatial: int | None,
+    shape: Sequence[int] | None,
+    groups: int | None,
+    last: int | None,
+    eps: float,
+    *,
+    heads: int | None = None,
+    lengths: Sequence[int] | None = None,
+    masked: bool = False,
 ) -> _Setup:
-    """Check the arguments (raising :class:`UsageError` naming the bad one) before any work."""
-    shape = tuple(shape)
+    """Check the arguments (raising :class:`UsageError` naming the bad one) before any work. A missing shape,
+    group count, head count or mask takes :func:`default_shape`'s and the defaults below."""
+    masked = masked or lengths is not None
+    if masked and kind not in MASKED:
+        raise UsageError(
+            "--mask", f"expected a layer with a masked form ({', '.join(MASKED)}), got --mask for {kind}"
+        )
+    shape = default_shape(kind, spatial) if shape is None else tuple(shape)
     rank = len(shape)
     if rank == 0 or any(not isinstance(s, int) or s < 1 for s in shape):
         raise UsageError("--shape", f"expected positive sizes such as 2,3,2,2, got {shape}")
@@ -161,9 +199,11 @@ def _setup(
         )
     if not (isinstance(eps, float | int) and eps >= 0):
         raise UsageError("--eps", f"expected a non-negative number, got {eps!r}")
+    if heads is not None and kind != "qk":
+        raise UsageError("--heads", f"only the qk layer takes --heads, got --heads {heads} for {kind}")
     if kind in BSD_KINDS:
-        return _setup_bsd(kind, shape, groups, last, float(eps))
-    name = KINDS[kind]
+        return _setup_bsd(kind, shape, groups, last, float(eps), heads)
+    name = NAMED[kind].torch_class or NAMED[kind].title
     if kind in ("batch", "instance", "group"):
         lo, hi = (3 if kind == "instance" else 2), (5 if kind in ("batch", "instance") else 8)
         if spatial is not None:
@@ -174,17 +214,19 @@ def _setup(
                 "--shape",
                 f"{name}{'' if spatial is None else f'{spatial}d'} expects {want} (N, C, ...), got {rank}: {shape}",
             )
+    if kind == "layer2d" and rank < 2:
+        raise UsageError("--shape", f"{name} expects (N, C, ...) with 2 axes at least, got {rank}: {shape}")
     if kind == "group":
         c = shape[1]
         if groups is None:
-            raise UsageError("--groups", f"GroupNorm needs --groups G dividing the {c} channels; valid: {_divisors(c)}")
+            groups = _default_divisor(c)
         if groups < 1 or c % groups:
             raise UsageError(
                 "--groups",
                 f"expected a number of groups dividing the {c} channels (valid: {_divisors(c)}), got {groups}",
             )
     elif groups is not None:
-        raise UsageError("--groups", f"only the group layer takes --groups, got --groups {groups} for {kind}")
+        raise UsageError("--groups", f"only the group and qk layers take --groups, got --groups {groups} for {kind}")
     if kind in ("layer", "rms"):
         if last is None:
             last = max(rank - 1, 1)  # everything but the batch axis: one scope per sample
@@ -192,54 +234,124 @@ def _setup(
             raise UsageError("--last", f"expected 1 to {rank} trailing axes for an input of shape {shape}, got {last}")
     elif last is not None:
         raise UsageError("--last", f"only layer and rms take --last, got --last {last} for {kind}")
-    setup = _Setup(kind, shape, groups, last or 0, float(eps))
-    per_scope = setup.scope().resolve(shape).count
-    if kind in ("batch", "instance") and per_scope <= 1:
-        where = "per channel" if kind == "batch" else "per sample and channel"
+    if masked:
+        lengths = _check_lengths(shape, lengths)
+    setup = _Setup(kind, shape, groups, last or 0, float(eps), lengths)
+    resolved = setup.scope().resolve(shape)
+    mask = setup.mask()
+    per_channel = resolved.count if mask is None else int(mask[:, 0].sum())
+    if kind == "batch" and per_channel <= 1:
+        valid = "" if mask is None else " valid"
+        raise UsageError(
+            "--mask" if mask is not None else "--shape",
+            f"{setup.torch_name} in training needs more than one{valid} value per channel, got {per_channel} "
+            f"for shape {shape}",
+        )
+    if kind == "instance" and mask is None and resolved.count <= 1:
         raise UsageError(
             "--shape",
-            f"{setup.torch_name} in training needs more than one value {where}, got {per_scope} for shape {shape}",
+            f"{setup.torch_name} in training needs more than one value per sample and channel, got "
+            f"{resolved.count} for shape {shape}",
         )
     return setup
 
 
-def _setup_bsd(kind: str, shape: tuple[int, ...], groups: int | None, last: int | None, eps: float) -> _Setup:
+def _check_lengths(shape: tuple[int, ...], lengths: Sequence[int] | None) -> tuple[int, ...]:
+    """A masked norm's valid lengths along the last axis, one per sample (each scope keeps one valid value)."""
+    if len(shape) < 3:
+        raise UsageError(
+            "--shape",
+            f"a masked norm needs (N, C, positions...) with 3 axes at least (the mask is along the last), got "
+            f"{len(shape)}: {shape}",
+        )
+    n, length = shape[0], shape[-1]
+    if lengths is None:
+        return _default_lengths(n, length)
+    lengths = tuple(lengths)
+    if len(lengths) != n or any(not 1 <= v <= length for v in lengths):
+        raise UsageError(
+            "--mask",
+            f"expected {n} valid lengths (one per sample), each 1 to {length} (the last axis), got "
+            f"{','.join(map(str, lengths))}",
+        )
+    return lengths
+
+
+def _setup_bsd(
+    kind: str, shape: tuple[int, ...], groups: int | None, last: int | None, eps: float, heads: int | None
+) -> _Setup:
     title = NAMED[kind].title
     if len(shape) != 3:
         raise UsageError(
             "--shape", f"{title} expects 3 axes (B, S, D): batch, tokens, features; got {len(shape)}: {shape}"
         )
     d = shape[2]
-    if kind == "qk":
-        if groups is None:
-            raise UsageError(
-                "--groups", f"QK-norm needs --groups H, the heads splitting the {d} features; valid: {_divisors(d)}"
-            )
-        if groups < 1 or d % groups:
-            raise UsageError(
-                "--groups",
-                f"expected a number of heads dividing the {d} features (valid: {_divisors(d)}), got {groups}",
-            )
-    elif groups is not None:
+    if kind == "qk" and groups is not None:  # the heads are QK-norm's groups: --groups is accepted as --heads
+        if heads is not None and heads != groups:
+            raise UsageError("--heads", f"expected --heads and --groups to agree for qk, got {heads} and {groups}")
+        heads, groups = groups, None
+    if groups is not None:
         raise UsageError("--groups", f"only the group and qk layers take --groups, got --groups {groups} for {kind}")
+    if kind == "qk":
+        if heads is None:
+            heads = _default_divisor(d)
+        if heads < 1 or d % heads:
+            raise UsageError(
+                "--heads",
+                f"expected a number of heads dividing the {d} features (valid: {_divisors(d)}), got {heads}",
+            )
     if last is not None:
         raise UsageError("--last", f"only layer and rms take --last, got --last {last} for {kind}")
-    return _Setup(kind, shape, groups, 0, eps)
+    return _Setup(kind, shape, heads, 0, eps)
 
 
-def _bsd_outputs(setup: _Setup, x: Tensor) -> tuple[Tensor, Tensor, str]:
-    """normscope's output of a BSD_KINDS layer (its functional form, the affine left out), and the
-    torch.nn.functional equivalent with what computed it."""
+def _outputs(setup: _Setup, x: Tensor) -> tuple[Tensor, Tensor, Tensor, str]:
+    """``(y, y_torch, compared, what)``: normscope's output (the affine at its initial identity, or left out
+    where it is not a parameter), an independent computation of the same normalization, which elements
+    the two are compared on (a masked norm: the valid ones) and what computed the second."""
     from . import functional_modern as FM
 
-    b, s, d = setup.shape
-    if setup.kind == "qk":  # the (B, S, D) projection seen as (B, S, H, D/H) heads
+    kind, mask = setup.kind, setup.mask()
+    everywhere = torch.ones(setup.shape, dtype=torch.bool)
+    if mask is not None:
+        return _masked_outputs(setup, x, mask)
+    if kind == "qk":  # the (B, S, D) projection seen as (B, S, H, D/H) heads
+        b, s, d = setup.shape
         h = setup.groups
         y = FM.qk_norm(x.view(b, s, h, d // h), x.view(b, s, h, d // h), eps=setup.eps)[0].reshape(b, s, d)
-    else:
+    elif kind == "adaln":
         y = FM.modulated_norm(x, eps=setup.eps)
-    y_torch, what = NAMED[setup.kind].torch_equivalent(x, "bsd", setup.groups or 1, setup.eps)
-    return y, y_torch, what
+    elif kind == "layer2d":
+        y = normscope.LayerNorm2d(setup.shape[1], eps=setup.eps)(x)
+    else:
+        ours, theirs = setup.layers()
+        return ours(x), theirs(x), everywhere, f"torch.nn.{setup.torch_name}"
+    layout = "bsd" if kind in BSD_KINDS else "nchw"
+    y_torch, what = NAMED[kind].torch_equivalent(x, layout, setup.groups or 1, setup.eps)
+    return y, y_torch, everywhere, what
+
+
+def _masked_outputs(setup: _Setup, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor, str]:
+    """A masked norm: the normscope layer (``mask=`` of BatchNorm, InstanceNorm, GroupNorm; ``normalize`` over
+    the last axes for LayerNorm, whose module takes no mask) against each scope's mean and biased variance over
+    its valid elements, computed directly in float64 (torch has no masked layer)."""
+    kind, eps = setup.kind, setup.eps
+    if kind == "layer":
+        rank = len(setup.shape)
+        y = normscope.normalize(x, dims=tuple(range(rank - setup.last, rank)), eps=eps, mask=mask)
+    else:
+        args, kwargs = setup.layer_args()
+        y = getattr(normscope, NAMED[kind].torch_name(len(setup.shape)))(*args, **kwargs).train()(x, mask=mask[:, 0])
+    ids = scope_ids(setup.scope().resolve(setup.shape), mask=mask)
+    x64, y_ref = x.double(), torch.zeros(setup.shape, dtype=torch.float64)
+    for sid in ids.unique().tolist():
+        if sid < 0:
+            continue
+        members = ids == sid
+        vals = x64[members]
+        y_ref[members] = (vals - vals.mean()) / torch.sqrt(vals.var(unbiased=False) + eps)
+    what = "each scope's torch.mean and torch.var over its valid elements, float64 (torch.nn has no masked layer)"
+    return y, y_ref.float(), mask, what
 
 
 def _divisors(n: int) -> list[int]:
@@ -275,27 +387,39 @@ def describe(resolved: Resolved, names: list[str]) -> str:
 
 def explain(
     layer: str,
-    shape: Sequence[int],
+    shape: Sequence[int] | None = None,
     groups: int | None = None,
     values: Sequence[float] | Tensor | None = None,
     eps: float = 1e-5,
     last: int | None = None,
+    *,
+    heads: int | None = None,
+    mask: Sequence[int] | None = None,
 ) -> dict:
     """Explain one layer on one input; everything JSON-serializable.
 
     Args:
-        layer: ``batch``, ``layer``, ``instance``, ``group``, ``rms`` or a torch class name.
-        shape: the input shape, e.g. ``(2, 3, 2, 2)``.
-        groups: GroupNorm's number of groups (required for ``group``, refused otherwise).
+        layer: a name of :func:`normscope.named.spellings` (``batch``, ``layer``, ``instance``, ``group``,
+            ``rms``, ``layer2d``, ``qk``, ``adaln``, ``masked_batch``, ...) or a torch class name.
+        shape: the input shape, e.g. ``(2, 3, 2, 2)``. Default: :func:`default_shape` of the layer.
+        groups: GroupNorm's number of groups; for ``qk`` the same as ``heads`` (its heads are groups of D).
+            Refused for other layers. Default: 2 where it divides the channels, else their smallest divisor
+            above 1.
         values: the input's values in row-major order. Default: :func:`example_values`.
         eps: added to the variance. Default: 1e-5.
         last: trailing axes normalized by LayerNorm/RMSNorm. Default: all but the first axis.
+        heads: QK-norm's number of heads splitting D (refused for other layers). Default: as ``groups``.
+        mask: valid lengths along the last axis, one per sample: the masked form of batch, instance, group
+            or layer. Default: none, or for a ``masked_`` name every other sample half padded.
 
     Raises:
         UsageError: a bad argument, named in ``err.argument``.
     """
-    kind, spatial = parse_layer(layer)
-    setup = _setup(kind, spatial, shape, groups, last, eps)
+    try:
+        kind, spatial, masked = parse(layer)
+    except ValueError as e:
+        raise UsageError("LAYER", str(e)) from None
+    setup = _setup(kind, spatial, shape, groups, last, eps, heads=heads, lengths=mask, masked=masked)
     shape = setup.shape
     if values is None:
         x = example_values(shape)
@@ -311,17 +435,14 @@ def explain(
     bsd = kind in BSD_KINDS
     names = ["B", "S", "D"] if bsd else axis_names(len(shape))
     resolved = setup.scope().resolve(shape)
-    ids = scope_ids(resolved)
-    m = reference.moments(x, resolved)
+    valid = setup.mask()
+    ids = scope_ids(resolved, mask=valid)
+    m = reference.moments(x, resolved, valid)
     rstd = reference.rstd(m.var, setup.eps)
 
     with torch.no_grad():
-        if bsd:
-            y, y_torch, torch_call = _bsd_outputs(setup, x)
-        else:
-            ours, theirs = setup.layers()
-            y, y_torch, torch_call = ours(x), theirs(x), f"torch.nn.{setup.torch_name}"
-    diff = (y - y_torch).abs().max().item()
+        y, y_torch, compared, torch_call = _outputs(setup, x)
+    diff = (y - y_torch)[compared].abs().max().item()
     words = describe(resolved, names)
     if kind == "qk":
         words = words.replace("channels of one group", "features of one head").replace("and group", "and head")
@@ -353,14 +474,18 @@ def explain(
             "grouped_axis": names[resolved.group_dim] if resolved.groups > 1 else None,
             "centered": resolved.centered,
             "num_scopes": len(stats),
-            # counted from the id map (every scope of an unmasked input has the same size)
-            "elements_per_scope": stats[0]["count"],
+            # counted from the id map: one size for an unmasked input; a masked one's scopes differ
+            "elements_per_scope": stats[0]["count"] if len({r["count"] for r in stats}) == 1 else None,
         },
         "stats": stats,
         "input": x.tolist(),
         "scope_ids": ids.tolist(),
         "output": y.tolist(),
-        "torch": {"max_abs_diff": diff, "allclose": bool(torch.allclose(y, y_torch, atol=1e-6, rtol=1e-5))},
+        "mask_lengths": None if setup.lengths is None else list(setup.lengths),
+        "torch": {
+            "max_abs_diff": diff,
+            "allclose": bool(torch.allclose(y[compared], y_torch[compared], atol=1e-6, rtol=1e-5)),
+        },
     }
 
 
@@ -388,8 +513,16 @@ def render(result: dict, out: Out) -> None:
     out.line(f"Scope: {scope['words']}.")
     if result.get("affine"):
         out.line(f"Affine: {result['affine']}.")
+    if result.get("mask_lengths"):
+        out.line(
+            f"Mask: valid lengths {','.join(map(str, result['mask_lengths']))} along the last axis, one per sample; "
+            "padding (scope -1) enters no statistic."
+        )
+    counts = sorted({s["count"] for s in result["stats"]})
+    size = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+    size += " valid" if result.get("mask_lengths") else ""
     out.line(
-        f"       {scope['num_scopes']} scope(s) of {scope['elements_per_scope']} elements; "
+        f"       {scope['num_scopes']} scope(s) of {size} elements; "
         f"each element is normalized with the statistics of its scope (eps={fmt(result['eps'])})."
     )
 

@@ -2,7 +2,7 @@
 
 Each is a scope plus where its affine comes from, or an element-wise map:
 
-=================  ==========================================================================
+================== ===========================================================================
 ``modulated_norm``  AdaLN (DiT, SD3, Flux): LayerNorm/RMSNorm over the last axis, then an affine
                     that comes from another tensor -- ``(1 + scale)`` and ``shift`` per sample
                     (B, D) or per token (B, S, D) -- as AdaIN's comes from the style's statistics
@@ -13,7 +13,7 @@ Each is a scope plus where its affine comes from, or an element-wise map:
 ``poly_norm``       PolyNorm (PolyCom): ``w0 rms(x^3) + w1 rms(x^2) + w2 rms(x) + b``, three RMSNorm
                     scopes on the powers of ``x``
 ``derf``            Derf: ``gamma * erf(alpha * x + s) + beta``, element-wise like DyT (no scope)
-=================  ==========================================================================
+================== ===========================================================================
 
 The statistics always come from :func:`normscope.engine.norm` (so from whichever backend it
 chooses or is forced to). The families' options -- the zero-centred weight and the casting orders --
@@ -147,8 +147,10 @@ def rms_norm(
     .. math:: y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} \cdot (w + \text{weight\_offset})
 
     Args:
-        input, normalized_shape, weight, eps: as :func:`torch.nn.functional.rms_norm` (``eps=None``:
-            the machine epsilon of fp32, fp64's for fp64 input).
+        input: the tensor to normalize, as :func:`torch.nn.functional.rms_norm`'s.
+        normalized_shape: the trailing shape normalized over, as :func:`torch.nn.functional.rms_norm`'s.
+        weight: the per-element scale of ``normalized_shape``'s shape, or None (no scale).
+        eps: added to the mean square. Default: None, the machine epsilon of fp32 (fp64's for fp64 input).
         weight_offset: added to ``weight`` in fp32 before scaling; 1.0 is Gemma's ``1 + w``
             (Transformer Engine's ``zero_centered_gamma``, Liger's ``offset``). Default: 0.0.
         casting: where the result is rounded to the input dtype: ``"torch"`` (torch's RMSNorm),
@@ -351,15 +353,20 @@ def qk_norm(
     fewer heads than q (grouped-query attention).
 
     Args:
-        q, k: (B, S, H, D) with ``layout="bshd"`` or (B, H, S, D) with ``"bhsd"`` (any strides: the
-            transposed view of a projection works).
-        q_weight, k_weight: scales; None for none. q_bias, k_bias: shifts (``norm="layer"`` only).
+        q: the queries, (B, S, H, D) with ``layout="bshd"`` or (B, H, S, D) with ``"bhsd"`` (any strides:
+            the transposed view of a projection works).
+        k: the keys, in q's layout; H may be fewer than q's (grouped-query attention).
+        q_weight: q's scale: (D,) with ``per_head=True``, (H * D,) or (H, D) without; None for none.
+        k_weight: k's scale, as ``q_weight`` for k's heads; None for none.
+        q_bias: q's shift (``norm="layer"`` only); None for none.
+        k_bias: k's shift (``norm="layer"`` only); None for none.
         eps: added to the mean square. Default: 1e-6 (Qwen3's, Gemma 3's, OLMo 2's).
         layout: ``"bshd"`` or ``"bhsd"``. Default: ``"bshd"``.
         per_head: over ``head_dim`` per head (True) or over all heads (False, OLMo 2). Default: True.
         norm: ``"rms"`` or ``"layer"``. Default: ``"rms"``.
-        weight_offset, casting: as :func:`rms_norm` -- Qwen3 is ``casting="llama"``, Gemma 3
-            ``weight_offset=1.0, casting="gemma"``, OLMo 2 ``per_head=False, casting="gemma"``.
+        weight_offset: added to each weight in fp32, as :func:`rms_norm`'s (Gemma 3: 1.0). Default: 0.0.
+        casting: where the result is rounded, as :func:`rms_norm`'s: Qwen3 is ``"llama"``, Gemma 3 and
+            OLMo 2 (with ``per_head=False``) ``"gemma"``. Default: ``"torch"``.
 
     Returns:
         ``(q_normed, k_normed)``, each in its input's layout and shape.

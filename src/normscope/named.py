@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,20 @@ from torch import Tensor, nn
 from .modules.layernorm2d import LayerNorm2d
 from .scope import Resolved, Scope
 
-__all__ = ["LAYOUTS", "NAMED", "NamedLayer", "check_layout", "get", "module_scope", "names", "scope_ids"]
+__all__ = [
+    "LAYOUTS",
+    "MASKED",
+    "NAMED",
+    "NamedLayer",
+    "ParsedName",
+    "check_layout",
+    "get",
+    "module_scope",
+    "names",
+    "parse",
+    "scope_ids",
+    "spellings",
+]
 
 LAYOUTS = ("nchw", "bsd")
 
@@ -279,6 +293,10 @@ _TABLE = (
 
 #: the named layers by name, in the order the tools list them
 NAMED: dict[str, NamedLayer] = {entry.name: entry for entry in _TABLE}
+#: every alias, and the long forms of the modern norms' names, -> the table's key
+_ALIASES = {alias.replace("_", ""): e.name for e in _TABLE for alias in e.aliases}
+_ALIASES.update({"qknorm": "qk", "adalnzero": "adaln", "adalayer": "adaln", "adaptivelayer": "adaln"})
+_ALIASES.update({"layer2d": "layer2d", "layernorm2d": "layer2d"})
 
 
 def names(layout: str | None = None) -> list[str]:
@@ -286,6 +304,57 @@ def names(layout: str | None = None) -> list[str]:
     if layout is not None:
         check_layout(layout)
     return [n for n, e in NAMED.items() if layout is None or getattr(e, layout) is not None]
+
+
+#: the masked norms of the tools: ``masked_<name>`` is the named layer whose statistics count only the valid
+#: elements of a padding mask (``normscope explain masked_batch``, ``normscope draw masked_layer --layout bsd``)
+MASKED: tuple[str, ...] = ("batch", "instance", "group", "layer")
+
+
+class ParsedName(NamedTuple):
+    """A name as a user types it, read against the table: ``"MaskedBatchNorm2d"`` -> ``("batch", 2, True)``."""
+
+    name: str  #: the table's key
+    spatial: int | None  #: the spatial rank a torch class name implies (``2`` for ``BatchNorm2d``), else None
+    masked: bool  #: asked for by a ``masked_`` name
+
+
+def spellings() -> list[str]:
+    """Every name the tools accept, for help texts: the table's keys, then the masked ones."""
+    return [*NAMED, *(f"masked_{n}" for n in MASKED)]
+
+
+def parse(text: str) -> ParsedName:
+    """Read a layer name as ``explain`` and ``draw`` accept it: a key of the table (``"group"``), an alias
+    (``"gn"``), a torch class name (``"GroupNorm"``, ``"BatchNorm2d"``) or any of them with a ``masked``
+    prefix (``"masked_batch"``). Case, ``_`` and ``-`` do not matter.
+
+    Raises:
+        ValueError: an unknown name, listing the accepted ones.
+    """
+    key = str(text).strip().lower().replace("_", "").replace("-", "")
+    masked = key.startswith("masked") and key != "masked"
+    if masked:
+        key = key[len("masked") :]
+    spatial = None
+    if key in _ALIASES:  # whole names first: "layernorm2d" is LayerNorm2d, not LayerNorm in 2-D
+        key = _ALIASES[key]
+    elif key[-2:] in ("1d", "2d", "3d"):
+        spatial, key = int(key[-2]), key[:-2]
+    for suffix in ("normalization", "norm"):
+        if key.endswith(suffix) and key != suffix:
+            key = key[: -len(suffix)]
+            break
+    key = _ALIASES.get(key, key)
+    entry = NAMED.get(key)
+    if entry is None or (spatial is not None and not entry.per_rank) or (masked and key not in MASKED):
+        torch_names = ", ".join(
+            f"{e.torch_class}1d/2d/3d" if e.per_rank else e.torch_class for e in _TABLE if e.torch_class
+        )
+        raise ValueError(
+            f"unknown layer {text!r}; expected one of {', '.join(spellings())} (or torch names: {torch_names})"
+        )
+    return ParsedName(key, spatial, masked)
 
 
 def get(name: str) -> NamedLayer:

@@ -149,7 +149,7 @@ class Resolved:
 
     @property
     def stat_shape(self) -> tuple[int, ...]:
-        """Shape of the statistics, broadcastable against the input (grouped axis: one per group)."""
+        """The statistics' shape, broadcastable against the input (grouped axis: one per group)."""
         out = [1 if d in self.reduce else s for d, s in enumerate(self.shape)]
         if self.groups > 1:
             out[self.group_dim] = self.groups

@@ -1,7 +1,10 @@
 """``normscope tour``: the worked examples that tutorials on normalization layers use, recomputed and checked.
 
-Each section redoes one example by hand (the tutorial's own formula; "the article" below), with
-normscope, and with ``torch.nn``, and compares them at run time. Read it top to bottom: it is meant for learners.
+Each section redoes one example by hand (the tutorial's own formula), with normscope, and with ``torch.nn``,
+and compares them at run time. Read it top to bottom: it is meant for learners. Sections 1 to 3 come from two
+articles, named in their output (:data:`SOURCES`): section 1 from "Q5: 层归一化（Layer Normalization）详解"
+("Q5: Layer Normalization explained"), sections 2 and 3 from an untitled article on normalization from CNNs to
+the Transformer's LayerNorm and RMSNorm; neither names its author.
 
 1. LayerNorm of one vector, [10, 2, 6, 14]: mean 8, variance 20, normalized ~[0.45, -1.34, -0.45, 1.34].
 2. BatchNorm2d on a 2x3x2x2 tensor: one mean and variance per channel.
@@ -31,7 +34,21 @@ from ._term import Out, fmt, vec
 from .explain import axis_names, scope_ids
 from .scope import Scope
 
-__all__ = ["Check", "Section", "run", "render"]
+__all__ = ["Check", "SOURCES", "Section", "run", "render"]
+
+#: the articles the worked examples come from, as they title themselves (neither names an author). What the
+#: tour prints is the English line, which every terminal can show; the JSON carries both.
+SOURCES = {
+    "q5": {
+        "title": "Q5: 层归一化（Layer Normalization）详解",
+        "english": 'the article "Q5: Layer Normalization explained" (no author named)',
+    },
+    "cnn_to_transformer": {
+        "title": "(untitled; its first section is 1 写在前面, its last 9 引用)",
+        "english": "an untitled article on normalization from CNNs to the Transformer's LayerNorm and RMSNorm "
+        "(no author named; its figures: demo.phimes.top)",
+    },
+}
 
 
 @dataclass
@@ -59,6 +76,7 @@ class Section:
     notes: list[str] = field(default_factory=list)  # printed after the tables
     checks: list[Check] = field(default_factory=list)
     data: dict = field(default_factory=dict)
+    source: str | None = None  # a key of SOURCES: the article the worked example comes from
 
     def check(self, name: str, a: Tensor | float, b: Tensor | float, tol: float) -> None:
         diff = (torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)).abs().max()
@@ -88,6 +106,7 @@ def layernorm_vector() -> Section:
         theirs = nn.LayerNorm(4)(x)
     article = torch.tensor([0.45, -1.34, -0.45, 1.34])  # as printed, rounded to 2 decimals
 
+    s.source = "q5"
     s.text = [
         f"step 1  mean      = (10 + 2 + 6 + 14) / 4                     = {fmt(mean.item())}",
         f"step 2  variance  = (4 + 36 + 4 + 36) / 4                     = {fmt(var.item())}",
@@ -101,7 +120,7 @@ def layernorm_vector() -> Section:
                 ["the formula (by hand)", vec(by_hand.tolist()), f"{max_abs_diff(by_hand, theirs):.1e}"],
                 ["normscope.LayerNorm(4)", vec(ours.tolist()), f"{max_abs_diff(ours, theirs):.1e}"],
                 ["torch.nn.LayerNorm(4)", vec(theirs.tolist()), "-"],
-                ["the article (rounded)", vec(article.tolist(), 2), f"{max_abs_diff(article, theirs):.1e}"],
+                ["the Q5 article (rounded)", vec(article.tolist(), 2), f"{max_abs_diff(article, theirs):.1e}"],
             ],
             "llr",
         )
@@ -110,7 +129,7 @@ def layernorm_vector() -> Section:
     s.check("variance is 20", var, 20.0, 0.0)
     s.check("normscope vs torch", ours, theirs, 1e-6)
     s.check("normscope vs formula", ours, by_hand, 1e-6)
-    s.check("article's rounded values", theirs, article, 0.005)
+    s.check("the Q5 article's rounded values", theirs, article, 0.005)
     s.data = {
         "x": x.tolist(),
         "eps": eps,
@@ -165,6 +184,7 @@ def batchnorm_channels() -> Section:
         ours = normscope.BatchNorm2d(c).train()(x)
         theirs = nn.BatchNorm2d(c).train()(x)
 
+    s.source = "cnn_to_transformer"
     s.text = [f"BatchNorm2d reduces over N, H, W: each channel's {n * h * w} numbers share one mean and variance."]
     s.tables.append(
         (
@@ -196,8 +216,8 @@ def batchnorm_channels() -> Section:
         f"max |normscope - by hand|              = {max_abs_diff(ours, by_hand):.1e}",
     ]
     for ch, (mean, var) in ARTICLE_004_STATS.items():
-        s.check(f"channel {ch} mean is {mean} (article)", means[ch], mean, 1e-6)
-        s.check(f"channel {ch} variance is {var} (article)", variances[ch], var, 1e-6)
+        s.check(f"channel {ch} mean is {mean} (the article)", means[ch], mean, 1e-6)
+        s.check(f"channel {ch} variance is {var} (the article)", variances[ch], var, 1e-6)
     s.check("normscope statistics vs by hand", stats.mean.flatten(), torch.tensor(means), 1e-6)
     s.check("normscope variance vs by hand", stats.var.flatten(), torch.tensor(variances), 1e-6)
     s.check("normscope vs torch", ours, theirs, 1e-6)
@@ -289,6 +309,7 @@ def tokens() -> Section:
             "normscope_max_abs_diff": max_abs_diff(y_ours, y_torch),
             "first_values": y_ours[0, 0, :5].tolist(),
         }
+    s.source = "cnn_to_transformer"
     s.text = ["Both normalize each token's 32 features; RMSNorm skips the mean (and has no bias)."]
     s.tables.append(("The first 5 outputs of token [0, 0]", ["layer: computed by", "y[0, 0, :5]"], first, "ll"))
     s.tables.append(
@@ -502,6 +523,8 @@ def run() -> list[Section]:
 def render(sections: list[Section], out: Out) -> None:
     for s in sections:
         out.heading(s.title)
+        if s.source:
+            out.line(f"From {SOURCES[s.source]['english']}.")
         for line in s.text:
             out.line(line)
         for title, headers, rows, align in s.tables:
@@ -533,5 +556,6 @@ def as_json(sections: list[Section]) -> dict:
         "torch_version": torch.__version__,
         "normscope_version": normscope.__version__,
         "sections": {s.key: s.data for s in sections},
+        "sources": {s.key: SOURCES[s.source] for s in sections if s.source},
         "checks": checks,
     }

@@ -2,8 +2,9 @@
 
 On CUDA every case is timed with ``triton.testing.do_bench`` (median), on CPU with repeated
 wall-clock medians. Each result reports the time, the achieved bandwidth for an *assumed* byte
-count (the minimum traffic of an ideal fused kernel, below), its ratio to every peer measured in
-the same run, its ratio to the device's copy bandwidth (a large ``dst.copy_(src)`` measured in the
+count (the minimum traffic of an ideal fused kernel, below), its time ratio to every peer measured in
+the same run (``ratio``: normscope time / peer time, below 1 normscope is faster), its ratio to the
+device's copy bandwidth (a large ``dst.copy_(src)`` measured in the
 same run: the practical ceiling), the peak memory (CUDA), and the forward output's error against
 torch in fp32 (a peer that computes something else is flagged, not silently timed).
 
@@ -28,6 +29,8 @@ Weights, statistics and the second read of long rows are not counted: an impleme
 needs them shows up as lower GB/s. ``normscope`` is the public API (``normscope.functional``),
 forced onto its Triton kernels wherever they can run (CUDA, ``--interpret``): the bench measures
 the kernels against ATen, and must not depend on the automatic choice its measurements decide.
+Without CUDA the kernels cannot run: the first line of the output says so, and normscope runs its
+CPU paths (what its automatic choice picks there) against PyTorch eager.
 The JSON records what ran (``normscope_impl``) and, per row, ``n``: the elements of one
 normalized scope.
 
@@ -56,8 +59,8 @@ Modules: :mod:`~normscope.bench.cases` (sizes, inputs, the output check), :mod:`
 
 Usage::
 
-    python -m normscope.bench                     # full run on the GPU, writes benchmarks/results/
-    python -m normscope.bench --quick             # small sizes (CPU: about a minute)
+    python -m normscope.bench                     # GPU: full run; CPU: small sizes (13-21 s on 2 cores)
+    python -m normscope.bench --quick             # small sizes on the GPU too
     python -m normscope.bench --cases layer_norm,rms_norm --dtypes bf16 --out /tmp/b
     python -m normscope.bench --cases modern      # the modern norms (AdaLN, QK-norm, Gemma, PolyNorm, Derf)
     python -m normscope.bench --resume --budget-s 480 --out DIR   # continue DIR's JSON for 8 minutes
@@ -81,6 +84,8 @@ from pathlib import Path
 
 import torch
 
+import normscope.kernels
+
 from .cases import (
     CASE_GROUPS,
     CASES,
@@ -91,7 +96,7 @@ from .cases import (
     ROW_CASES,
     plan,
 )
-from .peers import LIGER_CHECKED, PEERS
+from .peers import LIGER_CHECKED, PEER_NAMES, PEERS
 from .report import choice_table, device_class, plot, problems, write_choice, write_json
 from .timing import copy_bandwidth, run, time_ms
 
@@ -114,6 +119,7 @@ __all__ = [
     "plot",
     "problems",
     "run",
+    "scope_line",
     "time_ms",
     "write_choice",
     "write_json",
@@ -135,9 +141,10 @@ def _use_interpreter(p: argparse.ArgumentParser) -> None:
 #: ``normscope bench --help``: plain text (the module docstring is reStructuredText for the docs)
 _DESCRIPTION = "Benchmark normscope's kernels against PyTorch eager, torch.compile and Liger-Kernel, in one run."
 _EPILOG = """examples:
-  normscope bench                        full run on the GPU, writes benchmarks/results/
-  normscope bench --quick                small sizes (CPU: about a minute)
-  normscope bench --quick --threads 1    the same on a shared machine
+  normscope bench                        GPU: full run (12-20 min); no GPU: small sizes, CPU paths only
+                                         (13-21 s on 2 cores); writes ./bench-*.json and ./bench-*.png
+  normscope bench --threads 1            the same on a shared machine
+  normscope bench --quick                small sizes on the GPU too
   normscope bench --cases layer_norm,rms_norm --dtypes bf16 --out /tmp/b
   normscope bench --cases modern         the modern norms: AdaLN, QK-norm, Gemma RMSNorm, PolyNorm, Derf
   normscope bench --resume --budget-s 480 --out DIR     continue DIR's JSON for 8 minutes
@@ -147,10 +154,34 @@ _EPILOG = """examples:
   TRITON_INTERPRET=1 normscope bench --interpret --out /tmp/dry
                                          CPU dry run of the GPU code paths (times mean nothing)
 
-Times are medians (triton.testing.do_bench on CUDA). The run prints the load average first and
-warns when other work competes for the cores (recorded in the JSON as "load"). Each row reports GB/s for the minimum
-traffic of an ideal fused kernel, the ratio to every peer and to the device's copy bandwidth,
-and the forward output's error against torch in fp32."""
+Without a CUDA device the Triton kernels are not measured: normscope runs its CPU paths against
+PyTorch eager, and the first line of the output says so. Times are medians (triton.testing.do_bench
+on CUDA). The run prints the load average first and warns when other work competes for the cores
+(recorded in the JSON as "load"). Each row reports GB/s for the minimum traffic of an ideal fused
+kernel, its fraction of the device's copy bandwidth, the forward output's error against torch in
+fp32, and each peer's ratio = normscope time / peer time (below 1: normscope is faster)."""
+
+
+def scope_line(device: torch.device, level: str, peers: list[str]) -> str:
+    """The run's first line: what it measures and, as plainly, what it cannot measure here."""
+    against = ", ".join(PEER_NAMES.get(q, q) for q in peers) or "no peer"
+    if level == "interpret":
+        return (
+            "Triton interpreter dry run on the CPU: the GPU code paths at tiny sizes, normscope's Triton kernels "
+            f"against {against}; the times mean nothing"
+        )
+    if device.type == "cuda":
+        if normscope.kernels.AVAILABLE:
+            return f"measuring normscope's Triton kernels on {device} against {against}"
+        return (
+            f"Triton is not installed: the Triton kernels are not measured; normscope runs its ATen paths on "
+            f"{device} against {against}"
+        )
+    why = "no CUDA device" if not torch.cuda.is_available() else f"--device {device.type}"
+    return (
+        f"{why}: the Triton kernels are not measured; normscope runs its CPU paths (the ones its automatic "
+        f"choice picks) against {against}"
+    )
 
 
 def load_status(threads: int) -> dict:
@@ -202,7 +233,12 @@ def _main(argv: list[str]) -> int:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", default="benchmarks/results", help="directory for bench-*.json and bench-*.png")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=".",
+        help="directory for bench-*.json and bench-*.png, created if missing (default: the current directory)",
+    )
     p.add_argument(
         "--cases",
         default="default",
@@ -267,7 +303,7 @@ def _main(argv: list[str]) -> int:
     level = "interpret" if a.interpret else "quick" if a.quick or device.type == "cpu" else "full"
     if a.peers is None and device.type == "cpu" and not a.interpret:
         peers = ["torch"]
-    out = Path(a.out)
+    out = Path(a.out).resolve()  # said on screen: the user sees where the files went
     stem = f"bench-{'' if level == 'full' else level + '-'}{device.type}"
     path = out / f"{stem}.json"
     previous = None
@@ -280,6 +316,9 @@ def _main(argv: list[str]) -> int:
         where = "cpu (interpreted)" if a.interpret else device.type
         p.error(f"--write-choice: the table is measured on CUDA; got device {where}")
     command = shlex.join(["normscope", "bench", *argv])
+    if not a.plot_only:
+        print(scope_line(device, level, peers))
+        print(f"results: {path.resolve()}")
     if a.plot_only:
         wrote = plot(previous, out / f"{stem}.png")
         print(f"wrote {out / f'{stem}.png'}" if wrote else "no plot: matplotlib missing or no row cases")

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from .cases import EPS, GROUPS
 
 PEERS = ("torch", "compile", "liger")
+#: what each peer is, in words (the run's first line)
+PEER_NAMES = {"torch": "PyTorch eager", "compile": "torch.compile", "liger": "Liger-Kernel"}
 #: why a requested peer has no entry in a case's rows (recorded per row as ``declined``)
 DECLINED = {
     "liger": {

@@ -16,6 +16,10 @@ import torch
 
 from .cases import DTYPES, GROUPS, MODERN_CASES, ROW_CASES
 
+#: the one ratio convention of the log, the JSON (each peer's ``ratio``) and benchmarks/README.md. A time
+#: ratio rather than a speedup so that it reads like the CPU overhead tables: smaller is better for normscope.
+RATIO_RULE = "normscope time / peer time (below 1: normscope is faster)"
+
 #: colours per implementation, the same in every panel of the plot
 COLORS = {"normscope": "tab:green", "torch": "tab:red", "compile": "tab:blue", "liger": "tab:orange"}
 
@@ -65,8 +69,8 @@ def _format_row(row: dict) -> str:
             parts.append(f"{name}: failed ({e['error']})")
         else:
             s = f"{name} {e['ms']:.3g} ms {e['gbs']:.3g} GB/s ({e['frac_of_copy']:.0%} copy)"
-            if name != "normscope" and e.get("normscope_speedup"):
-                s += f" x{e['normscope_speedup']:.2f}"
+            if e.get("ratio"):
+                s += f" ratio {e['ratio']:.2f}"
             if e.get("ok") is False:
                 s += " MISMATCH"
             if e.get("note") and row["dtype"] != "fp32":  # the notes are about half-precision rounding
@@ -111,7 +115,7 @@ def plot(report: dict, path: Path) -> bool:
         ax.set_xscale("log", base=2)
         ax.set_title(" ".join(key), fontsize=9)
         ax.set_xlabel("head_dim" if key[0] == "qk_norm" else "N (row length)")
-        ax.set_ylabel("GB/s")
+        ax.set_ylabel("GB/s (higher is faster)")
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")

@@ -16,7 +16,7 @@ import normscope
 
 from .cases import DTYPES, MODERN_CASES, ROW_CASES, _check, _error, _modern_case, _rows_case, _spatial_case, plan
 from .peers import DECLINED, NOTES, PEERS, _interpreter_shims, _liger_peers
-from .report import _device_name, _format_row, _triton_version, device_class
+from .report import RATIO_RULE, _device_name, _format_row, _triton_version, device_class
 
 
 def _sync(device: torch.device) -> None:
@@ -164,6 +164,7 @@ def run(
             "modulated_*/gemma_rms_norm/poly_norm/derf": "fwd 2*numel*e, fwd+bwd 5*numel*e (modulations not counted)",
             "qk_norm": "fwd 2*(numel q + numel k)*e, fwd+bwd 5*(numel q + numel k)*e",
         },
+        "ratio_rule": RATIO_RULE,
         "check_rule": "forward outputs vs torch on fp32 inputs: max_err <= 2 x torch's own + CHECK_ATOL x (1 + max|y|)",
         "results": [],
     }
@@ -180,6 +181,7 @@ def run(
         report["copy_gbs"] = copy_bandwidth(device, level)
     liger_said = liger_version or liger_absent
     log(f"device: {report['device']}   copy bandwidth: {report['copy_gbs']:.1f} GB/s   liger: {liger_said}")
+    log(f"each row: implementation, median ms, GB/s, % of copy bandwidth, ratio = {RATIO_RULE}")
     # a requested peer that is not measured at all: the reason goes into every row
     absent = {"liger": liger_absent} if "liger" in peers and liger is None else {}
     with _interpreter_shims() if interpret else contextlib.nullcontext():
@@ -269,9 +271,9 @@ def _one_config(case, dname, shape, device, level, peer_fns, kernels, done, copy
                 entry.update(gbs=gbs, frac_of_copy=gbs / copy_gbs)
             row["impls"][name] = entry
         ref = row["impls"].get("normscope", {}).get("ms")
-        for entry in row["impls"].values():
-            if ref and entry.get("ms"):
-                entry["normscope_speedup"] = entry["ms"] / ref  # >1: normscope is faster
+        for name, entry in row["impls"].items():
+            if name != "normscope" and ref and entry.get("ms"):
+                entry["ratio"] = ref / entry["ms"]  # RATIO_RULE: below 1, normscope is faster
         rows.append(row)
         log(_format_row(row))
     return rows

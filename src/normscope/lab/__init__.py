@@ -228,16 +228,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check(a.experiments, mode, a.seeds)
     except ValueError as err:
         p.error(str(err).removeprefix("normscope.lab.run: "))
-    try:
-        _out_dir(a.out)
-    except ValueError as err:
-        p.error(f"argument --out: {err}")
     missing = [m for m in ("matplotlib", "sklearn") if importlib.util.find_spec(m) is None]
-    if missing:  # say so before any run, not as a traceback from deep inside the first experiment
+    if missing:  # say so before any run (and before --out is created: nothing is left behind)
         need = " and ".join(missing)
         verb = "is" if len(missing) == 1 else "are"
         sys.stderr.write(f"normscope lab: needs {need}, which {verb} not installed (pip install 'normscope[lab]')\n")
         return 1
+    try:
+        _out_dir(a.out)
+    except ValueError as err:
+        p.error(f"argument --out: {err}")
     try:
         run(a.experiments, mode=mode, out=a.out, seeds=a.seeds, force=a.force)
     except KeyboardInterrupt:

@@ -67,8 +67,12 @@ class LayerNorm(_FamilyOptions, nn.LayerNorm):
         eps: added to the variance. Default: 1e-5.
         elementwise_affine: learnable per-element ``weight`` (ones) and ``bias`` (zeros). Default: True.
         bias: with ``elementwise_affine``, whether to learn the bias too. Default: True.
-        weight_offset, casting: a model family's zero-centred weight and casting order (keyword
-            only; see :class:`RMSNorm`). Default: 0.0, ``"torch"``.
+        weight_offset: keyword only; the scale is ``weight + weight_offset``, formed in fp32 (1.0: a
+            zero-centred weight, Gemma's ``1 + w``); the weight then starts at ``1 - weight_offset``.
+            Default: 0.0.
+        casting: keyword only; where the result is rounded to the input dtype: ``"torch"``,
+            ``"gemma"`` (normalize and scale in fp32, cast last) or ``"llama"`` (normalize in fp32,
+            cast, then scale). Default: ``"torch"``.
 
     Shape:
         - Input: (*, normalized_shape). Output: same shape.

@@ -44,9 +44,9 @@ class _BatchRenormMixin(_BatchNormMixin):
     running ones by ``r`` and ``d`` (stop-gradient):
 
     .. math::
-        r = \mathrm{clip}_{[1/r_{max}, r_{max}]}\Big(\frac{\sigma_B}{\sigma}\Big), \quad
-        d = \mathrm{clip}_{[-d_{max}, d_{max}]}\Big(\frac{\mu_B - \mu}{\sigma}\Big), \quad
-        y = \Big(\frac{x - \mu_B}{\sigma_B} r + d\Big)\gamma + \beta
+        r = \mathrm{clip}_{[1/r_{max}, r_{max}]}\left(\frac{\sigma_B}{\sigma}\right), \quad
+        d = \mathrm{clip}_{[-d_{max}, d_{max}]}\left(\frac{\mu_B - \mu}{\sigma}\right), \quad
+        y = \left(\frac{x - \mu_B}{\sigma_B} r + d\right)\gamma + \beta
 
     which is ``apply(x, mean', rstd')`` with :math:`\text{mean}' = \mu_B - d\,\sigma_B / r` and
     :math:`\text{rstd}' = r / \sigma_B` (:math:`\sigma = \sqrt{\text{var} + \epsilon}`).
@@ -153,7 +153,7 @@ _DOC = r"""Batch Renormalization over {shape}.
     .. math::
         r = \mathrm{{clip}}_{{[1/r_{{max}}, r_{{max}}]}}(\sigma_B / \sigma), \quad
         d = \mathrm{{clip}}_{{[-d_{{max}}, d_{{max}}]}}((\mu_B - \mu) / \sigma), \quad
-        y = \Big(\frac{{x - \mu_B}}{{\sigma_B}} r + d\Big) \gamma + \beta
+        y = \left(\frac{{x - \mu_B}}{{\sigma_B}} r + d\right) \gamma + \beta
 
     in training, with ``r`` and ``d`` treated as constants by autograd and
     :math:`\sigma = \sqrt{{\text{{running\_var}} + \epsilon}}`, :math:`\sigma_B = \sqrt{{\text{{Var}}_B + \epsilon}}`
@@ -164,8 +164,13 @@ _DOC = r"""Batch Renormalization over {shape}.
 
     Args:
         num_features: channels C.
-        eps, momentum, affine, device, dtype: as :class:`torch.nn.BatchNorm{d}`.
-            ``track_running_stats`` must be True.
+        eps: added to the variance, as :class:`torch.nn.BatchNorm{d}`'s. Default: 1e-5.
+        momentum: the running statistics' update factor, as :class:`torch.nn.BatchNorm{d}`'s (None: a
+            cumulative average). Default: 0.1.
+        affine: learnable per-channel ``weight`` and ``bias``. Default: True.
+        track_running_stats: must be True: the running statistics are part of the formula. Default: True.
+        device: where the parameters and buffers are created. Default: None.
+        dtype: their dtype. Default: None.
         rmax: upper clip of ``r`` (lower: ``1/rmax``). Default: 3.
         dmax: clip of ``|d|``. Default: 5.
         warmup_iters: ramp ``rmax`` from 1 and ``dmax`` from 0 linearly over this many training

@@ -8,13 +8,14 @@ directly (no pyplot, no GUI backend), so drawing works headless and in threads.
 from __future__ import annotations
 
 import colorsys
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from torch import Tensor, nn
 
-from ..named import module_scope
+from ..named import module_scope, parse, spellings
 from ..scope import Scope
 from .scopes import (
     HIGHLIGHT,
@@ -74,7 +75,8 @@ def _resolve_target(target, layout: str, groups: int, ndim: int = 3) -> tuple[Sc
     if isinstance(target, Scope):
         return target, "custom scope"
     if isinstance(target, str):
-        title = LAYERS[target].title if target in LAYERS else target
+        target = parse(target).name  # the names explain accepts: aliases and torch class names too
+        title = LAYERS[target].title
         scope = layer_scope(target, layout, groups, ndim)
         if target == "group":
             title = f"GroupNorm (G={groups})"
@@ -351,8 +353,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="normscope draw", description="Draw which elements share one mean and variance.")
-    p.add_argument("layers", nargs="*", default=["all"], help=f"layer names {layer_names()} or 'all' (a grid)")
-    p.add_argument("--layout", choices=("nchw", "bsd"), default="nchw", help="the N×C×H·W cube or (B,S,D) strips")
+    p.add_argument(
+        "layers",
+        nargs="*",
+        default=["all"],
+        help=f"layer names ({', '.join(spellings())}; torch names such as BatchNorm2d too) or 'all' (a grid)",
+    )
+    p.add_argument(
+        "--layout",
+        choices=("nchw", "bsd"),
+        default=None,
+        help="the N×C×H·W cube or (B,S,D) strips (default: nchw, or bsd for layers only defined there: qk, adaln)",
+    )
     p.add_argument("--view", choices=("cube", "slices"), default=None, help="cube or one grid per sample")
     p.add_argument("--groups", type=int, default=2, help="GroupNorm groups (default 2)")
     p.add_argument("--shape", default=None, help="tensor shape, e.g. 3,6,4 (nchw) or 2,5,6 (bsd)")
@@ -376,21 +388,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"expected `--mask` to be non-negative lengths, got {mask}")
         if args.output is not None:
             _writable(Path(args.output).resolve().parent, "-o/--output")
-        names = layer_names(args.layout) if args.layers == ["all"] else args.layers
-        for n in names:
-            if n not in LAYERS:
-                raise ValueError(f"expected layer names among {layer_names()} or 'all', got {n!r}")
+        parsed = [] if args.layers == ["all"] else [parse(n) for n in args.layers]
+        layout = args.layout or (
+            "bsd" if parsed and all(LAYERS[q.name].nchw is None for q in parsed) else "nchw"
+        )
+        names = layer_names(layout) if args.layers == ["all"] else [q.name for q in parsed]
+        if mask is None and any(q.masked for q in parsed):  # a masked_ name without --mask: a picture with padding
+            shape3 = shape or default_shape(layout)
+            positions = shape3[1] if layout == "bsd" else math.prod(shape3[2:])
+            mask = [positions if i % 2 == 0 else max(1, positions // 2) for i in range(shape3[0])]
         if len(names) == 1:
-            fig = draw(names[0], args.layout, args.groups, shape, mask, view=args.view).figure
+            title = f"masked {LAYERS[names[0]].title}" if parsed[0].masked else None
+            fig = draw(names[0], layout, args.groups, shape, mask, view=args.view, title=title).figure
         else:
-            fig = draw_grid(names, args.layout, args.groups, shape, mask, view=args.view)
-        out = args.output or f"scope-{'-'.join(names) if len(names) <= 2 else 'all'}-{args.layout}.png"
+            fig = draw_grid(names, layout, args.groups, shape, mask, view=args.view)
+        stem = "-".join(("masked_" if q.masked else "") + q.name for q in parsed) if 0 < len(parsed) <= 2 else "all"
+        out = args.output or f"scope-{stem}-{layout}.png"
         print(_save(fig, out))
     except (ValueError, TypeError) as e:
         print(f"normscope draw: error: {e}", file=__import__("sys").stderr)
         return 2
     except OSError as e:  # an output that cannot be written: say which, not a traceback
-        msg = str(e) if str(e).startswith("argument ") else f"argument -o/--output: cannot write: {e.strerror or e}"
+        if str(e).startswith("argument "):
+            msg = str(e)
+        else:
+            target = e.filename or args.output or args.all_dir
+            msg = f"argument -o/--output: cannot write {str(target)!r}: {e.strerror or e}"
         print(f"normscope draw: error: {msg}", file=__import__("sys").stderr)
         return 2
     return 0
