@@ -122,3 +122,52 @@ def test_the_rows_path_gives_torchs_bits(dtype, weight, monkeypatch):
             monkeypatch.setattr(rms, "BLOCKED_BYTES", 0)
         y, g = _run(lambda t: normscope.functional.rms_norm(t, (n,), w, 1e-6, backend="composite"), x, dy)
         assert torch.equal(y, want_y) and torch.equal(g, want_g), f"blocked={blocked}"
+
+
+# -- an input that flows elsewhere too -----------------------------------------------------------------
+#
+# In a model the normalized tensor is also the residual stream: its gradient is the norm's plus the
+# stream's, added by autograd. torch's rms_norm hands autograd two terms (through ``x * r`` and through
+# ``x.pow(2)``), so the sum is ``(stream + term1) + term2``; the rows path must hand over the same
+# two, or its gradient -- and so a sample's, when the batch size picks the path -- rounds otherwise.
+
+_SHAPES_ELSEWHERE = [(300, 4096), (3, 16, 1024), (40, 31)]
+
+
+@pytest.mark.parametrize("shape", _SHAPES_ELSEWHERE, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("casting", ["torch", "llama", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_rows_path_gradient_with_a_residual_stream_is_torchs(shape, casting, dtype, layout):
+    g = torch.Generator().manual_seed(3)
+    n = shape[-1]
+    base = torch.randn(shape, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+    stream_w = torch.randn(shape, generator=g).to(dtype)
+    cot = torch.randn(shape, generator=g).to(dtype)
+    offset = 1.0 if casting == "gemma" else 0.0
+
+    def grads(backend):
+        x = base.clone() if layout == "contiguous" else base.transpose(-2, -1).contiguous().transpose(-2, -1)
+        x.requires_grad_(True)
+        h = x * 1  # a node whose gradient buffer receives the norm's terms and the stream's
+        if backend == "torch":  # the model family's / torch's own composition, differentiated by autograd
+            h32 = h.float()
+            r = torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)
+            if casting == "llama":
+                y = w * (h32 * r).to(dtype)
+            else:
+                y = (h32 * r * (w.float() + offset)).to(dtype)
+        else:
+            y = FM.rms_norm(h, n, w, 1e-6, weight_offset=offset, casting=casting, backend=backend)
+        loss = (y * cot).sum() + (h * stream_w).sum()  # the stream's use comes after the norm's
+        (gx,) = torch.autograd.grad(loss, x)
+        return y.detach(), gx
+
+    want_y, want_g = grads("torch")
+    for backend in ("composite", "aten"):
+        got_y, got_g = grads(backend)
+        assert torch.equal(got_y, want_y), f"{backend}: output"
+        assert torch.equal(got_g, want_g), (
+            f"{backend}: input gradient, {(got_g != want_g).sum().item()} of {got_g.numel()} elements differ"
+        )

@@ -52,6 +52,7 @@ per-call cost of an ``autograd.Function`` outweighs the saved passes (see the co
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -205,7 +206,8 @@ def _backward(
     need_x: bool,
     need_w: bool,
     scale: Tensor | None = None,
-) -> tuple[Tensor | None, Tensor | None]:
+    split: bool = False,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Closed-form ``(dx, dw)`` of :func:`_forward`, by blocks of rows (``dw`` summed over the blocks)
     for fp16/bf16 and large fp32/fp64 (:data:`BLOCKED_BYTES`).
 
@@ -220,7 +222,11 @@ def _backward(
 
     ``scale`` (Llama's casting, see :func:`_forward`): autograd's gradient of the normalized value is
     ``dy * scale`` rounded to x's dtype (the dtype of the rounded value it flows into), then the path
-    without weight; the scale's own is ``sum_i dy_i * (x_i * r_i).to(x.dtype)``."""
+    without weight; the scale's own is ``sum_i dy_i * (x_i * r_i).to(x.dtype)``.
+
+    ``split`` (an input in the accumulation dtype, see :class:`_RMSRows`): ``dx``'s two terms are
+    returned apart, ``(da * r, g * (2 * x), dw)``, for autograd to add as it adds torch's; otherwise
+    ``(dx, None, dw)``."""
     rows, n = x2.shape
     acc = r.dtype
     w = None if weight is None else weight.to(acc)
@@ -231,6 +237,8 @@ def _backward(
     step, blocks = _blocks(rows, n, low, r.element_size())
     m = min(step, rows)
     grad_x = torch.empty((rows, n), dtype=x2.dtype, device=x2.device) if need_x else None
+    split = split and need_x and not low
+    grad_pow = torch.empty((rows, n), dtype=x2.dtype, device=x2.device) if split else None
     grad_w = None
     prod = torch.empty((m, n), dtype=acc, device=x2.device)
     xbuf, gbuf = (torch.empty((m, n), dtype=acc, device=x2.device) for _ in range(2)) if low else (None, None)
@@ -274,71 +282,128 @@ def _backward(
             # torch: (-0.5 * dr) * r^3, its mean's backward / N, its square's * (2 * x); x * (2 * g)
             # rounds as g * (2 * x) does: doubling is exact
             g = dr.mul_(-0.5).mul_(rc.pow(3)).div_(n).mul_(2.0)
-            out.mul_(rc).add_(torch.mul(xc, g, out=tmp))
+            if split:
+                out.mul_(rc)
+                torch.mul(xc, g, out=grad_pow[s:e])
+            else:
+                out.mul_(rc).add_(torch.mul(xc, g, out=tmp))
             if low:
                 grad_x[s:e].copy_(out)
     if need_w and grad_w is None:  # no rows
         grad_w = torch.zeros(n, dtype=weight.dtype, device=x2.device)
     if need_s:
         grad_s = torch.zeros(n, dtype=scale.dtype, device=x2.device) if grad_s is None else grad_s.to(scale.dtype)
-        return grad_x, grad_s
-    return grad_x, None if grad_w is None else grad_w.to(weight.dtype)
+        return grad_x, grad_pow, grad_s
+    return grad_x, grad_pow, None if grad_w is None else grad_w.to(weight.dtype)
+
+
+class _Rows(NamedTuple):
+    """How a Function sees its input: ``rows(x)``, the (R, N) rows of ``x`` (the reduced axes moved
+    last, a view where they already are), and ``back(g)``, a (R, N) gradient in ``x``'s shape."""
+
+    reduce: tuple[int, ...]
+    tail: tuple[int, ...]
+    moved: bool
+    n: int
+
+    def rows(self, x: Tensor) -> Tensor:
+        return (x.movedim(self.reduce, self.tail) if self.moved else x).reshape(-1, self.n)
+
+    def back(self, g: Tensor | None, x: Tensor) -> Tensor | None:
+        if g is None:
+            return None
+        if not self.moved:
+            return g.view(x.shape)
+        return g.view(x.movedim(self.reduce, self.tail).shape).movedim(self.tail, self.reduce)
+
+
+# Why the input comes twice. torch's rms_norm differentiates its input through two ops, ``x * r``
+# and ``x.pow(2)``, and autograd adds their two gradients into the input's gradient one after the
+# other -- together with whatever else flows into it (a residual stream's gradient, say), in autograd's
+# order. One gradient summed here first, then added to the rest, rounds differently: the same row
+# would then get other bits on this path than on torch's, and the automatic choice between the two,
+# made on the input's size, would make a sample's gradient depend on its batch. So where nothing
+# lies between (an input already in the accumulation dtype: torch's upcast is then no op), the input
+# is handed in twice, as torch's two ops take it, and each gets its own term back. A reduced-precision
+# input is upcast by torch first, and the two terms meet in that upcast's fp32 gradient: one term,
+# summed here in the same order. The rows are taken inside the Function for the same reason: a view
+# made outside would be an autograd node adding the two terms before the rest.
 
 
 class _RMSRows(torch.autograd.Function):
-    """``y = x * rsqrt(mean(x^2) + eps) * w`` over the rows of a (R, N) view, closed-form backward."""
+    """``y = x * rsqrt(mean(x^2) + eps) * w`` over the rows of ``x`` (:class:`_Rows`), closed-form
+    backward; ``x_again`` is ``x`` (see above)."""
 
     @staticmethod
-    def forward(ctx, x2: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    def forward(ctx, x: Tensor, x_again: Tensor | None, weight: Tensor | None, eps: float, rows: _Rows) -> Tensor:
+        x2 = rows.rows(x)
         y, r = _forward(x2, weight, eps)
-        ctx.save_for_backward(x2, weight, r)
-        ctx.eps = eps  # for the reference recomputation of a double backward
+        ctx.save_for_backward(x, x2, weight, r)
+        ctx.eps, ctx.rows = eps, rows  # eps: for the reference recomputation of a double backward
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x2, weight, r = ctx.saved_tensors
+        x, x2, weight, r = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
-            return (*_reference_grads(ctx, dy, x2, weight), None)
-        need_w = weight is not None and ctx.needs_input_grad[1]
-        grad_x, grad_w = _backward(x2, dy, weight, r, ctx.needs_input_grad[0], need_w)
-        return grad_x, grad_w, None
+            gx, gw = _reference_grads(ctx, dy, x, weight)
+            return gx, None, gw, None, None
+        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        need_w = weight is not None and ctx.needs_input_grad[2]
+        split = ctx.needs_input_grad[1]
+        grad_mul, grad_pow, grad_w = _backward(x2, dy, weight, r, need_x, need_w, split=split)
+        return ctx.rows.back(grad_mul, x), ctx.rows.back(grad_pow, x), grad_w, None, None
 
 
 class _LlamaRows(torch.autograd.Function):
-    """Llama's casting over the rows of a (R, N) view, ``y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``
-    (``w``: the scale, in the promoted dtype), closed-form backward."""
+    """Llama's casting over the rows of ``x``, ``y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``
+    (``w``: the scale, in the promoted dtype), closed-form backward; ``x_again`` as :class:`_RMSRows`'s."""
 
     @staticmethod
-    def forward(ctx, x2: Tensor, scale: Tensor, eps: float) -> Tensor:
+    def forward(ctx, x: Tensor, x_again: Tensor | None, scale: Tensor, eps: float, rows: _Rows) -> Tensor:
+        x2 = rows.rows(x)
         y, r = _forward(x2, None, eps, scale=scale)
-        ctx.save_for_backward(x2, scale, r)
-        ctx.eps = eps
+        ctx.save_for_backward(x, x2, scale, r)
+        ctx.eps, ctx.rows = eps, rows
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x2, scale, r = ctx.saved_tensors
+        x, x2, scale, r = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
-            return (*_reference_grads(ctx, dy, x2, scale, "llama"), None)
-        need_x, need_s = ctx.needs_input_grad[:2]
-        grad_x, grad_s = _backward(x2, dy, None, r, need_x, need_s, scale=scale)
-        return grad_x, grad_s, None
+            gx, gs = _reference_grads(ctx, dy, x, scale, "llama")
+            return gx, None, gs, None, None
+        need_x, need_s = ctx.needs_input_grad[0] or ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_mul, grad_pow, grad_s = _backward(x2, dy, None, r, need_x, need_s, scale, split=ctx.needs_input_grad[1])
+        return ctx.rows.back(grad_mul, x), ctx.rows.back(grad_pow, x), grad_s, None, None
 
 
-def _reference_grads(ctx, dy: Tensor, x2: Tensor, weight: Tensor | None, casting: str = "torch") -> tuple:
+def _reference_grads(ctx, dy: Tensor, x: Tensor, weight: Tensor | None, casting: str = "torch") -> tuple:
     """Gradients of the reference computation of the same rows, differentiable (double backward)."""
-    need = [t is not None and n for t, n in zip((x2, weight), ctx.needs_input_grad[:2])]
+    need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    need = [t is not None and n for t, n in zip((x, weight), (need_x, ctx.needs_input_grad[2]))]
     scope = _ROWS_AFFINE if weight is not None else _ROWS
+    x2 = ctx.rows.rows(x)
     rows = Call(x2, scope.resolve(tuple(x2.shape)), weight, None, ctx.eps, None, None, casting=casting)
     y = reference_backend.run(rows)
-    wanted = [t for t, n in zip((x2, weight), need) if n]
+    wanted = [t for t, n in zip((x, weight), need) if n]
     grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
     return tuple(next(grads) if n else None for n in need)
 
 
 _ROWS_AFFINE = Scope.rms(1)
 _ROWS = Scope(reduce=(-1,), centered=False)
+
+
+def _dense_rows(xm: Tensor, k: int) -> bool:
+    """Whether the last ``k`` axes of ``xm`` (a row) are dense in memory, last axis fastest: then
+    torch reduces each row alone, in an order set by its length (what this path does)."""
+    expected = 1
+    for size, stride in zip(reversed(xm.shape[-k:]), reversed(xm.stride()[-k:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def prepare(call: Call) -> Runner:
@@ -360,25 +425,40 @@ def prepare(call: Call) -> Runner:
         casting = "torch"  # nothing is rounded between the normalization and the scale: the same bits
     llama, scaled = casting == "llama", casting != "torch" or offset != 0.0
     fused = llama and offset == 0.0  # Llama's scale inside the rows (with an offset: cast_affine after)
+    rows = _Rows(tuple(s.reduce), tuple(tail), moved, n)
+    # rows that are not dense in memory: torch reduces them in another order (across rows, by the
+    # layout) than the dense rows this path reduces, so their bits are torch's only from torch's op
+    from . import aten  # here, not at the top: aten imports this module
+
+    strided = aten.prepare(call, False) if aten.why_not(call) is None else None
 
     def run(c: Call) -> Tensor:
         if engine.transformed():
             # vmap / grad transforms: an autograd.Function in the forward(ctx) style cannot run
             # inside them; the reference's plain ops can
             return engine.recompute(c)
-        xm = c.x.movedim(s.reduce, tail) if moved else c.x
+        x = c.x
+        xm = x.movedim(s.reduce, tail) if moved else x
+        if strided is not None and not _dense_rows(xm, len(tail)):
+            return strided(c)
         # the weight spans the reduced axes in their order, which is the order they have at the end
         w = None if c.weight is None else c.weight.reshape(n)
         if scaled and not llama and w is not None:
             w = w.to(acc) + offset  # Gemma's 1 + w, formed in fp32
-        x2 = xm.reshape(-1, n)
-        grad = torch.is_grad_enabled() and (x2.requires_grad or w is not None and w.requires_grad)
-        if fused and w is not None:
-            y = _LlamaRows.apply(x2, w, float(c.eps)) if grad else _forward(x2, None, c.eps, scale=w)[0]
-        elif grad:
-            y = _RMSRows.apply(x2, None if llama else w, float(c.eps))
+        grad = torch.is_grad_enabled() and (x.requires_grad or w is not None and w.requires_grad)
+        if grad:
+            # the input twice where torch's two gradient terms reach it directly (see _RMSRows)
+            again = x if x.dtype == acc and x.requires_grad else None
+            if fused and w is not None:
+                y = _LlamaRows.apply(x, again, w, float(c.eps), rows)
+            else:
+                y = _RMSRows.apply(x, again, None if llama else w, float(c.eps), rows)
         else:  # nothing to differentiate: skip the autograd.Function's per-call cost
-            y = _forward(x2, None if llama else w, c.eps)[0]
+            x2 = xm.reshape(-1, n)
+            if fused and w is not None:
+                y = _forward(x2, None, c.eps, scale=w)[0]
+            else:
+                y = _forward(x2, None if llama else w, c.eps)[0]
         y = y.view(xm.shape)
         y = y.movedim(tail, s.reduce) if moved else y
         fmt = channels_last(c.x)
