@@ -1,4 +1,4 @@
-"""Sphinx configuration of normscope's documentation site: the narrative pages of ``docs/`` and an API
+r"""Sphinx configuration of normscope's documentation site: the narrative pages of ``docs/`` and an API
 reference generated from the docstrings.
 
 Build it (the ``docs`` extra installs what it needs)::

@@ -56,3 +56,25 @@ def test_every_unlisted_backend_refuses_the_op(op, backend, data):
     case: Case = op.draw(data, torch.float32, backend == "triton")
     with engine.use_backend(backend), pytest.raises(ValueError):
         op.run(case.tensors(), case.kw)
+
+
+@pytest.mark.parametrize("name", ["rms_norm_family", "qk_norm", "QKNorm"])
+def test_triton_declines_llamas_order(name):
+    """The family draws leave Llama's order out of the Triton path (``ops.families``): forced there,
+    it must be refused with the reason, never run with other rounding."""
+    if "triton" not in engine.backends():
+        pytest.skip("Triton is not installed")
+    op, refused = OPS[name], []
+
+    @examples(10)
+    @given(data=st.data())
+    def check(data):
+        case = op.draw(data, torch.float32, False)
+        if case.kw["casting"] != "llama":
+            return
+        with engine.use_backend("triton"), pytest.raises(ValueError, match="casting"):
+            op.run(case.tensors(), case.kw)
+        refused.append(case)
+
+    check()
+    assert refused, "no example drew Llama's order: the test checked nothing"
