@@ -1,7 +1,7 @@
 """Edges of the Triton door, in Triton's interpreter on CPU (as the other kernel tests): q and k
 each with their own optional affine in the one-launch QK-norm, empty input through every modern
-kernel op with autograd, and masked BatchNorm with one valid position per channel. The oracle is
-the reference backend (plain PyTorch) or torch.nn.functional."""
+kernel op with autograd, masked BatchNorm with one valid position per channel or with padding that
+holds inf or NaN. The oracle is the reference backend (plain PyTorch) or torch.nn.functional."""
 
 from __future__ import annotations
 
@@ -169,3 +169,34 @@ def test_masked_batch_norm_one_valid_position_is_the_bias_and_passes_no_gradient
     (gx,) = torch.autograd.grad(y[1, :, 3], xl, torch.randn(3, device=DEV))
     torch.testing.assert_close(y[1, :, 3], b.to(DEV), rtol=0, atol=1e-6)
     torch.testing.assert_close(gx, torch.zeros_like(gx), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("padding", ("inf", "-inf", "nan", "finite"))
+def test_masked_batch_norm_padding_holds_anything(padding):
+    """Padded positions holding inf, -inf or NaN change no valid output and no gradient: a non-finite
+    padded value passes no gradient to anything (its own input gradient is 0), a finite one is
+    normalized like any other position -- output and every gradient as the reference backend's, with
+    a cotangent on every position, padded ones included."""
+    torch.manual_seed(6)
+    x = torch.randn(3, 4, 5)
+    w, b = torch.randn(4), torch.randn(4)
+    mask = torch.rand(3, 5) < 0.5
+    mask[0, 0] = True
+    padded = ~mask.unsqueeze(1).expand_as(x)
+    x[padded] = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"), "finite": 7.0}[padding]
+
+    def run(backend):
+        leaves = [_leaf(t) for t in (x, w, b)]
+
+        def fn(x, w, b):
+            return nf.batch_norm(x, None, None, w, b, True, mask=mask.to(DEV), backend=backend)
+
+        return _outputs_and_grads(fn, leaves)
+
+    (y,), grads = run("triton")
+    assert normscope.last_backend() == "triton"
+    (ey,), expected = run("reference")
+    torch.testing.assert_close(y, ey, rtol=1e-5, atol=1e-5, equal_nan=True)  # padded outputs: the formula's
+    for name, got, want in zip(("x", "weight", "bias"), grads, expected):
+        assert bool(got.isfinite().all()), f"grad of {name}: not finite"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"grad of {name}: {m}")

@@ -16,8 +16,11 @@ inner`` positions are reduced in two stages, deterministically (no atomics):
 Then one elementwise pass normalizes. Training backward: the same two-stage reduction of
 ``sum(dy)`` and ``sum(dy * xhat)`` per channel, then one elementwise pass for dx (dW and dB are
 those two sums). Evaluation (running statistics given): the elementwise pass only; backward is
-``dx = dy * w * rstd``. Running statistics are updated by the engine from the returned batch
-mean and biased variance (unbiased with ``P / (P - 1)``), as for every other backend.
+``dx = dy * w * rstd``. Masked padding may hold anything, as on the reference: padded positions
+never enter the statistics, and a non-finite padded value (inf, NaN) passes no gradient to anything
+(it is left out of both backward sums and its own dx is 0) -- its output is the formula's.
+Running statistics are updated by the engine from the returned batch mean and biased variance
+(unbiased with ``P / (P - 1)``), as for every other backend.
 
 Limits
 ------
@@ -46,6 +49,11 @@ __all__ = ["batch_norm_channels"]
 def _offsets(p, c, C, inner):
     p64 = p.to(tl.int64)
     return (p64 // inner)[:, None] * (C * inner) + (p64 % inner)[:, None] + (c.to(tl.int64) * inner)[None, :]
+
+
+@triton.jit
+def _finite(x):
+    return tl.abs(x) < float("inf")  # false for +-inf and NaN
 
 
 @triton.jit
@@ -117,8 +125,8 @@ def _apply_kernel(
 
 @triton.jit
 def _bwd_sums_kernel(
-    DY, X, MEAN, RSTD, PSDY, PSDYX, C, inner, P, chunk,
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+    DY, X, MASK, MEAN, RSTD, PSDY, PSDYX, C, inner, P, chunk,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     pid_p = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -135,6 +143,10 @@ def _bwd_sums_kernel(
         offs = _offsets(p, c, C, inner)
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_MASK:  # a non-finite padded value is a constant: it enters neither sum (0 * inf = NaN)
+            valid = tl.load(MASK + p, mask=p < end, other=0) != 0
+            mask = mask & (valid[:, None] | _finite(x))
+            dy = tl.where(mask, dy, 0.0)
         xhat = tl.where(mask, (x - mean[None, :]) * rstd[None, :], 0.0)
         sdy += tl.sum(dy, axis=0)
         sdyx += tl.sum(dy * xhat, axis=0)
@@ -170,10 +182,12 @@ def _bwd_dx_kernel(
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         xhat = (x - mean[None, :]) * rstd[None, :]
         corr = m_dy[None, :] + xhat * m_dyx[None, :]
+        dx = dy - corr
         if HAS_MASK:
+            # a padded input gets no gradient through the statistics, and a non-finite one none at all
             valid = tl.load(MASK + p, mask=p < P, other=0) != 0
-            corr = tl.where(valid[:, None], corr, 0.0)
-        dx = (dy - corr) * scale[None, :]
+            dx = tl.where(valid[:, None], dx, tl.where(_finite(x), dy, 0.0))
+        dx = dx * scale[None, :]
     else:
         dx = dy * scale[None, :]
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
@@ -315,8 +329,8 @@ def channels_bwd(
     psdy = torch.empty((chunks, c), dtype=torch.float32, device=x3.device)
     psdyx = torch.empty((chunks, c), dtype=torch.float32, device=x3.device)
     _bwd_sums_kernel[(chunks, triton.cdiv(c, block_c))](
-        dy, x3, mean, rstd, psdy, psdyx, c, inner, p, chunk,
-        BLOCK_P=block_p, BLOCK_C=block_c, num_warps=config.CHANNELS_WARPS,
+        dy, x3, mask if mask is not None else x3, mean, rstd, psdy, psdyx, c, inner, p, chunk,
+        BLOCK_P=block_p, BLOCK_C=block_c, HAS_MASK=mask is not None, num_warps=config.CHANNELS_WARPS,
     )  # fmt: skip
     sdy, sdyx = psdy.sum(0), psdyx.sum(0)  # deterministic second stage
     dx = torch.empty_like(x3)
