@@ -1,7 +1,8 @@
 """Edges of the Triton door, in Triton's interpreter on CPU (as the other kernel tests): q and k
 each with their own optional affine in the one-launch QK-norm, empty input through every modern
 kernel op with autograd, masked BatchNorm with one valid position per channel or with padding that
-holds inf or NaN. The oracle is the reference backend (plain PyTorch) or torch.nn.functional."""
+holds inf or NaN, and the fused add's residual sum rounded once. The oracle is the reference
+backend (plain PyTorch), torch.nn.functional or torch's own add."""
 
 from __future__ import annotations
 
@@ -200,3 +201,34 @@ def test_masked_batch_norm_padding_holds_anything(padding):
     for name, got, want in zip(("x", "weight", "bias"), grads, expected):
         assert bool(got.isfinite().all()), f"grad of {name}: not finite"
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+def _bf16_toward_zero(t: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 rounded toward zero: the low 16 bits dropped."""
+    return (t.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("looped", (False, True))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
+def test_fused_add_residual_is_one_rounding_of_the_fp32_sum(dtype, looped, monkeypatch):
+    """The residual sum ``s = x + residual`` is the fp32 sum rounded once to the residual's dtype, as
+    torch adds half types: bit for bit with ``x + residual`` -- on both the in-register and the looped
+    path. Triton's CPU interpreter (3.6) converts fp32 to bf16 toward zero where compiled Triton and
+    torch round to nearest even, so in the interpreter the bf16 sum is held to that rounding of the
+    same fp32 sum: any other order, dtype or a second rounding of the add still fails."""
+    from normscope.kernels import config
+
+    if looped:
+        monkeypatch.setattr(config, "ROWS_MAX_FUSED_N", 8)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 3, 33, generator=g).to(dtype).to(DEV)
+    r = (torch.randn(5, 3, 33, generator=g) * 1e-3).to(dtype).to(DEV)
+    _, s = nf.fused_add_rms_norm(x, r, None, 1e-6, backend="triton")
+    assert normscope.last_backend() == "triton"
+    if dtype == torch.bfloat16 and not x.is_cuda:
+        want = _bf16_toward_zero(x.float() + r.float())
+        assert not torch.equal(want, x + r), "the case must hold sums whose two roundings differ"
+    else:
+        want = x + r
+    assert s.dtype == want.dtype
+    assert torch.equal(s, want), f"{int((s != want).sum())} of {s.numel()} residual sums differ in their bits"

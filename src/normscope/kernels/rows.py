@@ -34,6 +34,10 @@ Limits and trade-offs
 * Launch settings (``ROWS_MAX_FUSED_N``, ``ROWS_LOOP_BLOCK``, tile, warps, backward programs) live
   in :mod:`normscope.kernels.config`, read at launch, so tests can force the looped path on tiny
   rows; none is measured on a GPU yet.
+* Triton's CPU interpreter (``TRITON_INTERPRET=1``, how the tests run the kernels; Triton 3.6)
+  converts fp32 to bf16 toward zero, where compiled Triton and torch round to nearest even: there a
+  bf16 output -- the residual sum ``s`` included -- can be 1 ulp from torch's. The kernels' arithmetic
+  is the same on both; fp16 and fp32 are converted to nearest even in the interpreter too.
 
 Every kernel has a plain-PyTorch reference next to it (:func:`rows_ref`); on a CPU tensor without
 ``TRITON_INTERPRET=1`` the registered ops run that reference.
