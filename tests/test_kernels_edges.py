@@ -232,3 +232,54 @@ def test_fused_add_residual_is_one_rounding_of_the_fp32_sum(dtype, looped, monke
         want = x + r
     assert s.dtype == want.dtype
     assert torch.equal(s, want), f"{int((s != want).sum())} of {s.numel()} residual sums differ in their bits"
+
+
+def _inf_padded_batch(seed: int):
+    """(x, w, b, mask) of a masked BatchNorm1d input whose padded positions hold inf, -inf and NaN."""
+    torch.manual_seed(seed)
+    x = torch.randn(3, 4, 6)
+    w, b = torch.randn(4), torch.randn(4)
+    mask = torch.rand(3, 6) < 0.5
+    mask[0, :2] = True
+    values = torch.tensor([float("inf"), float("-inf"), float("nan")]).repeat(x.numel())[: x.numel()].view_as(x)
+    x = torch.where(mask.unsqueeze(1), x, values)
+    return x, w, b, mask
+
+
+def test_masked_batch_norm_gradient_penalty_with_inf_padding():
+    """Double backward (``create_graph=True``) through the Triton masked BatchNorm with non-finite
+    padding: the penalty's gradients are finite and the reference backend's."""
+    x, w, b, mask = _inf_padded_batch(8)
+    cot = torch.randn(x.shape, generator=torch.Generator().manual_seed(9)).to(DEV)
+
+    def run(backend):
+        xl, wl, bl = (_leaf(t) for t in (x, w, b))
+        y = nf.batch_norm(xl, None, None, wl, bl, True, mask=mask.to(DEV), backend=backend)
+        (gx,) = torch.autograd.grad(y, xl, cot, create_graph=True)
+        return torch.autograd.grad(gx.square().sum(), (xl, wl))
+
+    got, want = run("triton"), run("reference")
+    for name, g, e in zip(("x", "weight"), got, want):
+        assert bool(g.isfinite().all()), f"second-order grad of {name}: not finite"
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the kernels' CPU fallback runs on CPU tensors")
+def test_channels_cpu_fallback_with_inf_padding(monkeypatch):
+    """Outside the interpreter the channels ops run their plain-PyTorch fallback on CPU tensors; it
+    treats non-finite padding as the kernel does (no NaN from ``0 * inf`` in the masked sums)."""
+    from normscope.kernels import channels as chn
+
+    x, w, b, mask = _inf_padded_batch(10)
+    cot = torch.randn(x.shape, generator=torch.Generator().manual_seed(11))
+
+    def run(fn):
+        xl, wl, bl = (_leaf(t) for t in (x, w, b))
+        y = fn(xl, wl, bl)
+        return (y, *torch.autograd.grad(y, (xl, wl, bl), cot))
+
+    want = run(lambda x, w, b: nf.batch_norm(x, None, None, w, b, True, mask=mask, backend="reference"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    got = run(lambda x, w, b: chn.batch_norm_channels(x, 1, w, b, 1e-5, mask=mask)[0])
+    for name, g, e in zip(("y", "x", "weight", "bias"), got, want):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}")

@@ -231,6 +231,11 @@ def _batch_stats(x3: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Te
     return mean, m2 / denom, count
 
 
+def _non_finite_padding(x3: Tensor, mask: Tensor) -> Tensor:
+    """Where ``x3`` holds inf or NaN at a padded position (``mask``: one flag per position)."""
+    return ~torch.isfinite(x3) & (mask[:, None, :] == 0)
+
+
 def _ref_fwd(x3, weight, bias, mean_in, var_in, mask, eps):
     acc = torch.float64 if x3.dtype == torch.float64 else torch.float32
     xf = x3.to(acc)
@@ -243,8 +248,9 @@ def _ref_fwd(x3, weight, bias, mean_in, var_in, mask, eps):
         m = mask.to(acc)[:, None, :]
         count = m.sum((0, 2))[0] if x3.shape[1] else m.sum()
         denom = count.clamp_min(1)
-        mean = (xf * m).sum((0, 2)) / denom
-        var = ((xf - mean[:, None]).square() * m).sum((0, 2)) / denom
+        valid = m != 0  # where, not a product with m: padding may hold inf or NaN
+        mean = torch.where(valid, xf, 0).sum((0, 2)) / denom
+        var = torch.where(valid, (xf - mean[:, None]).square(), 0).sum((0, 2)) / denom
     rstd = torch.rsqrt(var + eps)
     if mean_in is None:
         rstd = torch.where(count > 0, rstd, torch.zeros_like(rstd))  # no valid position: y = bias
@@ -315,13 +321,16 @@ def channels_bwd(
         acc = torch.float64 if x3.dtype == torch.float64 else torch.float32
         dyf = dy.to(acc)
         xhat = (x3.to(acc) - mean.to(acc)[:, None]) * rstd.to(acc)[:, None]
+        if mask is not None:  # as the kernel: a non-finite padded value enters no sum and gets no gradient
+            bad = _non_finite_padding(x3, mask)
+            dyf, xhat = torch.where(bad, 0, dyf), torch.where(bad, 0, xhat)
         sdy, sdyx = dyf.sum((0, 2)), (dyf * xhat).sum((0, 2))
         scale = rstd.to(acc) * (weight.to(acc) if weight is not None else 1)
         dx = dyf
         if training and p:
             corr = (sdy[:, None] + xhat * sdyx[:, None]) / count.to(acc).clamp_min(1)
             if mask is not None:
-                corr = corr * mask.to(acc)[:, None, :]
+                corr = torch.where(mask[:, None, :] != 0, corr, 0)
             dx = dyf - corr
         return (dx * scale[:, None]).to(x3.dtype), sdyx.float(), sdy.float()
     _, _, _, block_p, block_c, chunk = _launch(x3)
@@ -378,10 +387,14 @@ def _backward_differentiable(ctx, dy, x3, weight, mean, rstd, mask):
     need_w = weight is not None and need[1]
     wanted = [t for t, n in ((x3, need[0]), (weight, need_w)) if n]
     dx = dw = db = None
+    if mask is not None:  # a non-finite padded value is a constant: no cotangent in, no gradient out
+        bad = _non_finite_padding(x3, mask)
+        dy = torch.where(bad, 0, dy)
     if wanted:
         with torch.enable_grad():
             if ctx.training:
-                y = _ref_fwd(x3, weight, None, None, None, mask, ctx.eps)[0]
+                xs = torch.where(bad, 0, x3) if mask is not None else x3
+                y = _ref_fwd(xs, weight, None, None, None, mask, ctx.eps)[0]
             else:
                 acc = torch.float64 if x3.dtype == torch.float64 else torch.float32
                 y = (x3.to(acc) - mean.to(acc)[:, None]) * rstd.to(acc)[:, None]
