@@ -4,14 +4,30 @@ the running statistics a call updates."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import Tensor
 
 from .conftest import DEFAULT_EXAMPLES, EXAMPLES, examples
 from .harness import LAYOUTS, Cotangents, assert_accurate, assert_bitwise, conditioning, execute, grad_scale
 from .ops import OPS, THRESHOLDS, draw_case, forcing_layout, forcing_shape, pairs, run
+
+
+def _interpreted_bf16(path: str, dtype: torch.dtype) -> bool:
+    """Triton's CPU interpreter (3.6) converts fp32 to bf16 toward zero, where compiled Triton and
+    torch round to nearest even (triton-lang/triton#8322); tests/test_kernels_edges.py holds the
+    kernels' bf16 results to that rounding there."""
+    return path == "triton" and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _bf16_toward_zero(t: Tensor) -> Tensor:
+    """``t`` (float64) rounded to fp32, then to bf16 toward zero (the fp32 value's low 16 bits dropped)."""
+    bits = t.float().contiguous().view(torch.int32) & -65536
+    return bits.view(torch.float32).to(torch.bfloat16)
 
 
 def _check(op, path, case):
@@ -27,7 +43,9 @@ def _check(op, path, case):
     )
     exact = path in op.bitwise
     for i, (g, w, t) in enumerate(zip(got.outputs, want.outputs, truth.outputs)):
-        if exact or path in op.bitwise_forward or i in op.exact_outputs:
+        if i in op.exact_outputs and _interpreted_bf16(path, case.dtype):
+            assert_bitwise(f"output {i} (the interpreter's bf16 rounding)", g, _bf16_toward_zero(t))
+        elif exact or path in op.bitwise_forward or i in op.exact_outputs:
             assert_bitwise(f"output {i}", g, w)
         else:
             assert_accurate(f"output {i}", g, w, t, 0.0 if probe is None else conditioning(probe.outputs[i], t))
