@@ -58,7 +58,7 @@ from torch import Tensor
 from .. import engine
 from .. import reference as ref
 from ..engine import Backend, Call, Runner
-from . import rms
+from . import aten, rms
 
 __all__ = ["NAME", "BACKEND"]
 
@@ -308,7 +308,8 @@ def _reference_grads(ctx, dy, x3, weight, bias):
 
 def prepare(call: Call, automatic: bool) -> Runner:
     if call.mask is None:
-        return rms.prepare(call)
+        # rows not dense in memory go to torch's op, whose bits are torch's (see rms.prepare)
+        return rms.prepare(call, aten.prepare(call, False) if aten.why_not(call) is None else None)
     v = _view(call)
 
     def run(c: Call) -> Tensor:

@@ -406,9 +406,13 @@ def _dense_rows(xm: Tensor, k: int) -> bool:
     return True
 
 
-def prepare(call: Call) -> Runner:
+def prepare(call: Call, strided: Runner | None = None) -> Runner:
     """The runner of an RMS call (``takes(call)`` is None): the reduced axes moved last (a view,
     free when they already are), the input as (rows, N), one :class:`_RMSRows`.
+
+    ``strided``: torch's op for the same call (the aten backend's runner), run on rows that are not
+    dense in memory -- torch reduces those in another order (across rows, by the layout) than the
+    dense rows this path reduces, so their bits are torch's only from torch's op.
 
     The model families' casting orders (:func:`normscope.reference.cast_affine`), exactly: Gemma's
     ``(x32 * r * (w32 + offset)).to(x.dtype)`` is these rows with the fp32 scale ``w32 + offset`` as
@@ -426,11 +430,6 @@ def prepare(call: Call) -> Runner:
     llama, scaled = casting == "llama", casting != "torch" or offset != 0.0
     fused = llama and offset == 0.0  # Llama's scale inside the rows (with an offset: cast_affine after)
     rows = _Rows(tuple(s.reduce), tuple(tail), moved, n)
-    # rows that are not dense in memory: torch reduces them in another order (across rows, by the
-    # layout) than the dense rows this path reduces, so their bits are torch's only from torch's op
-    from . import aten  # here, not at the top: aten imports this module
-
-    strided = aten.prepare(call, False) if aten.why_not(call) is None else None
 
     def run(c: Call) -> Tensor:
         if engine.transformed():
