@@ -251,3 +251,26 @@ def test_a_condition_diffusers_does_not_treat_per_sample_runs_diffusers_code():
             layer(x, emb=emb)
     else:
         assert all(torch.equal(a, b) for a, b in zip(layer(x, emb=emb), want))
+
+
+def test_unpatch_classes_reaches_modules_imported_while_patched():
+    """A diffusers module first imported while the classes are patched binds the patched class under
+    its own name; after ``unpatch_classes`` it must hold diffusers' class again (a fresh interpreter,
+    so that the Flux module is imported for the first time inside the patch)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from normscope.integrations import diffusers as ND\n"
+        "from diffusers.models import normalization as DN\n"
+        "assert 'diffusers.models.transformers.transformer_flux' not in sys.modules\n"
+        "original = DN.AdaLayerNormZero\n"
+        "ND.patch_classes()\n"
+        "import diffusers.models.transformers.transformer_flux as flux\n"
+        "assert flux.AdaLayerNormZero is not original\n"
+        "ND.unpatch_classes()\n"
+        "assert flux.AdaLayerNormZero is original, flux.AdaLayerNormZero\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -8,6 +8,9 @@ are deterministic (fixed generators), so a class is judged the same way on every
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import torch
 from torch import Tensor, nn
 
@@ -67,3 +70,32 @@ def torch_agree(old: nn.Module, new: nn.Module) -> str | None:
             if a.dtype != b.dtype or not torch.equal(a, b):
                 return f"outputs differ for {dt} input"
     return None
+
+
+def restore_classes(originals: dict[tuple[str, str], type]) -> list[str]:
+    """Put the classes a ``patch_classes`` replaced back into their modules (``originals``: (module
+    name, class name) -> the original class, emptied as it goes); returns their names, once each.
+
+    A module of the same library imported while the classes were patched took the patched class
+    into its own namespace (``from ..normalization import AdaLayerNormZero``): every loaded module of
+    those libraries is searched for the patched classes too, so a model built afterwards is the
+    library's own again."""
+    swaps: dict[type, type] = {}
+    for (module_name, name), original in originals.items():
+        current = getattr(importlib.import_module(module_name), name, original)
+        if current is not original:
+            swaps[current] = original
+    packages = {module_name.partition(".")[0] for module_name, _ in originals}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or module_name.partition(".")[0] not in packages:
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, type) and value in swaps:
+                setattr(module, attr, swaps[value])
+    restored = []
+    for (module_name, name), original in list(originals.items()):
+        setattr(importlib.import_module(module_name), name, original)
+        if name not in restored:
+            restored.append(name)
+        del originals[(module_name, name)]
+    return restored

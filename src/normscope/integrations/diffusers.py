@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from .. import functional_modern as FM
 from ..modules.modern import AdaLayerNorm
-from ._probe import eps_of, probe_input, randomized
+from ._probe import eps_of, probe_input, randomized, restore_classes
 from .transformers import CONFIGURATIONS, Exact, PatchReport
 
 __all__ = ["patch", "patch_classes", "unpatch_classes", "candidates", "probe"]
@@ -523,10 +523,4 @@ def _constructed_subclass(original: type, how: object) -> type:
 
 def unpatch_classes() -> list[str]:
     """Undo :func:`patch_classes`: put the original classes back; returns their names (once each)."""
-    restored = []
-    for (module_name, name), original in list(_ORIGINAL_CLASSES.items()):
-        setattr(importlib.import_module(module_name), name, original)
-        if name not in restored:
-            restored.append(name)
-        del _ORIGINAL_CLASSES[(module_name, name)]
-    return restored
+    return restore_classes(_ORIGINAL_CLASSES)

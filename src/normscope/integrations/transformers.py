@@ -57,6 +57,7 @@ from ._probe import EPS_NAMES as _EPS_NAMES
 from ._probe import eps_of as _eps
 from ._probe import probe_input as _probe_input
 from ._probe import randomized as _randomized
+from ._probe import restore_classes
 from ._probe import torch_agree as _torch_agree
 from ._probe import torch_replacement as _torch_replacement
 
@@ -600,10 +601,4 @@ def patch_classes(*model_types: str, verify: bool = True) -> PatchReport:
 
 def unpatch_classes() -> list[str]:
     """Undo :func:`patch_classes`: put the original classes back; returns their names (once each)."""
-    restored = []
-    for (module_name, name), original in list(_ORIGINAL_CLASSES.items()):
-        setattr(importlib.import_module(module_name), name, original)
-        if name not in restored:
-            restored.append(name)
-        del _ORIGINAL_CLASSES[(module_name, name)]
-    return restored
+    return restore_classes(_ORIGINAL_CLASSES)
