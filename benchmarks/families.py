@@ -33,7 +33,7 @@ import torch
 import normscope
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_overhead import _block, machine  # noqa: E402  (the same timing and machine record)
+from cpu_overhead import _block, _step_fn, machine  # noqa: E402  (the same timing, steps and machine record)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FAMILY_SMALL, FAMILY_LARGE, MODEL = 1.1, 1.05, 1.02
@@ -74,20 +74,6 @@ def interleaved(steps: dict[str, Callable[[], None]], rounds: int, min_block_s: 
     }
 
 
-def _layer_step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, mode: str) -> Callable[[], None]:
-    if mode == "fwd":
-        return lambda: layer(x)
-    params = list(layer.parameters())
-
-    def step() -> None:
-        x.grad = None
-        for p in params:
-            p.grad = None
-        layer(x).backward(dy)
-
-    return step
-
-
 def family_cases(quick: bool) -> list[tuple[str, str, tuple[int, ...], torch.dtype, dict]]:
     shapes = {"small": (32, 64), "large": (8192, 1024)}
     options = {"llama": {"casting": "llama"}, "gemma": {"weight_offset": 1.0, "casting": "gemma"}}
@@ -108,7 +94,7 @@ def run_family(name, size, shape, dtype, kw, mode, rounds, min_block_s, warmup_s
     d = shape[-1]
     base = normscope.RMSNorm(d, eps=1e-6, dtype=dtype)
     ours = normscope.RMSNorm(d, eps=1e-6, dtype=dtype, **kw)
-    r = interleaved({"base": _layer_step(base, x, dy, mode), "ours": _layer_step(ours, x, dy, mode)}, rounds,
+    r = interleaved({"base": _step_fn(base, x, dy, mode), "ours": _step_fn(ours, x, dy, mode)}, rounds,
                     min_block_s, warmup_s)
     ours(x)
     goal = FAMILY_SMALL if size == "small" else FAMILY_LARGE

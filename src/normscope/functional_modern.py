@@ -171,10 +171,9 @@ def rms_norm(
     """
     if type(normalized_shape) is list:  # hashable, for the plan's key
         normalized_shape = tuple(normalized_shape)
-    if weight_offset == 0.0 and casting == "torch":
-        settings = ("rms_norm", False, normalized_shape, type(normalized_shape), backend)
-        return hot.call(_RMS_NORM, settings, input, weight, None, eps)
     settings = ("rms_norm", False, normalized_shape, type(normalized_shape), backend)
+    if weight_offset == 0.0 and casting == "torch":
+        return hot.call(_RMS_NORM, settings, input, weight, None, eps)
     family = (*settings, weight_offset, type(weight_offset), casting)
     return hot.call(_RMS_NORM_FAMILY, family, input, weight, None, eps)
 
@@ -195,10 +194,9 @@ def layer_norm(
     (the bias is added after the scale, in the same precision)."""
     if type(normalized_shape) is list:  # hashable, for the plan's key
         normalized_shape = tuple(normalized_shape)
-    if weight_offset == 0.0 and casting == "torch":
-        settings = ("layer_norm", True, normalized_shape, type(normalized_shape), backend)
-        return hot.call(_LAYER_NORM, settings, input, weight, bias, eps)
     settings = ("layer_norm", True, normalized_shape, type(normalized_shape), backend)
+    if weight_offset == 0.0 and casting == "torch":
+        return hot.call(_LAYER_NORM, settings, input, weight, bias, eps)
     family = (*settings, weight_offset, type(weight_offset), casting)
     return hot.call(_LAYER_NORM_FAMILY, family, input, weight, bias, eps)
 
