@@ -6,8 +6,9 @@
 #
 # MODE
 #   env     nvidia-smi, python, torch, triton, liger-kernel versions                        ~15 s
-#   tests   env + tests/test_kernels*.py on CUDA (NORMSCOPE_TEST_DEVICE=cuda)
-#           + benchmarks/compile_check.py                                                    ~3-5 min
+#   tests   env + tests/test_kernels*.py on CUDA (NORMSCOPE_TEST_DEVICE=cuda, 8 pytest-xdist workers)
+#           + compute-sanitizer memcheck of benchmarks/sanitize_kernels.py
+#           + benchmarks/compile_check.py (GPU_CHECK_COMPILE=0: left to the CPU, where it runs too) ~3-5 min
 #   bench   env + `python -m normscope.bench --resume --budget-s B`: bf16 first, then fp32,
 #           B = what is left of the call's limit less a margin; complete run ~12-20 min, so it
 #           takes two or three calls (each resumes the JSON; nothing measured is redone).
@@ -26,6 +27,9 @@
 #                     the bench with --interpret (tiny sizes); nvidia-smi may be missing
 #   GPU_CHECK_DTYPES  the bench's passes, in order (default "bf16 fp32")
 #   GPU_CHECK_CASES   the bench's cases (default: the core cases, then the group "modern")
+#   GPU_CHECK_TESTS_S, GPU_CHECK_SANITIZE_S  time limits of the tests and of the sanitizer run
+#                     (default 420 and 240)
+#   GPU_CHECK_WORKERS pytest-xdist processes of the CUDA tests (default 8; 0: one process)
 #   GPU_CHECK_PEERS   the bench's peers (default torch,compile,liger; e.g. torch,liger when device
 #                     time is short: torch.compile's compiling is most of the bench's time)
 #
@@ -34,7 +38,7 @@
 # Get the wheel, here, before the GPU call:
 #   python3 -m pip download --no-deps -d .whl liger-kernel==0.8.5
 #
-# Files in OUTDIR (at most 8 come back from a device call): env.txt, tests.log,
+# Files in OUTDIR (at most 8 come back from a device call): env.txt, tests.log, sanitize.log,
 # compile_check.log, bench.log, bench-cuda.json, bench-cuda.png (if matplotlib), summary.txt,
 # measured/<device class>.json (not in a dry run: the table is measured on CUDA only).
 # Exit status: 0 when every step that ran passed; the bench's PROBLEM lines are in summary.txt.
@@ -128,17 +132,37 @@ if [[ "$mode" == tests || "$mode" == all ]]; then
   else
     test_env=(env -u TRITON_INTERPRET NORMSCOPE_TEST_DEVICE=cuda)
   fi
-  # tests/test_kernels*.py and tests/test_modern_kernels*.py: every kernel test file
-  timeout 420 "${test_env[@]}" python3 -m pytest tests/test_kernels*.py tests/test_modern_kernels*.py -q -rfEs --durations=15 \
-    -p no:cacheprovider 2>&1 | tee "$outdir/tests.log"
+  # tests/test_kernels*.py and tests/test_modern_kernels*.py: every kernel test file; on the GPU host in
+  # GPU_CHECK_WORKERS processes (pytest-xdist: most of the time is Triton compiling, one CPU core each)
+  workers=()
+  if [[ "$dry" != 1 && "${GPU_CHECK_WORKERS:-8}" != 0 ]] && python3 -c "import xdist" 2>/dev/null; then
+    workers=(-n "${GPU_CHECK_WORKERS:-8}")
+  fi
+  timeout "${GPU_CHECK_TESTS_S:-420}" "${test_env[@]}" python3 -m pytest tests/test_kernels*.py tests/test_modern_kernels*.py \
+    -q -rfEs --durations=15 -p no:cacheprovider ${workers[@]+"${workers[@]}"} 2>&1 | tee "$outdir/tests.log"
   rc=$?
   if ((rc)); then status=1; fi
   say "tests: $( ((rc)) && echo "FAILED (rc=$rc)" || echo ok): $(tail -n 1 "$outdir/tests.log")"
 
-  timeout 240 python3 benchmarks/compile_check.py 2>&1 | tee "$outdir/compile_check.log"
+  # compute-sanitizer memcheck on one small case of every kernel (PYTORCH_NO_CUDA_MEMORY_CACHING: see
+  # benchmarks/sanitize_kernels.py); the dry run rehearses the cases in the interpreter
+  if [[ "$dry" == 1 ]]; then
+    sanitize=(env TRITON_INTERPRET=1)
+  else
+    sanitize=(env -u TRITON_INTERPRET PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9)
+  fi
+  timeout "${GPU_CHECK_SANITIZE_S:-240}" "${sanitize[@]}" python3 benchmarks/sanitize_kernels.py 2>&1 | tee "$outdir/sanitize.log"
   rc=$?
   if ((rc)); then status=1; fi
-  say "compile_check: $( ((rc)) && echo "FAILED (rc=$rc)" || echo ok): $(tail -n 1 "$outdir/compile_check.log")"
+  say "sanitize: $( ((rc)) && echo "FAILED (rc=$rc)" || echo ok): $(grep -m1 'ERROR SUMMARY' "$outdir/sanitize.log" || tail -n 1 "$outdir/sanitize.log")"
+
+  # compile_check needs no GPU (it lowers to sm_90 on any machine): GPU_CHECK_COMPILE=0 leaves it to the CPU
+  if [[ "${GPU_CHECK_COMPILE:-1}" != 0 ]]; then
+    timeout 240 python3 benchmarks/compile_check.py 2>&1 | tee "$outdir/compile_check.log"
+    rc=$?
+    if ((rc)); then status=1; fi
+    say "compile_check: $( ((rc)) && echo "FAILED (rc=$rc)" || echo ok): $(tail -n 1 "$outdir/compile_check.log")"
+  fi
 fi
 
 # --- bench -----------------------------------------------------------------------------------
