@@ -54,37 +54,107 @@ for dt in (torch.float32, torch.bfloat16):
     d = str(dt).split(".")[-1]
     for n in (300, n_long):
         KC.ROWS_MAX_FUSED_N = 32 if INTERPRETED and n == n_long else fused_n
-        case(f"layer_norm {d} 37x{n}", lambda x, w, b: nf.layer_norm(x, (n,), w, b), rand(37, n, dtype=dt),
-             rand(n, dtype=dt), rand(n, dtype=dt))
-        case(f"rms_norm {d} 37x{n}", lambda x, w: nf.rms_norm(x, (n,), w), rand(37, n, dtype=dt), rand(n, dtype=dt))
+        case(
+            f"layer_norm {d} 37x{n}",
+            lambda x, w, b, n=n: nf.layer_norm(x, (n,), w, b),
+            rand(37, n, dtype=dt),
+            rand(n, dtype=dt),
+            rand(n, dtype=dt),
+        )
+        case(
+            f"rms_norm {d} 37x{n}", lambda x, w, n=n: nf.rms_norm(x, (n,), w), rand(37, n, dtype=dt), rand(n, dtype=dt)
+        )
     KC.ROWS_MAX_FUSED_N = fused_n
-    case(f"fused_add_rms_norm {d} 37x300", lambda x, r, w: nf.fused_add_rms_norm(x, r, w),
-         rand(37, 300, dtype=dt), rand(37, 300, dtype=dt), rand(300, dtype=dt))
+    case(
+        f"fused_add_rms_norm {d} 37x300",
+        lambda x, r, w: nf.fused_add_rms_norm(x, r, w),
+        rand(37, 300, dtype=dt),
+        rand(37, 300, dtype=dt),
+        rand(300, dtype=dt),
+    )
     x = rand(3, 24, 9, 7, dtype=dt)
-    case(f"group_norm {d} NCHW 3x24x9x7 G=6", lambda x, w, b: nf.group_norm(x, 6, w, b), x, rand(24, dtype=dt),
-         rand(24, dtype=dt))
+    case(
+        f"group_norm {d} NCHW 3x24x9x7 G=6",
+        lambda x, w, b: nf.group_norm(x, 6, w, b),
+        x,
+        rand(24, dtype=dt),
+        rand(24, dtype=dt),
+    )
     hw = 64 if not INTERPRETED else 8
     xc = rand(2, 64, hw, hw + 3, dtype=dt, grad=False).contiguous(memory_format=torch.channels_last).requires_grad_()
-    case(f"group_norm {d} channels_last 2x64x{hw}x{hw + 3} G=32", lambda x, w, b: nf.group_norm(x, 32, w, b), xc,
-         rand(64, dtype=dt), rand(64, dtype=dt))
-    case(f"instance_norm {d} 3x24x9x7", lambda x, w, b: nf.instance_norm(x, weight=w, bias=b), rand(3, 24, 9, 7, dtype=dt),
-         rand(24, dtype=dt), rand(24, dtype=dt))
+    case(
+        f"group_norm {d} channels_last 2x64x{hw}x{hw + 3} G=32",
+        lambda x, w, b: nf.group_norm(x, 32, w, b),
+        xc,
+        rand(64, dtype=dt),
+        rand(64, dtype=dt),
+    )
+    case(
+        f"instance_norm {d} 3x24x9x7",
+        lambda x, w, b: nf.instance_norm(x, weight=w, bias=b),
+        rand(3, 24, 9, 7, dtype=dt),
+        rand(24, dtype=dt),
+        rand(24, dtype=dt),
+    )
     rm, rv = torch.zeros(24, device=DEV), torch.ones(24, device=DEV)
-    case(f"batch_norm train {d} 5x24x9x7", lambda x, w, b: nf.batch_norm(x, rm, rv, w, b, True), rand(5, 24, 9, 7, dtype=dt),
-         rand(24), rand(24))
-    case(f"batch_norm eval {d} 5x24x9x7", lambda x, w, b: nf.batch_norm(x, rm, rv, w, b, False), rand(5, 24, 9, 7, dtype=dt),
-         rand(24), rand(24))
+    case(
+        f"batch_norm train {d} 5x24x9x7",
+        lambda x, w, b, rm=rm, rv=rv: nf.batch_norm(x, rm, rv, w, b, True),
+        rand(5, 24, 9, 7, dtype=dt),
+        rand(24),
+        rand(24),
+    )
+    case(
+        f"batch_norm eval {d} 5x24x9x7",
+        lambda x, w, b, rm=rm, rv=rv: nf.batch_norm(x, rm, rv, w, b, False),
+        rand(5, 24, 9, 7, dtype=dt),
+        rand(24),
+        rand(24),
+    )
     mask = (torch.arange(33)[None, :] < torch.tensor([[33], [20], [1]]))[..., None].to(DEV)
-    case(f"masked batch_norm {d} 3x33x40", lambda x, w, b: nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=mask),
-         rand(3, 33, 40, dtype=dt), rand(40, dtype=dt), rand(40, dtype=dt))
-    case(f"modulated_norm {d} 3x17x300", lambda x, sh, sc, w, b: fm.modulated_norm(x, sh, sc, w, b, norm="layer"),
-         rand(3, 17, 300, dtype=dt), rand(3, 300, dtype=dt), rand(3, 300, dtype=dt), rand(300, dtype=dt), rand(300, dtype=dt))
-    case(f"qk_norm {d} q 2x9x8x128 k 2x9x2x128", lambda q, k, w: fm.qk_norm(q, k, w),
-         rand(2, 9, 8, 128, dtype=dt), rand(2, 9, 2, 128, dtype=dt), rand(128, dtype=dt))
-    case(f"gemma rms_norm {d} 37x300", lambda x, w: fm.rms_norm(x, (300,), w, 1e-6, weight_offset=1.0, casting="gemma"),
-         rand(37, 300, dtype=dt), rand(300, dtype=dt))
-    case(f"poly_norm {d} 37x300", lambda x, w, b: fm.poly_norm(x, w, b), rand(37, 300, dtype=dt), rand(3, dtype=dt),
-         rand(1, dtype=dt))
-    case(f"derf {d} 37x300", lambda x, a, s, w, b: fm.derf(x, a, s, w, b), rand(37, 300, dtype=dt), rand(1, dtype=dt),
-         rand(1, dtype=dt), rand(300, dtype=dt), rand(300, dtype=dt))
+    case(
+        f"masked batch_norm {d} 3x33x40",
+        lambda x, w, b, m=mask: nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=m),
+        rand(3, 33, 40, dtype=dt),
+        rand(40, dtype=dt),
+        rand(40, dtype=dt),
+    )
+    case(
+        f"modulated_norm {d} 3x17x300",
+        lambda x, sh, sc, w, b: fm.modulated_norm(x, sh, sc, w, b, norm="layer"),
+        rand(3, 17, 300, dtype=dt),
+        rand(3, 300, dtype=dt),
+        rand(3, 300, dtype=dt),
+        rand(300, dtype=dt),
+        rand(300, dtype=dt),
+    )
+    case(
+        f"qk_norm {d} q 2x9x8x128 k 2x9x2x128",
+        lambda q, k, w: fm.qk_norm(q, k, w),
+        rand(2, 9, 8, 128, dtype=dt),
+        rand(2, 9, 2, 128, dtype=dt),
+        rand(128, dtype=dt),
+    )
+    case(
+        f"gemma rms_norm {d} 37x300",
+        lambda x, w: fm.rms_norm(x, (300,), w, 1e-6, weight_offset=1.0, casting="gemma"),
+        rand(37, 300, dtype=dt),
+        rand(300, dtype=dt),
+    )
+    case(
+        f"poly_norm {d} 37x300",
+        lambda x, w, b: fm.poly_norm(x, w, b),
+        rand(37, 300, dtype=dt),
+        rand(3, dtype=dt),
+        rand(1, dtype=dt),
+    )
+    case(
+        f"derf {d} 37x300",
+        lambda x, a, s, w, b: fm.derf(x, a, s, w, b),
+        rand(37, 300, dtype=dt),
+        rand(1, dtype=dt),
+        rand(1, dtype=dt),
+        rand(300, dtype=dt),
+        rand(300, dtype=dt),
+    )
 print("sanitize_kernels: every case ran")

@@ -96,7 +96,7 @@ def _modern_ops():
         ("poly_norm", lambda x, w, b, be: FM.poly_norm(x, w, b, backend=be), (0, 3, 8), (3,), (1,)),
         (
             "derf",
-            lambda x, w, b, be: FM.derf(x, torch.tensor(0.5), torch.tensor(0.1), w, b, backend=be),
+            lambda x, w, b, be: FM.derf(x, x.new_tensor(0.5), x.new_tensor(0.1), w, b, backend=be),
             (2, 0, 8),
             (8,),
             (8,),

@@ -33,9 +33,15 @@ from torch import Tensor
 
 from . import _checks as check
 from . import hot
+from .backends import TRITON
 from .engine import norm, requested_backend
 from .reference import CASTINGS, acc_dtype
 from .scope import Scope
+
+if TRITON:
+    # imported here, not in the forced-Triton branches below: an import inside a function that
+    # torch.compile traces breaks its graph on torch 2.11 ("Bad import result")
+    from .backends import triton as _triton_door
 
 __all__ = ["modulated_norm", "qk_norm", "poly_norm", "derf", "CASTINGS"]
 
@@ -118,9 +124,7 @@ def _last_axes(settings: tuple, input, weight, bias, eps, running, mask) -> Tens
     _optional(bias, "bias", shape, input, where)
     if casting != "llama" and requested_backend(backend) == "triton":
         # forced: one launch, the rows kernel forms w + offset in fp32 and rounds the result once
-        from .backends import triton as door
-
-        return door.offset_rows_norm(input, _prod(shape), weight, bias, eps, centered, offset)
+        return _triton_door.offset_rows_norm(input, _prod(shape), weight, bias, eps, centered, offset)
     return norm(input, scope, weight, bias, eps, backend=backend, weight_offset=offset, casting=casting)
 
 
@@ -299,9 +303,7 @@ def modulated_norm(
                 f"{where}: backend 'triton' cannot run casting='eager' (the fused kernel rounds once, as "
                 "casting='fp32'); use casting='fp32' or another backend"
             )
-        from .backends import triton as door
-
-        return door.modulated_norm(x, shift, scale, weight, bias, eps, norm == "layer")
+        return _triton_door.modulated_norm(x, shift, scale, weight, bias, eps, norm == "layer")
     centered = norm == "layer"
     if casting == "eager":
         # torch's LayerNorm / diffusers' RMSNorm (normalize in fp32, cast, then scale), then the
@@ -405,12 +407,10 @@ def qk_norm(
     if casting != "llama" and requested_backend(backend) == "triton" and (per_head or layout == "bshd"):
         # q and k in one launch; rows of head_dim, or of H * head_dim (all heads of a token: adjacent
         # in (B, S, H, D)); the scale w + offset formed in fp32, the result rounded once
-        from .backends import triton as door
-
         n = q.shape[-1] if per_head else q.shape[-1] * q.shape[-2]
         nk = k.shape[-1] if per_head else k.shape[-1] * k.shape[-2]
         if n == nk:
-            return door.qk_norm(q, k, n, (q_weight, k_weight, q_bias, k_bias), eps, norm == "layer", offset)
+            return _triton_door.qk_norm(q, k, n, (q_weight, k_weight, q_bias, k_bias), eps, norm == "layer", offset)
     out = []
     for t, w, b in ((q, q_weight, q_bias), (k, k_weight, k_bias)):
         heads, d = t.shape[h_axis], t.shape[-1]
@@ -463,9 +463,7 @@ def poly_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-6, *, bac
             raise ValueError(f"{where}: expected `{name}` on {x.device} (x's device), got {t.device}")
     eps = _eps(eps, where)
     if requested_backend(backend) == "triton":  # forced: one fused launch, or ValueError saying why
-        from .backends import triton as door
-
-        return door.poly_norm(x, weight, bias, eps)
+        return _triton_door.poly_norm(x, weight, bias, eps)
     acc = acc_dtype(x.dtype)
     xf, w = x.to(acc), weight.to(acc)
     y = bias.to(acc)
@@ -528,9 +526,7 @@ def derf(
                 f"{where}: backend 'triton' runs Derf with the features on the last axis and alpha/shift as "
                 f"tensors, got channel_dim={channel_dim}, alpha {type(alpha).__name__}, shift {type(shift).__name__}"
             )
-        from .backends import triton as door
-
-        return door.derf(x, alpha, shift, weight, bias)
+        return _triton_door.derf(x, alpha, shift, weight, bias)
     acc = acc_dtype(x.dtype)
     a = alpha.to(acc).reshape(()) if isinstance(alpha, Tensor) else alpha
     s = shift.to(acc).reshape(()) if isinstance(shift, Tensor) else shift
