@@ -102,6 +102,29 @@ def test_rows_forward_and_gradients_match_float64(path, centered, has_w, has_b, 
         torch.testing.assert_close(a.double(), e.double(), atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("centered", [True, False])
+@pytest.mark.parametrize("n", [13, 50])
+def test_measured_launch_tables_keep_the_numbers(monkeypatch, centered, n):
+    """The per-block settings of ``config.ROWS_BWD_LAUNCH`` / ``ROWS_LOOP_LAUNCH`` (a GPU sweep writes
+    them) change the launch, never the result: 13 takes the single-block backward with 2 rows per tile,
+    50 the looped path with a forward chunk of 16 and a backward chunk of 8."""
+    monkeypatch.setattr(KC, "ROWS_MAX_FUSED_N", 16)
+    monkeypatch.setattr(KC, "ROWS_BWD_LAUNCH", {16: (2, 4, 1)})
+    monkeypatch.setattr(KC, "ROWS_LOOP_LAUNCH", {64: (16, 4, 8, 2, 1)})
+    assert R._bwd_config(n) == ((2, 16, False, 4, 1) if n == 13 else (1, 8, True, 2, 1))
+    assert R._config(n) == ((64, 16, False, 1) if n == 13 else (1, 16, True, 4))
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(7, n, generator=g) * 3 + 2).to(DEV).requires_grad_()
+    w = (torch.rand(n, generator=g) + 0.5).to(DEV).requires_grad_()
+    b = torch.randn(n, generator=g).to(DEV).requires_grad_() if centered else None
+    y, _ = R.rows_norm(x, w, b, 1e-5, centered)
+    y64 = _ref64(x, w, b, None, centered, 0.0)
+    torch.testing.assert_close(y.double(), y64, atol=2e-5, rtol=1e-5)
+    dy = torch.randn(7, n, generator=g).to(DEV)
+    for a, e in zip(_grads(y, (x, w, b), dy), _grads(y64, (x, w, b), dy.double())):
+        torch.testing.assert_close(a.double(), e.double(), atol=5e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("centered", [True, False])
 def test_low_precision_error_at_most_twice_torch(path, dtype, centered):

@@ -41,6 +41,16 @@ ROWS_BWD_PROGRAMS_PER_SM = 4
 #: Unmeasured.
 ROWS_LOOP_BWD_PROGRAMS_PER_SM = 2
 
+#: Measured launch settings by row block (``next_pow2(N)``), which replace the rules above for the
+#: blocks they list; ``benchmarks/rows_sweep.py`` measures them on a GPU and writes these two lines (the
+#: comment above them says where and when). Keyed by the row length alone, as every setting here: a
+#: row's reduction order must not depend on how many rows a call holds.
+#: Single-block path, backward: block -> (BLOCK_M, num_warps, programs per SM).
+ROWS_BWD_LAUNCH: dict[int, tuple[int, int, int]] = {}
+#: Looped path: block -> (forward chunk, forward num_warps, backward chunk, backward num_warps,
+#: backward programs per SM).
+ROWS_LOOP_LAUNCH: dict[int, tuple[int, int, int, int, int]] = {}
+
 # ---- groups: GroupNorm / InstanceNorm on (N, C, *) (kernels/groups.py)
 
 #: Elements per tile of the contiguous (NCHW) kernels: one program walks its whole group in tiles of

@@ -351,8 +351,27 @@ def _config(N: int) -> tuple[int, int, bool, int]:
         block_m = max(1, min(config.ROWS_MAX_BLOCK_M, config.ROWS_TILE // block))
         warps = min(config.ROWS_MAX_WARPS, max(1, block_m * block // config.ROWS_WARP_ELEMS))
         return block_m, block, False, _next_pow2(warps)
+    tuned = config.ROWS_LOOP_LAUNCH.get(block)
+    if tuned is not None:
+        return 1, tuned[0], True, tuned[1]
     chunk = min(config.ROWS_LOOP_BLOCK, config.ROWS_MAX_FUSED_N)
     return 1, chunk, True, _next_pow2(min(config.ROWS_MAX_WARPS, max(1, chunk // config.ROWS_LOOP_WARP_ELEMS)))
+
+
+def _bwd_config(N: int) -> tuple[int, int, bool, int, int]:
+    """(BLOCK_M, BLOCK_N, looped, num_warps, programs per SM) of the backward for rows of length N: the
+    forward's, or the measured settings of ``config.ROWS_BWD_LAUNCH`` / ``config.ROWS_LOOP_LAUNCH``."""
+    block_m, block_n, looped, warps = _config(N)
+    block = _next_pow2(N)
+    if looped:
+        tuned = config.ROWS_LOOP_LAUNCH.get(block)
+        if tuned is not None:
+            return 1, tuned[2], True, tuned[3], tuned[4]
+        return block_m, block_n, True, warps, config.ROWS_LOOP_BWD_PROGRAMS_PER_SM
+    tuned = config.ROWS_BWD_LAUNCH.get(block)
+    if tuned is not None:
+        return tuned[0], block_n, False, tuned[1], tuned[2]
+    return block_m, block_n, False, warps, config.ROWS_BWD_PROGRAMS_PER_SM
 
 
 @functools.lru_cache(maxsize=16)
@@ -410,14 +429,14 @@ def _rows_bwd_impl(dy, dres, xs, weight, mean, rstd, centered, has_bias, weight_
         dxr, dw, db = _ref_bwd(dy, dres, xs, weight, mean, rstd, centered, has_bias, weight_offset)
         dx.copy_(dxr)
         return dx, dw if has_w else xs.new_empty(0), db if has_bias else xs.new_empty(0)
-    block_m, block_n, looped, warps = _config(N)
+    block_m, block_n, looped, warps, per_sm = _bwd_config(N)
     if looped:
-        progs = _programs(xs, M, config.ROWS_LOOP_BWD_PROGRAMS_PER_SM)
+        progs = _programs(xs, M, per_sm)
         rows_per_prog = 0  # unused: the looped path strides over rows
         alloc = torch.zeros
     else:
         blocks = triton.cdiv(M, block_m)
-        progs = _programs(xs, blocks, config.ROWS_BWD_PROGRAMS_PER_SM)
+        progs = _programs(xs, blocks, per_sm)
         rows_per_prog = triton.cdiv(blocks, progs) * block_m
         progs = triton.cdiv(M, rows_per_prog)
         alloc = torch.empty
