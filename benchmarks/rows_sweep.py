@@ -202,14 +202,16 @@ def write_config(path: str, choices: dict, note: str) -> None:
         loop[block] = (*(fwd or (rule_fwd[1], rule_fwd[3])), *(back or (rule_bwd[1], rule_bwd[3], rule_bwd[4])))
     src = open(path).read()
     src, n1 = re.subn(
-        r"(#: measured: .*\n)?ROWS_BWD_LAUNCH: .*\n",
+        r"(#: measured: [^\n]*\n)?ROWS_BWD_LAUNCH: [^=]*= \{.*?\}\n",
         f"#: measured: {note}\nROWS_BWD_LAUNCH: dict[int, tuple[int, int, int]] = {bwd!r}\n",
         src,
+        flags=re.S,
     )
     src, n2 = re.subn(
-        r"(#: measured: .*\n)?ROWS_LOOP_LAUNCH: .*\n",
+        r"(#: measured: [^\n]*\n)?ROWS_LOOP_LAUNCH: [^=]*= \{.*?\}\n",
         f"#: measured: {note}\nROWS_LOOP_LAUNCH: dict[int, tuple[int, int, int, int, int]] = {loop!r}\n",
         src,
+        flags=re.S,
     )
     if n1 != 1 or n2 != 1:
         sys.exit(f"{path}: expected one ROWS_BWD_LAUNCH and one ROWS_LOOP_LAUNCH line, found {n1} and {n2}")

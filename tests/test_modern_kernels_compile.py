@@ -22,6 +22,7 @@ pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 
 
 import normscope  # noqa: E402
 from normscope import functional_modern as FM  # noqa: E402
+from normscope.kernels import modern as _registers_the_ops  # noqa: E402, F401  (torch.ops.normscope.* below)
 
 DEV = torch.device(TEST_DEVICE)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

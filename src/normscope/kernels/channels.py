@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import config
+from . import _eager, config
 from .rows import _chan_combine, _next_pow2, _sm_count, dense, use_kernel
 
 __all__ = ["batch_norm_channels"]
@@ -262,8 +262,7 @@ def _ref_fwd(x3, weight, bias, mean_in, var_in, mask, eps):
     return y.to(x3.dtype), mean.float(), rstd.float(), var.float(), count.float()
 
 
-@torch.library.custom_op("normscope::channels_fwd", mutates_args=())
-def channels_fwd(
+def _channels_fwd_impl(
     x3: Tensor,
     weight: Optional[Tensor],
     bias: Optional[Tensor],
@@ -296,6 +295,9 @@ def channels_fwd(
     return y, mean, rstd, var, count
 
 
+channels_fwd = torch.library.custom_op("normscope::channels_fwd", mutates_args=())(_channels_fwd_impl)
+
+
 @channels_fwd.register_fake
 def _channels_fwd_fake(x3, weight, bias, mean_in, var_in, mask, eps):
     c = x3.shape[1]
@@ -303,8 +305,7 @@ def _channels_fwd_fake(x3, weight, bias, mean_in, var_in, mask, eps):
     return torch.empty_like(x3), stat(), stat(), stat(), x3.new_empty((), dtype=torch.float32)
 
 
-@torch.library.custom_op("normscope::channels_bwd", mutates_args=())
-def channels_bwd(
+def _channels_bwd_impl(
     dy: Tensor,
     x3: Tensor,
     weight: Optional[Tensor],
@@ -352,6 +353,9 @@ def channels_bwd(
     return dx, sdyx, sdy
 
 
+channels_bwd = torch.library.custom_op("normscope::channels_bwd", mutates_args=())(_channels_bwd_impl)
+
+
 @channels_bwd.register_fake
 def _channels_bwd_fake(dy, x3, weight, mean, rstd, mask, count, training):
     c = x3.shape[1]
@@ -370,7 +374,8 @@ def _backward(ctx, dy, dmean, drstd, dvar, dcount):
     x3, weight, mean, rstd, mask, count = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
         return _backward_differentiable(ctx, dy, x3, weight, mean, rstd, mask)
-    dx, dw, db = channels_bwd(dy.contiguous(), x3, weight, mean, rstd, mask, count, ctx.training)
+    bwd = channels_bwd if _eager.compiling() else _channels_bwd_impl  # the same launch; the op only when traced
+    dx, dw, db = bwd(dy.contiguous(), x3, weight, mean, rstd, mask, count, ctx.training)
     return (
         dx,
         dw.to(weight.dtype) if weight is not None else None,
@@ -408,6 +413,8 @@ def _backward_differentiable(ctx, dy, x3, weight, mean, rstd, mask):
 
 
 channels_fwd.register_autograd(_backward, setup_context=_setup_context)
+#: channels_fwd with the same functions, for eager mode (see kernels/_eager.py)
+_ChannelsEager = _eager.function(_channels_fwd_impl, _setup_context, _backward)
 
 
 def batch_norm_channels(
@@ -434,7 +441,8 @@ def batch_norm_channels(
         outer *= s
     x3 = x.reshape(outer, c, -1)  # the engine backend declines empty scopes
     m2 = mask.reshape(outer, x3.shape[2]).to(torch.uint8) if mask is not None else None
-    y, mean, _, var, count = channels_fwd(
+    y, mean, _, var, count = _eager.call(
+        channels_fwd, _ChannelsEager, _channels_fwd_impl,
         x3,
         dense(weight), dense(bias), dense(running_mean), dense(running_var), m2, float(eps),
     )  # fmt: skip

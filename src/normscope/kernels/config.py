@@ -1,9 +1,10 @@
 """Launch settings of the Triton kernels (rows, groups, channels), in one place.
 
 Every value here is a heuristic -- a guess from the kernels' shape and the usual Triton rules of
-thumb -- and **none has been measured on a GPU yet**: no GPU has run these kernels. Each comment
-says what the setting trades; ``normscope bench`` on a GPU host is how they should be chosen, and a
-value changed after such a measurement should say so (device, command, figures) next to it.
+thumb -- except the two tables of the rows kernels marked "measured", which a sweep on an H100
+chose (``benchmarks/rows_sweep.py``; results in ``benchmarks/results/rows_sweep-cuda-h100.json``).
+Each comment says what the setting trades; ``normscope bench`` on a GPU host is how they should be
+chosen, and a value changed after such a measurement says so (device, command) next to it.
 
 The kernels read these names at launch time (``config.ROWS_TILE``, never a copy taken at import),
 so a test or an experiment can set one for a single call::
@@ -42,14 +43,27 @@ ROWS_BWD_PROGRAMS_PER_SM = 4
 ROWS_LOOP_BWD_PROGRAMS_PER_SM = 2
 
 #: Measured launch settings by row block (``next_pow2(N)``), which replace the rules above for the
-#: blocks they list; ``benchmarks/rows_sweep.py`` measures them on a GPU and writes these two lines (the
-#: comment above them says where and when). Keyed by the row length alone, as every setting here: a
+#: blocks they list; ``benchmarks/rows_sweep.py`` measures them on a GPU and writes these two tables (the
+#: comment above each says where and when). Keyed by the row length alone, as every setting here: a
 #: row's reduction order must not depend on how many rows a call holds.
 #: Single-block path, backward: block -> (BLOCK_M, num_warps, programs per SM).
-ROWS_BWD_LAUNCH: dict[int, tuple[int, int, int]] = {}
+#: measured: NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-26, benchmarks/rows_sweep.py
+ROWS_BWD_LAUNCH: dict[int, tuple[int, int, int]] = {
+    256: (32, 4, 2),
+    1024: (8, 4, 2),
+    4096: (4, 16, 2),
+    8192: (2, 16, 2),
+    16384: (1, 8, 2),
+}
 #: Looped path: block -> (forward chunk, forward num_warps, backward chunk, backward num_warps,
 #: backward programs per SM).
-ROWS_LOOP_LAUNCH: dict[int, tuple[int, int, int, int, int]] = {}
+#: measured: NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-11-26, benchmarks/rows_sweep.py
+ROWS_LOOP_LAUNCH: dict[int, tuple[int, int, int, int, int]] = {
+    32768: (16384, 16, 8192, 16, 1),
+    65536: (16384, 32, 8192, 8, 2),
+    131072: (16384, 16, 4096, 8, 2),
+    262144: (16384, 16, 8192, 8, 1),
+}
 
 # ---- groups: GroupNorm / InstanceNorm on (N, C, *) (kernels/groups.py)
 

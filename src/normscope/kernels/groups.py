@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import config
+from . import _eager, config
 from .rows import _chan_combine, _next_pow2, dense, use_kernel
 
 __all__ = ["group_norm", "group_norm_ref"]
@@ -591,8 +591,7 @@ def _ref_bwd(dy, x, weight, mean, rstd, groups, centered, has_bias):
 # ---- torch.library ops
 
 
-@torch.library.custom_op("normscope::groups_fwd", mutates_args=())
-def groups_fwd(
+def _groups_fwd_impl(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int, eps: float, centered: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(y, mean, rstd) for an (N, C, *) ``x``; statistics per (sample, group), fp32. ``y`` is
@@ -620,6 +619,9 @@ def groups_fwd(
     return y, mean, rstd
 
 
+groups_fwd = torch.library.custom_op("normscope::groups_fwd", mutates_args=())(_groups_fwd_impl)
+
+
 @groups_fwd.register_fake
 def _groups_fwd_fake(x, weight, bias, groups, eps, centered):
     rows = x.shape[0] * groups
@@ -627,8 +629,7 @@ def _groups_fwd_fake(x, weight, bias, groups, eps, centered):
     return y, x.new_empty((rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32)
 
 
-@torch.library.custom_op("normscope::groups_bwd", mutates_args=())
-def groups_bwd(
+def _groups_bwd_impl(
     dy: Tensor,
     x: Tensor,
     weight: Optional[Tensor],
@@ -674,6 +675,9 @@ def groups_bwd(
     )
 
 
+groups_bwd = torch.library.custom_op("normscope::groups_bwd", mutates_args=())(_groups_bwd_impl)
+
+
 @groups_bwd.register_fake
 def _groups_bwd_fake(dy, x, weight, mean, rstd, groups, centered, has_bias):
     c = x.shape[1]
@@ -694,7 +698,8 @@ def _backward(ctx, dy, dmean, drstd):
     x, weight, mean, rstd = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
         return _backward_differentiable(ctx, dy, x, weight)
-    dx, dw, db = groups_bwd(dy, x, weight, mean, rstd, ctx.groups, ctx.centered, ctx.b_dtype is not None)
+    bwd = groups_bwd if _eager.compiling() else _groups_bwd_impl  # the same launch; the op only when traced
+    dx, dw, db = bwd(dy, x, weight, mean, rstd, ctx.groups, ctx.centered, ctx.b_dtype is not None)
     dw = dw.to(weight.dtype) if weight is not None else None
     db = db.to(ctx.b_dtype) if ctx.b_dtype is not None else None
     return dx, dw, db, None, None, None
@@ -719,6 +724,8 @@ def _backward_differentiable(ctx, dy, x, weight):
 
 
 groups_fwd.register_autograd(_backward, setup_context=_setup_context)
+#: groups_fwd with the same functions, for eager mode (see kernels/_eager.py)
+_GroupsEager = _eager.function(_groups_fwd_impl, _setup_context, _backward)
 
 
 def group_norm(
@@ -733,7 +740,8 @@ def group_norm(
     assumed valid. Contiguous input runs the NCHW kernel, channels_last (4-D) / channels_last_3d (5-D)
     input the channels_last kernels in place, with an output of the same layout (as torch's CPU
     group_norm); any other strides are copied to contiguous NCHW once and give an NCHW output."""
-    y, _, _ = groups_fwd(
+    y, _, _ = _eager.call(
+        groups_fwd, _GroupsEager, _groups_fwd_impl,
         _laid_out(x),  # the copy, if any, happens here so that the saved x is already laid out
         dense(weight),
         dense(bias),

@@ -48,8 +48,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import config
-from .rows import _config, _programs, _row_stats, dense, interpreting, rows_bwd, rows_ref, use_kernel
+from . import _eager, config
+from .rows import _config, _programs, _row_stats, _rows_bwd_impl, dense, interpreting, rows_bwd, rows_ref, use_kernel
 
 if interpreting():
     from .rows import _fix_interpreter_index
@@ -177,8 +177,7 @@ def modulated_ref(x, shift, scale, weight, bias, eps, centered, per_shift, per_s
 # outputs are empty tensors (an op returns no None); outputs never alias inputs.
 
 
-@torch.library.custom_op("normscope::modulated_fwd", mutates_args=())
-def modulated_fwd(
+def _modulated_fwd_impl(
     x: Tensor,
     shift: Optional[Tensor],
     scale: Optional[Tensor],
@@ -209,14 +208,16 @@ def modulated_fwd(
     return y, mean, rstd
 
 
+modulated_fwd = torch.library.custom_op("normscope::modulated_fwd", mutates_args=())(_modulated_fwd_impl)
+
+
 @modulated_fwd.register_fake
 def _modulated_fwd_fake(x, shift, scale, weight, bias, eps, centered, per_shift, per_scale):
     M = x.shape[0]
     return torch.empty_like(x), x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32)
 
 
-@torch.library.custom_op("normscope::modulated_bwd", mutates_args=())
-def modulated_bwd(
+def _modulated_bwd_impl(
     dy: Tensor,
     x: Tensor,
     scale: Optional[Tensor],
@@ -255,6 +256,9 @@ def modulated_bwd(
     )
 
 
+modulated_bwd = torch.library.custom_op("normscope::modulated_bwd", mutates_args=())(_modulated_bwd_impl)
+
+
 @modulated_bwd.register_fake
 def _modulated_bwd_fake(dy, x, scale, weight, bias, mean, rstd, centered, per_scale):
     M, N = x.shape
@@ -285,7 +289,8 @@ def _modulated_backward(ctx, dy, dmean, drstd):
         out = [next(grads) if t is not None and t.requires_grad else None for t in inputs]
         return (*out, None, None, None, None)
     N = x.shape[1]
-    dx, dw, db, dsc = modulated_bwd(dy, x, scale, weight, bias, mean, rstd, centered, per_scale)
+    bwd = modulated_bwd if _eager.compiling() else _modulated_bwd_impl  # the same launch; the op only when traced
+    dx, dw, db, dsc = bwd(dy, x, scale, weight, bias, mean, rstd, centered, per_scale)
     d_shift = d_scale = None
     need = ctx.needs_input_grad
     if shift is not None and need[1]:  # fixed-order sums over each sample's rows: deterministic
@@ -298,6 +303,7 @@ def _modulated_backward(ctx, dy, dmean, drstd):
 
 
 modulated_fwd.register_autograd(_modulated_backward, setup_context=_modulated_setup_context)
+_ModulatedEager = _eager.function(_modulated_fwd_impl, _modulated_setup_context, _modulated_backward)
 
 
 def modulated_rows(
@@ -325,7 +331,8 @@ def modulated_rows(
     (sh, per_shift), (sc, per_scale) = rowwise(shift), rowwise(scale)
     if not use_kernel(x2) or M * N == 0:  # empty: the reference, whose output autograd reaches
         return modulated_ref(x2, sh, sc, weight, bias, eps, centered, per_shift, per_scale).view(shape)
-    y, _, _ = modulated_fwd(x2, sh, sc, dense(weight), dense(bias), float(eps), bool(centered), per_shift, per_scale)
+    args = (x2, sh, sc, dense(weight), dense(bias), float(eps), bool(centered), per_shift, per_scale)
+    y, _, _ = _eager.call(modulated_fwd, _ModulatedEager, _modulated_fwd_impl, *args)
     return y.view(shape)
 
 
@@ -371,8 +378,7 @@ def _qk_fwd_kernel(
                     BLOCK_M, BLOCK_N, CENTERED, HAS_WK, HAS_BK)  # fmt: skip
 
 
-@torch.library.custom_op("normscope::qk_fwd", mutates_args=())
-def qk_fwd(
+def _qk_fwd_impl(
     q: Tensor,
     k: Tensor,
     wq: Optional[Tensor],
@@ -399,6 +405,9 @@ def qk_fwd(
         num_warps=warps,
     )  # fmt: skip
     return yq, yk, *stats
+
+
+qk_fwd = torch.library.custom_op("normscope::qk_fwd", mutates_args=())(_qk_fwd_impl)
 
 
 @qk_fwd.register_fake
@@ -434,13 +443,15 @@ def _qk_backward(ctx, dyq, dyk, *dstats):
         if dy is None:
             dy = torch.zeros_like(x)
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()  # stride 0 from .sum() (QuACK #88)
-        grads.append(rows_bwd(dy.contiguous(), None, x, w, m, r, centered, b is not None, offset))
+        bwd = rows_bwd if _eager.compiling() else _rows_bwd_impl  # the same launch; the op only when traced
+        grads.append(bwd(dy.contiguous(), None, x, w, m, r, centered, b is not None, offset))
     (dq, dwq, dbq), (dk, dwk, dbk) = grads
     cast = lambda t, like: t.to(like.dtype) if like is not None else None  # noqa: E731
     return dq, dk, cast(dwq, wq), cast(dwk, wk), cast(dbq, bq), cast(dbk, bk), None, None, None
 
 
 qk_fwd.register_autograd(_qk_backward, setup_context=_qk_setup_context)
+_QKEager = _eager.function(_qk_fwd_impl, _qk_setup_context, _qk_backward)
 
 
 def qk_rows(
@@ -464,7 +475,8 @@ def qk_rows(
         yq = rows_ref(q2, ws[0], ws[2], eps, centered, weight_offset=weight_offset)[0]
         yk = rows_ref(k2, ws[1], ws[3], eps, centered, weight_offset=weight_offset)[0]
     else:
-        yq, yk, *_ = qk_fwd(q2, k2, *ws, float(eps), bool(centered), float(weight_offset))
+        args = (q2, k2, *ws, float(eps), bool(centered), float(weight_offset))
+        yq, yk, *_ = _eager.call(qk_fwd, _QKEager, _qk_fwd_impl, *args)
     return yq.view(shapes[0]), yk.view(shapes[1])
 
 
@@ -566,8 +578,7 @@ def _bwd_grid(x: Tensor, M: int, block_m: int) -> tuple[int, int]:
     return triton.cdiv(M, rows_per_prog), rows_per_prog
 
 
-@torch.library.custom_op("normscope::poly_fwd", mutates_args=())
-def poly_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _poly_fwd_impl(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(y, rstd (M, 3) fp32: of x^3, x^2, x per row) for a 2-D ``x`` with unit-stride rows."""
     M, N = x.shape
     y = torch.empty_like(x)
@@ -580,13 +591,15 @@ def poly_fwd(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tenso
     return y, rstd
 
 
+poly_fwd = torch.library.custom_op("normscope::poly_fwd", mutates_args=())(_poly_fwd_impl)
+
+
 @poly_fwd.register_fake
 def _poly_fwd_fake(x, weight, bias, eps):
     return torch.empty_like(x), x.new_empty((x.shape[0], 3), dtype=torch.float32)
 
 
-@torch.library.custom_op("normscope::poly_bwd", mutates_args=())
-def poly_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+def _poly_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """(dx in x's dtype, (dw0, dw1, dw2, db) fp32)."""
     M, N = x.shape
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
@@ -599,6 +612,9 @@ def poly_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tenso
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )  # fmt: skip
     return dx, part.sum(0)  # the fixed-order second stage of the dW/dB reduction
+
+
+poly_bwd = torch.library.custom_op("normscope::poly_bwd", mutates_args=())(_poly_bwd_impl)
 
 
 @poly_bwd.register_fake
@@ -623,11 +639,13 @@ def _poly_backward(ctx, dy, drstd):
             y = poly_ref(x, weight, bias, ctx.eps)
         g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
         return (*[next(g) if t.requires_grad else None for t in ins], None)
-    dx, total = poly_bwd(dy, x, weight, rstd)
+    bwd = poly_bwd if _eager.compiling() else _poly_bwd_impl  # the same launch; the op only when traced
+    dx, total = bwd(dy, x, weight, rstd)
     return dx, total[:3].to(weight.dtype), total[3:].to(bias.dtype), None
 
 
 poly_fwd.register_autograd(_poly_backward, setup_context=_poly_setup_context)
+_PolyEager = _eager.function(_poly_fwd_impl, _poly_setup_context, _poly_backward)
 
 
 def poly_rows(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
@@ -637,7 +655,7 @@ def poly_rows(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     w, b = dense(weight), dense(bias)
     if not use_kernel(x2) or x2.numel() == 0:  # empty: the reference, whose output autograd reaches
         return poly_ref(x2, w, b, eps).view(shape)
-    return poly_fwd(x2, w, b, float(eps))[0].view(shape)
+    return _eager.call(poly_fwd, _PolyEager, _poly_fwd_impl, x2, w, b, float(eps))[0].view(shape)
 
 
 # -- Derf ------------------------------------------------------------------------------------------
@@ -712,8 +730,7 @@ def derf_ref(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bia
     return y.to(x.dtype)
 
 
-@torch.library.custom_op("normscope::derf_fwd", mutates_args=())
-def derf_fwd(x: Tensor, alpha: Tensor, shift: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
+def _derf_fwd_impl(x: Tensor, alpha: Tensor, shift: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
     """``erf(alpha * x + shift)`` (then ``* weight + bias``) for a 2-D ``x`` with unit-stride rows."""
     M, N = x.shape
     y = torch.empty_like(x)
@@ -726,13 +743,15 @@ def derf_fwd(x: Tensor, alpha: Tensor, shift: Tensor, weight: Optional[Tensor], 
     return y
 
 
+derf_fwd = torch.library.custom_op("normscope::derf_fwd", mutates_args=())(_derf_fwd_impl)
+
+
 @derf_fwd.register_fake
 def _derf_fwd_fake(x, alpha, shift, weight, bias):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("normscope::derf_bwd", mutates_args=())
-def derf_bwd(
+def _derf_bwd_impl(
     dy: Tensor, x: Tensor, alpha: Tensor, shift: Tensor, weight: Optional[Tensor]
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dx in x's dtype, (d alpha, d shift) fp32, (dW, dB) fp32 (2, N) or empty)."""
@@ -751,6 +770,9 @@ def derf_bwd(
     )  # fmt: skip
     # fixed-order second stages: deterministic
     return dx, das.sum(0), dwb.sum(0) if has_w else x.new_empty(0)
+
+
+derf_bwd = torch.library.custom_op("normscope::derf_bwd", mutates_args=())(_derf_bwd_impl)
 
 
 @derf_bwd.register_fake
@@ -772,7 +794,8 @@ def _derf_backward(ctx, dy):
             y = derf_ref(*ins)
         g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
         return tuple(next(g) if t is not None and t.requires_grad else None for t in ins)
-    dx, d_as, dwb = derf_bwd(dy, x, alpha, shift, weight)
+    bwd = derf_bwd if _eager.compiling() else _derf_bwd_impl  # the same launch; the op only when traced
+    dx, d_as, dwb = bwd(dy, x, alpha, shift, weight)
     d_alpha, d_shift = d_as[:1].to(alpha.dtype), d_as[1:].to(shift.dtype)
     if weight is None:
         return dx, d_alpha, d_shift, None, None
@@ -780,6 +803,7 @@ def _derf_backward(ctx, dy):
 
 
 derf_fwd.register_autograd(_derf_backward, setup_context=_derf_setup_context)
+_DerfEager = _eager.function(_derf_fwd_impl, _derf_setup_context, _derf_backward)
 
 
 def derf_rows(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
@@ -789,4 +813,4 @@ def derf_rows(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bi
     a, s, w, b = (dense(t) for t in (alpha, shift, weight, bias))
     if not use_kernel(x2) or x2.numel() == 0:  # empty: the reference, whose output autograd reaches
         return derf_ref(x2, a, s, w, b).view(shape)
-    return derf_fwd(x2, a, s, w, b).view(shape)
+    return _eager.call(derf_fwd, _DerfEager, _derf_fwd_impl, x2, a, s, w, b).view(shape)

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import config
+from . import _eager, config
 
 __all__ = ["rows_norm", "rows_ref"]
 
@@ -605,7 +605,8 @@ def _backward(ctx, dy, dres, dmean, drstd):
     if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
         return _backward_differentiable(ctx, dy, dres, xs, weight)
     dres = dres.contiguous() if ctx.has_r and dres is not None else None
-    ds, dw, db = rows_bwd(
+    bwd = rows_bwd if _eager.compiling() else _rows_bwd_impl  # the same launch; the op only when traced
+    ds, dw, db = bwd(
         dy.contiguous(), dres, xs, weight, mean, rstd, ctx.centered, ctx.b_dtype is not None, ctx.weight_offset
     )
     dx = ds.to(ctx.x_dtype)
@@ -640,6 +641,8 @@ def _backward_differentiable(ctx, dy, dres, xs, weight):
 
 
 rows_fwd.register_autograd(_backward, setup_context=_setup_context)
+#: rows_fwd with the same functions, for eager mode (see kernels/_eager.py)
+_RowsEager = _eager.function(_rows_fwd_impl, _setup_context, _backward)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -685,5 +688,6 @@ def rows_norm(
     if residual is not None:
         r2 = (residual if residual.stride(-1) == 1 else residual.contiguous()).reshape(-1, n)
     w, b = dense(weight), dense(bias)
-    y, s, _, _ = rows_fwd(x2, w, b, r2, float(eps), bool(centered), float(weight_offset), bool(residual_fp32))
+    args = (x2, w, b, r2, float(eps), bool(centered), float(weight_offset), bool(residual_fp32))
+    y, s, _, _ = _eager.call(rows_fwd, _RowsEager, _rows_fwd_impl, *args)
     return y.view(shape), (s.view(shape) if residual is not None else None)
