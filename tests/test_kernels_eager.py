@@ -96,7 +96,7 @@ def _run(name):
 @pytest.mark.parametrize("name", CASES)
 def test_eager_path_and_custom_op_are_bitwise_equal(name, monkeypatch):
     eager_outs, eager_grads = _run(name)
-    monkeypatch.setattr(_eager, "compiling", lambda: True)  # the custom ops, as torch.compile sees them
+    monkeypatch.setattr(_eager, "traced", lambda args: True)  # the custom ops, as torch.compile sees them
     op_outs, op_grads = _run(name)
     for i, (a, b) in enumerate(zip(eager_outs, op_outs)):
         assert torch.equal(a, b), f"{name}: output {i} differs between the eager path and the custom op"
@@ -139,3 +139,24 @@ def test_no_grad_calls_skip_autograd_and_double_backward_still_works():
     (gg64,) = torch.autograd.grad(g64.sum(), x64)
     torch.testing.assert_close(gx.double(), g64, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ggx.double(), gg64, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_traces_record_the_custom_ops_not_the_launch(name):
+    """A trace (make_fx with fake tensors, as AOTAutograd traces a compiled backward outside dynamo,
+    where ``torch.compiler.is_compiling()`` is False) must record the custom ops: launching a kernel on
+    fake tensors fails ("Cannot access data pointer"), as it did on an H100 under torch 2.11."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fn, inputs = CASES[name]
+
+    def fwd_bwd(*leaves):
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        live = [t for t in leaves if t.requires_grad]
+        return torch.autograd.grad(sum(o.float().sum() for o in outs), live, allow_unused=True)
+
+    leaves = [t.to(DEV).requires_grad_() for t in inputs]
+    graph = make_fx(fwd_bwd, tracing_mode="fake", _allow_non_fake_inputs=True)(*leaves).graph  # BN closes over buffers
+    ops = {str(n.target) for n in graph.nodes if n.op == "call_function" and "normscope" in str(n.target)}
+    assert any("fwd" in op for op in ops) and any("bwd" in op for op in ops), f"{name}: traced ops {sorted(ops)}"

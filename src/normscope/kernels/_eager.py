@@ -17,10 +17,28 @@ from collections.abc import Callable
 
 import torch
 
+#: the tensor types eager mode hands the kernels (anything else -- FakeTensor, FunctionalTensor, a
+#: tracer's proxy -- is a trace, which must record the custom op)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: how many torch dispatch modes (FakeTensorMode, a tracer's proxy mode, ...) are active: torch's own
+#: helper, private but present in every torch this package supports (2.4 on)
+_modes = torch._C._len_torch_dispatch_stack
 
-def compiling() -> bool:
-    """Whether this call is being traced by torch.compile (then the custom op must be what it sees)."""
-    return torch.compiler.is_compiling()
+
+def traced(args) -> bool:
+    """Whether a call with these arguments is being traced (torch.compile, AOTAutograd, make_fx,
+    export), so that the custom op, not the launch, must run. ``torch.compiler.is_compiling()``
+    alone does not tell: AOTAutograd traces a custom op's registered backward with functional fake
+    tensors outside dynamo, where it is False (seen on torch 2.11, CUDA)."""
+    if torch.compiler.is_compiling() or _modes():
+        return True
+    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args)
+
+
+def pick(op: Callable, launch: Callable, *args):
+    """``op(*args)`` when traced, else ``launch(*args)``: a custom op's backward calls its backward op
+    through this (the same launch either way)."""
+    return op(*args) if traced(args) else launch(*args)
 
 
 def function(forward: Callable, setup_context: Callable, backward: Callable) -> type[torch.autograd.Function]:
@@ -49,7 +67,7 @@ def function(forward: Callable, setup_context: Callable, backward: Callable) -> 
 def call(op: Callable, fn: type[torch.autograd.Function], forward: Callable, *args):
     """``op(*args)`` when traced by torch.compile; in eager mode ``fn.apply(*args)`` when autograd
     records the call, else ``forward(*args)`` (the launch itself: nothing to record)."""
-    if compiling():
+    if traced(args):
         return op(*args)
     if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return fn.apply(*args)

@@ -374,8 +374,9 @@ def _backward(ctx, dy, dmean, drstd, dvar, dcount):
     x3, weight, mean, rstd, mask, count = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
         return _backward_differentiable(ctx, dy, x3, weight, mean, rstd, mask)
-    bwd = channels_bwd if _eager.compiling() else _channels_bwd_impl  # the same launch; the op only when traced
-    dx, dw, db = bwd(dy.contiguous(), x3, weight, mean, rstd, mask, count, ctx.training)
+    dx, dw, db = _eager.pick(
+        channels_bwd, _channels_bwd_impl, dy.contiguous(), x3, weight, mean, rstd, mask, count, ctx.training
+    )
     return (
         dx,
         dw.to(weight.dtype) if weight is not None else None,

@@ -698,8 +698,9 @@ def _backward(ctx, dy, dmean, drstd):
     x, weight, mean, rstd = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
         return _backward_differentiable(ctx, dy, x, weight)
-    bwd = groups_bwd if _eager.compiling() else _groups_bwd_impl  # the same launch; the op only when traced
-    dx, dw, db = bwd(dy, x, weight, mean, rstd, ctx.groups, ctx.centered, ctx.b_dtype is not None)
+    dx, dw, db = _eager.pick(
+        groups_bwd, _groups_bwd_impl, dy, x, weight, mean, rstd, ctx.groups, ctx.centered, ctx.b_dtype is not None
+    )
     dw = dw.to(weight.dtype) if weight is not None else None
     db = db.to(ctx.b_dtype) if ctx.b_dtype is not None else None
     return dx, dw, db, None, None, None

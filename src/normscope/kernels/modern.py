@@ -289,8 +289,9 @@ def _modulated_backward(ctx, dy, dmean, drstd):
         out = [next(grads) if t is not None and t.requires_grad else None for t in inputs]
         return (*out, None, None, None, None)
     N = x.shape[1]
-    bwd = modulated_bwd if _eager.compiling() else _modulated_bwd_impl  # the same launch; the op only when traced
-    dx, dw, db, dsc = bwd(dy, x, scale, weight, bias, mean, rstd, centered, per_scale)
+    dx, dw, db, dsc = _eager.pick(
+        modulated_bwd, _modulated_bwd_impl, dy, x, scale, weight, bias, mean, rstd, centered, per_scale
+    )
     d_shift = d_scale = None
     need = ctx.needs_input_grad
     if shift is not None and need[1]:  # fixed-order sums over each sample's rows: deterministic
@@ -443,8 +444,9 @@ def _qk_backward(ctx, dyq, dyk, *dstats):
         if dy is None:
             dy = torch.zeros_like(x)
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()  # stride 0 from .sum() (QuACK #88)
-        bwd = rows_bwd if _eager.compiling() else _rows_bwd_impl  # the same launch; the op only when traced
-        grads.append(bwd(dy.contiguous(), None, x, w, m, r, centered, b is not None, offset))
+        grads.append(
+            _eager.pick(rows_bwd, _rows_bwd_impl, dy.contiguous(), None, x, w, m, r, centered, b is not None, offset)
+        )
     (dq, dwq, dbq), (dk, dwk, dbk) = grads
     cast = lambda t, like: t.to(like.dtype) if like is not None else None  # noqa: E731
     return dq, dk, cast(dwq, wq), cast(dwk, wk), cast(dbq, bq), cast(dbk, bk), None, None, None
@@ -639,8 +641,7 @@ def _poly_backward(ctx, dy, drstd):
             y = poly_ref(x, weight, bias, ctx.eps)
         g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
         return (*[next(g) if t.requires_grad else None for t in ins], None)
-    bwd = poly_bwd if _eager.compiling() else _poly_bwd_impl  # the same launch; the op only when traced
-    dx, total = bwd(dy, x, weight, rstd)
+    dx, total = _eager.pick(poly_bwd, _poly_bwd_impl, dy, x, weight, rstd)
     return dx, total[:3].to(weight.dtype), total[3:].to(bias.dtype), None
 
 
@@ -794,8 +795,7 @@ def _derf_backward(ctx, dy):
             y = derf_ref(*ins)
         g = iter(torch.autograd.grad(y, live, dy, create_graph=True, allow_unused=True))
         return tuple(next(g) if t is not None and t.requires_grad else None for t in ins)
-    bwd = derf_bwd if _eager.compiling() else _derf_bwd_impl  # the same launch; the op only when traced
-    dx, d_as, dwb = bwd(dy, x, alpha, shift, weight)
+    dx, d_as, dwb = _eager.pick(derf_bwd, _derf_bwd_impl, dy, x, alpha, shift, weight)
     d_alpha, d_shift = d_as[:1].to(alpha.dtype), d_as[1:].to(shift.dtype)
     if weight is None:
         return dx, d_alpha, d_shift, None, None

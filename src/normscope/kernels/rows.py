@@ -605,9 +605,18 @@ def _backward(ctx, dy, dres, dmean, drstd):
     if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
         return _backward_differentiable(ctx, dy, dres, xs, weight)
     dres = dres.contiguous() if ctx.has_r and dres is not None else None
-    bwd = rows_bwd if _eager.compiling() else _rows_bwd_impl  # the same launch; the op only when traced
-    ds, dw, db = bwd(
-        dy.contiguous(), dres, xs, weight, mean, rstd, ctx.centered, ctx.b_dtype is not None, ctx.weight_offset
+    ds, dw, db = _eager.pick(
+        rows_bwd,
+        _rows_bwd_impl,
+        dy.contiguous(),
+        dres,
+        xs,
+        weight,
+        mean,
+        rstd,
+        ctx.centered,
+        ctx.b_dtype is not None,
+        ctx.weight_offset,
     )
     dx = ds.to(ctx.x_dtype)
     dr = ds.to(ctx.r_dtype) if ctx.has_r else None
