@@ -101,8 +101,8 @@ for dt in ("fp32", "bf16"):
 
     for has_m in (False, True):
         csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_MASK"), (BP, BC, has_m))
-        sig = {"X": p, "MASK": "*u8", "PMEAN": "*fp32", "PM2": "*fp32", "PCNT": "*fp32", "C": "i32", "inner": "i32",
-               "P": "i32", "chunk": "i32", **csig}
+        sig = {"X": p, "MASK": "*u8", "FIRST": "*i64", "PMEAN": "*fp32", "PM2": "*fp32", "PCNT": "*fp32",
+               "C": "i32", "inner": "i32", "P": "i32", "chunk": "i32", **csig}
         check(CH._stats_kernel, sig, cval, f"channels stats {dt} {cval}")
     csig, cval = const(("BLOCK_P", "BLOCK_C"), (BP, BC))
     sig = {"DY": p, "X": p, "MEAN": "*fp32", "RSTD": "*fp32", "PSDY": "*fp32", "PSDYX": "*fp32",

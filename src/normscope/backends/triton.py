@@ -8,7 +8,7 @@ contract so that a call either gives torch's numbers or is declined with its rea
 * **layout**: the kernels read a canonical view (unit-stride rows; contiguous or channels_last
   (N, C, *); contiguous (outer, C, inner)). Inputs of any other strides -- sliced, transposed,
   expanded (stride 0), offset storage -- are copied once by the kernel entry points, which also
-  pass weights, biases and running buffers through :func:`normscope.kernels.rows.dense` (a view
+  pass weights, biases and running buffers through :func:`normscope.kernels._common.dense` (a view
   such as ``base[::2]`` or ``g.expand(n)`` is materialised: C elements, not the activation); masks
   are made contiguous here. Outputs keep a channels_last input's layout, as torch's do.
 * **dtypes**: float32/float16/bfloat16 input (statistics in fp32); anything else is declined.

@@ -40,7 +40,10 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _eager, config
-from .rows import _chan_combine, _next_pow2, _sm_count, dense, use_kernel
+from ._common import chan_combine as _chan_combine
+from ._common import dense, use_kernel
+from ._common import next_pow2 as _next_pow2
+from ._common import sm_count as _sm_count
 
 __all__ = ["batch_norm_channels"]
 

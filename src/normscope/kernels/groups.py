@@ -64,7 +64,9 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _eager, config
-from .rows import _chan_combine, _next_pow2, dense, use_kernel
+from ._common import chan_combine as _chan_combine
+from ._common import dense, use_kernel
+from ._common import next_pow2 as _next_pow2
 
 __all__ = ["group_norm", "group_norm_ref"]
 

@@ -49,12 +49,12 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _eager, config
-from .rows import _config, _programs, _row_stats, _rows_bwd_impl, dense, interpreting, rows_bwd, rows_ref, use_kernel
+from ._common import dense, fix_interpreter_index, interpreting, use_kernel
+from ._common import programs as _programs
+from .rows import _config, _row_stats, _rows_bwd_impl, rows_bwd, rows_ref
 
 if interpreting():
-    from .rows import _fix_interpreter_index
-
-    _fix_interpreter_index()
+    fix_interpreter_index()
 
 __all__ = ["modulated_rows", "modulated_ref", "qk_rows", "poly_rows", "derf_rows"]
 

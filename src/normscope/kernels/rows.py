@@ -43,8 +43,6 @@ Every kernel has a plain-PyTorch reference next to it (:func:`rows_ref`); on a C
 ``TRITON_INTERPRET=1`` the registered ops run that reference.
 """
 
-import functools
-import os
 from typing import Optional  # noqa: F401  (custom_op schemas are read from these annotations)
 
 import torch
@@ -53,66 +51,16 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _eager, config
+from ._common import chan_combine as _chan_combine
+from ._common import dense, use_kernel
+from ._common import next_pow2 as _next_pow2
+from ._common import programs as _programs
 
 __all__ = ["rows_norm", "rows_ref"]
 
 
-def interpreting() -> bool:
-    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _fix_interpreter_index() -> None:
-    """Triton <= 3.8's interpreter turns a scalar into an int with ``int(array_of_shape_(1,))``,
-    which NumPy >= 2.4 refuses, so every loop with a runtime bound fails on CPU. Triton 3.9 fixed
-    it (``.squeeze()``); do the same for older versions. Only the CPU interpreter is touched.
-
-    ``_patch_lang_tensor`` is private and changed shape: up to 3.5 it is ``(tensor)`` and sets
-    attributes directly; from 3.6 it is ``(tensor, scope)`` and sets them through ``scope`` (which
-    restores them afterwards). The wrapper passes on whatever it is given and sets ``__index__`` the
-    same way the original did."""
-    from triton.runtime import interpreter
-
-    orig = getattr(interpreter, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_normscope_fixed", False):
-        return
-
-    def index(self):
-        return int(self.handle.data.reshape(-1)[0])
-
-    def patched(tensor, *scope):
-        orig(tensor, *scope)
-        if scope:
-            scope[0].set_attr(tensor, "__index__", index)
-        else:
-            tensor.__index__ = index
-
-    patched._normscope_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-if interpreting():
-    _fix_interpreter_index()
-
-
-def use_kernel(x: Tensor) -> bool:
-    """Run the Triton kernel on ``x`` (CUDA, or any tensor under the interpreter), else the reference."""
-    return x.is_cuda or interpreting()
-
-
 # ----------------------------------------------------------------------------------------------
 # kernels
-
-
-@triton.jit
-def _chan_combine(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
-    """Chan et al.'s parallel combination of two parts' (count, mean, M2) -> the union's. It adds only
-    non-negative terms (no E[x^2] - E[x]^2 cancellation); a part with no element (n_b = 0) changes
-    nothing. Every kernel that walks a scope in tiles combines its tiles with this."""
-    n = n_a + n_b
-    delta = mean_b - mean_a
-    frac = n_b / tl.maximum(n, 1.0)
-    return n, mean_a + delta * frac, m2_a + m2_b + delta * delta * n_a * frac
 
 
 @triton.jit
@@ -340,10 +288,6 @@ def _rows_bwd_kernel(
 # launch configuration
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _config(N: int) -> tuple[int, int, bool, int]:
     """(BLOCK_M, BLOCK_N, looped, num_warps) for rows of length N (settings: kernels/config.py)."""
     block = _next_pow2(N)
@@ -372,18 +316,6 @@ def _bwd_config(N: int) -> tuple[int, int, bool, int, int]:
     if tuned is not None:
         return tuned[0], block_n, False, tuned[1], tuned[2]
     return block_m, block_n, False, warps, config.ROWS_BWD_PROGRAMS_PER_SM
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _programs(x: Tensor, work: int, per_sm: int) -> int:
-    """How many persistent programs the backward uses (deterministic for a given device)."""
-    if x.is_cuda:
-        return max(1, min(work, _sm_count(x.device.index or 0) * per_sm))
-    return max(1, min(work, config.INTERPRETER_PROGRAMS))
 
 
 def _rows_fwd_impl(x, weight, bias, residual, eps, centered, weight_offset, residual_fp32):
@@ -656,16 +588,6 @@ _RowsEager = _eager.function(_rows_fwd_impl, _setup_context, _backward)
 
 # ----------------------------------------------------------------------------------------------
 # the entry point
-
-
-def dense(t: Optional[Tensor]) -> Optional[Tensor]:
-    """A weight, bias or running buffer as the dense 1-d memory the kernels index: a view such as
-    ``base[::2]``, ``g.expand(n)`` or an offset slice is copied (C elements, not the activation).
-    Every kernel entry point passes its per-channel tensors through this."""
-    if t is None:
-        return None
-    t = t.reshape(-1)
-    return t if t.is_contiguous() else t.contiguous()
 
 
 def rows_norm(
