@@ -139,20 +139,20 @@ def test_tour_fails_when_a_layer_is_wrong(capsys, monkeypatch):
 
 def test_tour_pictures_hook(capsys, monkeypatch, tmp_path):
     calls = []
-    fake = types.ModuleType("normscope.viz")
+    fake = types.ModuleType("normscope.tools.viz")
     fake.draw_all = calls.append
-    monkeypatch.setitem(sys.modules, "normscope.viz", fake)
+    monkeypatch.setitem(sys.modules, "normscope.tools.viz", fake)
     rc, out, _ = run(capsys, "tour", "--plain", "--pictures", str(tmp_path))
     assert rc == 0 and calls == [str(tmp_path)]
 
-    monkeypatch.setitem(sys.modules, "normscope.viz", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "normscope.tools.viz", None)  # makes the import fail
     rc, out, err = run(capsys, "tour", "--plain", "--pictures", str(tmp_path))
-    assert rc == 1 and "normscope.viz" in err
+    assert rc == 1 and "normscope.tools.viz" in err
     assert "checks" not in out  # refused before the tour ran, not after it
 
 
 def test_tour_pictures_without_matplotlib_fails_before_the_checks(capsys, monkeypatch, tmp_path):
-    """normscope.viz imports (it needs matplotlib only to draw): the missing package must still be
+    """normscope.tools.viz imports (it needs matplotlib only to draw): the missing package must still be
     found up front, with the extra that installs it, and no check printed first."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     rc, out, err = run(capsys, "tour", "--plain", "--pictures", str(tmp_path))

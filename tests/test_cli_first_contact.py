@@ -1,5 +1,5 @@
 """`normscope explain` and `normscope draw` as a new user meets them: every name the help lists works with no
-options, both commands read names through one table (normscope.named.parse), the masked norms are explained
+options, both commands read names through one table (normscope.tools.named.parse), the masked norms are explained
 against a direct float64 computation over the valid elements, and an unwritable picture path is named."""
 
 import json
@@ -8,8 +8,9 @@ import re
 import pytest
 import torch
 
-from normscope import cli, explain
-from normscope.named import MASKED, NAMED, parse, spellings
+from normscope import cli
+from normscope.tools import explain
+from normscope.tools.named import MASKED, NAMED, parse, spellings
 
 
 def run(capsys, *argv):
@@ -94,7 +95,7 @@ def test_a_wrong_masked_norm_is_caught_by_the_comparison(monkeypatch, name):
 
 def test_draw_and_explain_read_names_through_one_table():
     pytest.importorskip("matplotlib")
-    from normscope.viz import draw
+    from normscope.tools.viz import draw
 
     for text in ("BatchNorm2d", "gn", "LayerNorm2d", "masked_layer", "QKNorm"):
         name = parse(text).name
@@ -106,7 +107,7 @@ def test_draw_and_explain_read_names_through_one_table():
 @pytest.mark.parametrize("name", [*spellings(), "BatchNorm2d", "LayerNorm2d"])
 def test_draw_cli_accepts_every_name_explain_lists(tmp_path, name):
     pytest.importorskip("matplotlib")
-    from normscope.viz import main as draw_main
+    from normscope.tools.viz import main as draw_main
 
     out = tmp_path / "x.png"
     assert draw_main([name, "-o", str(out)]) == 0
@@ -115,7 +116,7 @@ def test_draw_cli_accepts_every_name_explain_lists(tmp_path, name):
 
 def test_draw_names_the_path_it_cannot_write(capsys):
     pytest.importorskip("matplotlib")
-    from normscope.viz import main as draw_main
+    from normscope.tools.viz import main as draw_main
 
     assert draw_main(["group", "-o", "/proc/x.png"]) == 2
     err = capsys.readouterr().err

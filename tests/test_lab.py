@@ -1,4 +1,4 @@
-"""normscope.lab: every experiment at --smoke size, the verdict rules on fixed inputs, the results
+"""normscope.tools.lab: every experiment at --smoke size, the verdict rules on fixed inputs, the results
 cache, determinism and the norm adapter."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ pytest.importorskip("sklearn")
 
 import torch  # noqa: E402
 
-import normscope.lab as lab  # noqa: E402
-from normscope.lab import norms, verdicts  # noqa: E402
-from normscope.lab.verdicts import NOT_REPRODUCED, REPRODUCED  # noqa: E402
+from normscope.tools import lab  # noqa: E402
+from normscope.tools.lab import norms, verdicts  # noqa: E402
+from normscope.tools.lab.verdicts import NOT_REPRODUCED, REPRODUCED  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 RESULT_KEYS = {"experiment", "title", "mode", "config", "seeds", "metrics", "verdicts", "skipped", "plots",

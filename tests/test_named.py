@@ -1,4 +1,4 @@
-"""The one table of named layers (normscope.named): explain, draw and explore accept its names and build its
+"""The one table of named layers (normscope.tools.named): explain, draw and explore accept its names and build its
 scopes, and each entry's torch.nn equivalent computes what the engine computes on the entry's scope."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from normscope import engine, explain
-from normscope.explorer.api import layers_info, scope_example
-from normscope.named import LAYOUTS, NAMED, get, module_scope, names, scope_ids
+from normscope import engine
 from normscope.scope import Scope
+from normscope.tools import explain
+from normscope.tools.explorer.api import layers_info, scope_example
+from normscope.tools.named import LAYOUTS, NAMED, get, module_scope, names, scope_ids
 
 # a picture shape and a rank-4 shape per layout (the explorer takes (N, C, L) and (N, C, H, W) in nchw)
 SHAPES = {"nchw": [(3, 6, 4), (2, 6, 2, 3)], "bsd": [(2, 5, 6)]}
@@ -44,7 +45,7 @@ def test_explorer_uses_the_tables_scope(name, layout):
 @pytest.mark.parametrize("name,layout", KEYED)
 def test_draw_uses_the_tables_scope(name, layout):
     pytest.importorskip("matplotlib")
-    from normscope.viz import draw, figures, layer_names
+    from normscope.tools.viz import draw, figures, layer_names
 
     assert layer_names(layout) == names(layout)
     for shape in SHAPES[layout]:

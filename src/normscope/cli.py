@@ -28,13 +28,13 @@ __all__ = ["COMMANDS", "main"]
 #: lazily imported subcommands: name -> (module, help). The module's ``main(argv)`` runs them.
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (
-        "normscope.bench",
+        "normscope.tools.bench",
         "benchmark normscope against PyTorch, torch.compile and Liger (its Triton kernels on CUDA, else its CPU paths)",
     ),
     "doctor": ("normscope.doctor.cli", "diagnose a model's normalization layers on one real batch"),
-    "draw": ("normscope.viz", "draw pictures of each normalization's scope"),
-    "explore": ("normscope.explorer", "open the interactive scope explorer (a local web page)"),
-    "lab": ("normscope.lab", "small CPU training runs that reproduce the classic claims"),
+    "draw": ("normscope.tools.viz", "draw pictures of each normalization's scope"),
+    "explore": ("normscope.tools.explorer", "open the interactive scope explorer (a local web page)"),
+    "lab": ("normscope.tools.lab", "small CPU training runs that reproduce the classic claims"),
 }
 
 
@@ -125,9 +125,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     tour.add_argument("--json", action="store_true", help="print machine-readable results")
     tour.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
-    tour.add_argument("--pictures", metavar="DIR", help="also draw the scope pictures into DIR (needs normscope.viz)")
+    tour.add_argument(
+        "--pictures", metavar="DIR", help="also draw the scope pictures into DIR (needs normscope.tools.viz)"
+    )
 
-    from .named import spellings
+    from .tools.named import spellings
 
     explain = sub.add_parser(
         "explain",
@@ -225,8 +227,8 @@ def _writable_dir(text: str, argument: str, parser: argparse.ArgumentParser) -> 
 
 
 def _tour(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import tour
-    from ._term import Out
+    from .tools import tour
+    from .tools._term import Out
 
     if args.pictures:
         _writable_dir(args.pictures, "--pictures", parser)
@@ -259,14 +261,14 @@ def _tour(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _drawing_module():
-    """``(normscope.viz, None)`` when pictures can be drawn here, else ``(None, why)``.
+    """``(normscope.tools.viz, None)`` when pictures can be drawn here, else ``(None, why)``.
 
-    ``normscope.viz`` imports matplotlib only on first use of a drawing function, so importing the
+    ``normscope.tools.viz`` imports matplotlib only on first use of a drawing function, so importing the
     package proves nothing: matplotlib is imported here too (drawing imports it anyway)."""
     try:
-        viz = importlib.import_module("normscope.viz")
+        viz = importlib.import_module("normscope.tools.viz")
     except ModuleNotFoundError as e:
-        return None, f"drawing needs normscope.viz and its dependencies, which are not available here ({e.name})"
+        return None, f"drawing needs normscope.tools.viz and its dependencies, not available here ({e.name})"
     try:
         importlib.import_module("matplotlib")
     except ImportError:
@@ -275,8 +277,8 @@ def _drawing_module():
 
 
 def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import explain
-    from ._term import Out
+    from .tools import explain
+    from .tools._term import Out
 
     try:
         result = explain.explain(
