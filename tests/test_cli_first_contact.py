@@ -33,7 +33,7 @@ def _listed_names(capsys) -> list[str]:
 
 def test_help_lists_every_name_of_the_table_and_the_masked_ones(capsys):
     listed = _listed_names(capsys)
-    assert set(listed) >= {"qk", "adaln", "layer2d", "masked_batch", "masked_instance", "masked_group", "masked_layer"}
+    assert set(listed) >= {"qknorm", "adaln", "layer2d", "masked_batch", "masked_instance", "masked_group"}
     assert set(listed) == set(NAMED) | {f"masked_{n}" for n in MASKED}
 
 
@@ -55,9 +55,9 @@ def test_torch_names_work_with_no_options(capsys, name):
 
 
 def test_qk_takes_heads_and_defaults_to_two():
-    r = explain.explain("qk", (1, 2, 12), heads=3)
+    r = explain.explain("qknorm", (1, 2, 12), heads=3)
     assert r["groups"] == 3 and r["scope"]["elements_per_scope"] == 4 and r["scope"]["num_scopes"] == 2 * 3
-    assert explain.explain("qk")["groups"] == 2
+    assert explain.explain("qknorm")["groups"] == 2
 
 
 def test_group_without_groups_takes_two_or_the_smallest_divisor():

@@ -35,7 +35,7 @@ def test_worked_numbers_are_the_definition(req):
     assert torch.allclose(torch.tensor(r["values"], dtype=torch.float64), x, atol=1e-6)
     ids = torch.tensor(r["scope_ids"])
     y = torch.tensor(r["output"], dtype=torch.float64)
-    centered = req["layer"] not in ("rms", "qk")  # the uncentered (mean-square) scopes
+    centered = req["layer"] not in ("rms", "qknorm")  # the uncentered (mean-square) scopes
     for k in ids[ids >= 0].unique().tolist():
         v = x[ids == k]
         mu = v.mean() if centered else torch.zeros((), dtype=torch.float64)

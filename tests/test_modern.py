@@ -417,7 +417,7 @@ def test_explain_shows_qk_norms_per_head_scope_and_adalns_affine():
     r = explain.explain("AdaLayerNorm", (2, 3, 8), values=x.flatten().tolist())
     assert r["layer"] == "adaln" and "conditioning tensor" in r["affine"]
     close(torch.tensor(r["output"]), ln64(x, 1e-5), torch.float32)
-    assert explain.explain("qk", (2, 3, 8))["groups"] == 2  # the heads, by default 2 where they divide D
+    assert explain.explain("qknorm", (2, 3, 8))["groups"] == 2  # the heads, by default 2 where they divide D
     with pytest.raises(explain.UsageError, match="3 axes"):
         explain.explain("adaln", (2, 3, 4, 4))
 

@@ -140,7 +140,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "  normscope explain group\n"
         "  normscope explain layer --shape 4 --values 10,2,6,14\n"
         "  normscope explain BatchNorm2d --shape 2,3,2,2\n"
-        "  normscope explain qk --shape 2,3,8 --heads 4\n"
+        "  normscope explain qknorm --shape 2,3,8 --heads 4\n"
         "  normscope explain masked_batch --shape 2,3,5 --mask 5,2 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -150,15 +150,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"{', '.join(spellings())} (or torch names: BatchNorm2d, LayerNorm, GroupNorm, LayerNorm2d, ...)",
     )
     explain.add_argument(
-        "--shape", type=_shape, help="input shape, e.g. 2,3,2,2 (N,C,H,W; B,S,D for qk and adaln). Default: a small one"
+        "--shape",
+        type=_shape,
+        help="input shape, e.g. 2,3,2,2 (N,C,H,W; B,S,D for qknorm and adaln). Default: a small one",
     )
     explain.add_argument(
         "--groups",
         type=_positive_int,
-        help="group layer: number of groups (qk: the same as --heads). Default: 2, or the smallest divisor of C",
+        help="group layer: number of groups (qknorm: the same as --heads). Default: 2, or the smallest divisor of C",
     )
     explain.add_argument(
-        "--heads", type=_positive_int, help="qk layer: number of heads splitting D. Default: 2, or the smallest divisor"
+        "--heads",
+        type=_positive_int,
+        help="qknorm layer: number of heads splitting D. Default: 2, or the smallest divisor",
     )
     explain.add_argument(
         "--mask",

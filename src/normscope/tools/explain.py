@@ -1,7 +1,7 @@
 """``normscope explain``: what one normalization layer does to one small tensor, in words and numbers.
 
 For a layer -- any name of the table in :mod:`normscope.tools.named` (``batch``, ``layer``, ``instance``, ``group``,
-``rms``, ``layer2d``, ``qk``, ``adaln``), its masked forms (``masked_batch``, ...), or a torch class name such as
+``rms``, ``layer2d``, ``qknorm``, ``adaln``), its masked forms (``masked_batch``, ...), or a torch class name such as
 ``BatchNorm2d`` -- and an input (a small default one when no shape is given) it reports
 
 * the *scope*: which axes share one mean and variance, how many scopes there are, how many
@@ -51,12 +51,12 @@ KINDS = {name: e.torch_class for name, e in NAMED.items() if e.torch_class is no
 
 #: layers of the table that torch.nn has no class for, shown on (B, S, D) tokens and compared with
 #: their torch.nn.functional equivalent (:meth:`normscope.tools.named.NamedLayer.torch_equivalent`)
-BSD_KINDS = ("qk", "adaln")
+BSD_KINDS = ("qknorm", "adaln")
 
 
 #: where the affine of a BSD_KINDS layer comes from, in words (explain shows the output before it)
 _AFFINE = {
-    "qk": "weight: one value per head_dim position, shared by every head (Qwen3, Gemma 3); OLMo 2's norm "
+    "qknorm": "weight: one value per head_dim position, shared by every head (Qwen3, Gemma 3); OLMo 2's norm "
     "over all heads is the rms layer over D",
     "adaln": "the affine is not a parameter: y * (1 + scale) + shift, with shift and scale computed from a "
     "conditioning tensor (Linear(SiLU(c)), one per sample or token); shown: the output before it, which is "
@@ -94,7 +94,7 @@ def default_shape(kind: str, spatial: int | None = None) -> tuple[int, ...]:
     with more than one value in every scope. ``spatial`` is the rank a torch name implies (``BatchNorm2d``)."""
     if kind in ("batch", "instance"):
         return (2, 3, *((2,) * spatial if spatial and spatial > 1 else (4,)))
-    return {"group": (2, 4, 3), "layer2d": (2, 3, 2, 2), "qk": (2, 3, 8)}.get(kind, (2, 3, 4))
+    return {"group": (2, 4, 3), "layer2d": (2, 3, 2, 2), "qknorm": (2, 3, 8)}.get(kind, (2, 3, 4))
 
 
 def _default_divisor(n: int) -> int:
@@ -199,8 +199,8 @@ def _setup(
         )
     if not (isinstance(eps, float | int) and eps >= 0):
         raise UsageError("--eps", f"expected a non-negative number, got {eps!r}")
-    if heads is not None and kind != "qk":
-        raise UsageError("--heads", f"only the qk layer takes --heads, got --heads {heads} for {kind}")
+    if heads is not None and kind != "qknorm":
+        raise UsageError("--heads", f"only the qknorm layer takes --heads, got --heads {heads} for {kind}")
     if kind in BSD_KINDS:
         return _setup_bsd(kind, shape, groups, last, float(eps), heads)
     name = NAMED[kind].torch_class or NAMED[kind].title
@@ -226,7 +226,9 @@ def _setup(
                 f"expected a number of groups dividing the {c} channels (valid: {_divisors(c)}), got {groups}",
             )
     elif groups is not None:
-        raise UsageError("--groups", f"only the group and qk layers take --groups, got --groups {groups} for {kind}")
+        raise UsageError(
+            "--groups", f"only the group and qknorm layers take --groups, got --groups {groups} for {kind}"
+        )
     if kind in ("layer", "rms"):
         if last is None:
             last = max(rank - 1, 1)  # everything but the batch axis: one scope per sample
@@ -286,13 +288,15 @@ def _setup_bsd(
             "--shape", f"{title} expects 3 axes (B, S, D): batch, tokens, features; got {len(shape)}: {shape}"
         )
     d = shape[2]
-    if kind == "qk" and groups is not None:  # the heads are QK-norm's groups: --groups is accepted as --heads
+    if kind == "qknorm" and groups is not None:  # the heads are QK-norm's groups: --groups is accepted as --heads
         if heads is not None and heads != groups:
-            raise UsageError("--heads", f"expected --heads and --groups to agree for qk, got {heads} and {groups}")
+            raise UsageError("--heads", f"expected --heads and --groups to agree for qknorm, got {heads} and {groups}")
         heads, groups = groups, None
     if groups is not None:
-        raise UsageError("--groups", f"only the group and qk layers take --groups, got --groups {groups} for {kind}")
-    if kind == "qk":
+        raise UsageError(
+            "--groups", f"only the group and qknorm layers take --groups, got --groups {groups} for {kind}"
+        )
+    if kind == "qknorm":
         if heads is None:
             heads = _default_divisor(d)
         if heads < 1 or d % heads:
@@ -315,7 +319,7 @@ def _outputs(setup: _Setup, x: Tensor) -> tuple[Tensor, Tensor, Tensor, str]:
     everywhere = torch.ones(setup.shape, dtype=torch.bool)
     if mask is not None:
         return _masked_outputs(setup, x, mask)
-    if kind == "qk":  # the (B, S, D) projection seen as (B, S, H, D/H) heads
+    if kind == "qknorm":  # the (B, S, D) projection seen as (B, S, H, D/H) heads
         b, s, d = setup.shape
         h = setup.groups
         y = FM.qk_norm(x.view(b, s, h, d // h), x.view(b, s, h, d // h), eps=setup.eps)[0].reshape(b, s, d)
@@ -400,9 +404,9 @@ def explain(
 
     Args:
         layer: a name of :func:`normscope.tools.named.spellings` (``batch``, ``layer``, ``instance``, ``group``,
-            ``rms``, ``layer2d``, ``qk``, ``adaln``, ``masked_batch``, ...) or a torch class name.
+            ``rms``, ``layer2d``, ``qknorm``, ``adaln``, ``masked_batch``, ...) or a torch class name.
         shape: the input shape, e.g. ``(2, 3, 2, 2)``. Default: :func:`default_shape` of the layer.
-        groups: GroupNorm's number of groups; for ``qk`` the same as ``heads`` (its heads are groups of D).
+        groups: GroupNorm's number of groups; for ``qknorm`` the same as ``heads`` (its heads are groups of D).
             Refused for other layers. Default: 2 where it divides the channels, else their smallest divisor
             above 1.
         values: the input's values in row-major order. Default: :func:`example_values`.
@@ -444,7 +448,7 @@ def explain(
         y, y_torch, compared, torch_call = _outputs(setup, x)
     diff = (y - y_torch)[compared].abs().max().item()
     words = describe(resolved, names)
-    if kind == "qk":
+    if kind == "qknorm":
         words = words.replace("channels of one group", "features of one head").replace("and group", "and head")
 
     stats = []

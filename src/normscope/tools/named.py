@@ -1,7 +1,9 @@
-"""The named layers of the teaching tools: the one table that ``explain``, ``draw`` and ``explore`` read.
+"""The teaching metadata of the registry's names: the table that ``explain``, ``draw`` and ``explore`` read.
 
-A name -- ``"batch"``, ``"layer"``, ``"instance"``, ``"group"``, ``"rms"``, ``"layer2d"`` -- stands for one
-normalization. Its :class:`NamedLayer` says how to title and describe it, which ``torch.nn`` classes are that
+The names are the registry's (:func:`normscope.norm_names`, what :func:`normscope.get_norm` builds):
+``"batch"``, ``"layer"``, ``"instance"``, ``"group"``, ``"rms"``, ``"layer2d"``, ``"qknorm"``, ``"adaln"``. This
+table adds what teaching needs to a name of that one list, and names nothing the registry does not know. Its
+:class:`NamedLayer` says how to title and describe it, which ``torch.nn`` classes are that
 layer, how to build its :class:`~normscope.scope.Scope` for an input's layout and rank, and how
 ``torch.nn.functional`` computes the same normalization (without affine), which the tools compare their
 output against. :func:`scope_ids` numbers the scopes of a tensor for their tables and pictures.
@@ -62,7 +64,7 @@ class NamedLayer:
     """One named layer of the teaching tools.
 
     Attributes:
-        name: the key (``"group"``).
+        name: the key, a name of the registry (``"group"``; :func:`normscope.get_norm` builds the layer).
         title: what pictures and pages call it (``"GroupNorm"``).
         note: its scope in one sentence, for the explorer page.
         torch_class: the ``torch.nn`` class family (``"BatchNorm"``), or None when torch has none (LayerNorm2d).
@@ -258,14 +260,14 @@ _TABLE = (
         torch_bsd=None,
     ),
     NamedLayer(
-        name="qk",
+        name="qknorm",
         title="QK-norm (per head)",
         note="RMSNorm of queries/keys per head (Qwen3, Gemma 3): each token's D features split into G heads "
         "of D/G, one mean square per (token, head) -- GroupNorm's grouping along the feature axis; OLMo 2 "
         "takes the whole D (the rms layer)",
         torch_class=None,
         per_rank=False,
-        aliases=("qknorm",),
+        aliases=("qk",),
         module_types=(),  # QKNorm takes q and k (B, S, H, D): no single-tensor picture of a module
         nchw=None,
         bsd=lambda ndim, g, last: Scope(reduce=(2,), centered=False, groups=g, group_dim=2, affine=(2,)),
@@ -295,7 +297,7 @@ _TABLE = (
 NAMED: dict[str, NamedLayer] = {entry.name: entry for entry in _TABLE}
 #: every alias, and the long forms of the modern norms' names, -> the table's key
 _ALIASES = {alias.replace("_", ""): e.name for e in _TABLE for alias in e.aliases}
-_ALIASES.update({"qknorm": "qk", "adalnzero": "adaln", "adalayer": "adaln", "adaptivelayer": "adaln"})
+_ALIASES.update({"adalnzero": "adaln", "adalayer": "adaln", "adaptivelayer": "adaln"})
 _ALIASES.update({"layer2d": "layer2d", "layernorm2d": "layer2d"})
 
 

@@ -363,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--layout",
         choices=("nchw", "bsd"),
         default=None,
-        help="the N×C×H·W cube or (B,S,D) strips (default: nchw, or bsd for layers only defined there: qk, adaln)",
+        help="the N×C×H·W cube or (B,S,D) strips (default: nchw, or bsd for layers only defined there: qknorm, adaln)",
     )
     p.add_argument("--view", choices=("cube", "slices"), default=None, help="cube or one grid per sample")
     p.add_argument("--groups", type=int, default=2, help="GroupNorm groups (default 2)")
