@@ -22,14 +22,13 @@ import torch
 from torch import Tensor
 
 from ...scope import Scope
-from ..named import LAYOUTS, NAMED, NamedLayer, check_layout, get, names, scope_ids
+from ..named import LAYOUTS, NAMED, check_layout, get, names, scope_ids
 
 __all__ = [
     "PALETTE",
     "HIGHLIGHT",
     "LAYOUTS",
     "LAYERS",
-    "LayerSpec",
     "layer_names",
     "layer_scope",
     "scope_ids",
@@ -64,7 +63,6 @@ _AXES = {"nchw": ("N", "C", "H·W"), "bsd": ("B", "S", "D")}
 
 #: the named layers: the one table of :mod:`normscope.tools.named`, which explain and the explorer read too
 LAYERS = NAMED
-LayerSpec = NamedLayer  # the name this module gave the entries before the table moved to normscope.tools.named
 layer_names = names
 
 
