@@ -124,3 +124,34 @@ def test_the_tools_are_read():
 def test_the_tools_use_no_private_name_of_the_core(path):
     found = violations(path.read_text(), _module_name(path), is_package=path.name == "__init__.py")
     assert not found, f"{path.relative_to(SRC.parent)} uses private names of the core: {found}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the short public names (normscope.bench, ...) are the tools themselves
+
+SHORT = ("bench", "lab", "viz", "explorer", "tour", "explain", "named")
+
+
+@pytest.mark.parametrize("name", SHORT)
+def test_each_short_name_gives_the_tools_objects(name):
+    import importlib
+
+    short = importlib.import_module(f"normscope.{name}")
+    real = importlib.import_module(f"normscope.tools.{name}")
+    assert short.__all__ == real.__all__
+    for attr in real.__all__:
+        assert getattr(short, attr) is getattr(real, attr), attr
+    with pytest.raises(AttributeError):
+        short.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize("name", ["bench", "lab", "viz", "explorer"])
+def test_python_dash_m_on_a_short_name_runs_the_tool(name, monkeypatch, capsys):
+    import runpy
+    import sys
+
+    monkeypatch.setattr(sys, "argv", [f"normscope.{name}", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module(f"normscope.{name}", run_name="__main__")
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out
