@@ -9,7 +9,7 @@
 #   tests   env + tests/test_kernels*.py on CUDA (NORMSCOPE_TEST_DEVICE=cuda, 8 pytest-xdist workers)
 #           + compute-sanitizer memcheck of benchmarks/sanitize_kernels.py
 #           + benchmarks/compile_check.py (GPU_CHECK_COMPILE=0: left to the CPU, where it runs too) ~3-5 min
-#   bench   env + `python -m normscope.bench --resume --budget-s B`: bf16 first, then fp32,
+#   bench   env + `python -m normscope.tools.bench --resume --budget-s B`: bf16 first, then fp32,
 #           B = what is left of the call's limit less a margin; complete run ~12-20 min, so it
 #           takes two or three calls (each resumes the JSON; nothing measured is redone).
 #           Each pass also writes the measured-choice table of everything measured so far
@@ -112,7 +112,7 @@ except ImportError:
     print("matplotlib: not importable (the bench writes no PNG; redraw later with --plot-only)")
 import normscope
 print("normscope", normscope.__version__, normscope.__file__, "backends", normscope.backends())
-from normscope import bench
+from normscope.tools import bench
 peers, version, absent = bench.peers._liger_peers()
 print("liger-kernel", version if peers else f"absent: {absent}", f"(adapter checked against {bench.LIGER_CHECKED})")
 EOF
@@ -197,7 +197,7 @@ if [[ "$mode" == bench || "$mode" == all ]]; then
     fi
     say "bench $dtypes: budget ${budget}s"
     # the bench stops starting configurations after the budget; timeout is the backstop
-    timeout $((budget + margin - 20)) python3 -m normscope.bench ${extra[@]+"${extra[@]}"} --cases "$cases" \
+    timeout $((budget + margin - 20)) python3 -m normscope.tools.bench ${extra[@]+"${extra[@]}"} --cases "$cases" \
       --dtypes "$dtypes" --peers "${GPU_CHECK_PEERS:-torch,compile,liger}" --resume --budget-s "$budget" \
       --out "$outdir" 2>&1 | tee -a "$outdir/bench.log"
     rc=$?
@@ -216,7 +216,7 @@ if [[ "$mode" == bench || "$mode" == all ]]; then
   if ((${#json[@]})); then
     python3 - "${json[0]}" <<'EOF' 2>&1 | tee -a "$summary"
 import json, sys
-from normscope import bench
+from normscope.tools import bench
 r = json.load(open(sys.argv[1]))
 found = bench.problems(r)
 want = bench.plan(bench.CASES, ["bf16", "fp32"], r["level"])  # what gpu_check's bench runs, all of it

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from normscope import bench
+from normscope.tools import bench
 
 
 @pytest.fixture

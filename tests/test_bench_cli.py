@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from normscope import bench
+from normscope.tools import bench
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from normscope import bench
+from normscope.tools import bench
 
 pytest.importorskip("triton", reason="the dry run needs Triton")
 pytestmark = [

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from normscope import bench
+from normscope.tools import bench
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from normscope import bench
-from normscope.bench import cases
 from normscope.kernels import config
+from normscope.tools import bench
+from normscope.tools.bench import cases
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",

@@ -139,20 +139,20 @@ def test_tour_fails_when_a_layer_is_wrong(capsys, monkeypatch):
 
 def test_tour_pictures_hook(capsys, monkeypatch, tmp_path):
     calls = []
-    fake = types.ModuleType("normscope.viz")
+    fake = types.ModuleType("normscope.tools.viz")
     fake.draw_all = calls.append
-    monkeypatch.setitem(sys.modules, "normscope.viz", fake)
+    monkeypatch.setitem(sys.modules, "normscope.tools.viz", fake)
     rc, out, _ = run(capsys, "tour", "--plain", "--pictures", str(tmp_path))
     assert rc == 0 and calls == [str(tmp_path)]
 
-    monkeypatch.setitem(sys.modules, "normscope.viz", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "normscope.tools.viz", None)  # makes the import fail
     rc, out, err = run(capsys, "tour", "--plain", "--pictures", str(tmp_path))
-    assert rc == 1 and "normscope.viz" in err
+    assert rc == 1 and "normscope.tools.viz" in err
     assert "checks" not in out  # refused before the tour ran, not after it
 
 
 def test_tour_pictures_without_matplotlib_fails_before_the_checks(capsys, monkeypatch, tmp_path):
-    """normscope.viz imports (it needs matplotlib only to draw): the missing package must still be
+    """normscope.tools.viz imports (it needs matplotlib only to draw): the missing package must still be
     found up front, with the extra that installs it, and no check printed first."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     rc, out, err = run(capsys, "tour", "--plain", "--pictures", str(tmp_path))
@@ -279,10 +279,10 @@ def test_explain_words_name_the_scope(capsys):
         (["explain", "batch", "--shape", "2,3", "--mask", "2,1"], "argument --shape: a masked norm needs"),
         (["explain", "masked_layer", "--shape", "2,3,4", "--mask", "4,5"], "argument --mask: expected 2 valid lengths"),
         (["explain", "rms", "--mask", "2,1"], "argument --mask: expected a layer with a masked form"),
-        (["explain", "qk", "--groups", "2", "--heads", "4"], "argument --heads: expected --heads and --groups"),
-        (["explain", "adaln", "--groups", "2"], "argument --groups: only the group and qk layers take --groups"),
-        (["explain", "qk", "--shape", "2,3,6", "--heads", "4"], "argument --heads: expected a number of heads"),
-        (["explain", "layer", "--heads", "2"], "argument --heads: only the qk layer"),
+        (["explain", "qknorm", "--groups", "2", "--heads", "4"], "argument --heads: expected --heads and --groups"),
+        (["explain", "adaln", "--groups", "2"], "argument --groups: only the group and qknorm layers take --groups"),
+        (["explain", "qknorm", "--shape", "2,3,6", "--heads", "4"], "argument --heads: expected a number of heads"),
+        (["explain", "layer", "--heads", "2"], "argument --heads: only the qknorm layer"),
         (["explain", "BatchNorm2d", "--shape", "2,3,4"], "argument --shape: BatchNorm2d expects 4 axes"),
         (["explain", "batch", "--shape", "1,3"], "argument --shape: BatchNorm1d in training needs more than one value"),
         (["explain", "instance", "--shape", "2,3"], "argument --shape"),
@@ -291,7 +291,7 @@ def test_explain_words_name_the_scope(capsys):
             "argument --groups: expected a number of groups dividing the 6",
         ),
         (["explain", "group", "--shape", "2,6,4", "--groups", "0"], "argument --groups"),
-        (["explain", "layer", "--shape", "2,3", "--groups", "2"], "argument --groups: only the group and qk layers"),
+        (["explain", "layer", "--shape", "2,3", "--groups", "2"], "argument --groups: only the group and qknorm"),
         (["explain", "layer", "--shape", "2,3", "--values", "1,2"], "argument --values: expected 6 values"),
         (["explain", "layer", "--shape", "2,3", "--values", "1,a"], "argument --values"),
         (["explain", "rms", "--shape", "2,3", "--last", "3"], "argument --last"),

@@ -1,5 +1,5 @@
 """`normscope explain` and `normscope draw` as a new user meets them: every name the help lists works with no
-options, both commands read names through one table (normscope.named.parse), the masked norms are explained
+options, both commands read names through one table (normscope.tools.named.parse), the masked norms are explained
 against a direct float64 computation over the valid elements, and an unwritable picture path is named."""
 
 import json
@@ -8,8 +8,9 @@ import re
 import pytest
 import torch
 
-from normscope import cli, explain
-from normscope.named import MASKED, NAMED, parse, spellings
+from normscope import cli
+from normscope.tools import explain
+from normscope.tools.named import MASKED, NAMED, parse, spellings
 
 
 def run(capsys, *argv):
@@ -32,7 +33,7 @@ def _listed_names(capsys) -> list[str]:
 
 def test_help_lists_every_name_of_the_table_and_the_masked_ones(capsys):
     listed = _listed_names(capsys)
-    assert set(listed) >= {"qk", "adaln", "layer2d", "masked_batch", "masked_instance", "masked_group", "masked_layer"}
+    assert set(listed) >= {"qknorm", "adaln", "layer2d", "masked_batch", "masked_instance", "masked_group"}
     assert set(listed) == set(NAMED) | {f"masked_{n}" for n in MASKED}
 
 
@@ -54,9 +55,9 @@ def test_torch_names_work_with_no_options(capsys, name):
 
 
 def test_qk_takes_heads_and_defaults_to_two():
-    r = explain.explain("qk", (1, 2, 12), heads=3)
+    r = explain.explain("qknorm", (1, 2, 12), heads=3)
     assert r["groups"] == 3 and r["scope"]["elements_per_scope"] == 4 and r["scope"]["num_scopes"] == 2 * 3
-    assert explain.explain("qk")["groups"] == 2
+    assert explain.explain("qknorm")["groups"] == 2
 
 
 def test_group_without_groups_takes_two_or_the_smallest_divisor():
@@ -94,7 +95,7 @@ def test_a_wrong_masked_norm_is_caught_by_the_comparison(monkeypatch, name):
 
 def test_draw_and_explain_read_names_through_one_table():
     pytest.importorskip("matplotlib")
-    from normscope.viz import draw
+    from normscope.tools.viz import draw
 
     for text in ("BatchNorm2d", "gn", "LayerNorm2d", "masked_layer", "QKNorm"):
         name = parse(text).name
@@ -106,7 +107,7 @@ def test_draw_and_explain_read_names_through_one_table():
 @pytest.mark.parametrize("name", [*spellings(), "BatchNorm2d", "LayerNorm2d"])
 def test_draw_cli_accepts_every_name_explain_lists(tmp_path, name):
     pytest.importorskip("matplotlib")
-    from normscope.viz import main as draw_main
+    from normscope.tools.viz import main as draw_main
 
     out = tmp_path / "x.png"
     assert draw_main([name, "-o", str(out)]) == 0
@@ -115,7 +116,7 @@ def test_draw_cli_accepts_every_name_explain_lists(tmp_path, name):
 
 def test_draw_names_the_path_it_cannot_write(capsys):
     pytest.importorskip("matplotlib")
-    from normscope.viz import main as draw_main
+    from normscope.tools.viz import main as draw_main
 
     assert draw_main(["group", "-o", "/proc/x.png"]) == 2
     err = capsys.readouterr().err

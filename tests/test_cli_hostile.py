@@ -57,7 +57,7 @@ def test_draw_bad_sizes_exit_2_at_once(capsys, argv, argument):
 
 def test_draw_largest_allowed_picture_is_drawn(capsys, tmp_path):
     pytest.importorskip("matplotlib")
-    from normscope.viz.figures import MAX_ELEMENTS
+    from normscope.tools.viz.figures import MAX_ELEMENTS
 
     rc, out, err = run(capsys, "draw", "layer", "--shape", f"1,{MAX_ELEMENTS // 64},64", "-o", str(tmp_path / "a.png"))
     assert rc == 0, err

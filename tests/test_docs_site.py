@@ -61,9 +61,9 @@ def _node(target, module=None):
 
 def test_a_reference_to_something_real_but_unlisted_becomes_text_and_a_missing_one_still_warns(conf):
     contnode = object()
-    real = _node("normscope.bench.cases")  # a real submodule with no page of its own
+    real = _node("normscope.tools.bench.cases")  # a real submodule with no page of its own
     assert conf._unlinked_but_real(None, None, real, contnode) is contnode
-    relative = _node("allowed_hosts", module="normscope.explorer")  # defined in normscope.explorer.server
+    relative = _node("allowed_hosts", module="normscope.tools.explorer")  # defined in normscope.tools.explorer.server
     assert conf._unlinked_but_real(None, None, relative, contnode) is contnode
     assert conf._unlinked_but_real(None, None, _node("normscope.no_such_name"), contnode) is None
     assert conf._unlinked_but_real(None, None, _node("no_such_name", module="normscope"), contnode) is None

@@ -11,10 +11,10 @@ from urllib.parse import urlparse
 import pytest
 import torch
 
-from normscope.explorer import main as explore_main
-from normscope.explorer.api import LIMITS, ApiError, example_input, scope_example
-from normscope.explorer.server import serve_in_thread
-from normscope.viz import layer_names
+from normscope.tools.explorer import main as explore_main
+from normscope.tools.explorer.api import LIMITS, ApiError, example_input, scope_example
+from normscope.tools.explorer.server import serve_in_thread
+from normscope.tools.viz import layer_names
 
 REQUESTS = [
     *[{"layer": n, "layout": "nchw"} for n in layer_names("nchw")],
@@ -35,7 +35,7 @@ def test_worked_numbers_are_the_definition(req):
     assert torch.allclose(torch.tensor(r["values"], dtype=torch.float64), x, atol=1e-6)
     ids = torch.tensor(r["scope_ids"])
     y = torch.tensor(r["output"], dtype=torch.float64)
-    centered = req["layer"] not in ("rms", "qk")  # the uncentered (mean-square) scopes
+    centered = req["layer"] not in ("rms", "qknorm")  # the uncentered (mean-square) scopes
     for k in ids[ids >= 0].unique().tolist():
         v = x[ids == k]
         mu = v.mean() if centered else torch.zeros((), dtype=torch.float64)
@@ -204,7 +204,7 @@ def test_page_needs_no_network():
     import re
     from importlib import resources
 
-    static = resources.files("normscope.explorer").joinpath("static")
+    static = resources.files("normscope.tools.explorer").joinpath("static")
     for name in ("index.html", "app.js", "style.css"):
         text = static.joinpath(name).read_text()
         urls = set(re.findall(r"(?:https?:)?//[\w.-]+\.[a-z]{2,}[^\s\"')]*", text))

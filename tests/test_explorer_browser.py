@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def server():
-    from normscope.explorer import serve_in_thread
+    from normscope.tools.explorer import serve_in_thread
 
     srv, thread, url = serve_in_thread("127.0.0.1", 0)
     yield url

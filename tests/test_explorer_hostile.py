@@ -12,9 +12,9 @@ from urllib.parse import urlparse
 
 import pytest
 
-from normscope.explorer import main as explore_main
-from normscope.explorer.api import ApiError, scope_example
-from normscope.explorer.server import address_family, allowed_hosts, host_name, make_server, serve_in_thread
+from normscope.tools.explorer import main as explore_main
+from normscope.tools.explorer.api import ApiError, scope_example
+from normscope.tools.explorer.server import address_family, allowed_hosts, host_name, make_server, serve_in_thread
 
 
 def _strict_json(data: bytes):

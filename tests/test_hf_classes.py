@@ -102,3 +102,9 @@ def test_patch_classes_all_families_and_bad_names():
     assert "normscope patched 3 normalization class(es)" in str(report)
     with pytest.raises(ValueError, match="unknown model type"):
         hf.patch_classes("llama3000")
+
+
+def test_patch_classes_takes_no_verify_keyword():
+    """Classes are always probed (the probe finds their configuration): `verify=` is refused by name."""
+    with pytest.raises(TypeError, match="verify"):
+        hf.patch_classes("llama", verify=False)

@@ -1,10 +1,9 @@
-"""normscope.lab: every experiment at --smoke size, the verdict rules on fixed inputs, the results
+"""normscope.tools.lab: every experiment at --smoke size, the verdict rules on fixed inputs, the results
 cache, determinism and the norm adapter."""
 
 from __future__ import annotations
 
 import json
-import math
 from html import escape as html_escape
 
 import pytest
@@ -14,9 +13,9 @@ pytest.importorskip("sklearn")
 
 import torch  # noqa: E402
 
-import normscope.lab as lab  # noqa: E402
-from normscope.lab import norms, verdicts  # noqa: E402
-from normscope.lab.verdicts import NOT_REPRODUCED, REPRODUCED  # noqa: E402
+from normscope.tools import lab  # noqa: E402
+from normscope.tools.lab import norms, verdicts  # noqa: E402
+from normscope.tools.lab.verdicts import NOT_REPRODUCED, REPRODUCED  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 RESULT_KEYS = {"experiment", "title", "mode", "config", "seeds", "metrics", "verdicts", "skipped", "plots",
@@ -110,42 +109,14 @@ def test_cli(tmp_path, capsys):
 # verdict rules on fixed inputs: both outcomes
 
 
-def test_batch_size_rule():
-    assert verdicts.batch_size_rule({32: 2.0, 2: 9.0}, {32: 2.5, 2: 3.0}).outcome == REPRODUCED
-    assert verdicts.batch_size_rule({32: 2.0, 2: 2.5}, {32: 2.5, 2: 3.0}).outcome == NOT_REPRODUCED
-    # GN degrades as much as BN: not the claim
-    assert verdicts.batch_size_rule({32: 2.0, 2: 9.0}, {32: 2.0, 2: 8.0}).outcome == NOT_REPRODUCED
-    assert verdicts.batch_size_rule({32: 2.0, 2: math.nan}, {32: 2.0, 2: 2.0}).outcome == NOT_REPRODUCED
-
-
-def test_padding_and_fluctuation_rules():
-    assert verdicts.padding_rule(80.0, 85.0).outcome == REPRODUCED
-    assert verdicts.padding_rule(85.0, 85.5).outcome == NOT_REPRODUCED
-    assert verdicts.fluctuation_rule(0.5, 0.2).outcome == REPRODUCED
-    assert verdicts.fluctuation_rule(0.3, 0.2).outcome == NOT_REPRODUCED
+def test_power_rule():
     assert verdicts.power_rule(90.0, 90.5, 85.0).outcome == REPRODUCED
     assert verdicts.power_rule(84.0, 90.5, 85.0).outcome == NOT_REPRODUCED
 
 
-def test_prenorm_rules():
-    assert verdicts.prenorm_grad_rule(3.0, 1.1, 32).outcome == REPRODUCED
-    assert verdicts.prenorm_grad_rule(1.5, 1.1, 32).outcome == NOT_REPRODUCED
-    assert verdicts.prenorm_grad_rule(3.0, 0.3, 32).outcome == NOT_REPRODUCED
-    loss = {"post": 3.0, "post+warmup": 2.0, "pre": 2.0}
-    none_failed = {"post": 0.0, "post+warmup": 0.0, "pre": 0.0}
-    assert verdicts.warmup_rule(loss, none_failed).outcome == REPRODUCED
-    assert verdicts.warmup_rule({"post": 2.0, "post+warmup": 2.0, "pre": 2.0}, none_failed).outcome == NOT_REPRODUCED
-    assert verdicts.warmup_rule({"post": 2.0, "post+warmup": 2.0, "pre": 2.0},
-                                {"post": 1.0, "post+warmup": 0.0, "pre": 0.0}).outcome == REPRODUCED
-
-
-def test_rms_rules():
+def test_rms_quality_rule():
     assert verdicts.rms_quality_rule(2.00, 2.03).outcome == REPRODUCED
     assert verdicts.rms_quality_rule(2.00, 2.20).outcome == NOT_REPRODUCED
-    assert verdicts.rms_speed_rule(1.0, 0.8).outcome == REPRODUCED
-    assert verdicts.rms_speed_rule(1.0, 0.95).outcome == NOT_REPRODUCED
-    assert verdicts.no_norm_rule(1.0, 2.0, 4.0).outcome == REPRODUCED
-    assert verdicts.no_norm_rule(0.0, 2.0, 2.1).outcome == NOT_REPRODUCED
 
 
 def test_other_rules():

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-import normscope.lab as lab
-from normscope.lab.core import Context, Progress, write_json
+from normscope.tools import lab
+from normscope.tools.lab.core import Context, Progress, write_json
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
 
@@ -149,7 +149,7 @@ def test_out_that_is_a_file_or_under_a_file_is_a_usage_error(capsys, tmp_path):
 
 def test_list_into_a_closed_pipe_has_no_traceback():
     r = subprocess.run(
-        f"{sys.executable} -m normscope.lab --list | head -1",
+        f"{sys.executable} -m normscope.tools.lab --list | head -1",
         shell=True,
         capture_output=True,
         text=True,
@@ -166,8 +166,8 @@ _SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
     from pathlib import Path
-    from normscope.lab import exp_sync
-    from normscope.lab.core import Context, Progress
+    from normscope.tools.lab import exp_sync
+    from normscope.tools.lab.core import Context, Progress
 
     def fake_worker(rank, port, cfg, variants, seed, out):  # a rank that has finished and lingers
         if rank == 0 and os.environ.get("FINISHED") == "1":

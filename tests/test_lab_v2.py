@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("sklearn")
 import torch  # noqa: E402
 
-from normscope.lab import verdicts as V  # noqa: E402
-from normscope.lab.verdicts import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED  # noqa: E402
+from normscope.tools.lab import verdicts as V  # noqa: E402
+from normscope.tools.lab.verdicts import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED  # noqa: E402
 
 
 def _inconclusive(v: V.Verdict) -> bool:
@@ -92,8 +92,8 @@ def test_rms_speed_and_no_norm_rules_v2_outcomes():
 
 
 def test_bucketed_batches_vary_the_pad_fraction():
-    from normscope.lab.data import padded_sequences
-    from normscope.lab.exp_padding import bucketed_batches
+    from normscope.tools.lab.data import padded_sequences
+    from normscope.tools.lab.exp_padding import bucketed_batches
 
     _, mask, _ = padded_sequences(2000, seed=1234)
     batches = bucketed_batches(mask.sum(1), 32, torch.Generator().manual_seed(0))
@@ -107,7 +107,7 @@ def test_bucketed_batches_vary_the_pad_fraction():
 
 
 def test_cluttered_digits_places_each_digit_on_the_canvas():
-    from normscope.lab.data import cluttered_digits, digits
+    from normscope.tools.lab.data import cluttered_digits, digits
 
     xtr, ytr, xte, yte = cluttered_digits(16, 0.0)
     assert xtr.shape[1:] == (1, 16, 16) and len(xtr) == len(digits()[0])
@@ -118,7 +118,7 @@ def test_cluttered_digits_places_each_digit_on_the_canvas():
 
 
 def test_docs_table_is_generated_from_result_json(tmp_path):
-    from normscope.lab.report import markdown_table
+    from normscope.tools.lab.report import markdown_table
 
     v = {"claim": "c", "published": "p", "measured": "m 1.23", "outcome": REPRODUCED, "rule": "r"}
     (tmp_path / "padding").mkdir()
@@ -131,7 +131,7 @@ def test_docs_table_is_generated_from_result_json(tmp_path):
 
 
 def test_smoke_records_one_thread_and_judges_nothing(tmp_path):
-    import normscope.lab as lab
+    from normscope.tools import lab
 
     torch.set_num_threads(2)  # the runner must record the 1 thread its runs used, not the caller's setting
     r = lab.run_one("contrast-style", "smoke", tmp_path)

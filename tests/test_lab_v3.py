@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import normscope.lab as lab
-from normscope.lab import report
+from normscope.tools import lab
+from normscope.tools.lab import report
 
 DOCS_LAB = Path(__file__).resolve().parents[1] / "docs" / "lab"
 
@@ -104,40 +104,35 @@ def test_list_and_help_show_each_experiments_measured_quick_time(capsys):
                 assert (f"{mins:.0f} min" if mins >= 1 else f"{r['wall_s']:.0f} s") in line, (name, line)
 
 
-def test_packaged_quick_times_are_the_committed_results():
-    """The package cannot read docs/: its copy must be regenerated with the results."""
-    from normscope.lab._quick_times import QUICK
+def test_quick_times_are_read_from_the_committed_results():
+    """The lab reads the checkout's docs/lab itself: no copy of the times in the package source to drift."""
+    assert lab.RESULTS == DOCS_LAB
+    times = report.quick_times(DOCS_LAB)
+    assert times, "docs/lab holds quick-mode results"
+    name = next(iter(times))
+    assert lab.quick_time(name) == lab.quick_time(name, DOCS_LAB)
 
-    assert QUICK == report.quick_times(DOCS_LAB)
+
+def test_quick_time_without_results_says_where_they_are(tmp_path):
+    assert "docs/lab.md" in lab.quick_time("sync", tmp_path / "absent")
+    assert lab.quick_time("sync", tmp_path) == "quick: not measured yet"
 
 
-def test_quick_time_of_a_changed_experiment_is_not_claimed(monkeypatch):
-    from normscope.lab import _quick_times
+def _timed(out: Path, **fields) -> Path:
+    record = {"experiment": "sync", "mode": "quick", "runs_computed": 1, "runs_cached": 0}
+    record.update(fields)
+    (out / "sync").mkdir(parents=True, exist_ok=True)
+    (out / "sync" / "result.json").write_text(json.dumps(record))
+    return out
 
-    monkeypatch.setitem(
-        _quick_times.QUICK,
-        "sync",
-        {
-            "wall_s": 90.0,
-            "runs_computed": 1,
-            "runs_cached": 0,
-            "finished_at": "2026-01-01T00:00:00Z",
-            "version": "0-old",
-        },
+
+def test_quick_time_of_a_changed_experiment_is_not_claimed(tmp_path):
+    old = _timed(tmp_path / "old", wall_s=90.0, finished_at="2026-01-01T00:00:00Z", version="0-old")
+    assert "not measured for this version" in lab.quick_time("sync", old)
+    loaded = _timed(
+        tmp_path / "loaded", wall_s=90.0, finished_at="2026-01-01T00:00:00Z", load_avg={"start": 3.0, "end": 4.5}
     )
-    assert "not measured for this version" in lab.quick_time("sync")
-    monkeypatch.setitem(
-        _quick_times.QUICK,
-        "sync",
-        {
-            "wall_s": 90.0,
-            "runs_computed": 1,
-            "runs_cached": 0,
-            "finished_at": "2026-01-01T00:00:00Z",
-            "load_avg": {"start": 3.0, "end": 4.5},
-        },
-    )
-    line = lab.quick_time("sync")
+    line = lab.quick_time("sync", loaded)
     assert line.startswith("quick: 2 min") and "load average 3.0 at the start, 4.5 at the end" in line
 
 
@@ -151,7 +146,7 @@ def test_missing_extras_message_is_grammatical(monkeypatch, capsys, tmp_path, mi
 
 
 def test_qk_norm_rule_every_outcome():
-    from normscope.lab.verdicts import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, qk_norm_rule
+    from normscope.tools.lab.verdicts import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, qk_norm_rule
 
     inf = float("inf")
     with_ = {1e-3: ([2.0, 2.1], [4.0, 4.0]), 1e-1: ([2.1, 2.0], [5.0, 5.0])}
@@ -173,7 +168,7 @@ def test_qk_norm_rule_every_outcome():
 
 
 def test_derf_rule_every_outcome():
-    from normscope.lab.verdicts import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, derf_rule
+    from normscope.tools.lab.verdicts import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, derf_rule
 
     ln = [2.00, 2.01, 2.02]
     assert derf_rule({"layer": ln, "dyt": [2.04] * 3, "derf": [1.99] * 3}, 3.0).outcome == REPRODUCED
@@ -188,7 +183,7 @@ def test_derf_rule_every_outcome():
 def test_modern_derf_formula_and_qk_norm_model():
     import torch
 
-    from normscope.lab.exp_modern import _LM, Derf
+    from normscope.tools.lab.exp_modern import _LM, Derf
 
     d = Derf(4)
     with torch.no_grad():

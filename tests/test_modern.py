@@ -345,7 +345,7 @@ def test_errors(call, error, words):
 
 @pytest.mark.parametrize("placement", ["sandwich", "peri"])
 def test_block_sandwich_placement(placement):
-    from normscope.lab.models import Block, TinyTransformer
+    from normscope.tools.lab.models import Block, TinyTransformer
 
     torch.manual_seed(0)
     blk = Block(16, 4, "rms", True, False, placement=placement)
@@ -367,7 +367,7 @@ def test_block_sandwich_placement(placement):
 
 
 def test_tour_sections_for_qk_norm_and_adaln():
-    from normscope import tour
+    from normscope.tools import tour
 
     sections = {s.key: s for s in tour.run()}
     qk, ada = sections["qk_norm"], sections["adaln"]
@@ -405,7 +405,7 @@ def test_docs_modern_examples_run():
 
 
 def test_explain_shows_qk_norms_per_head_scope_and_adalns_affine():
-    from normscope import explain
+    from normscope.tools import explain
 
     x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
     r = explain.explain("qknorm", (2, 3, 8), groups=2, values=x.flatten().tolist())
@@ -417,7 +417,7 @@ def test_explain_shows_qk_norms_per_head_scope_and_adalns_affine():
     r = explain.explain("AdaLayerNorm", (2, 3, 8), values=x.flatten().tolist())
     assert r["layer"] == "adaln" and "conditioning tensor" in r["affine"]
     close(torch.tensor(r["output"]), ln64(x, 1e-5), torch.float32)
-    assert explain.explain("qk", (2, 3, 8))["groups"] == 2  # the heads, by default 2 where they divide D
+    assert explain.explain("qknorm", (2, 3, 8))["groups"] == 2  # the heads, by default 2 where they divide D
     with pytest.raises(explain.UsageError, match="3 axes"):
         explain.explain("adaln", (2, 3, 4, 4))
 

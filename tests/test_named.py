@@ -1,4 +1,4 @@
-"""The one table of named layers (normscope.named): explain, draw and explore accept its names and build its
+"""The one table of named layers (normscope.tools.named): explain, draw and explore accept its names and build its
 scopes, and each entry's torch.nn equivalent computes what the engine computes on the entry's scope."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from normscope import engine, explain
-from normscope.explorer.api import layers_info, scope_example
-from normscope.named import LAYOUTS, NAMED, get, module_scope, names, scope_ids
+from normscope import engine, get_norm, norm_names
 from normscope.scope import Scope
+from normscope.tools import explain
+from normscope.tools.explorer.api import layers_info, scope_example
+from normscope.tools.named import LAYOUTS, NAMED, get, module_scope, names, parse, scope_ids
 
 # a picture shape and a rank-4 shape per layout (the explorer takes (N, C, L) and (N, C, H, W) in nchw)
 SHAPES = {"nchw": [(3, 6, 4), (2, 6, 2, 3)], "bsd": [(2, 5, 6)]}
@@ -44,7 +45,7 @@ def test_explorer_uses_the_tables_scope(name, layout):
 @pytest.mark.parametrize("name,layout", KEYED)
 def test_draw_uses_the_tables_scope(name, layout):
     pytest.importorskip("matplotlib")
-    from normscope.viz import draw, figures, layer_names
+    from normscope.tools.viz import draw, figures, layer_names
 
     assert layer_names(layout) == names(layout)
     for shape in SHAPES[layout]:
@@ -125,4 +126,37 @@ def test_scope_ids_of_a_resolved_scope_and_bad_arguments():
         NAMED["batch"].scope("nhwc")
     with pytest.raises(ValueError, match="not defined in layout 'bsd'"):
         NAMED["layer2d"].torch_equivalent(torch.zeros(2, 3, 4), "bsd")
-    assert LAYOUTS == ("nchw", "bsd") and names("bsd") == ["batch", "layer", "instance", "group", "rms", "qk", "adaln"]
+    assert LAYOUTS == ("nchw", "bsd")
+    assert names("bsd") == ["batch", "layer", "instance", "group", "rms", "qknorm", "adaln"]
+
+
+# ---------------------------------------------------------------------------------------------
+# one list of names: the teaching table adds to the registry's names
+
+
+def test_every_teaching_entry_names_a_registered_norm():
+    assert set(NAMED) <= set(norm_names()), sorted(set(NAMED) - set(norm_names()))
+
+
+@pytest.mark.parametrize("name", [n for n, e in NAMED.items() if e.module_types])
+def test_the_registry_builds_the_layer_each_teaching_entry_describes(name):
+    built = get_norm(name, 4)
+    assert isinstance(built, NAMED[name].module_types), (name, type(built))
+    assert module_scope(built)[0] == name
+
+
+def test_a_name_both_tables_read_means_one_layer():
+    """A registered name that explain and draw also read (``"batchnorm2d"``, ``"layernorm2d"``) names the
+    layer that get_norm builds for it; a registered name they do not read stays the registry's alone."""
+    checked = []
+    for registered in norm_names():
+        try:
+            key = parse(registered).name
+        except ValueError:
+            continue
+        if NAMED[key].module_types:
+            assert module_scope(get_norm(registered, 4))[0] == key, registered
+            checked.append(registered)
+        else:  # a layer of two inputs (adaln, qknorm): the names must still agree
+            assert registered == key or registered.replace("_", "") in {a.replace("_", "") for a in NAMED[key].aliases}
+    assert {"batch", "batch2d", "batchnorm2d", "layernorm2d", "rmsnorm", "group", "layer2d"} <= set(checked)

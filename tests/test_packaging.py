@@ -1,4 +1,4 @@
-"""The built wheel carries the license its metadata declares."""
+"""The built wheel carries the license its metadata declares, and the data files the package reads."""
 
 import pathlib
 import shutil
@@ -43,3 +43,6 @@ def test_wheel_carries_the_license_and_an_spdx_expression(tmp_path):
         meta = z.read(metadata).decode()
     assert "License-Expression: BSD-3-Clause" in meta
     assert "Requires-Dist: numpy" in meta
+    # the explorer serves its page from the package (importlib.resources), not from the checkout
+    for page in ("index.html", "app.js", "style.css"):
+        assert f"normscope/tools/explorer/static/{page}" in names

@@ -1,4 +1,4 @@
-"""normscope.viz: the scope -> picture mapping is the engine's scope, and the pictures are valid files."""
+"""normscope.tools.viz: the scope -> picture mapping is the engine's scope, and the pictures are valid files."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from normscope import engine, reference
 from normscope.scope import Scope
-from normscope.viz import cube_faces, layer_names, layer_scope, lengths_mask, scope_ids
+from normscope.tools.viz import cube_faces, layer_names, layer_scope, lengths_mask, scope_ids
 
 # (scope, shape, mask lengths or None, layout of the lengths)
 CASES = [
@@ -147,7 +147,7 @@ needs_mpl = pytest.mark.skipif(
 def _highlighted(ax):
     from matplotlib.colors import to_hex
 
-    from normscope.viz.figures import HIGHLIGHT
+    from normscope.tools.viz.figures import HIGHLIGHT
 
     return sum(1 for p in ax.patches if to_hex(p.get_facecolor()) == HIGHLIGHT)
 
@@ -158,7 +158,7 @@ def _highlighted(ax):
     [("group", "bsd", 15), ("layer", "bsd", 6), ("batch", "bsd", 10), ("instance", "nchw", 4), ("layer2d", "nchw", 6)],
 )
 def test_slices_shade_exactly_one_scope(name, layout, n_hl):
-    from normscope.viz import draw
+    from normscope.tools.viz import draw
 
     ax = draw(name, layout, groups=2, view="slices")
     assert _highlighted(ax) == n_hl  # (2,5,6) / (3,6,4): the scope of the first element
@@ -167,7 +167,7 @@ def test_slices_shade_exactly_one_scope(name, layout, n_hl):
 @needs_mpl
 def test_draw_accepts_torch_and_normscope_layers():
     import normscope
-    from normscope.viz import draw
+    from normscope.tools.viz import draw
 
     a = draw(nn.GroupNorm(3, 6), shape=(2, 6, 4), view="slices")
     b = draw(normscope.GroupNorm(3, 6), shape=(2, 6, 4), view="slices")
@@ -184,7 +184,7 @@ def test_draw_accepts_torch_and_normscope_layers():
 @needs_mpl
 @pytest.mark.parametrize("ext", ["svg", "png", "pdf"])
 def test_cli_writes_valid_files(tmp_path, ext):
-    from normscope.viz import main
+    from normscope.tools.viz import main
 
     out = tmp_path / f"g.{ext}"
     assert main(["group", "--groups", "3", "--shape", "2,6,2,2", "-o", str(out)]) == 0
@@ -199,7 +199,7 @@ def test_cli_writes_valid_files(tmp_path, ext):
 
 @needs_mpl
 def test_cli_grid_and_bad_input(tmp_path, capsys):
-    from normscope.viz import main
+    from normscope.tools.viz import main
 
     assert main(["all", "--layout", "bsd", "--mask", "5,3", "-o", str(tmp_path / "grid.png")]) == 0
     assert (tmp_path / "grid.png").stat().st_size > 5000
@@ -212,7 +212,7 @@ def test_cli_grid_and_bad_input(tmp_path, capsys):
 
 @needs_mpl
 def test_draw_all_writes_every_layer(tmp_path):
-    from normscope.viz import draw_all
+    from normscope.tools.viz import draw_all
 
     paths = draw_all(tmp_path, fmt="svg")
     names = {p.name for p in paths}
@@ -230,7 +230,7 @@ def _caption(ax) -> str:
 def test_draw_layer_norm_on_nchw_of_rank_4_is_one_scope_per_sample():
     """LayerNorm over (C, H, W): a (2, 4, 2, 2) input has 2 scopes of 16 (it drew (H, W) only: 8 of 4)."""
     pytest.importorskip("matplotlib")
-    from normscope.viz import draw
+    from normscope.tools.viz import draw
 
     assert _caption(draw("layer", shape=(2, 4, 2, 2))) == "2 scopes; shaded: one scope of 16 elements"
     assert _caption(draw("rms", shape=(2, 4, 2, 2))) == "2 scopes; shaded: one scope of 16 elements"
@@ -243,7 +243,7 @@ def test_draw_normscope_layer_norm_2d_normalizes_over_channels():
     channels (it was drawn as a LayerNorm over the last axis: 18 scopes of 4)."""
     pytest.importorskip("matplotlib")
     import normscope
-    from normscope.viz import draw
+    from normscope.tools.viz import draw
 
     ax = draw(normscope.LayerNorm2d(6))
     assert _caption(ax) == "12 scopes; shaded: one scope of 6 elements"

@@ -107,8 +107,6 @@ def positive_eps(eps: float, where: str) -> None:
 
 def normalized_shape(shape: int | Sequence[int] | torch.Size, where: str) -> tuple[int, ...]:
     """LayerNorm/RMSNorm's ``normalized_shape``: an int or a sequence of positive ints."""
-    if type(shape) is tuple and shape in _VALID_SHAPES:  # the layers' hot path
-        return shape
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
     try:
@@ -119,12 +117,7 @@ def normalized_shape(shape: int | Sequence[int] | torch.Size, where: str) -> tup
         raise TypeError(f"{where}: expected `normalized_shape` to be {expected}, got {shape!r}") from None
     if not out or any(s < 1 for s in out):
         raise ValueError(f"{where}: expected `normalized_shape` to be non-empty with positive sizes, got {out}")
-    if len(_VALID_SHAPES) < 1024:
-        _VALID_SHAPES.add(out)
     return out
-
-
-_VALID_SHAPES: set[tuple[int, ...]] = set()
 
 
 def trailing(x: Tensor, shape: tuple[int, ...], where: str) -> None:

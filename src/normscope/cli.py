@@ -28,13 +28,13 @@ __all__ = ["COMMANDS", "main"]
 #: lazily imported subcommands: name -> (module, help). The module's ``main(argv)`` runs them.
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (
-        "normscope.bench",
+        "normscope.tools.bench",
         "benchmark normscope against PyTorch, torch.compile and Liger (its Triton kernels on CUDA, else its CPU paths)",
     ),
     "doctor": ("normscope.doctor.cli", "diagnose a model's normalization layers on one real batch"),
-    "draw": ("normscope.viz", "draw pictures of each normalization's scope"),
-    "explore": ("normscope.explorer", "open the interactive scope explorer (a local web page)"),
-    "lab": ("normscope.lab", "small CPU training runs that reproduce the classic claims"),
+    "draw": ("normscope.tools.viz", "draw pictures of each normalization's scope"),
+    "explore": ("normscope.tools.explorer", "open the interactive scope explorer (a local web page)"),
+    "lab": ("normscope.tools.lab", "small CPU training runs that reproduce the classic claims"),
 }
 
 
@@ -125,9 +125,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     tour.add_argument("--json", action="store_true", help="print machine-readable results")
     tour.add_argument("--plain", action="store_true", help="plain text even when rich is installed")
-    tour.add_argument("--pictures", metavar="DIR", help="also draw the scope pictures into DIR (needs normscope.viz)")
+    tour.add_argument(
+        "--pictures", metavar="DIR", help="also draw the scope pictures into DIR (needs normscope.tools.viz)"
+    )
 
-    from .named import spellings
+    from .tools.named import spellings
 
     explain = sub.add_parser(
         "explain",
@@ -138,7 +140,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "  normscope explain group\n"
         "  normscope explain layer --shape 4 --values 10,2,6,14\n"
         "  normscope explain BatchNorm2d --shape 2,3,2,2\n"
-        "  normscope explain qk --shape 2,3,8 --heads 4\n"
+        "  normscope explain qknorm --shape 2,3,8 --heads 4\n"
         "  normscope explain masked_batch --shape 2,3,5 --mask 5,2 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -148,15 +150,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"{', '.join(spellings())} (or torch names: BatchNorm2d, LayerNorm, GroupNorm, LayerNorm2d, ...)",
     )
     explain.add_argument(
-        "--shape", type=_shape, help="input shape, e.g. 2,3,2,2 (N,C,H,W; B,S,D for qk and adaln). Default: a small one"
+        "--shape",
+        type=_shape,
+        help="input shape, e.g. 2,3,2,2 (N,C,H,W; B,S,D for qknorm and adaln). Default: a small one",
     )
     explain.add_argument(
         "--groups",
         type=_positive_int,
-        help="group layer: number of groups (qk: the same as --heads). Default: 2, or the smallest divisor of C",
+        help="group layer: number of groups (qknorm: the same as --heads). Default: 2, or the smallest divisor of C",
     )
     explain.add_argument(
-        "--heads", type=_positive_int, help="qk layer: number of heads splitting D. Default: 2, or the smallest divisor"
+        "--heads",
+        type=_positive_int,
+        help="qknorm layer: number of heads splitting D. Default: 2, or the smallest divisor",
     )
     explain.add_argument(
         "--mask",
@@ -225,8 +231,8 @@ def _writable_dir(text: str, argument: str, parser: argparse.ArgumentParser) -> 
 
 
 def _tour(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import tour
-    from ._term import Out
+    from .tools import tour
+    from .tools._term import Out
 
     if args.pictures:
         _writable_dir(args.pictures, "--pictures", parser)
@@ -259,14 +265,14 @@ def _tour(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _drawing_module():
-    """``(normscope.viz, None)`` when pictures can be drawn here, else ``(None, why)``.
+    """``(normscope.tools.viz, None)`` when pictures can be drawn here, else ``(None, why)``.
 
-    ``normscope.viz`` imports matplotlib only on first use of a drawing function, so importing the
+    ``normscope.tools.viz`` imports matplotlib only on first use of a drawing function, so importing the
     package proves nothing: matplotlib is imported here too (drawing imports it anyway)."""
     try:
-        viz = importlib.import_module("normscope.viz")
+        viz = importlib.import_module("normscope.tools.viz")
     except ModuleNotFoundError as e:
-        return None, f"drawing needs normscope.viz and its dependencies, which are not available here ({e.name})"
+        return None, f"drawing needs normscope.tools.viz and its dependencies, not available here ({e.name})"
     try:
         importlib.import_module("matplotlib")
     except ImportError:
@@ -275,8 +281,8 @@ def _drawing_module():
 
 
 def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from . import explain
-    from ._term import Out
+    from .tools import explain
+    from .tools._term import Out
 
     try:
         result = explain.explain(

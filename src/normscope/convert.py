@@ -93,7 +93,7 @@ def _pairs() -> list[tuple[type, type]]:
     """(torch.nn class, its normscope namesake): the same constructor, parameters and buffers."""
     from . import modules as M
 
-    pairs = [
+    return [
         (nn.BatchNorm1d, M.BatchNorm1d),
         (nn.BatchNorm2d, M.BatchNorm2d),
         (nn.BatchNorm3d, M.BatchNorm3d),
@@ -104,14 +104,8 @@ def _pairs() -> list[tuple[type, type]]:
         (nn.RMSNorm, M.RMSNorm),
         (nn.GroupNorm, M.GroupNorm),
         (nn.LocalResponseNorm, M.LocalResponseNorm),
+        (nn.SyncBatchNorm, M.SyncBatchNorm),
     ]
-    try:  # written by another part of the library; optional here
-        from .modules.syncbatchnorm import SyncBatchNorm
-    except ImportError:
-        pass
-    else:
-        pairs.append((nn.SyncBatchNorm, SyncBatchNorm))
-    return pairs
 
 
 def _builder(cls: type) -> Callable[[nn.Module], nn.Module]:
@@ -443,7 +437,8 @@ def _move_hooks(old: nn.Module, new: nn.Module) -> None:
             continue
         if not mine:
             setattr(new, attr, theirs)
-        else:  # the new layer's own hooks first, then the old ones (their handles no longer reach them)
+        else:
+            # the new layer's own hooks first, then the old ones (their handles hold the old layer's dicts)
             setattr(new, attr, OrderedDict([*mine.items(), *theirs.items()]))
     if getattr(old, "_is_full_backward_hook", None) is not None:
         new._is_full_backward_hook = old._is_full_backward_hook

@@ -119,7 +119,7 @@ class Scope:
         except TypeError:  # symbolic sizes outside dynamo (make_fx tracing): unhashable, uncached
             return _resolve(self, shape)
         if hit is None:
-            if len(_RESOLVED) >= _CACHE_SIZE:  # bounded like the lru_cache it replaces, cruder
+            if len(_RESOLVED) >= _CACHE_SIZE:  # bounded: cleared whole when full, no per-hit LRU bookkeeping
                 _RESOLVED.clear()
             hit = _RESOLVED[key] = _resolve(self, shape)
         return hit

@@ -535,7 +535,7 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
     return report
 
 
-def patch_classes(*model_types: str, verify: bool = True) -> PatchReport:
+def patch_classes(*model_types: str) -> PatchReport:
     """Make ``transformers`` build normscope-backed norms for these model families, before any model exists.
 
     Each candidate class of each family (:func:`families`) that a normscope configuration
@@ -548,7 +548,6 @@ def patch_classes(*model_types: str, verify: bool = True) -> PatchReport:
         *model_types: keys of :func:`families` (``"llama"``, ``"qwen3"``, ``"gemma3"``, ``"olmo2"``,
             ...). Default: every family of the installed transformers (this imports each modeling
             module: tens of seconds).
-        verify: kept for compatibility; classes are always probed (the probe finds the configuration).
 
     Returns:
         A :class:`PatchReport` with ``unit="class"``: ``replaced[class name] = 1`` per class
@@ -572,7 +571,6 @@ def patch_classes(*model_types: str, verify: bool = True) -> PatchReport:
             f"patch_classes: unknown model type(s) {unknown}: expected model types of the installed transformers "
             f"with RMSNorm/LayerNorm classes ({len(found)} of them, e.g. {some}, ...; see families())"
         )
-    del verify
     report = PatchReport(unit="class")
     for model_type in model_types or tuple(found):
         for module_name, name in found[model_type]:

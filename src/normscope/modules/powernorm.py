@@ -17,10 +17,9 @@ Where the paper and the reference code differ, and what we do (see also ``docs/b
   over channel groups.
 * **Which quadratic mean divides the gradient.** After warm-up the reference's forward divides
   by the running ``running_phi`` but its backward still divides by the *batch* quadratic mean;
-  the paper's Algorithm 1, as we read it, uses the running :math:`\psi` in both passes (we could
-  not re-check the PDF while writing this). We follow the reference, the code behind the
-  paper's numbers: forward ``x / sqrt(running_phi + eps)`` after warm-up, backward always
-  ``/ sqrt(phi_B + eps)``.
+  the paper's Algorithm 1, as we read it, uses the running :math:`\psi` in both passes. We follow
+  the reference, the code behind the paper's numbers: forward ``x / sqrt(running_phi + eps)`` after
+  warm-up, backward always ``/ sqrt(phi_B + eps)``.
 * **Backward running state** (:math:`\nu`, ``ema_gz``): exactly the reference's update,
   ``g' = g - (1 - alpha_bkw) * ema_gz * z``, ``ema_gz += mean(g' * z)``, ``dx = g' / sqrt(phi_B + eps)``,
   with ``g = dL/dz`` (z: the normalized input before the affine). It is an accumulation rather

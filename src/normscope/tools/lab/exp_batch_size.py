@@ -6,7 +6,7 @@ against GN, >= 3 seeds. Data made harder than clean 8x8 digits so that batch sta
 each digit pasted at a random place on a 16x16 canvas with pixel noise (:func:`data.cluttered_digits`).
 
 Settings (v3) from a pilot on seeds 100-102, which the reported runs never use
-(``docs/lab/batch-size/pilot.json``, ``python -m normscope.lab.pilot_batch_size``): GN(8) sits on a
+(``docs/lab/batch-size/pilot.json``, ``scripts/lab_pilot_batch_size.py``): GN(8) sits on a
 plateau at chance for its first ~20 epochs at batch 32 and then trains; 40 epochs at width 32 were
 the shortest tried where it reached BN's error on every pilot seed. Whether it did so on the reported
 seeds is not assumed: the rule's gate checks GN(32) against BN(32) and says "inconclusive"

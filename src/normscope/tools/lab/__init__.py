@@ -4,12 +4,12 @@ normalization, with plots, a claim verdict per experiment and one offline HTML r
 Command line::
 
     normscope lab [EXPERIMENT ...] [--quick|--full|--smoke] [--seeds K] [--out DIR] [--force]
-    python -m normscope.lab batch-size --smoke
+    python -m normscope.tools.lab batch-size --smoke
 
 Python::
 
-    >>> import normscope.lab
-    >>> results = normscope.lab.run(["batch-size"], mode="smoke", out="lab-out")
+    >>> import normscope.tools.lab
+    >>> results = normscope.tools.lab.run(["batch-size"], mode="smoke", out="lab-out")
 
 Each experiment writes ``<out>/<experiment>/result.json`` (config, seeds, per-run metrics,
 versions, wall time, verdicts) and PNG plots; ``<out>/report.html`` indexes them all with the
@@ -55,13 +55,13 @@ def _module(name: str):
 
 def _check(experiments: Sequence[str] | None, mode: str, seeds: int | None) -> list[str]:
     if mode not in MODES:
-        raise ValueError(f"normscope.lab.run: expected mode in {MODES}, got {mode!r}")
+        raise ValueError(f"normscope.tools.lab.run: expected mode in {MODES}, got {mode!r}")
     names = list(experiments) if experiments else list(EXPERIMENTS)
     bad = [n for n in names if n not in EXPERIMENTS]
     if bad:
-        raise ValueError(f"normscope.lab.run: unknown experiment(s) {bad}; expected some of {list(EXPERIMENTS)}")
+        raise ValueError(f"normscope.tools.lab.run: unknown experiment(s) {bad}; expected some of {list(EXPERIMENTS)}")
     if seeds is not None and (not isinstance(seeds, int) or isinstance(seeds, bool) or not 1 <= seeds <= MAX_SEEDS):
-        raise ValueError(f"normscope.lab.run: expected `seeds` to be an int in [1, {MAX_SEEDS}], got {seeds!r}")
+        raise ValueError(f"normscope.tools.lab.run: expected `seeds` to be an int in [1, {MAX_SEEDS}], got {seeds!r}")
     return names
 
 
@@ -170,12 +170,21 @@ def _seeds(text: str) -> int:
     return k
 
 
-def quick_time(name: str) -> str:
-    """How long ``name`` took in quick mode, as measured by the committed results (``docs/lab``):
-    the wall time, the runs it includes and the machine's load, or "not measured"."""
-    from ._quick_times import QUICK
+#: the committed results of a source checkout (src/normscope/tools/lab -> docs/lab); an installed package has
+#: none, and its --list says where the measured times are written instead
+RESULTS = Path(__file__).resolve().parents[4] / "docs" / "lab"
 
-    t = QUICK.get(name)
+
+def quick_time(name: str, results: str | Path | None = None) -> str:
+    """How long ``name`` took in quick mode, as measured by the results in ``results`` (default: the
+    checkout's committed ``docs/lab``): the wall time, the runs it includes and the machine's load, or
+    "not measured"."""
+    from .report import quick_times
+
+    results = RESULTS if results is None else Path(results)
+    if not results.is_dir():
+        return "quick: measured times are in docs/lab.md (no results directory here)"
+    t = quick_times(results).get(name)
     if t is None:
         return "quick: not measured yet"
     version = getattr(_module(name), "VERSION", "1")
@@ -227,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check(a.experiments, mode, a.seeds)
     except ValueError as err:
-        p.error(str(err).removeprefix("normscope.lab.run: "))
+        p.error(str(err).removeprefix("normscope.tools.lab.run: "))
     missing = [m for m in ("matplotlib", "sklearn") if importlib.util.find_spec(m) is None]
     if missing:  # say so before any run (and before --out is created: nothing is left behind)
         need = " and ".join(missing)

@@ -2,7 +2,7 @@
 
 ``scope_example(request) -> response`` validates a request dict completely before any work and
 raises :class:`ApiError` (an HTTP status and a message for the page) on bad input. The server
-(:mod:`normscope.explorer.server`) is only transport around it, so everything here is testable
+(:mod:`normscope.tools.explorer.server`) is only transport around it, so everything here is testable
 without sockets.
 
 The example tensor is ``torch.randn(shape, generator=torch.Generator().manual_seed(seed))`` rounded
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import engine, reference
+from ... import engine, reference
 from ..viz.scopes import (
     HIGHLIGHT,
     LAYERS,

@@ -207,7 +207,7 @@ def choice_table(report: dict, *, device_class: str | None = None, command: str 
     measured ``n`` that does not qualify (it splits a run).
 
     Args:
-        report: what :func:`normscope.bench.run` returns (or its JSON).
+        report: what :func:`normscope.tools.bench.run` returns (or its JSON).
         device_class: e.g. ``"cuda-sm90"``. Default: ``report["device_class"]``.
         command: the bench command line that measured the report. Default: "".
         date: ``YYYY-MM-DD``. Default: today (UTC).

@@ -5,7 +5,7 @@ Routes::
     GET  /                 the page (static/index.html)
     GET  /static/<file>    its script and style sheet, shipped inside the package (works offline)
     GET  /api/layers       layers, layouts, defaults and limits (builds the page's controls)
-    POST /api/scope        a worked example (normscope.explorer.api.scope_example)
+    POST /api/scope        a worked example (normscope.tools.explorer.api.scope_example)
 
 Limits, because the server answers whatever a browser on this machine sends it: request bodies are
 capped (413), tensors are capped by the API (413), a malformed body gets a 4xx with a JSON message,
@@ -81,7 +81,7 @@ def allowed_hosts(bound: str, extra: Iterable[str] = ()) -> frozenset[str]:
 
 
 def _static(name: str) -> bytes:
-    return resources.files("normscope.explorer").joinpath("static", name).read_bytes()
+    return resources.files("normscope.tools.explorer").joinpath("static", name).read_bytes()
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -1,7 +1,7 @@
 """Pilot for the ``batch-size`` experiment: find settings under which both BN and GN(8) converge at
 batch 32 within the quick budget, on a seed (100) that the reported runs (0, 1, 2) never use.
 
-Run: ``python -m normscope.lab.pilot_batch_size OUT.json [CANDIDATE ...]``; a candidate is
+Run: ``PYTHONPATH=src python scripts/lab_pilot_batch_size.py OUT.json [CANDIDATE ...]``; a candidate is
 ``width:epochs:base_lr`` (default: a small grid). Writes every run's test error, final loss and
 wall time. Its output chose the quick settings committed in ``exp_batch_size.py``.
 """
@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from .core import deterministic, seed_all, versions
-from .data import cluttered_digits
-from .models import SmallCNN, error_rate, train_classifier
+from normscope.tools.lab.core import deterministic, seed_all, versions
+from normscope.tools.lab.data import cluttered_digits
+from normscope.tools.lab.models import SmallCNN, error_rate, train_classifier
 
 PILOT_SEED = 100
 GRID = ["16:6:0.1", "32:6:0.1", "32:12:0.02", "32:30:0.1", "16:30:0.1", "32:20:0.1", "32:30:0.05"]

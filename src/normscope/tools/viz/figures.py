@@ -1,6 +1,6 @@
 """Pictures of scopes: the N x C x (H*W) cube and the (B, S, D) strip view, with matplotlib.
 
-Every picture is computed from :func:`normscope.viz.scopes.scope_ids`, i.e. from the engine's own
+Every picture is computed from :func:`normscope.tools.viz.scopes.scope_ids`, i.e. from the engine's own
 resolved scope; this module only paints ids. Figures are built on :class:`matplotlib.figure.Figure`
 directly (no pyplot, no GUI backend), so drawing works headless and in threads.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
+from ...scope import Scope
 from ..named import module_scope, parse, spellings
-from ..scope import Scope
 from .scopes import (
     HIGHLIGHT,
     LAYERS,
@@ -46,7 +46,7 @@ def _require_matplotlib():
         from matplotlib.figure import Figure
         from matplotlib.patches import Polygon, Rectangle
     except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError("normscope.viz needs matplotlib: pip install 'normscope[viz]'") from e
+        raise ImportError("normscope.tools.viz needs matplotlib: pip install 'normscope[viz]'") from e
     return Figure, Polygon, Rectangle
 
 
@@ -97,7 +97,7 @@ def picture_ids(
     """Scope ids on the 3-d picture grid: (N, C, H·W) for nchw (trailing axes flattened), (B, S, D) for bsd.
 
     ``mask`` is a bool tensor broadcastable to ``shape`` or a list of per-sample lengths
-    (see :func:`normscope.viz.scopes.lengths_mask`).
+    (see :func:`normscope.tools.viz.scopes.lengths_mask`).
     """
     shape = tuple(int(s) for s in shape)
     _check_shape(shape, "shape")
@@ -363,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--layout",
         choices=("nchw", "bsd"),
         default=None,
-        help="the N×C×H·W cube or (B,S,D) strips (default: nchw, or bsd for layers only defined there: qk, adaln)",
+        help="the N×C×H·W cube or (B,S,D) strips (default: nchw, or bsd for layers only defined there: qknorm, adaln)",
     )
     p.add_argument("--view", choices=("cube", "slices"), default=None, help="cube or one grid per sample")
     p.add_argument("--groups", type=int, default=2, help="GroupNorm groups (default 2)")

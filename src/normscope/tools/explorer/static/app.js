@@ -1,5 +1,5 @@
 // normscope explorer page: builds the controls from GET /api/layers, asks POST /api/scope for a worked
-// example, draws the cube (faces computed by the server, normscope.viz.cube_faces) and one grid per
+// example, draws the cube (faces computed by the server, normscope.tools.viz.cube_faces) and one grid per
 // sample in SVG, and highlights the scope of the hovered element. No dependencies, works offline.
 "use strict";
 

@@ -7,7 +7,7 @@ strips. Drawing needs matplotlib (``pip install 'normscope[viz]'``); the mapping
 
 Example::
 
-    >>> from normscope.viz import draw, draw_all
+    >>> from normscope.tools.viz import draw, draw_all
     >>> draw("group", groups=2).figure.savefig("groupnorm.svg")
     >>> files = draw_all("pictures/")    # one picture per layer and layout, and a grid of each
 """
@@ -48,4 +48,4 @@ def __getattr__(name: str):
         from . import figures as _figures
 
         return getattr(_figures, name)
-    raise AttributeError(f"module 'normscope.viz' has no attribute {name!r}")
+    raise AttributeError(f"module 'normscope.tools.viz' has no attribute {name!r}")

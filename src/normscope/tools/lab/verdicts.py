@@ -44,48 +44,15 @@ def _finite(*xs: float) -> bool:
 # batch-size (Wu & He 2018)
 
 BATCH_SIZE_CLAIM = "BatchNorm's error grows as the batch shrinks while GroupNorm's stays flat"
-BATCH_SIZE_PUBLISHED = ("Wu & He 2018, ResNet-50 ImageNet top-1 error: BN 23.6 -> 34.7 from 32 to 2 images/GPU, "
-                        "GN 24.1 flat; at 32: BN 23.6, LN 25.3, IN 28.4, GN 24.1")
-BATCH_SIZE_RULE = ("BN's test error at the smallest batch exceeds its error at the largest by >= 1.0 point, by more "
-                   "than twice GN's change, and GN beats BN at the smallest batch")
-
-
-def batch_size_rule(bn_err: dict[int, float], gn_err: dict[int, float]) -> Verdict:
-    """``bn_err``/``gn_err``: batch size -> mean test error in percent."""
-    big, small = max(bn_err), min(bn_err)
-    d_bn, d_gn = bn_err[small] - bn_err[big], gn_err[small] - gn_err[big]
-    ok = _finite(d_bn, d_gn) and d_bn >= 1.0 and d_bn > 2 * abs(d_gn) and bn_err[small] > gn_err[small]
-    measured = (f"BN {bn_err[big]:.1f} -> {bn_err[small]:.1f} (batch {big} -> {small}), "
-                f"GN {gn_err[big]:.1f} -> {gn_err[small]:.1f} (test error %)")
-    return Verdict(BATCH_SIZE_CLAIM, BATCH_SIZE_PUBLISHED, measured, _ok(ok), BATCH_SIZE_RULE)
 
 
 # ---------------------------------------------------------------------------------------------
 # padding (Shen et al. 2020, PowerNorm)
 
 PADDING_CLAIM = "Padding tokens contaminate BatchNorm's statistics in a transformer; masking them out helps"
-PADDING_PUBLISHED = ("Shen et al. 2020 (PowerNorm): naive BN in transformers underperforms LN on NLP; "
-                     "statistics must exclude padding")
-PADDING_RULE = "masked BN's test accuracy exceeds plain BN's (pads counted) by >= 1.0 point"
-
-
-def padding_rule(plain_bn_acc: float, masked_bn_acc: float) -> Verdict:
-    """Accuracies in percent."""
-    ok = _finite(plain_bn_acc, masked_bn_acc) and masked_bn_acc - plain_bn_acc >= 1.0
-    measured = f"test accuracy: plain BN {plain_bn_acc:.1f}%, masked BN {masked_bn_acc:.1f}%"
-    return Verdict(PADDING_CLAIM, PADDING_PUBLISHED, measured, _ok(ok), PADDING_RULE)
 
 
 FLUCT_CLAIM = "Batch statistics fluctuate far more on text than on images"
-FLUCT_PUBLISHED = ("Shen et al. 2020, Fig. 2/3: |mu_B - mu| and |var_B - var| for a transformer on IWSLT14 are "
-                   "much larger than for ResNet on CIFAR-10")
-FLUCT_RULE = "mean distance of batch statistics from the running ones is >= 2x larger for text than for images"
-
-
-def fluctuation_rule(text_dist: float, image_dist: float) -> Verdict:
-    ok = _finite(text_dist, image_dist) and text_dist >= 2.0 * image_dist
-    measured = f"distance of batch mean+var from running: text {text_dist:.3f}, images {image_dist:.3f}"
-    return Verdict(FLUCT_CLAIM, FLUCT_PUBLISHED, measured, _ok(ok), FLUCT_RULE)
 
 
 POWER_CLAIM = "PowerNorm (quadratic mean, running statistics in the forward pass) closes BN's gap to LN"
@@ -108,35 +75,9 @@ def power_rule(power_acc: float, ln_acc: float, plain_bn_acc: float, others: dic
 # prenorm (Xiong et al. 2020)
 
 PRENORM_GRAD_CLAIM = "At init, Post-LN's per-layer gradient norms grow toward the top layers; Pre-LN's stay flat"
-PRENORM_GRAD_PUBLISHED = ("Xiong et al. 2020, Fig. 3: Post-LN gradient norm of W2 rises with the layer index, "
-                          "Pre-LN flat")
-PRENORM_GRAD_RULE = ("at the deepest depth, Post-LN's last/first-layer gradient-norm ratio is >= 2 and "
-                     "Pre-LN's lies in [0.5, 2]")
-
-
-def prenorm_grad_rule(post_ratio: float, pre_ratio: float, depth: int) -> Verdict:
-    ok = _finite(post_ratio, pre_ratio) and post_ratio >= 2.0 and 0.5 <= pre_ratio <= 2.0
-    measured = f"depth {depth}: last/first layer gradient ratio Post-LN {post_ratio:.2f}, Pre-LN {pre_ratio:.2f}"
-    return Verdict(PRENORM_GRAD_CLAIM, PRENORM_GRAD_PUBLISHED, measured, _ok(ok), PRENORM_GRAD_RULE)
 
 
 WARMUP_CLAIM = "Post-LN needs learning-rate warm-up; Pre-LN trains without it"
-WARMUP_PUBLISHED = ("Xiong et al. 2020: Post-LN without warm-up fails / is much worse (BLEU far below) at lr 5e-4 "
-                    "and 1e-3; Pre-LN reaches comparable results without warm-up")
-WARMUP_RULE = ("Post-LN without warm-up fails more often than Pre-LN without warm-up, or its validation loss is "
-               ">= 0.1 nats worse than both Post-LN with warm-up and Pre-LN without warm-up")
-
-
-def warmup_rule(loss: dict[str, float], failed: dict[str, float]) -> Verdict:
-    """``loss``/``failed``: variant ('post', 'post+warmup', 'pre') -> mean final validation loss
-    (nats) / fraction of seeds that failed (diverged or stuck at the unigram loss)."""
-    post, post_w, pre = loss["post"], loss["post+warmup"], loss["pre"]
-    by_fail = failed["post"] > failed["pre"]
-    by_loss = _finite(post, post_w, pre) and post - post_w >= 0.1 and post - pre >= 0.1
-    ok = by_fail or by_loss
-    measured = (f"val loss Post-LN {post:.3f} (failed {failed['post']:.0%}), Post-LN+warm-up {post_w:.3f} "
-                f"(failed {failed['post+warmup']:.0%}), Pre-LN {pre:.3f} (failed {failed['pre']:.0%})")
-    return Verdict(WARMUP_CLAIM, WARMUP_PUBLISHED, measured, _ok(ok), WARMUP_RULE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,25 +95,6 @@ def rms_quality_rule(ln_loss: float, rms_loss: float) -> Verdict:
 
 
 RMS_SPEED_CLAIM = "RMSNorm is cheaper than LayerNorm"
-RMS_SPEED_PUBLISHED = "Zhang & Sennrich 2019: 7%-64% faster than LN (model running time)"
-RMS_SPEED_RULE = "the RMSNorm operator (forward+backward) takes <= 93% of LayerNorm's time (>= 7% faster)"
-
-
-def rms_speed_rule(ln_ms: float, rms_ms: float, what: str = "operator fwd+bwd") -> Verdict:
-    ok = _finite(ln_ms, rms_ms) and rms_ms <= 0.93 * ln_ms
-    measured = f"{what}: LN {ln_ms:.3f} ms, RMSNorm {rms_ms:.3f} ms (RMS/LN time ratio {rms_ms / ln_ms:.2f})"
-    return Verdict(RMS_SPEED_CLAIM, RMS_SPEED_PUBLISHED, measured, _ok(ok), RMS_SPEED_RULE)
-
-
-NO_NORM_CLAIM = "A transformer without normalization fails to train"
-NO_NORM_PUBLISHED = "Zhang & Sennrich 2019 / Xiong et al. 2020: without LN the model diverges or fails to converge"
-NO_NORM_RULE = "at least half the seeds without a norm fail (diverge, or end no better than the unigram loss)"
-
-
-def no_norm_rule(failed_fraction: float, ln_loss: float, none_loss: float) -> Verdict:
-    ok = _finite(failed_fraction) and failed_fraction >= 0.5
-    measured = f"no norm: {failed_fraction:.0%} of seeds failed; val loss none {none_loss:.3f} vs LN {ln_loss:.3f}"
-    return Verdict(NO_NORM_CLAIM, NO_NORM_PUBLISHED, measured, _ok(ok), NO_NORM_RULE)
 
 
 # ---------------------------------------------------------------------------------------------

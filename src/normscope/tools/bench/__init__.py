@@ -51,21 +51,21 @@ that computes the same formula with other roundings carries a ``note``.
 
 Peers: ``torch`` (eager), ``compile`` (``torch.compile`` of the same eager function; GPU, or
 ``--interpret``), ``liger`` (Liger-Kernel's Triton autograd Functions, when ``liger_kernel`` is
-importable; see :func:`normscope.bench.peers._liger_peers` for the like-for-like choices).
+importable; see :func:`normscope.tools.bench.peers._liger_peers` for the like-for-like choices).
 
-Modules: :mod:`~normscope.bench.cases` (sizes, inputs, the output check), :mod:`~normscope.bench.peers`
-(Liger-Kernel, the interpreter shims), :mod:`~normscope.bench.timing` (medians, :func:`run`),
-:mod:`~normscope.bench.report` (:func:`problems`, the plot, :func:`choice_table`).
+Modules: :mod:`~normscope.tools.bench.cases` (sizes, inputs, the output check), :mod:`~normscope.tools.bench.peers`
+(Liger-Kernel, the interpreter shims), :mod:`~normscope.tools.bench.timing` (medians, :func:`run`),
+:mod:`~normscope.tools.bench.report` (:func:`problems`, the plot, :func:`choice_table`).
 
 Usage::
 
-    python -m normscope.bench                     # GPU: full run; CPU: small sizes (13-21 s on 2 cores)
-    python -m normscope.bench --quick             # small sizes on the GPU too
-    python -m normscope.bench --cases layer_norm,rms_norm --dtypes bf16 --out /tmp/b
-    python -m normscope.bench --cases modern      # the modern norms (AdaLN, QK-norm, Gemma, PolyNorm, Derf)
-    python -m normscope.bench --resume --budget-s 480 --out DIR   # continue DIR's JSON for 8 minutes
-    python -m normscope.bench --plot-only --out DIR               # redraw DIR's PNG from its JSON
-    TRITON_INTERPRET=1 python -m normscope.bench --interpret --out /tmp/dry
+    python -m normscope.tools.bench                     # GPU: full run; CPU: small sizes (13-21 s on 2 cores)
+    python -m normscope.tools.bench --quick             # small sizes on the GPU too
+    python -m normscope.tools.bench --cases layer_norm,rms_norm --dtypes bf16 --out /tmp/b
+    python -m normscope.tools.bench --cases modern      # the modern norms (AdaLN, QK-norm, Gemma, PolyNorm, Derf)
+    python -m normscope.tools.bench --resume --budget-s 480 --out DIR   # continue DIR's JSON for 8 minutes
+    python -m normscope.tools.bench --plot-only --out DIR               # redraw DIR's PNG from its JSON
+    TRITON_INTERPRET=1 python -m normscope.tools.bench --interpret --out /tmp/dry
 
 ``--interpret`` is the GPU run's dry run on a CPU: the same code paths at tiny sizes -- normscope
 forced onto its Triton kernels and Liger's kernels both in Triton's interpreter, torch.compile
@@ -133,7 +133,7 @@ def _use_interpreter(p: argparse.ArgumentParser) -> None:
     if any(m == "triton" or m.startswith("triton.") for m in sys.modules):
         p.error(
             "--interpret: Triton was imported before TRITON_INTERPRET=1 was set, so its kernels are compiled, "
-            "not interpreted; run: TRITON_INTERPRET=1 python -m normscope.bench --interpret ..."
+            "not interpreted; run: TRITON_INTERPRET=1 python -m normscope.tools.bench --interpret ..."
         )
     os.environ["TRITON_INTERPRET"] = "1"
 

@@ -4,12 +4,12 @@
 a layer (BatchNorm, LayerNorm, InstanceNorm, GroupNorm, RMSNorm, LayerNorm2d), a layout (the
 N x C x H·W cube or (B, S, D) tokens), a shape, groups, a padding mask and eps; hovering an element
 highlights every element of its scope and shows the worked numbers -- mean, variance, normalized
-output -- computed by the real library (:mod:`normscope.explorer.api`) and checked against torch.
+output -- computed by the real library (:mod:`normscope.tools.explorer.api`) and checked against torch.
 
 Everything ships inside the package (no CDN, works offline). Example::
 
     $ normscope explore --port 8765 --no-browser
-    $ python -m normscope.explorer
+    $ python -m normscope.tools.explorer
 """
 
 from __future__ import annotations

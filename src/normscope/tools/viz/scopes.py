@@ -1,6 +1,6 @@
 """Scope -> picture: which elements share one mean and variance, computed from the engine's scope.
 
-Nothing here knows what BatchNorm or GroupNorm *is*: :func:`scope_ids` (from :mod:`normscope.named`, the
+Nothing here knows what BatchNorm or GroupNorm *is*: :func:`scope_ids` (from :mod:`normscope.tools.named`, the
 table of named layers that explain and the explorer read too) reads only the
 :class:`~normscope.scope.Resolved` description (reduced axes, groups, grouped axis) that the engine
 itself computes with, so a new scope draws itself correctly without any drawing code of its own.
@@ -21,15 +21,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..named import LAYOUTS, NAMED, NamedLayer, check_layout, get, names, scope_ids
-from ..scope import Scope
+from ...scope import Scope
+from ..named import LAYOUTS, NAMED, check_layout, get, names, scope_ids
 
 __all__ = [
     "PALETTE",
     "HIGHLIGHT",
     "LAYOUTS",
     "LAYERS",
-    "LayerSpec",
     "layer_names",
     "layer_scope",
     "scope_ids",
@@ -62,9 +61,8 @@ _DEFAULT_SHAPE = {"nchw": (3, 6, 4), "bsd": (2, 5, 6)}
 _AXES = {"nchw": ("N", "C", "H·W"), "bsd": ("B", "S", "D")}
 
 
-#: the named layers: the one table of :mod:`normscope.named`, which explain and the explorer read too
+#: the named layers: the one table of :mod:`normscope.tools.named`, which explain and the explorer read too
 LAYERS = NAMED
-LayerSpec = NamedLayer  # the name this module gave the entries before the table moved to normscope.named
 layer_names = names
 
 

@@ -120,7 +120,7 @@ def _interpreter_shims() -> Iterator[None]:
     """Make Triton 3.6's CPU interpreter run what the GPU compiler runs (``--interpret`` only; undone on exit).
 
     1. NumPy >= 2.4 refuses ``int(array_of_shape_(1,))`` in loops with runtime bounds: normscope's
-       own fix (``kernels._common.fix_interpreter_index``).
+       own fix, which the kernels apply when imported under the interpreter (kernels/_common.py).
     2. The interpreter passes float kernel arguments as Python floats, where the compiler passes
        fp32 scalars: Liger's ``eps.to(tl.float32)`` fails on them. Wrap them as fp32 scalars.
     3. ``triton.language.extra.libdevice`` functions have no body in the interpreter (they return
@@ -135,9 +135,9 @@ def _interpreter_shims() -> Iterator[None]:
     import triton.language as tl
     from triton.runtime import interpreter
 
-    from normscope.kernels import _common
-
-    _common.fix_interpreter_index()  # applied whenever the kernels are imported under the interpreter
+    # importing the kernels under the interpreter (TRITON_INTERPRET=1 is set before Triton is: see
+    # _use_interpreter) applies normscope's own fix of 1.
+    import normscope.kernels.rows  # noqa: F401
     cvt = interpreter._implicit_cvt
 
     def implicit_cvt(arg):

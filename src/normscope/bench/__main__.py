@@ -1,7 +1,0 @@
-"""``python -m normscope.bench``: the same as ``normscope bench``."""
-
-import sys
-
-from . import main
-
-sys.exit(main())

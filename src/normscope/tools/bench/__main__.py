@@ -1,0 +1,7 @@
+"""``python -m normscope.tools.bench``: the same as ``normscope bench``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
