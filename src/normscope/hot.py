@@ -58,7 +58,8 @@ from typing import NamedTuple, NoReturn
 import torch
 from torch import Tensor
 
-from . import engine
+from . import _state, engine
+from ._planning import stand_in, symbolic
 from .engine import Running
 
 __all__ = ["Op", "Plan", "call", "per_call", "tensors", "running", "refuse_script"]
@@ -102,13 +103,13 @@ _OPS: dict[str, Op] = {}  # by name: what a traced call names its op by (a const
 #: (Parameter, DTensor) runs the same ops through its own dispatch, and no check or choice of backend
 #: reads it; nor its strides: the runners take any (``normscope.engine.Backend``)
 _sig = operator.attrgetter("shape", "dtype", "device", "layout")
-_ENV_GET = engine._ENV_DATA.get if engine._ENV_DATA is not None else (lambda _: engine.request_key())
-_ENV_KEY = engine._ENV_KEY
+_ENV_GET = _state.ENV_DATA.get if _state.ENV_DATA is not None else (lambda _: _state.request_key())
+_ENV_KEY = _state.ENV_KEY
 _is_compiling = torch.compiler.is_compiling
-_traces_here = engine._traces_here  # `_is_compiling() and _traces_here()`: engine.compiling(), inline
-_forced = engine._FORCED.get  # the innermost use_backend() name of this thread (or task), else None
-_last = engine._LAST.get  # what engine.last_backend() answers, per thread (or task)
-_set_last = engine._LAST.set
+_traces_here = _state.traces_here  # `_is_compiling() and _traces_here()`: engine.compiling(), inline
+_forced = _state.FORCED.get  # the innermost use_backend() name of this thread (or task), else None
+_last = _state.LAST.get  # what engine.last_backend() answers, per thread (or task)
+_set_last = _state.LAST.set
 
 
 def call(
@@ -308,9 +309,9 @@ def _traced(op, settings, x, weight, bias, eps, running) -> Plan | None:
 # that dynamo reaches from two of our modules costs a guard evaluated in Python on every call of
 # the compiled graph
 _is_tensor = torch.is_tensor
-_symbolic = engine.symbolic
-_environ_constant = engine._environ_get
-_TRACED_VIEW = engine._TRACED_VIEW
+_symbolic = symbolic
+_environ_constant = _state.environ_get
+_TRACED_VIEW = _state.TRACED_VIEW
 
 #: the plans of the calls planned for a trace, as attributes named by token -- not a dict: dynamo
 #: reads a dict's items once per trace, and a trace plans each of its calls after the first has
@@ -321,7 +322,7 @@ _tokens = iter(range(1 << 62))
 _TRACE_LOCK = threading.Lock()
 
 
-@engine.constant_when_compiled
+@_state.constant_when_compiled
 def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
     """Run the op's checked call on stand-ins of the call's tensors with the engine capturing the
     plan of its dispatch instead of running it; the token names the :class:`Plan` (or None) among
@@ -333,7 +334,7 @@ def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
     if token is None:
         name, settings, eps, flags = config
         op = _OPS[name]
-        stand = [None if m is None else engine.stand_in(*m) for m in metas]
+        stand = [None if m is None else stand_in(*m) for m in metas]
         x, weight, bias = stand[:3]
         run = None if flags is None else running((stand[3], stand[4], 0.0, flags[1]))
         found = None
