@@ -15,7 +15,7 @@ import normscope
 import normscope.functional as NF
 from conftest import direct
 
-BACKENDS = ("auto", "aten", "composite", "reference", "triton")
+BACKENDS = ("auto", "aten", "rows", "composite", "reference", "triton")
 
 
 def _views(n: int, seed: int) -> dict[str, torch.Tensor]:

@@ -80,16 +80,17 @@ class Op:
     """An operation of the hot path: ``checked(settings, x, weight, bias, eps, running, mask)`` --
     its argument checks, then one :func:`normscope.engine.norm` -- and its plans by signature.
 
-    ``settings``: a tuple of everything besides the tensors and ``eps`` that the checked call reads
-    (hashable; a value of another type than usual makes a key of its own, see the module docstring).
+    ``settings``: everything besides the tensors and ``eps`` that the checked call reads, a value of
+    the op's ``settings_type`` (a NamedTuple, built by the op's one settings function -- hashable; a
+    value of another type than usual makes a key of its own, see the module docstring).
     """
 
-    __slots__ = ("name", "checked", "plans", "last")
+    __slots__ = ("name", "checked", "settings_type", "plans", "last")
 
-    def __init__(self, name: str, checked: Callable[..., Tensor]) -> None:
+    def __init__(self, name: str, checked: Callable[..., Tensor], settings_type: type[tuple] = tuple) -> None:
         if name in _OPS:
             raise ValueError(f"Op: the name {name!r} is taken (by {_OPS[name]!r})")
-        self.name, self.checked = name, checked
+        self.name, self.checked, self.settings_type = name, checked, settings_type
         self.plans: dict[tuple, Plan] = {}
         self.last: tuple = ((), None)  # (key, plan) of the last planned call: compared before the table
         _OPS[name] = self
@@ -332,8 +333,9 @@ def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
     key = (config, metas, request)
     token = _TRACE_TOKENS.get(key)
     if token is None:
-        name, settings, eps, flags = config
+        name, constants, eps, flags = config
         op = _OPS[name]
+        settings = tuple.__new__(op.settings_type, constants)  # the fields by name, as the checked call reads them
         stand = [None if m is None else stand_in(*m) for m in metas]
         x, weight, bias = stand[:3]
         run = None if flags is None else running((stand[3], stand[4], 0.0, flags[1]))
