@@ -268,3 +268,21 @@ def test_float64_weight_gets_a_float64_accurate_gradient():
     exact = (dy.double() * xd * r).sum(0)
     err = float((wo.grad - exact).norm() / exact.norm())
     assert err < 5e-8, err  # fp32 sums of the products were ~1.8e-7
+
+
+def test_the_rows_backend_is_forced_by_its_name_and_refuses_what_it_does_not_run():
+    x, w = torch.randn(6, 33), torch.randn(33)
+    with normscope.use_backend("rows"):
+        y = F.rms_norm(x, (33,), w, 1e-6)
+    assert normscope.last_backend() == "rows"
+    assert torch.equal(y, tF.rms_norm(x, (33,), w, 1e-6))  # torch's bits, row by row
+    with normscope.use_backend("rows"), pytest.raises(ValueError, match="rows backend runs unmasked RMS scopes"):
+        F.layer_norm(x, (33,), w)  # centered: not an RMS scope
+    mask = torch.rand(6, 33) > 0.5
+    with pytest.raises(ValueError, match="rows backend runs unmasked RMS scopes"):
+        normscope.normalize(x, dims=-1, centered=False, mask=mask, backend="rows")
+    with pytest.raises(ValueError, match="rows backend runs unmasked RMS scopes.*grouped axes"):
+        normscope.normalize(torch.randn(2, 6, 4), keep=0, groups=2, centered=False, backend="rows")
+    # the unmasked RMS scope is no longer composite's: forced there it says where it runs
+    with pytest.raises(ValueError, match="masked scopes only.*rows backend for RMS scopes"):
+        F.rms_norm(x, (33,), w, 1e-6, backend="composite")

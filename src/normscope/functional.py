@@ -44,7 +44,8 @@ _INSTANCE = Scope.instance()
 
 
 # -- the hot path's settings of each op: one type and one builder an op, used by the functional form
-# and the layers alike (the checked call reads the fields by name; the key compares them all)
+# and the layers alike (the checked call reads the fields by name; the key compares them all). Built
+# with ``tuple.__new__``: a NamedTuple's own ``__new__`` is a Python frame on every call
 
 
 class BatchNormSettings(NamedTuple):
@@ -77,23 +78,22 @@ class GroupNormSettings(NamedTuple):
     backend: str | None
 
 
-_new = tuple.__new__  # a NamedTuple from its fields without its Python-level ``__new__`` (a frame)
 
 
 def batch_norm_settings(
     training: bool, momentum: float, channel_dim: int = 1, backend: str | None = None
 ) -> BatchNormSettings:
-    return _new(BatchNormSettings, (training, momentum, type(momentum), channel_dim, backend))
+    return tuple.__new__(BatchNormSettings, (training, momentum, type(momentum), channel_dim, backend))
 
 
 def instance_norm_settings(use_input_stats: bool, momentum: float, backend: str | None = None) -> InstanceNormSettings:
-    return _new(InstanceNormSettings, (use_input_stats, momentum, type(momentum), backend))
+    return tuple.__new__(InstanceNormSettings, (use_input_stats, momentum, type(momentum), backend))
 
 
 def group_norm_settings(
     num_groups: int, num_channels: int | None = None, backend: str | None = None
 ) -> GroupNormSettings:
-    return _new(GroupNormSettings, (num_groups, type(num_groups), num_channels, backend))
+    return tuple.__new__(GroupNormSettings, (num_groups, type(num_groups), num_channels, backend))
 
 
 _GROUP_SCOPES: dict[int, Scope] = {}

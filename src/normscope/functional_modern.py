@@ -116,7 +116,6 @@ class FamilySettings(NamedTuple):
     casting: str
 
 
-_new = tuple.__new__  # a NamedTuple from its fields without its Python-level ``__new__`` (a frame)
 
 
 def last_axes(
@@ -133,10 +132,10 @@ def last_axes(
         normalized_shape = tuple(normalized_shape)
     where = "layer_norm" if centered else "rms_norm"
     if weight_offset == 0.0 and casting == "torch":
-        settings = _new(LastAxesSettings, (where, centered, normalized_shape, type(normalized_shape), backend))
+        settings = tuple.__new__(LastAxesSettings, (where, centered, normalized_shape, type(normalized_shape), backend))
         return (LAYER_NORM if centered else RMS_NORM), settings
     fields = (where, centered, normalized_shape, type(normalized_shape), backend, weight_offset, type(weight_offset))
-    return (LAYER_NORM_FAMILY if centered else RMS_NORM_FAMILY), _new(FamilySettings, (*fields, casting))
+    return (LAYER_NORM_FAMILY if centered else RMS_NORM_FAMILY), tuple.__new__(FamilySettings, (*fields, casting))
 
 
 def _last_axes(settings: LastAxesSettings | FamilySettings, input, weight, bias, eps, running, mask) -> Tensor:

@@ -67,7 +67,6 @@ class BatchNormLayerSettings(NamedTuple):
     channel_dim: int
 
 
-_new = tuple.__new__  # a NamedTuple from its fields without its Python-level ``__new__`` (a frame)
 
 
 def _batch_norm(settings: BatchNormLayerSettings, x, w, b, eps, running, mask) -> Tensor:
@@ -106,7 +105,7 @@ class BatchNormMixin:
         # the batch counts once the call is checked, before it runs (see hot.call)
         counts = self.training and self.track_running_stats and nbt is not None
         start = functools.partial(nbt.add_, 1) if counts else None
-        settings = _new(BatchNormLayerSettings, (self.channel_dim,))
+        settings = tuple.__new__(BatchNormLayerSettings, (self.channel_dim,))
         return hot.call(_BATCH_NORM, settings, input, w, b, self.eps, running, mask, start)
 
 
