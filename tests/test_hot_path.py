@@ -359,10 +359,12 @@ def test_the_layer_and_functional_forms_build_one_settings_value():
     from normscope import functional as NF
     from normscope import functional_modern as FM
 
-    op, s = FM.last_axes(False, [4], None, 1.0, "gemma")
-    assert op is FM.RMS_NORM_FAMILY and isinstance(s, FM.FamilySettings)
+    op, fields = FM.last_axes(False, [4], None, 1.0, "gemma")
+    s = op.settings_type(*fields)  # what the checked call reads
+    assert op is FM.RMS_NORM_FAMILY and op.settings_type is FM.FamilySettings
     assert (s.normalized_shape, s.weight_offset, s.offset_type, s.casting) == ((4,), 1.0, float, "gemma")
-    assert FM.last_axes(True, 4)[0] is FM.LAYER_NORM and FM.last_axes(True, 4)[1].where == "layer_norm"
+    op, fields = FM.last_axes(True, 4)
+    assert op is FM.LAYER_NORM and op.settings_type(*fields).where == "layer_norm"
     x = torch.randn(3, 23)
     for layer, functional, op in (
         (normscope.LayerNorm(23), lambda m: NF.layer_norm(x, (23,), m.weight, m.bias), FM.LAYER_NORM),

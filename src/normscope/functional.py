@@ -44,8 +44,8 @@ _INSTANCE = Scope.instance()
 
 
 # -- the hot path's settings of each op: one type and one builder an op, used by the functional form
-# and the layers alike (the checked call reads the fields by name; the key compares them all). Built
-# with ``tuple.__new__``: a NamedTuple's own ``__new__`` is a Python frame on every call
+# and the layers alike. A builder returns the type's fields in its order as a plain tuple (the hot
+# path's key; see normscope.hot.Op), and the checked call reads them by name
 
 
 class BatchNormSettings(NamedTuple):
@@ -80,20 +80,19 @@ class GroupNormSettings(NamedTuple):
 
 
 
-def batch_norm_settings(
-    training: bool, momentum: float, channel_dim: int = 1, backend: str | None = None
-) -> BatchNormSettings:
-    return tuple.__new__(BatchNormSettings, (training, momentum, type(momentum), channel_dim, backend))
+def batch_norm_settings(training: bool, momentum: float, channel_dim: int = 1, backend: str | None = None) -> tuple:
+    """The fields of :class:`BatchNormSettings`."""
+    return (training, momentum, type(momentum), channel_dim, backend)
 
 
-def instance_norm_settings(use_input_stats: bool, momentum: float, backend: str | None = None) -> InstanceNormSettings:
-    return tuple.__new__(InstanceNormSettings, (use_input_stats, momentum, type(momentum), backend))
+def instance_norm_settings(use_input_stats: bool, momentum: float, backend: str | None = None) -> tuple:
+    """The fields of :class:`InstanceNormSettings`."""
+    return (use_input_stats, momentum, type(momentum), backend)
 
 
-def group_norm_settings(
-    num_groups: int, num_channels: int | None = None, backend: str | None = None
-) -> GroupNormSettings:
-    return tuple.__new__(GroupNormSettings, (num_groups, type(num_groups), num_channels, backend))
+def group_norm_settings(num_groups: int, num_channels: int | None = None, backend: str | None = None) -> tuple:
+    """The fields of :class:`GroupNormSettings`."""
+    return (num_groups, type(num_groups), num_channels, backend)
 
 
 _GROUP_SCOPES: dict[int, Scope] = {}

@@ -125,17 +125,19 @@ def last_axes(
     weight_offset: float = 0.0,
     casting: str = "torch",
 ) -> tuple[hot.Op, tuple]:
-    """The op and settings of a LayerNorm (``centered``) or RMSNorm call over the last axes: the one
-    place the functional form, the layers and the Hugging Face patch build them. The family options
-    have ops of their own, whose keys hold three settings more that the plain calls need not compare."""
+    """The op and settings of a LayerNorm (``centered``) or RMSNorm call over the last axes -- the
+    fields of :class:`LastAxesSettings`, or with a family's options of :class:`FamilySettings` (see
+    :class:`normscope.hot.Op`): the one place the functional form, the layers and the Hugging Face
+    patch build them. The family options have ops of their own, whose keys hold three settings more
+    that the plain calls need not compare."""
     if type(normalized_shape) is list:  # hashable, for the plan's key
         normalized_shape = tuple(normalized_shape)
     where = "layer_norm" if centered else "rms_norm"
     if weight_offset == 0.0 and casting == "torch":
-        settings = tuple.__new__(LastAxesSettings, (where, centered, normalized_shape, type(normalized_shape), backend))
+        settings = (where, centered, normalized_shape, type(normalized_shape), backend)
         return (LAYER_NORM if centered else RMS_NORM), settings
-    fields = (where, centered, normalized_shape, type(normalized_shape), backend, weight_offset, type(weight_offset))
-    return (LAYER_NORM_FAMILY if centered else RMS_NORM_FAMILY), tuple.__new__(FamilySettings, (*fields, casting))
+    settings = (where, centered, normalized_shape, type(normalized_shape), backend, weight_offset, type(weight_offset), casting)
+    return (LAYER_NORM_FAMILY if centered else RMS_NORM_FAMILY), settings
 
 
 def _last_axes(settings: LastAxesSettings | FamilySettings, input, weight, bias, eps, running, mask) -> Tensor:

@@ -75,7 +75,8 @@ def _batch_norm(settings: BatchNormLayerSettings, x, w, b, eps, running, mask) -
     channel_dim = settings.channel_dim
     training = running is None or running.use_input_stats
     momentum = 0.0 if running is None else running.momentum
-    return F.checked_batch_norm(F.batch_norm_settings(training, momentum, channel_dim), x, w, b, eps, running, mask)
+    settings = F.BatchNormSettings._make(F.batch_norm_settings(training, momentum, channel_dim))
+    return F.checked_batch_norm(settings, x, w, b, eps, running, mask)
 
 
 _BATCH_NORM = hot.Op("BatchNorm", _batch_norm, BatchNormLayerSettings)
@@ -105,7 +106,7 @@ class BatchNormMixin:
         # the batch counts once the call is checked, before it runs (see hot.call)
         counts = self.training and self.track_running_stats and nbt is not None
         start = functools.partial(nbt.add_, 1) if counts else None
-        settings = tuple.__new__(BatchNormLayerSettings, (self.channel_dim,))
+        settings = (self.channel_dim,)  # BatchNormLayerSettings' fields
         return hot.call(_BATCH_NORM, settings, input, w, b, self.eps, running, mask, start)
 
 

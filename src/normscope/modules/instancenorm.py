@@ -30,10 +30,10 @@ class InstanceNormLayerSettings(NamedTuple):
     momentum: float
 
 
-def layer_settings(layer: nn.Module, use_input_stats: bool, momentum: float) -> InstanceNormLayerSettings:
+def layer_settings(layer: nn.Module, use_input_stats: bool, momentum: float) -> tuple:
+    """The fields of :class:`InstanceNormLayerSettings` for ``layer``."""
     strict = layer.affine or layer.track_running_stats
-    fields = (type(layer).__name__, layer._spatial, layer.num_features, strict, use_input_stats, momentum)
-    return tuple.__new__(InstanceNormLayerSettings, fields)
+    return (type(layer).__name__, layer._spatial, layer.num_features, strict, use_input_stats, momentum)
 
 
 def _instance_norm(settings: tuple, input, w, b, eps, running, mask) -> Tensor:
@@ -68,7 +68,8 @@ def _instance_norm(settings: tuple, input, w, b, eps, running, mask) -> Tensor:
         mask = mask.unsqueeze(0) if isinstance(mask, Tensor) else mask
         y = F.instance_norm(input.unsqueeze(0), rm, rv, w, b, use_input_stats, momentum, eps, mask=mask)
         return y.squeeze(0)
-    return F.checked_instance_norm(F.instance_norm_settings(use_input_stats, momentum), input, w, b, eps, running, mask)
+    settings = F.InstanceNormSettings._make(F.instance_norm_settings(use_input_stats, momentum))
+    return F.checked_instance_norm(settings, input, w, b, eps, running, mask)
 
 
 class _InstanceNormMixin:

@@ -83,5 +83,5 @@ class LayerNorm2d(nn.LayerNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         w, b = hot.tensors(self, _WB)
-        settings = tuple.__new__(LayerNorm2dSettings, (type(self).__name__, self.normalized_shape[0]))
+        settings = (type(self).__name__, self.normalized_shape[0])  # LayerNorm2dSettings' fields
         return hot.call(_LAYER_NORM_2D, settings, input, w, b, self.eps)
