@@ -152,7 +152,7 @@ def _cases() -> list[Case]:
 
 
 class _RowsForced(nn.Module):
-    """normscope's RMSNorm with the CPU rows path forced (the composite backend)."""
+    """normscope's RMSNorm with the CPU rows path forced (the rows backend)."""
 
     def __init__(self, n: int) -> None:
         super().__init__()
@@ -160,7 +160,7 @@ class _RowsForced(nn.Module):
         self.weight = nn.Parameter(torch.ones(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return normscope.functional.rms_norm(x, (self.n,), self.weight, None, backend="composite")
+        return normscope.functional.rms_norm(x, (self.n,), self.weight, None, backend="rows")
 
 
 def _rows_forced(m, n: int) -> nn.Module:

@@ -542,12 +542,12 @@ _MODULE_CASES = list(_module_cases())
 
 
 def test_the_applicability_probe_keeps_every_backend_where_it_runs():
-    # the probe must drop only what a backend declines: each backend keeps cases, composite at least the RMS rows
+    # the probe must drop only what a backend declines: each backend keeps cases, rows at least the RMS rows
     # it runs unmasked, and Triton (registered with the triton extra) its interpreter's subset
     cases = [(p.values[0], p.values[-1]) for p in _OP_CASES + _MODULE_CASES]
     assert {b for _, b in cases} == set(BACKENDS)
-    assert {name for name, b in cases if b == "composite"} >= {"nn.functional.rms_norm", "nn.RMSNorm"}
-    assert {name for name, b in cases if b == "composite"} < {name for name, _ in cases}
+    assert {name for name, b in cases if b == "rows"} >= {"nn.functional.rms_norm", "nn.RMSNorm"}
+    assert {name for name, b in cases if b == "rows"} < {name for name, _ in cases}
     assert {name for name, b in cases if b == "aten"} == {name for name, b in cases if b == "reference"}
 
 

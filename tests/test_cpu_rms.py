@@ -1,4 +1,4 @@
-"""The composite backend's RMSNorm rows (normscope.backends.rms): one reduction each way, closed-form backward.
+"""The rows backend (normscope.backends.rows, its RMSNorm rows in normscope.backends.rms): one reduction each way, closed-form backward.
 
 Every output and gradient is compared with float64 (torch's own ``F.rms_norm`` run in float64 -- an
 independent computation) and with torch at the same dtype: the error against float64 may be at most
@@ -14,6 +14,8 @@ import torch.nn.functional as tF
 import normscope
 import normscope.functional as F
 from normscope.backends import aten, rms
+from normscope import engine
+from normscope.scope import Scope
 
 FLOOR = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -30,9 +32,9 @@ def _check_against_fp64_and_torch(x, w, k, eps=1e-6, fn=None):
     shape = tuple(x.shape[-k:])
     g = torch.Generator().manual_seed(7)
     gy = torch.randn(x.shape, generator=g, dtype=torch.float64)
-    fn = fn or (lambda xi, wi: F.rms_norm(xi, shape, wi, eps, backend="composite"))
+    fn = fn or (lambda xi, wi: F.rms_norm(xi, shape, wi, eps, backend="rows"))
     ours = _run(fn, x, w, gy)
-    assert normscope.last_backend() == "composite"
+    assert normscope.last_backend() == "rows"
     theirs = _run(lambda xi, wi: tF.rms_norm(xi, shape, wi, eps), x, w, gy)
     exact = _run(lambda xi, wi: tF.rms_norm(xi, shape, wi, eps), x.double(), None if w is None else w.double(), gy)
     for name, o, t, e in zip(("y", "dx", "dw"), ours, theirs, exact):
@@ -77,8 +79,8 @@ def test_inner_axis_scope():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, 6, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
-    y = normscope.normalize(x, dims=0, centered=False, weight=w, eps=1e-6, backend="composite")
-    assert normscope.last_backend() == "composite"
+    y = normscope.normalize(x, dims=0, centered=False, weight=w, eps=1e-6, backend="rows")
+    assert normscope.last_backend() == "rows"
     expected = x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + 1e-6) * w.view(5, 1)
     torch.testing.assert_close(y, expected)
     gy = torch.randn(5, 6, dtype=torch.float64, generator=g)
@@ -91,7 +93,7 @@ def test_inner_axis_scope():
 def test_empty_input():
     x = torch.randn(0, 64, requires_grad=True)
     w = torch.ones(64, requires_grad=True)
-    y = F.rms_norm(x, (64,), w, 1e-6, backend="composite")
+    y = F.rms_norm(x, (64,), w, 1e-6, backend="rows")
     assert y.shape == (0, 64)
     y.sum().backward()
     assert x.grad.shape == (0, 64)
@@ -106,7 +108,7 @@ def test_gradcheck_and_double_backward(affine):
     inputs = (x, w) if affine else (x,)
 
     def fn(*args):
-        return F.rms_norm(args[0], (7,), args[1] if affine else None, 1e-5, backend="composite")
+        return F.rms_norm(args[0], (7,), args[1] if affine else None, 1e-5, backend="rows")
 
     assert torch.autograd.gradcheck(fn, inputs)
     assert torch.autograd.gradgradcheck(fn, inputs)
@@ -122,13 +124,13 @@ def test_no_grad_forward_matches():
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(6, 33, generator=g), torch.randn(33, generator=g)
     with torch.no_grad():
-        y = F.rms_norm(x, (33,), w, 1e-6, backend="composite")
+        y = F.rms_norm(x, (33,), w, 1e-6, backend="rows")
     torch.testing.assert_close(y, tF.rms_norm(x, (33,), w, 1e-6))
 
 
 def test_vmap_runs_the_reference():
     x = torch.randn(4, 3, 16, dtype=torch.float64)
-    y = torch.func.vmap(lambda t: F.rms_norm(t, (16,), None, 1e-6, backend="composite"))(x)
+    y = torch.func.vmap(lambda t: F.rms_norm(t, (16,), None, 1e-6, backend="rows"))(x)
     assert normscope.last_backend() == "reference"
     torch.testing.assert_close(y, tF.rms_norm(x, (16,), None, 1e-6))
 
@@ -139,7 +141,7 @@ def test_torch_compile_fullgraph():
     w = torch.randn(32, generator=g)
 
     def fn(xi, wi):
-        return F.rms_norm(xi, (32,), wi, 1e-6, backend="composite")
+        return F.rms_norm(xi, (32,), wi, 1e-6, backend="rows")
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     got = _run(compiled, x, w, torch.ones(8, 32))
@@ -149,7 +151,7 @@ def test_torch_compile_fullgraph():
 
 
 def test_automatic_choice_follows_the_measured_size():
-    # below rms.MIN_AUTO_ELEMENTS torch's op runs; from it on, the composite rows (the committed
+    # below rms.MIN_AUTO_ELEMENTS torch's op runs; from it on, the rows backend (the committed
     # measurement is benchmarks/results/cpu_speed.json); a forced "aten" stays torch's op
     small = torch.randn(2, 64)
     F.rms_norm(small, (64,))
@@ -157,10 +159,15 @@ def test_automatic_choice_follows_the_measured_size():
     rows = -(-rms.MIN_AUTO_ELEMENTS // 128)
     large = torch.randn(rows, 128)
     F.rms_norm(large, (128,))
-    assert normscope.last_backend() == "composite"
+    assert normscope.last_backend() == "rows"
     F.rms_norm(large, (128,), backend="aten")
     assert normscope.last_backend() == "aten"
-    assert aten.why_not_auto is aten.BACKEND.why_not_auto
+    # the choice is the rows backend's own, ahead of aten in the one declared order (no veto of aten's)
+    from normscope.backends import rows as rows_backend
+
+    assert rows_backend.why_not_auto is rows_backend.BACKEND.why_not_auto
+    assert normscope.backends().index("rows") < normscope.backends().index("aten")
+    assert aten.BACKEND.why_not_auto(engine.Call(large, Scope.rms(1).resolve(large.shape), None, None, 1e-6, None, None)) is None
 
 
 # Block by block (rms.BLOCK_ELEMENTS): fp16/bf16 always, fp32/fp64 (both ways) from
@@ -188,7 +195,7 @@ def test_blocks_with_one_gradient_and_an_expanded_output_gradient(monkeypatch, d
     w = torch.randn(40, generator=g).to(dtype)
     for wants in ("x", "w"):
         grads = {}
-        for name, backend in (("ours", "composite"), ("torch", "aten")):
+        for name, backend in (("ours", "rows"), ("torch", "aten")):
             xi, wi = x.clone().requires_grad_(wants == "x"), w.clone().requires_grad_(wants == "w")
             y = F.rms_norm(xi, (40,), wi, 1e-6, backend=backend)
             assert normscope.last_backend() == backend
@@ -224,7 +231,7 @@ def test_weight_gradient_over_many_rows_is_as_accurate_as_torch(rows):
 
 @pytest.mark.parametrize("rows", [1024, 2048])
 def test_gradients_no_further_from_float64_than_torch(rows):
-    # the composite rows (automatic from 1024 x 1024 on CPU) against float64, beside torch's own op:
+    # the rows backend (automatic from 1024 x 1024 on CPU) against float64, beside torch's own op:
     # output, input gradient and weight gradient each no further than torch's (relative norm error)
     g = torch.Generator().manual_seed(rows)
     n = 1024
@@ -239,7 +246,7 @@ def test_gradients_no_further_from_float64_than_torch(rows):
     exact = run(lambda a, b: tF.rms_norm(a, (n,), b, 1e-6), x.double(), w.double())
     theirs = run(lambda a, b: tF.rms_norm(a, (n,), b, 1e-6), x, w)
     ours = run(lambda a, b: normscope.functional.rms_norm(a, (n,), b, 1e-6), x, w)
-    assert normscope.last_backend() == "composite"
+    assert normscope.last_backend() == "rows"
     for name, o, t, e in zip(("output", "dx", "dw"), ours, theirs, exact):
         err_o = float((o.double() - e).norm() / e.norm())
         err_t = float((t.double() - e).norm() / e.norm())
@@ -254,10 +261,28 @@ def test_float64_weight_gets_a_float64_accurate_gradient():
     w = torch.randn(n, generator=g, dtype=torch.float64)
     wo = w.clone().requires_grad_()
     normscope.functional.rms_norm(x, (n,), wo, 1e-6).backward(dy)
-    assert normscope.last_backend() == "composite" and wo.grad.dtype == torch.float64
+    assert normscope.last_backend() == "rows" and wo.grad.dtype == torch.float64
     # float64 with r from the fp32 input's statistics: what an fp32-rounded r allows at best
     xd = x.double()
     r = torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6)
     exact = (dy.double() * xd * r).sum(0)
     err = float((wo.grad - exact).norm() / exact.norm())
     assert err < 5e-8, err  # fp32 sums of the products were ~1.8e-7
+
+
+def test_the_rows_backend_is_forced_by_its_name_and_refuses_what_it_does_not_run():
+    x, w = torch.randn(6, 33), torch.randn(33)
+    with normscope.use_backend("rows"):
+        y = F.rms_norm(x, (33,), w, 1e-6)
+    assert normscope.last_backend() == "rows"
+    assert torch.equal(y, tF.rms_norm(x, (33,), w, 1e-6))  # torch's bits, row by row
+    with normscope.use_backend("rows"), pytest.raises(ValueError, match="rows backend runs unmasked RMS scopes"):
+        F.layer_norm(x, (33,), w)  # centered: not an RMS scope
+    mask = torch.rand(6, 33) > 0.5
+    with pytest.raises(ValueError, match="rows backend runs unmasked RMS scopes"):
+        normscope.normalize(x, dims=-1, centered=False, mask=mask, backend="rows")
+    with pytest.raises(ValueError, match="rows backend runs unmasked RMS scopes.*grouped axes"):
+        normscope.normalize(torch.randn(2, 6, 4), keep=0, groups=2, centered=False, backend="rows")
+    # the unmasked RMS scope is no longer composite's: forced there it says where it runs
+    with pytest.raises(ValueError, match="masked scopes only.*rows backend for RMS scopes"):
+        F.rms_norm(x, (33,), w, 1e-6, backend="composite")

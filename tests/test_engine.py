@@ -417,3 +417,91 @@ def test_constant_when_compiled_marks_as_torch_does_without_importing_dynamo():
     code = "import sys, torch, normscope; print('torch._dynamo' in sys.modules, 'triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"], out.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# one classification of a resolved scope (scope.Resolved.form), read by every backend
+
+
+def _form_by_definition(shape, reduce, groups, group_dim, affine):
+    """The canonical views of a resolved scope, each from its definition over sets of axes."""
+    ndim, red, aff = len(shape), set(reduce), tuple(affine)
+    kept = set(range(ndim)) - red
+    rows = groups == 1 and bool(red) and aff in ((), tuple(sorted(red)))
+    trailing = red == set(range(ndim - len(red), ndim))
+    channel = None
+    if ndim >= 2 and groups == 1 and len(kept) == 1:
+        (d,) = kept
+        channel = d if aff in ((), (d,)) else None
+    per_channel = ndim >= 2 and aff in ((), (1,))
+    sample_groups = per_channel and kept == {0} and (groups == 1 or group_dim == 1)
+    instance = per_channel and ndim >= 3 and groups == 1 and kept == {0, 1}
+    return (rows, trailing, channel, sample_groups, instance)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_the_form_of_a_resolved_scope_is_its_definition(data):
+    ndim = data.draw(st.integers(1, 5))
+    shape = tuple(data.draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim)))
+    reduce = data.draw(st.sets(st.integers(0, ndim - 1), min_size=1))
+    affine_kind = data.draw(st.sampled_from(["none", "reduce", "axis1", "axis0", "last"]))
+    affine = {
+        "none": (),
+        "reduce": tuple(sorted(reduce)),
+        "axis1": (1,) if ndim >= 2 else (),
+        "axis0": (0,),
+        "last": (ndim - 1,),
+    }[affine_kind]
+    groups = 1
+    if ndim >= 2 and 1 in reduce and data.draw(st.booleans()):
+        shape = shape[:1] + (6,) + shape[2:]
+        groups = data.draw(st.sampled_from([2, 3]))
+    scope = Scope(reduce=tuple(reduce), affine=affine, groups=groups, group_dim=1)
+    r = scope.resolve(shape)
+    assert tuple(r.form) == _form_by_definition(r.shape, r.reduce, r.groups, r.group_dim, r.affine), r
+
+
+def test_a_cold_layer_norm_call_classifies_its_scope_once(monkeypatch):
+    """Every backend reads the one classification made when the scope is resolved: a cold call --
+    its scope and shape never seen, so resolved, planned and run afresh -- classifies once."""
+    from normscope import scope as scope_module
+
+    calls = []
+    classify = scope_module.classify
+
+    def counting(*args):
+        calls.append(args)
+        return classify(*args)
+
+    monkeypatch.setattr(scope_module, "classify", counting)
+    x = torch.randn(3, 5, 41)  # a shape no other test resolves with this scope
+    ln = normscope.LayerNorm(41)
+    y = ln(x)
+    assert len(calls) == 1, calls
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (41,), ln.weight, ln.bias))
+    ln(x)  # warm: the plan, no resolution
+    assert len(calls) == 1
+
+
+def test_backends_read_the_form_not_their_own_derivation():
+    # the four readers name the same views as the form for the named scopes of DESIGN.md
+    from normscope.backends import aten, composite, rms, triton
+
+    x = torch.randn(4, 6, 5)
+
+    def call(scope, **kw):
+        return engine.Call(x, scope.resolve(x.shape), None, None, 1e-5, None, None, **kw)
+
+    assert aten.kind(call(Scope.layer(1))) == "layer_norm" and triton._kind(call(Scope.layer(1)).scope) == ("rows", 0)
+    assert aten.kind(call(Scope.rms(1))) == "rms_norm" and rms.takes(call(Scope.rms(1))) is None
+    assert aten.kind(call(Scope.batch(1))) == "batch_norm" and triton._kind(call(Scope.batch(1)).scope) == ("channels", 1)
+    assert aten.kind(call(Scope.batch(-1))) == "batch_norm_last"
+    assert aten.kind(call(Scope.instance())) == "instance_norm" and triton._kind(call(Scope.instance()).scope) == ("groups", 6)
+    assert aten.kind(call(Scope.group(2))) == "group_norm" and triton._kind(call(Scope.group(2)).scope) == ("groups", 2)
+    assert aten.kind(call(Scope.group(6), op="group_norm")) == "group_norm"  # InstanceNorm's scope, torch's op
+    assert aten.kind(call(Scope.channels())) == "layer_norm" and triton._kind(call(Scope.channels()).scope) is None
+    assert composite._view(call(Scope.group(2))) == (1, True, 2)
+    assert composite._view(call(Scope.instance())) == (1, True, 6)
+    assert composite._view(call(Scope.batch(-1))) == (2, False, 5)
+    assert composite._view(call(Scope.rms(1))) is None and rms.takes(call(Scope.layer(1))) is not None

@@ -351,3 +351,36 @@ def test_call_of_builds_the_same_call_as_the_constructor():
         "op": None,
         "casting": "torch",
     }
+
+
+def test_the_layer_and_functional_forms_build_one_settings_value():
+    """One settings function per op: the layer, the functional form and the Hugging Face patch key
+    their calls alike, so the same call planned by one is a plan of the other."""
+    from normscope import functional as NF
+    from normscope import functional_modern as FM
+
+    op, fields = FM.last_axes(False, [4], None, 1.0, "gemma")
+    s = op.settings_type(*fields)  # what the checked call reads
+    assert op is FM.RMS_NORM_FAMILY and op.settings_type is FM.FamilySettings
+    assert (s.normalized_shape, s.weight_offset, s.offset_type, s.casting) == ((4,), 1.0, float, "gemma")
+    op, fields = FM.last_axes(True, 4)
+    assert op is FM.LAYER_NORM and op.settings_type(*fields).where == "layer_norm"
+    x = torch.randn(3, 23)
+    for layer, functional, op in (
+        (normscope.LayerNorm(23), lambda m: NF.layer_norm(x, (23,), m.weight, m.bias), FM.LAYER_NORM),
+        (normscope.RMSNorm(23, eps=1e-6), lambda m: NF.rms_norm(x, (23,), m.weight, 1e-6), FM.RMS_NORM),
+        (
+            normscope.RMSNorm(23, eps=1e-6, weight_offset=1.0, casting="gemma"),
+            lambda m: FM.rms_norm(x, (23,), m.weight, 1e-6, weight_offset=1.0, casting="gemma"),
+            FM.RMS_NORM_FAMILY,
+        ),
+    ):
+        before = len(op.plans)
+        want = layer(x)
+        assert len(op.plans) == before + 1
+        assert torch.equal(functional(layer), want)
+        assert len(op.plans) == before + 1, f"{op}: the functional form keyed its call apart from the layer's"
+    gn = normscope.GroupNorm(2, 4)
+    xg = torch.randn(2, 4, 3)
+    assert NF.group_norm_settings(2, 4) == (2, int, 4, None) and NF.GROUP_NORM.settings_type is NF.GroupNormSettings
+    torch.testing.assert_close(gn(xg), torch.nn.functional.group_norm(xg, 2, gn.weight, gn.bias))

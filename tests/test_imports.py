@@ -18,8 +18,10 @@ import pytest
 import normscope
 
 SRC = Path(normscope.__file__).resolve().parent
+#: the engine's parts (normscope.engine's docstring), in their one-way order: each imports only those before it
+ENGINE_PARTS = ("_contract", "_state", "_registry", "_planning", "_capture", "engine")
 #: the modules whose graph must have no cycle: the engine and everything between it and the user
-CORE = ("engine", "hot", "reference", "scope", "_checks", "functional", "functional_modern", "backends")
+CORE = (*ENGINE_PARTS, "hot", "reference", "scope", "_checks", "functional", "functional_modern", "backends", "modules")
 
 
 def _module_name(path: Path) -> str:
@@ -102,7 +104,7 @@ def test_the_graph_is_read():
     g = _graph()
     assert "normscope.functional_modern" in g["normscope.functional"]
     assert "normscope.engine" in g["normscope.hot"]
-    assert "normscope.backends.rms" in g["normscope.backends.aten"]
+    assert "normscope.backends.rms" in g["normscope.backends.rows"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
@@ -111,7 +113,89 @@ def test_no_import_cycle_among_the_engine_functional_and_backends():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("module", ["normscope.functional_modern", "normscope.functional", "normscope.engine"])
+def test_the_engine_parts_depend_one_way():
+    g = _graph()
+    for i, part in enumerate(ENGINE_PARTS):
+        later = {f"normscope.{p}" for p in ENGINE_PARTS[i + 1 :]}
+        assert not g[f"normscope.{part}"] & later, f"normscope.{part} imports a later part: {g[f'normscope.{part}'] & later}"
+    assert {f"normscope.{p}" for p in ENGINE_PARTS[:-1]} <= g["normscope.engine"]
+
+
+# ----------------------------------------------------------------------------------------------
+# no module of the core reads another's private names
+
+#: ``(module, "other._name")`` reads allowed, each with why
+PRIVATE_ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def _private_reads(path: Path) -> set[str]:
+    """``"module._name"`` for each private name of another module of the core that ``path`` reads: an
+    attribute of a name bound to an imported module, or a ``from module import _name``."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    bound: dict[str, str] = {}  # local name -> normscope module
+    found = set()
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("normscope"):
+                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("normscope"):
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                if _is_module(sub):
+                    bound[a.asname or a.name] = sub
+                elif a.name.startswith("_") and not a.name.startswith("__") and target != me and _in_core(target):
+                    found.add(f"{target}.{a.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            attr = node.attr
+            target = bound[node.value.id]
+            if attr.startswith("_") and not attr.startswith("__") and target != me and _in_core(target):
+                found.add(f"{target}.{attr}")
+    return found
+
+
+def test_the_private_read_finder_sees_reads(tmp_path):
+    # the finder must see both kinds of read, or the test below proves nothing
+    pkg = SRC / "backends"
+    reads = _private_reads(pkg / "aten.py")
+    assert all(r.startswith("normscope.") for r in reads)
+    code = "from .. import engine\nfrom ..hot import _sig\nx = engine._BACKENDS\n"
+    probe = pkg / "_probe_private_reads.py"
+    try:
+        probe.write_text(code)
+        assert _private_reads(probe) == {"normscope.engine._BACKENDS", "normscope.hot._sig"}
+    finally:
+        probe.unlink()
+
+
+def test_no_core_module_reads_another_modules_private_names():
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        name = _module_name(path)
+        if not _in_core(name):
+            continue
+        for read in sorted(_private_reads(path)):
+            if (name, read) not in PRIVATE_ALLOWED:
+                bad.append(f"{name} reads {read}")
+    assert not bad, "private names read across modules (give them a public name in the package):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["normscope.functional_modern", "normscope.functional", "normscope.engine", "normscope.hot", "normscope.backends"]
+    + [f"normscope.{p}" for p in ENGINE_PARTS[:-1]],
+)
 def test_each_module_imports_first_in_a_fresh_interpreter(module):
     code = f"import {module}, sys; assert {module!r} in sys.modules"
     env_path = str(SRC.parent)

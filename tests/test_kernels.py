@@ -31,6 +31,7 @@ pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 
 
 import normscope  # noqa: E402
 from normscope import functional as nf  # noqa: E402
+from normscope.backends import measured as _measured  # noqa: E402
 from normscope.functional import fused_add_rms_norm  # noqa: E402
 from normscope.kernels import channels as CH  # noqa: E402
 from normscope.kernels import config as KC  # noqa: E402
@@ -223,7 +224,7 @@ def test_triton_backend_declines_what_it_cannot_run():
     nf.layer_norm(x, (5,))
     # automatic mode takes a kernel only for CUDA tensors, and only where a committed measurement
     # on this device class shows it faster (normscope.backends.measured); else ATen runs
-    measured = not ON_CPU and normscope.backends.measured.why_not("layer_norm", x.dtype, 5, x.device) is None
+    measured = not ON_CPU and _measured.why_not("layer_norm", x.dtype, 5, x.device) is None
     assert normscope.last_backend() == ("triton" if measured else "aten")
     with normscope.use_backend("triton"):
         with pytest.raises(ValueError, match="no kernel for this scope"):

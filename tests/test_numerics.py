@@ -39,7 +39,7 @@ def _unit_variance_error(y: torch.Tensor, dims) -> float:
 # ~1e6, whose fp32 spacing (0.06) is a few percent of the output's unit spread. Their statistics are
 # fine; the fused output formula cancels. The aten backend *is* those kernels, so it misses the bar
 # by 1.6e-3 (BatchNorm) to 1.2e-2 (LayerNorm) when forced; torch.nn misses it identically (test below).
-# The automatic choice checks the statistics and recomputes such calls (engine._guard_cancellation).
+# The automatic choice checks the statistics and recomputes such calls (normscope.backends.aten, _guard_cancellation).
 ATEN_CANCELS = pytest.mark.xfail(
     strict=True,
     raises=AssertionError,

@@ -15,7 +15,7 @@ import normscope
 import normscope.functional as NF
 from conftest import direct
 
-BACKENDS = ("auto", "aten", "composite", "reference", "triton")
+BACKENDS = ("auto", "aten", "rows", "composite", "reference", "triton")
 
 
 def _views(n: int, seed: int) -> dict[str, torch.Tensor]:
@@ -103,7 +103,8 @@ def test_functional_with_views_as_weight_bias_and_running_stats(layout, backend)
             continue
         ran += 1
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    assert ran or backend not in ("auto", *normscope.backends()), f"{backend} ran none of the calls"
+    # composite runs masked calls only: its views are the masked test's below
+    assert ran or backend == "composite" or backend not in ("auto", *normscope.backends()), f"{backend} ran none"
 
 
 @pytest.mark.parametrize("layout", ("strided", "offset", "column"))  # torch refuses to update an expanded one
@@ -214,4 +215,5 @@ def test_masked_norms_with_views_as_weight_bias_and_mask(layout, backend):
         expected = direct(x, affine=(1,), weight=w, bias=b, mask=mask.unsqueeze(1), **scope).float()
         valid = mask.unsqueeze(1).expand_as(x)
         torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    assert ran or backend == "aten" or backend not in ("auto", *normscope.backends()), f"{backend} ran none"
+    # aten and rows run no masked call (their refusals are the differential suite's)
+    assert ran or backend in ("aten", "rows") or backend not in ("auto", *normscope.backends()), f"{backend} ran none"

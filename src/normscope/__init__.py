@@ -87,9 +87,12 @@ __all__ = [
     "recalibrate",
 ]
 
-# every backend, registered with the engine in the automatic order named in normscope/backends/;
-# also makes ``normscope.backends`` the package (still callable: ``normscope.backends()``)
-from . import backends, kernels  # noqa: E402,F401
+# every backend, registered with the engine in the automatic order named in normscope/backends/. Then
+# ``normscope.backends`` is the function (the names in that order), as ``normscope.convert`` and
+# ``normscope.doctor`` are their functions; the package is ``import normscope.backends``'s module
+# (``from normscope.backends import TRITON``)
+from . import backends as _backends_package, kernels  # noqa: E402,F401
+from .engine import backends  # noqa: E402
 
 # The TorchScript tracer (the legacy ONNX exporter) warns on every Python bool taken from a traced
 # size. normscope's argument checks and scope resolution take such bools by design: they validate the

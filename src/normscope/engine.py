@@ -6,6 +6,18 @@ exactly?), ``why_not_auto`` (should the automatic order pick it?) and ``prepare`
 that runs it) -- not the backends themselves: they live in :mod:`normscope.backends`, which names
 them and their automatic order in one place and registers them here.
 
+This module is the engine's public face; its parts, each depending only on those before it:
+
+==========================  ==========================================================================
+:mod:`normscope._contract`  the contract types: :class:`Call`, :class:`Running`, :class:`Backend`
+:mod:`normscope._state`     what a call reads besides its arguments (per thread), questions about tracing
+:mod:`normscope._registry`  the registered backends, the automatic choice, the plan of one call
+:mod:`normscope._planning`  the choice made once, eagerly, for a call dynamo traces
+:mod:`normscope._capture`   what the hot path (:mod:`normscope.hot`) learns from a checked call
+this module                 the entry points (:func:`norm`, :func:`add_norm`, ...), the plan cache
+                            and the dispatch, and what backends and layers share
+==========================  ==========================================================================
+
 Per call the first backend of the automatic order that can run it, and agrees to be picked,
 runs. A user can force one: the ``backend=`` argument, else :func:`use_backend` (a context
 manager), else the ``NORMSCOPE_BACKEND`` environment variable. A forced backend that cannot run a
@@ -33,7 +45,7 @@ BatchNorm's scope spans the batch by definition: there the rule is about the cha
 
 **Per-thread state.** Whatever a call reads besides its arguments -- the forced backend
 (:func:`use_backend`), what ran last (:func:`last_backend`), what the planner captures while a call
-is traced (:func:`capture`, :func:`record`) -- lives in :mod:`contextvars`: per thread and per
+is traced (:func:`capture`, :func:`record`) -- lives in :mod:`contextvars` (:mod:`normscope._state`): per thread and per
 asyncio task, as torch's grad mode and autocast state are. A ``with use_backend(...)`` in one
 thread never changes another's calls, and leaving it restores only its own thread's choice; a
 ``torch.compile`` in one thread plans on stand-ins in that thread and never captures or reroutes an
@@ -47,18 +59,30 @@ one publication that takes two steps (a traced plan and the token naming it) hol
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
-import os
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
+from . import _capture, _planning, _registry, _state
 from . import reference as ref
+from ._capture import capture, decline_record, record, recorded
+from ._contract import ENV_VAR, Backend, Call, LayerEntry, Runner, Running, call_of
+from ._planning import stand_in, symbolic
+from ._registry import (
+    backends,
+    register_backend,
+    requested_backend,
+    signature,
+    use_backend,
+)
+from ._state import (
+    compiling,
+    constant_when_compiled,
+    last_backend,
+    report_backend,
+    request_key,
+    tracing,
+    transformed,
+)
 from .scope import Resolved, Scope
 
 __all__ = [
@@ -96,107 +120,15 @@ __all__ = [
     "stand_in",
 ]
 
-ENV_VAR = "NORMSCOPE_BACKEND"
-
-
-class Running(NamedTuple):
-    """Running statistics of a BatchNorm/InstanceNorm-style layer (1-d tensors over the affine
-    axis, or None when the layer tracks none).
-
-    ``momentum`` is the update factor actually used this step (the layer resolves torch's
-    ``momentum=None`` cumulative average into ``1 / num_batches_tracked``).
-    ``use_input_stats``: normalize with this batch's statistics (and update the running ones if
-    present), or with the running ones (evaluation).
-    """
-
-    mean: Tensor | None
-    var: Tensor | None
-    momentum: float
-    use_input_stats: bool
-
-
-class Call(NamedTuple):
-    """Everything a backend needs for one normalization.
-
-    With ``residual`` the call is the fused ``h = x + residual; y = norm(h)`` of :func:`add_norm`:
-    ``h`` is rounded to the residual's dtype (fp32 with ``residual_fp32``) before it is normalized,
-    and the scale is ``weight + weight_offset``. Only a backend with ``fuses_residual`` sees such a
-    call; for the others the engine adds first.
-
-    ``weight_offset`` and ``casting`` are a model family's options for the last-axes LayerNorm and
-    RMSNorm scopes: the scale is ``weight + weight_offset`` formed in fp32 (Gemma's ``1 + w`` is 1.0),
-    and ``casting`` says where the result is rounded to the input dtype -- ``"torch"`` (torch's layers;
-    with an offset, as ``"gemma"``), ``"gemma"`` (normalize, scale and shift in fp32, round last) or
-    ``"llama"`` (normalize in fp32, round, then scale in the weight's dtype).
-    :func:`normscope.reference.cast_affine` is the definition; a backend runs such a call exactly or
-    declines it in ``why_not``.
-
-    ``op`` names the torch op a layer stands for when two ops compute the same scope: GroupNorm(C, C)
-    resolves to InstanceNorm's scope, but torch runs it through ``group_norm`` (more accurate in half
-    precision, and it keeps channels_last), so ``op="group_norm"`` asks the aten backend for that op.
-    """
-
-    x: Tensor
-    scope: Resolved
-    weight: Tensor | None
-    bias: Tensor | None
-    eps: float
-    mask: Tensor | None
-    running: Running | None
-    residual: Tensor | None = None
-    weight_offset: float = 0.0
-    residual_fp32: bool = False
-    op: str | None = None
-    casting: str = "torch"
-
-
-Runner = Callable[[Call], Tensor]
-
-#: ``entry(x, weight, bias, eps, running)``: a plan run on a layer's call, whose other fields are the
-#: planned call's (see :func:`layer_entry`)
-LayerEntry = Callable[[Tensor, "Tensor | None", "Tensor | None", float, "Running | None"], Tensor]
-
-
-#: ``call_of((x, scope, weight, bias, eps, mask, running, residual, weight_offset, residual_fp32, op,
-#: casting))``:
-#: a :class:`Call` from all its fields, in order, without the NamedTuple's Python-level ``__new__``
-#: (a frame that was a measurable share of a small layer's per-call cost); for the layers' hot path.
-call_of = functools.partial(tuple.__new__, Call)
-
-
-def _anything(call: Call) -> str | None:
-    return None
-
-
-class Backend(NamedTuple):
-    """A way to run calls.
-
-    * ``why_not(call)``: None when the backend runs ``call`` exactly (torch's numbers, or the
-      reference's where torch has no op), else a short reason. Forced and automatic choice both ask.
-    * ``prepare(call, automatic)``: the function that runs calls like ``call``; ``automatic`` says
-      whether the engine chose it (a backend may guard an automatic run, see the aten backend). The
-      function may carry a ``layer_entry`` attribute, the same run as ``entry(x, weight, bias, eps,
-      running)``, which layers call without building a :class:`Call` (:func:`layer_entry`).
-    * ``why_not_auto(call)``: asked only by the automatic order, after ``why_not``: a reason not to
-      be *chosen* for a call it could run (a fast path not measured faster on this device).
-    * ``fuses_residual``: it runs :func:`add_norm` calls itself (else the engine adds first).
-
-    ``why_not``, ``why_not_auto`` and ``prepare`` may look only at the call's *signature* -- the
-    resolved scope (shape included), dtype, device, which of mask, running statistics, weight,
-    bias and residual are present, and which axes the mask broadcasts over -- because their
-    answers are cached per signature (:func:`signature`). Strides are not in it: a backend handles
-    any layout itself.
-    """
-
-    name: str
-    why_not: Callable[[Call], str | None]
-    prepare: Callable[[Call, bool], Runner]
-    why_not_auto: Callable[[Call], str | None] = _anything
-    fuses_residual: bool = False
+# Names of this module for what the dispatch reads of the parts: dynamo, tracing a call, guards on
+# every module object it reads an attribute of, on every call of the compiled graph
+_PLANS, _BACKENDS, _MAX_PLANS = _registry.PLANS, _registry.BACKENDS, _registry.MAX_PLANS
+_plan, _traced_plan = _registry.plan_call, _planning.traced_plan
+_CAPTURED_GET, _RECORDS_GET = _capture.CAPTURED.get, _capture.RECORDS.get
 
 
 # ----------------------------------------------------------------------------------------------
-# what backends and layers share: running statistics, recomputation, tracing, masks
+# what backends and layers share: running statistics, recomputation, masks
 
 
 def update_running(call: Call, m: ref.Moments) -> None:
@@ -258,20 +190,6 @@ def recompute(call: Call, wide: bool = False) -> Tensor:
     return y.to(call.x.dtype)
 
 
-def tracing() -> bool:
-    """Whether torch.compile (dynamo) or the TorchScript tracer is recording this call (or the
-    engine is planning a call dynamo traces, see :func:`capture`)."""
-    return compiling() or torch.jit.is_tracing() or _TRACING_CHOICE.get()
-
-
-def transformed() -> bool:
-    """Whether this call runs inside a torch.func transform (vmap, grad, jacrev, ...): there a Python
-    bool of a tensor (``.item()``) cannot run under vmap, nor an autograd.Function without
-    ``setup_context``. Asked at run time, never in ``why_not``: plans are cached per signature, and
-    one signature is called both inside and outside transforms."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
-
-
 def position_mask(mask: Tensor, x: Tensor, d: int) -> Tensor | None:
     """A mask as one flag per position -- a view with x's shape without axis ``d`` -- or None when it
     varies along ``d`` (no per-position form: backends that need one leave the call to the reference)."""
@@ -282,436 +200,7 @@ def position_mask(mask: Tensor, x: Tensor, d: int) -> Tensor | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# registry and dispatch
-
-_BACKENDS: dict[str, Backend] = {}
-_AUTO: list[str] = []
-_PLANS: dict[tuple, tuple[str, Runner]] = {}
-_MAX_PLANS = 4096
-
-# What a call reads besides its arguments, per thread and per asyncio task (see "Per-thread state"
-# in the module docstring). Values are immutable and only ever replaced (``set``), never mutated: a
-# context copied for a task or thread then shares nothing it could change under another.
-
-#: the innermost use_backend() name ("auto" for ``use_backend(None)``), None outside any
-_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("normscope_forced", default=None)
-#: what last_backend() answers
-_LAST: contextvars.ContextVar[str | None] = contextvars.ContextVar("normscope_last", default=None)
-#: inside _as_traced(): the planning of a call dynamo traces (tracing() is True)
-_TRACING_CHOICE: contextvars.ContextVar[bool] = contextvars.ContextVar("normscope_tracing_choice", default=False)
-#: inside capture(): the list dispatch() appends the plans it made to instead of running them
-_CAPTURED: contextvars.ContextVar[list | None] = contextvars.ContextVar("normscope_captured", default=None)
-#: the slots of the checked calls in progress (record()), innermost last
-_RECORDS: contextvars.ContextVar[tuple] = contextvars.ContextVar("normscope_records", default=())
-
-
-class _TracedView(threading.local):
-    """The forced backend as dynamo can read it: dynamo traces no ``ContextVar.get``, but it reads an
-    attribute of a thread-local object and guards on its value -- a guard evaluated, like the
-    attribute, in the calling thread. Kept equal to :data:`_FORCED` by :func:`use_backend` on entry
-    and exit; read only while dynamo traces (:func:`requested_backend`, :mod:`normscope.hot`)."""
-
-    def __init__(self) -> None:
-        self.forced: str | None = None
-
-
-_TRACED_VIEW = _TracedView()
-
-
-def register_backend(backend: Backend, *, before: str | None = None) -> None:
-    """Add a backend to the automatic order: just ahead of ``before``, else last.
-
-    :mod:`normscope.backends` registers the built-in ones in their order; use this for a backend
-    of your own (it must keep the :class:`Backend` contract)."""
-    _BACKENDS[backend.name] = backend
-    if backend.name in _AUTO:
-        _AUTO.remove(backend.name)
-    at = _AUTO.index(before) if before is not None and before in _AUTO else len(_AUTO)
-    _AUTO.insert(at, backend.name)
-    _PLANS.clear()
-
-
-def backends() -> list[str]:
-    """Names of the registered backends, in automatic order."""
-    return list(_AUTO)
-
-
-@contextlib.contextmanager
-def use_backend(name: str | None) -> Iterator[None]:
-    """Force a backend inside a ``with`` block (``None`` restores automatic choice)."""
-    if name is not None:
-        _check_backend_name(name, "use_backend(name)")
-    token = _FORCED.set(name or "auto")
-    _TRACED_VIEW.forced = name or "auto"
-    try:
-        yield
-    finally:
-        # back to what this thread (or task) had on entry: another thread's blocks are its own
-        _FORCED.reset(token)
-        _TRACED_VIEW.forced = _FORCED.get()
-
-
-def last_backend() -> str | None:
-    """Name of the backend that ran this thread's (or asyncio task's) most recent normalization
-    (None before any). A compiled layer (torch.compile) records its backend when its graph is
-    traced, not on every call."""
-    return _LAST.get()
-
-
-def _check_backend_name(name: str, where: str) -> None:
-    if not isinstance(name, str):
-        raise TypeError(f"{where}: expected a backend name (str), got {type(name).__name__} {name!r}")
-    if name != "auto" and name not in _BACKENDS:
-        valid = ", ".join(["auto", *_BACKENDS])
-        raise ValueError(f"{where}: unknown backend {name!r}; expected one of: {valid}")
-
-
-def constant_when_compiled(fn: Callable) -> Callable:
-    """Mark ``fn`` (no arguments, reads the environment) as a constant for torch.compile: dynamo
-    calls it once while tracing and bakes its answer in, instead of tracing the read -- which guards
-    on the whole of ``os.environ`` (its every key), so that any environment variable set later
-    recompiles the graph, and evaluates that guard on every call (measured: a compiled LayerNorm
-    cost ~30 us a call more than torch.nn's, mostly this). Eagerly ``fn`` runs as it is.
-
-    The mark is the attribute ``torch.compiler.assume_constant_result`` sets (torch 2.4 to 2.13),
-    set here directly: calling it imports ``torch._dynamo`` (~0.7 s) at ``import normscope``, for
-    users who never compile. ``tests/test_engine.py`` checks that the two marks agree."""
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-@constant_when_compiled
-def _environ_get() -> str | None:
-    """``os.environ.get(ENV_VAR)``, read on every eager call (users set it at run time; under
-    torch.compile when the graph is traced, see :func:`constant_when_compiled`) but without the
-    ``KeyError`` that ``os.environ.get`` raises and catches inside when the variable is unset -- the
-    usual case: that cost ~1.2 µs a call, a measurable share of a small layer's per-call cost
-    (benchmarks/cpu_overhead.py); the mapping's own dict of encoded names answers in ~0.06 µs."""
-    data = getattr(os.environ, "_data", None)
-    if data is None:  # not CPython's os._Environ
-        return os.environ.get(ENV_VAR)
-    value = data.get(_ENV_KEY)
-    return None if value is None else os.environ.decodevalue(value)
-
-
-_ENV_KEY = os.environ.encodekey(ENV_VAR) if hasattr(os.environ, "encodekey") else ENV_VAR
-
-
-def report_backend(name: str) -> None:
-    """Say that backend ``name`` ran the current call (what :func:`last_backend` answers): for a
-    backend's runner that hands a call on (:func:`recompute`) and for ops outside :func:`dispatch`
-    (the Triton modern kernels). Traced by dynamo it is a constant, recorded when traced."""
-    if _is_compiling() and _traces_here():  # compiling(), inline
-        _report_traced(name)
-    elif _LAST.get() is not name:
-        _LAST.set(name)
-
-
-@constant_when_compiled
-def _report_traced(name: str) -> str:
-    _LAST.set(name)
-    return name
-
-
-def requested_backend(backend: str | None = None) -> str:
-    """The backend a call asks for: ``backend`` if given, else the innermost :func:`use_backend`,
-    else ``NORMSCOPE_BACKEND``, else ``"auto"``."""
-    if backend is not None:
-        _check_backend_name(backend, "backend")
-        return backend
-    forced = _TRACED_VIEW.forced if compiling() else _FORCED.get()
-    if forced is not None:
-        return forced
-    env = _environ_get()
-    if env:
-        _check_backend_name(env, f"environment variable {ENV_VAR}")
-        return env
-    return "auto"
-
-
-def request_key() -> str | None:
-    """What :func:`requested_backend` (without ``backend=``) depends on, read as cheaply as possible
-    and not validated: the innermost :func:`use_backend` name, else the raw ``NORMSCOPE_BACKEND``.
-    For keys of caches whose misses go through :func:`requested_backend` (the layers' hot path)."""
-    forced = _FORCED.get()
-    if forced is not None:
-        return forced
-    return _ENV_DATA.get(_ENV_KEY) if _ENV_DATA is not None else os.environ.get(ENV_VAR)
-
-
-_ENV_DATA = getattr(os.environ, "_data", None)  # CPython's os._Environ: its dict of encoded names
-
-
-def signature(call: Call) -> tuple:
-    """What a backend's choice may depend on (see :class:`Backend`)."""
-    r, res = call.running, call.residual
-    return (
-        call.scope,
-        call.x.dtype,
-        call.x.device.type,
-        # which axes the mask broadcasts over (a per-position mask vs one that varies by channel)
-        None if call.mask is None else tuple(n == 1 for n in call.mask.shape),
-        None if r is None else (r.use_input_stats, r.mean is None, r.var is None),
-        # shapes, not just presence: a plan is validated once per signature (see _validate)
-        None if call.weight is None else call.weight.shape,
-        None if call.bias is None else call.bias.shape,
-        None if r is None or r.mean is None else r.mean.shape,
-        None if r is None or r.var is None else r.var.shape,
-        None if res is None else (res.dtype, res.shape, call.residual_fp32),
-        call.weight_offset,
-        call.op,
-        call.casting,
-    )
-
-
-def _validate(call: Call) -> None:
-    """What a backend may take for granted, checked once per signature (so never on the hot path):
-    weight, bias and running statistics fit the scope's affine axes -- a kernel indexing a wrong-size
-    buffer would read or write out of bounds -- and live on the input's device."""
-    s = call.scope
-    affine = tuple(s.shape[d] for d in s.affine)
-    n_aff = 1
-    for n in affine:
-        n_aff *= n
-    for name, t in (("weight", call.weight), ("bias", call.bias)):
-        if t is None:
-            continue
-        if not s.affine:
-            raise ValueError(f"norm: this scope has no affine axes, but `{name}` was given (shape {tuple(t.shape)})")
-        if tuple(t.shape) != affine and not (t.dim() == 1 and t.numel() == n_aff):
-            raise ValueError(
-                f"norm: expected `{name}` of shape {affine} (the scope's affine axes {s.affine} of an input of "
-                f"shape {tuple(s.shape)}), got {tuple(t.shape)}"
-            )
-    r = call.running
-    if r is not None:
-        if not s.affine and (r.mean is not None or r.var is not None):
-            raise ValueError("norm: running statistics need a scope with affine (kept, per-channel) axes")
-        for name, t in (("running.mean", r.mean), ("running.var", r.var)):
-            if t is not None and t.numel() != n_aff:
-                raise ValueError(
-                    f"norm: expected `{name}` with {n_aff} elements (one per index of the affine axes {s.affine} "
-                    f"of an input of shape {tuple(s.shape)}), got shape {tuple(t.shape)}"
-                )
-    if call.residual is not None and tuple(call.residual.shape) != tuple(s.shape):
-        raise ValueError(f"norm: expected `residual` of shape {tuple(s.shape)}, got {tuple(call.residual.shape)}")
-    for name, t in (("weight", call.weight), ("bias", call.bias), ("residual", call.residual), ("mask", call.mask)):
-        if t is not None and t.device != call.x.device:
-            raise ValueError(f"norm: expected `{name}` on {call.x.device}, got {t.device}")
-
-
-def _plain(call: Call) -> Call:
-    """The plain call a non-fusing backend runs for an add_norm call (``x`` stands in for ``h``:
-    the answers depend on the signature only, and ``h`` has ``x``'s shape)."""
-    return call._replace(residual=None, weight_offset=0.0, residual_fp32=False)
-
-
-def _why_not(b: Backend, call: Call, automatic: bool) -> str | None:
-    if call.residual is not None and not b.fuses_residual:
-        call = _plain(call)
-    reason = b.why_not(call)
-    if reason is None and automatic:
-        reason = b.why_not_auto(call)
-    return reason
-
-
-def _choose(call: Call, name: str) -> str:
-    """The backend that runs ``call`` when ``name`` is requested: the first of the automatic order
-    that takes it (``"auto"``), else ``name`` itself; ValueError saying why when none can."""
-    if name == "auto":
-        reasons = {}
-        for name in _AUTO:
-            reasons[name] = _why_not(_BACKENDS[name], call, True)
-            if reasons[name] is None:
-                return name
-        why = "; ".join(f"{n}: {r}" for n, r in reasons.items())
-        raise ValueError(f"no backend can run this normalization ({why})")
-    reason = _why_not(_BACKENDS[name], call, False)
-    if reason is not None:
-        raise ValueError(f"backend {name!r} cannot run this normalization: {reason}")
-    return name
-
-
-def _prepare(name: str, call: Call, automatic: bool) -> tuple[str, Runner]:
-    b = _BACKENDS[name]
-    if call.residual is None or b.fuses_residual:
-        return name, b.prepare(call, automatic)
-    return name, _adding(b.prepare(_plain(call), automatic))
-
-
-def _plan(call: Call, name: str) -> tuple[str, Runner]:
-    _validate(call)
-    return _prepare(_choose(call, name), call, name == "auto")
-
-
-def _traced_plan(call: Call, name: str) -> tuple[str, Runner]:
-    """:func:`_plan` while dynamo traces: the choice of backend made once, eagerly, on a stand-in of
-    the call's signature (:func:`_choice_for_trace`), so that dynamo traces -- and guards on -- only
-    the chosen backend's ``prepare`` and runner, not every ``why_not`` of the automatic order: each
-    function dynamo inlines is guarded on every call of the compiled graph (measured, a compiled
-    LayerNorm cost ~20 us a call more than torch.nn's, most of it the planning's guards).
-    Symbolic sizes (dynamic shapes) have no constant signature: then the choice is traced."""
-    _validate(call)
-    sig = _static_signature(call)
-    chosen = _choose(call, name) if sig is None else _choice_for_trace(sig, name)
-    return _prepare(chosen, call, name == "auto")
-
-
-def _static_signature(call: Call) -> tuple | None:
-    """Everything ``why_not`` may read (see :class:`Backend`) as Python constants, or None when a
-    size is symbolic."""
-    x, s, r, res = call.x, call.scope, call.running, call.residual
-    tensors = (x, call.weight, call.bias, call.mask, res, *((r.mean, r.var) if r is not None else ()))
-    for t in tensors:
-        if t is not None and symbolic(t.shape):
-            return None
-    if symbolic(s.shape):
-        return None
-
-    def meta(t: Tensor | None) -> tuple | None:
-        return None if t is None else (tuple(t.shape), t.dtype)
-
-    return (
-        (tuple(s.shape), s.reduce, s.centered, s.groups, s.group_dim, s.affine),
-        tuple(x.shape),
-        x.dtype,
-        str(x.device),
-        meta(call.weight),
-        meta(call.bias),
-        meta(call.mask),
-        None if r is None else (r.use_input_stats, meta(r.mean), meta(r.var)),
-        meta(res),
-        call.residual_fp32,
-        call.weight_offset,
-        call.op,
-        call.casting,
-    )
-
-
-def symbolic(shape: Sequence) -> bool:
-    """Whether a size of ``shape`` is symbolic (a SymInt: dynamic shapes, torch.export).
-
-    While dynamo traces, ``isinstance(n, torch.SymInt)`` and ``type(n) is int`` both answer as for
-    an int, so there torch's ``has_static_value`` is asked (dynamo answers it for the traced size,
-    without a guard); a torch without it (< 2.6) is answered "symbolic", the safe side."""
-    if not compiling():
-        return any(isinstance(n, torch.SymInt) for n in shape)
-    # imported here, not at import time: it loads torch._dynamo (~0.7 s), which dynamo, tracing
-    # this, has loaded already
-    from torch.fx.experimental import symbolic_shapes
-
-    has_static_value = getattr(symbolic_shapes, "has_static_value", None)
-    return has_static_value is None or not all(has_static_value(n) for n in shape)
-
-
-def compiling() -> bool:
-    """Whether dynamo (torch.compile, torch.export) is tracing this call, on this thread.
-
-    ``torch.compiler.is_compiling()`` alone is not that: dynamo answers it True where it traces, but
-    torch (2.13) also holds it True, process-wide, for as long as any thread compiles -- so eager
-    calls of every other thread would read it True. This asks it first (False, the usual eager
-    answer, costs one call) and then :func:`_traces_here`."""
-    return _is_compiling() and _traces_here()
-
-
-@constant_when_compiled
-def _traces_here() -> bool:
-    """Eagerly: whether this thread is inside a dynamo trace (its ``TracingContext`` is set) and not
-    in the engine's own eager planning for that trace (:func:`_as_traced`), which runs as eager code.
-    Where dynamo traces a call of it, dynamo runs it eagerly -- the answer is True -- and bakes that in."""
-    from torch._guards import TracingContext  # loaded with torch; imported here, where dynamo runs
-
-    return TracingContext.try_get() is not None and not _TRACING_CHOICE.get()
-
-
-# module-level names, not ``torch.<...>`` reads: while dynamo traces a layer (normscope.hot) the
-# same module object read from two of our modules costs a guard evaluated in Python on every call
-_is_compiling = torch.compiler.is_compiling
-
-
-def stand_in(shape: tuple, dtype: torch.dtype, device: torch.device | str) -> Tensor:
-    """A stride-0 view of one element with this shape, dtype and device: all that the checks, the
-    scope's resolution and the choice of backend read of a tensor (plans do not depend on strides)."""
-    return torch.empty((), dtype=dtype, device=device).expand(shape)
-
-
-@contextlib.contextmanager
-def _as_traced() -> Iterator[None]:
-    """Plan inside as for a traced call (:func:`tracing` is True): the eager planning of a call that
-    dynamo traces (``_choice_for_trace``)."""
-    token = _TRACING_CHOICE.set(True)
-    try:
-        yield
-    finally:
-        _TRACING_CHOICE.reset(token)
-
-
-_TRACE_CHOICES: dict[tuple, str] = {}
-
-
-@constant_when_compiled
-def _choice_for_trace(sig: tuple, name: str) -> str:
-    """:func:`_choose` on a stand-in of signature ``sig`` (stride-0 views of one element, of the
-    call's shapes, dtypes and device), memoized: dynamo runs it once, eagerly, and bakes the name in."""
-    key = (sig, name)
-    found = _TRACE_CHOICES.get(key)
-    if found is None:
-        (shape, reduce, centered, groups, group_dim, affine), x_shape, dtype, device = sig[:4]
-        weight, bias, mask, running, residual, residual_fp32, offset, op, casting = sig[4:]
-
-        def meta_in(m: tuple | None) -> Tensor | None:
-            return None if m is None else stand_in(m[0], m[1], device)
-
-        run = None
-        if running is not None:
-            run = Running(meta_in(running[1]), meta_in(running[2]), 0.1, running[0])
-        call = Call(
-            meta_in((x_shape, dtype)),
-            Resolved(shape, reduce, centered, groups, group_dim, affine),
-            meta_in(weight),
-            meta_in(bias),
-            1e-5,
-            meta_in(mask),
-            run,
-            meta_in(residual),
-            offset,
-            residual_fp32,
-            op,
-            casting,
-        )
-        with _as_traced():
-            found = _choose(call, name)
-        if len(_TRACE_CHOICES) >= _MAX_PLANS:
-            _TRACE_CHOICES.clear()
-        _TRACE_CHOICES[key] = found
-    return found
-
-
-def _adding(inner: Runner) -> Runner:
-    """Run an add_norm call on a backend that does not fuse the add: add, then normalize."""
-
-    def run(c: Call) -> tuple[Tensor, Tensor]:
-        h = _add(c.x, c.residual, c.residual_fp32)
-        hn, w = h, c.weight
-        if w is not None and (c.weight_offset != 0.0 or w.dtype != h.dtype):
-            # the scale (w + offset) is formed in fp32, as the definition does, so a bf16 weight plus
-            # 1.0 is not rounded to bf16; the normalization then runs on h in fp32 too
-            acc = ref.acc_dtype(h.dtype)
-            hn, w = h.to(acc), w.to(acc) + c.weight_offset
-        y = inner(c._replace(x=hn, weight=w, residual=None, weight_offset=0.0, residual_fp32=False))
-        return y.to(c.x.dtype), h
-
-    return run
-
-
-def _add(x: Tensor, residual: Tensor, residual_fp32: bool) -> Tensor:
-    """``x + residual`` computed in fp32 (fp64 for fp64) and rounded once to the residual's dtype,
-    or kept in fp32 with ``residual_fp32``: the definition every backend of add_norm shares."""
-    acc = ref.acc_dtype(residual.dtype if x.dtype == residual.dtype else torch.float32)
-    out = torch.float32 if residual_fp32 and residual.dtype != torch.float64 else residual.dtype
-    if x.dtype == residual.dtype == out:
-        return x + residual  # torch rounds a half-precision sum once from fp32 too
-    return (x.to(acc) + residual.to(acc)).to(out)
+# plan and dispatch
 
 
 def plan(call: Call, backend: str | None = None) -> tuple[str, Runner]:
@@ -720,7 +209,7 @@ def plan(call: Call, backend: str | None = None) -> tuple[str, Runner]:
     every call with the same :func:`signature`; the hot path keeps it per call signature (:mod:`normscope.hot`)."""
     requested = requested_backend(backend)
     if compiling():
-        # under dynamo the planning is traced once per graph anyway; storing it in _PLANS would be
+        # under dynamo the planning is traced once per graph anyway; storing it in PLANS would be
         # a side effect on a dict keyed by trace-time objects (Resolved) that dynamo cannot replay,
         # which breaks torch.compile(fullgraph=True)
         return _traced_plan(call, requested)
@@ -768,12 +257,12 @@ def dispatch(call: Call, backend: str | None = None):
     """Run ``call`` on the requested backend, or on the first automatic one that takes it."""
     if compiling():  # traced: no state of this thread's eager calls applies (nor can be read)
         return run(plan(call, backend), call)
-    captured = _CAPTURED.get()
+    captured = _CAPTURED_GET()
     if captured is not None:  # planning a traced call on stand-ins (normscope.hot): plan it, run nothing
         captured.append((call, _plan(call, requested_backend(backend))))
         return call.x
     planned = plan(call, backend)
-    stack = _RECORDS.get()
+    stack = _RECORDS_GET()
     if stack:  # a call the hot path is checking: what it dispatched (once; twice is not a plan)
         slot = stack[-1]
         slot[0] = (call, planned) if slot[0] is None else False
@@ -782,51 +271,6 @@ def dispatch(call: Call, backend: str | None = None):
             slot[1] = None
             start()
     return run(planned, call)
-
-
-# ----------------------------------------------------------------------------------------------
-# what the hot path (normscope.hot) learns from a checked call
-
-
-def record(start: Callable[[], None] | None = None) -> list:
-    """Open a slot in which :func:`dispatch` records the ``(call, (name, runner))`` it runs next on
-    this thread (see :func:`recorded`); ``start``: called once, when that call has passed every check
-    and is about to run (a layer's bookkeeping, such as counting a batch, that a refused call must
-    not do and a call that raises while it runs must have done, as torch's layers do)."""
-    slot = [None, start]
-    _RECORDS.set((*_RECORDS.get(), slot))
-    return slot
-
-
-def recorded(slot: list) -> tuple | None:
-    """Close ``slot``: the ``(call, plan)`` dispatched while it was open, or None when there was none,
-    more than one, or the checked call declined (:func:`decline_record`)."""
-    stack = _RECORDS.get()
-    for i in range(len(stack) - 1, -1, -1):
-        if stack[i] is slot:
-            _RECORDS.set(stack[:i] + stack[i + 1 :])
-            break
-    return slot[0] or None
-
-
-def decline_record() -> None:
-    """The call being checked must not be remembered (see :func:`normscope.hot.per_call`)."""
-    stack = _RECORDS.get()
-    if stack:
-        stack[-1][0] = False
-
-
-@contextlib.contextmanager
-def capture() -> Iterator[list]:
-    """Inside: :func:`dispatch` plans as for a traced call (:func:`tracing` is True) and appends
-    ``(call, (name, runner))`` to the yielded list instead of running anything."""
-    captured: list = []
-    token = _CAPTURED.set(captured)
-    try:
-        with _as_traced():
-            yield captured
-    finally:
-        _CAPTURED.reset(token)
 
 
 def norm(
@@ -898,3 +342,16 @@ def apply(
     normalized but passes no gradient)."""
     resolved = scope if isinstance(scope, Resolved) else scope.resolve(tuple(x.shape))
     return ref.apply(x, mean, rstd, resolved, weight, bias, mask)
+
+
+# The parts' own names under this module's: tests set and read the per-thread state and the
+# registry through ``engine._FORCED``, ``engine._BACKENDS``, ``engine._choose``... (no module of the
+# package reads them here: each imports the part it needs, tests/test_imports.py)
+_AUTO = _registry.AUTO
+_FORCED, _LAST, _TRACING_CHOICE, _TRACED_VIEW = _state.FORCED, _state.LAST, _state.TRACING_CHOICE, _state.TRACED_VIEW
+_CAPTURED, _RECORDS = _capture.CAPTURED, _capture.RECORDS
+_ENV_DATA, _ENV_KEY, _environ_get, _traces_here = _state.ENV_DATA, _state.ENV_KEY, _state.environ_get, _state.traces_here
+_as_traced, _is_compiling = _state.as_traced, _state.is_compiling
+_choose, _validate, _prepare = _registry.choose, _registry.validate, _registry.prepare
+_check_backend_name = _registry.check_backend_name
+_choice_for_trace, _static_signature = _planning.choice_for_trace, _planning.static_signature

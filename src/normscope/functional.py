@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -40,6 +41,58 @@ __all__ = [
 _BATCH = Scope.batch(1)
 _BATCH_LAST = Scope.batch(-1)
 _INSTANCE = Scope.instance()
+
+
+# -- the hot path's settings of each op: one type and one builder an op, used by the functional form
+# and the layers alike. A builder returns the type's fields in its order as a plain tuple (the hot
+# path's key; see normscope.hot.Op), and the checked call reads them by name
+
+
+class BatchNormSettings(NamedTuple):
+    """What :func:`batch_norm`'s checked call reads besides the tensors and ``eps``."""
+
+    training: bool
+    momentum: float
+    #: its type: the check refuses a bool, and ``True == 1`` in a key
+    momentum_type: type
+    channel_dim: int
+    backend: str | None
+
+
+class InstanceNormSettings(NamedTuple):
+    """What :func:`instance_norm`'s checked call reads besides the tensors and ``eps``."""
+
+    use_input_stats: bool
+    momentum: float
+    momentum_type: type
+    backend: str | None
+
+
+class GroupNormSettings(NamedTuple):
+    """What :func:`group_norm`'s checked call reads besides the tensors and ``eps``; ``num_channels``:
+    the channels a GroupNorm layer expects (None: any)."""
+
+    num_groups: int
+    num_groups_type: type
+    num_channels: int | None
+    backend: str | None
+
+
+
+
+def batch_norm_settings(training: bool, momentum: float, channel_dim: int = 1, backend: str | None = None) -> tuple:
+    """The fields of :class:`BatchNormSettings`."""
+    return (training, momentum, type(momentum), channel_dim, backend)
+
+
+def instance_norm_settings(use_input_stats: bool, momentum: float, backend: str | None = None) -> tuple:
+    """The fields of :class:`InstanceNormSettings`."""
+    return (use_input_stats, momentum, type(momentum), backend)
+
+
+def group_norm_settings(num_groups: int, num_channels: int | None = None, backend: str | None = None) -> tuple:
+    """The fields of :class:`GroupNormSettings`."""
+    return (num_groups, type(num_groups), num_channels, backend)
 
 
 _GROUP_SCOPES: dict[int, Scope] = {}
@@ -116,13 +169,13 @@ def batch_norm(
         running = hot.running((running_mean, running_var, momentum, training))
     # training and channel_dim are read for their truth and value only (1 and True alike); momentum's
     # type is checked (a bool is refused), so the key holds it
-    settings = (training, momentum, type(momentum), channel_dim, backend)
-    return hot.call(_BATCH_NORM, settings, input, weight, bias, eps, running, mask)
+    settings = batch_norm_settings(training, momentum, channel_dim, backend)
+    return hot.call(BATCH_NORM, settings, input, weight, bias, eps, running, mask)
 
 
-def _batch_norm(settings: tuple, input, weight, bias, eps, running: Running | None, mask) -> Tensor:
-    """:func:`batch_norm`'s checked call (see :mod:`normscope.hot`)."""
-    training, momentum, _, channel_dim, backend = settings
+def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, running: Running | None, mask) -> Tensor:
+    """:func:`batch_norm`'s checked call (see :mod:`normscope.hot`); the BatchNorm layers' too."""
+    training, momentum, channel_dim, backend = settings.training, settings.momentum, settings.channel_dim, settings.backend
     running_mean, running_var = (None, None) if running is None else running[:2]
     where = "batch_norm"
     check.tensor(input, "input", where)
@@ -157,7 +210,7 @@ def _batch_norm(settings: tuple, input, weight, bias, eps, running: Running | No
     return norm(input, scope, weight, bias, eps, mask=mask, running=running, backend=backend)
 
 
-_BATCH_NORM = hot.Op("batch_norm", _batch_norm)
+BATCH_NORM = hot.Op("batch_norm", checked_batch_norm, BatchNormSettings)
 
 
 def instance_norm(
@@ -185,13 +238,15 @@ def instance_norm(
     running = None
     if running_mean is not None or running_var is not None:
         running = hot.running((running_mean, running_var, momentum, use_input_stats))
-    settings = (use_input_stats, momentum, type(momentum), backend)  # as batch_norm's
-    return hot.call(_INSTANCE_NORM, settings, input, weight, bias, eps, running, mask)
+    settings = instance_norm_settings(use_input_stats, momentum, backend)
+    return hot.call(INSTANCE_NORM, settings, input, weight, bias, eps, running, mask)
 
 
-def _instance_norm(settings: tuple, input, weight, bias, eps, running: Running | None, mask) -> Tensor:
-    """:func:`instance_norm`'s checked call (see :mod:`normscope.hot`)."""
-    use_input_stats, momentum, _, backend = settings
+def checked_instance_norm(
+    settings: InstanceNormSettings, input, weight, bias, eps, running: Running | None, mask
+) -> Tensor:
+    """:func:`instance_norm`'s checked call (see :mod:`normscope.hot`); the InstanceNorm layers' too."""
+    use_input_stats, momentum, backend = settings.use_input_stats, settings.momentum, settings.backend
     running_mean, running_var = (None, None) if running is None else running[:2]
     where = "instance_norm"
     check.tensor(input, "input", where)
@@ -216,7 +271,7 @@ def _instance_norm(settings: tuple, input, weight, bias, eps, running: Running |
     return norm(input, _INSTANCE, weight, bias, eps, mask=mask, running=running, backend=backend)
 
 
-_INSTANCE_NORM = hot.Op("instance_norm", _instance_norm)
+INSTANCE_NORM = hot.Op("instance_norm", checked_instance_norm, InstanceNormSettings)
 
 
 def group_norm(
@@ -234,14 +289,13 @@ def group_norm(
 
     ``mask`` (beyond torch): bool, shaped ``(N, *)``, True = valid; statistics over valid
     positions only. A sample with no valid position normalizes to the bias."""
-    settings = (num_groups, type(num_groups), None, backend)
-    return hot.call(_GROUP_NORM, settings, input, weight, bias, eps, None, mask)
+    settings = group_norm_settings(num_groups, None, backend)
+    return hot.call(GROUP_NORM, settings, input, weight, bias, eps, None, mask)
 
 
-def _group_norm(settings: tuple, input, weight, bias, eps, running, mask) -> Tensor:
-    """:func:`group_norm`'s checked call (see :mod:`normscope.hot`); ``settings[2]``: the channels a
-    GroupNorm layer expects (None: any)."""
-    num_groups, _, num_channels, backend = settings
+def _group_norm(settings: GroupNormSettings, input, weight, bias, eps, running, mask) -> Tensor:
+    """:func:`group_norm`'s checked call (see :mod:`normscope.hot`); the GroupNorm layer's too."""
+    num_groups, num_channels, backend = settings.num_groups, settings.num_channels, settings.backend
     where = "group_norm"
     check.tensor(input, "input", where)
     check.channels_first(input, 2, where)
@@ -271,7 +325,7 @@ def _group_norm(settings: tuple, input, weight, bias, eps, running, mask) -> Ten
     return norm(input, _group_scope(num_groups), weight, bias, eps, mask=mask, backend=backend, op="group_norm")
 
 
-_GROUP_NORM = hot.Op("group_norm", _group_norm)
+GROUP_NORM = hot.Op("group_norm", _group_norm, GroupNormSettings)
 
 
 def local_response_norm(input: Tensor, size: int, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0) -> Tensor:

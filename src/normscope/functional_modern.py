@@ -27,6 +27,7 @@ imports this module: the dependency is one way). They are left out of ``__all__`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -96,12 +97,59 @@ def _prod(shape: Sequence[int]) -> int:
 # -- LayerNorm / RMSNorm over the last axes, with the model families' options ----------------------
 
 
-def _last_axes(settings: tuple, input, weight, bias, eps, running, mask) -> Tensor:
-    """:func:`layer_norm`'s and :func:`rms_norm`'s checked call (see :mod:`normscope.hot`):
-    ``settings`` is ``(where, centered, normalized_shape, its type, backend)``, and with a family's
-    options ``(..., weight_offset, its type, casting)``."""
-    where, centered, normalized_shape, _, backend = settings[:5]
-    family = len(settings) > 5
+class LastAxesSettings(NamedTuple):
+    """What :func:`layer_norm`'s and :func:`rms_norm`'s checked call reads besides the tensors and
+    ``eps`` (see :func:`last_axes`)."""
+
+    where: str
+    centered: bool
+    normalized_shape: object
+    #: its type: a list and a tuple check alike but are keys of their own
+    shape_type: type
+    backend: str | None
+
+
+class FamilySettings(NamedTuple):
+    """:class:`LastAxesSettings` with a model family's options (:func:`last_axes`)."""
+
+    where: str
+    centered: bool
+    normalized_shape: object
+    shape_type: type
+    backend: str | None
+    weight_offset: float
+    offset_type: type
+    casting: str
+
+
+
+
+def last_axes(
+    centered: bool,
+    normalized_shape: object,
+    backend: str | None = None,
+    weight_offset: float = 0.0,
+    casting: str = "torch",
+) -> tuple[hot.Op, tuple]:
+    """The op and settings of a LayerNorm (``centered``) or RMSNorm call over the last axes -- the
+    fields of :class:`LastAxesSettings`, or with a family's options of :class:`FamilySettings` (see
+    :class:`normscope.hot.Op`): the one place the functional form, the layers and the Hugging Face
+    patch build them. The family options have ops of their own, whose keys hold three settings more
+    that the plain calls need not compare."""
+    if type(normalized_shape) is list:  # hashable, for the plan's key
+        normalized_shape = tuple(normalized_shape)
+    where = "layer_norm" if centered else "rms_norm"
+    if weight_offset == 0.0 and casting == "torch":
+        settings = (where, centered, normalized_shape, type(normalized_shape), backend)
+        return (LAYER_NORM if centered else RMS_NORM), settings
+    settings = (where, centered, normalized_shape, type(normalized_shape), backend, weight_offset, type(weight_offset), casting)
+    return (LAYER_NORM_FAMILY if centered else RMS_NORM_FAMILY), settings
+
+
+def _last_axes(settings: LastAxesSettings | FamilySettings, input, weight, bias, eps, running, mask) -> Tensor:
+    """:func:`layer_norm`'s and :func:`rms_norm`'s checked call (see :mod:`normscope.hot`)."""
+    where, centered, normalized_shape, backend = settings.where, settings.centered, settings.normalized_shape, settings.backend
+    family = len(settings) > len(LastAxesSettings._fields)
     check.tensor(input, "input", where)
     shape = check.normalized_shape(normalized_shape, where)
     check.trailing(input, shape, where)
@@ -118,7 +166,7 @@ def _last_axes(settings: tuple, input, weight, bias, eps, running, mask) -> Tens
         return norm(input, scope, weight, bias, eps, backend=backend)
     # a family's parameters may be of any floating dtype (an fp32 weight on bf16 input: Llama's
     # casting then gives fp32), and flat over several normalized axes
-    offset, casting = _offset(settings[5], where), settings[7]
+    offset, casting = _offset(settings.weight_offset, where), settings.casting
     _choice(casting, "casting", CASTINGS, where)
     _optional(weight, "weight", shape, input, where)
     _optional(bias, "bias", shape, input, where)
@@ -128,11 +176,10 @@ def _last_axes(settings: tuple, input, weight, bias, eps, running, mask) -> Tens
     return norm(input, scope, weight, bias, eps, backend=backend, weight_offset=offset, casting=casting)
 
 
-_LAYER_NORM = hot.Op("layer_norm", _last_axes)
-_RMS_NORM = hot.Op("rms_norm", _last_axes)
-# the family options' own ops: their keys hold three settings more, which the plain calls need not compare
-_LAYER_NORM_FAMILY = hot.Op("layer_norm_family", _last_axes)
-_RMS_NORM_FAMILY = hot.Op("rms_norm_family", _last_axes)
+LAYER_NORM = hot.Op("layer_norm", _last_axes, LastAxesSettings)
+RMS_NORM = hot.Op("rms_norm", _last_axes, LastAxesSettings)
+LAYER_NORM_FAMILY = hot.Op("layer_norm_family", _last_axes, FamilySettings)
+RMS_NORM_FAMILY = hot.Op("rms_norm_family", _last_axes, FamilySettings)
 
 
 def rms_norm(
@@ -173,13 +220,8 @@ def rms_norm(
         >>> w = torch.zeros(64, dtype=torch.bfloat16)          # Gemma's weight starts at 0
         >>> y = rms_norm(x, 64, w, 1e-6, weight_offset=1.0, casting="gemma")
     """
-    if type(normalized_shape) is list:  # hashable, for the plan's key
-        normalized_shape = tuple(normalized_shape)
-    settings = ("rms_norm", False, normalized_shape, type(normalized_shape), backend)
-    if weight_offset == 0.0 and casting == "torch":
-        return hot.call(_RMS_NORM, settings, input, weight, None, eps)
-    family = (*settings, weight_offset, type(weight_offset), casting)
-    return hot.call(_RMS_NORM_FAMILY, family, input, weight, None, eps)
+    op, settings = last_axes(False, normalized_shape, backend, weight_offset, casting)
+    return hot.call(op, settings, input, weight, None, eps)
 
 
 def layer_norm(
@@ -196,13 +238,8 @@ def layer_norm(
     """Layer Normalization over the last ``len(normalized_shape)`` dims, as
     :func:`torch.nn.functional.layer_norm`; ``weight_offset`` and ``casting`` as in :func:`rms_norm`
     (the bias is added after the scale, in the same precision)."""
-    if type(normalized_shape) is list:  # hashable, for the plan's key
-        normalized_shape = tuple(normalized_shape)
-    settings = ("layer_norm", True, normalized_shape, type(normalized_shape), backend)
-    if weight_offset == 0.0 and casting == "torch":
-        return hot.call(_LAYER_NORM, settings, input, weight, bias, eps)
-    family = (*settings, weight_offset, type(weight_offset), casting)
-    return hot.call(_LAYER_NORM_FAMILY, family, input, weight, bias, eps)
+    op, settings = last_axes(True, normalized_shape, backend, weight_offset, casting)
+    return hot.call(op, settings, input, weight, bias, eps)
 
 
 def _affine_norm(

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["Scope", "Resolved"]
+__all__ = ["Scope", "Resolved", "Form"]
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,53 @@ class Scope:
         return hit
 
 
+class Form(NamedTuple):
+    """Which canonical views a resolved scope maps onto: the one classification every backend reads
+    (:attr:`Resolved.form`). A scope may have several (LayerNorm over (N, C) with a per-channel
+    affine is rows and per-sample groups at once); each backend picks among them in its own order.
+    Sizes are not part of it: it depends on the rank and the axes only, so a symbolic size never
+    reaches it.
+
+    * ``rows``: one statistic per index of the kept axes, over the reduced axes, an affine over the
+      reduced axes or none, no grouping (LayerNorm, RMSNorm over any axes); ``trailing``: the reduced
+      axes are the last ones (no move needed).
+    * ``channel``: the one kept axis ``d`` when the statistics are per index of ``d`` over every
+      other axis, with an affine over ``d`` or none and no grouping (BatchNorm's scope); else None.
+    * ``sample_groups``: per sample (axis 0) over every other axis, the channels (axis 1) split in
+      groups or not, an affine over axis 1 or none (GroupNorm; one group: LayerNorm over (C, *)).
+    * ``instance``: per sample and channel over the axes from 2 on, an affine over axis 1 or none,
+      rank 3 or more, no grouping (InstanceNorm).
+    """
+
+    rows: bool
+    trailing: bool
+    channel: int | None
+    sample_groups: bool
+    instance: bool
+
+
+def classify(shape: tuple, reduce: tuple[int, ...], groups: int, group_dim: int, affine: tuple[int, ...]) -> Form:
+    """The :class:`Form` of a resolved scope (its rank, sorted reduced axes, grouping and affine)."""
+    ndim, k = len(shape), len(reduce)
+    kept = [d for d in range(ndim) if d not in reduce]  # a list: dynamo cannot trace a generator here
+    rows = groups == 1 and k > 0 and affine in ((), reduce)
+    trailing = reduce == tuple(range(ndim - k, ndim))
+    channel = None
+    if ndim >= 2 and groups == 1 and len(kept) == 1 and affine in ((), (kept[0],)):
+        channel = kept[0]
+    per_channel = ndim >= 2 and affine in ((), (1,))
+    sample_groups = per_channel and kept == [0] and (groups == 1 or group_dim == 1)
+    instance = per_channel and ndim >= 3 and groups == 1 and kept == [0, 1]
+    return Form(rows, trailing, channel, sample_groups, instance)
+
+
 @dataclass(frozen=True)
 class Resolved:
     """A scope on a concrete shape. ``reduce`` is sorted and non-negative; ``groups`` is 1 unless
-    a grouped axis really is split into several groups of several channels."""
+    a grouped axis really is split into several groups of several channels.
+
+    ``form``: which canonical views the scope maps onto (:class:`Form`), classified once, when the
+    scope is resolved (resolutions are cached per scope and shape), for every backend to read."""
 
     shape: tuple[int, ...]
     reduce: tuple[int, ...]
@@ -136,6 +180,11 @@ class Resolved:
     groups: int
     group_dim: int
     affine: tuple[int, ...]
+    form: Form = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        form = classify(self.shape, self.reduce, self.groups, self.group_dim, self.affine)
+        object.__setattr__(self, "form", form)
 
     @property
     def count(self) -> int:

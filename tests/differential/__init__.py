@@ -1,8 +1,8 @@
 """The differential suite: every path of normscope against torch, and against itself.
 
 Every op (``ops.OPS``) runs on every path that takes it (``ops.PATHS``: the automatic choice and
-each backend forced -- ``aten``, ``composite`` for masked scopes, ``rows`` (the CPU RMS rows path:
-``composite`` on an unmasked RMS scope), ``reference``, and ``triton`` in Triton's interpreter,
+each backend forced -- ``aten``, ``composite`` for masked scopes, ``rows`` (the CPU RMS rows
+backend, unmasked RMS scopes), ``reference``, and ``triton`` in Triton's interpreter,
 ``TRITON_INTERPRET=1`` as tests/conftest.py sets it on a machine without a GPU) with inputs drawn by
 hypothesis: batch sizes 1..300, row lengths and spatial sizes around every threshold below, fp32,
 fp64, bf16 and fp16 (the dtypes the path takes), and each tensor argument -- input, weight, bias,

@@ -1,8 +1,7 @@
 """The registry: every path (backend) and every op of normscope, each described once.
 
-A **path** is a way a call can run: the automatic choice, or one forced backend. The CPU RMS rows
-path has no backend name of its own -- it is the ``composite`` backend on an unmasked RMS scope
--- so it is the path ``rows``; ``composite`` is the masked path of the same backend.
+A **path** is a way a call can run: the automatic choice, or one forced backend: ``rows`` is the
+CPU RMS rows backend (``backends/rows.py``, unmasked RMS scopes), ``composite`` the masked one.
 
 An **op** is a public callable: how to draw its inputs (:class:`~.harness.Case`), how to call it, its
 oracle (torch's op or module, or the model family's code, run in the same dtype; the float64 truth
@@ -50,7 +49,7 @@ class Path:
 PATHS = {
     "auto": Path(None, None),
     "aten": Path("aten", "aten"),
-    "rows": Path("composite", "composite"),  # the CPU RMS rows path (backends/rms.py)
+    "rows": Path("rows", "rows"),  # the CPU RMS rows backend (backends/rows.py, backends/rms.py)
     "composite": Path("composite", "composite"),  # masked BatchNorm/InstanceNorm/GroupNorm
     "reference": Path("reference", "reference"),
     "triton": Path("triton", "triton", TRITON_DTYPES, tiny=True),

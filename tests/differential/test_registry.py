@@ -16,7 +16,11 @@ from .ops import NOT_OPS, OPS, PATHS, covered_names, draw_case, pairs, public_na
 
 
 def test_every_registered_backend_is_a_path():
-    paths = {p.backend for p in PATHS.values()} - {None}
+    # each path is forced by its own backend's name: two paths of one backend would test one twice
+    forced = [p.backend for p in PATHS.values() if p.backend is not None]
+    assert len(forced) == len(set(forced)), f"paths sharing a forced backend: {sorted(forced)}"
+    assert all(p.reports == p.backend for p in PATHS.values()), "a forced path reports its own name"
+    paths = set(forced)
     registered = set(engine.backends())
     assert registered <= paths, f"backends with no path in tests/differential/ops.py PATHS: {registered - paths}"
     unknown = paths - registered - {"triton"}  # triton is registered only where Triton is installed

@@ -5,6 +5,8 @@
                contract (:mod:`.triton`); chosen automatically only where a committed
                measurement on the device class shows it faster (:mod:`.measured`); registered
                when Triton is installed
+``rows``       unmasked RMS scopes (RMSNorm) with one reduction each way and torch's bits per row
+               (:mod:`.rows`, :mod:`.rms`); chosen automatically on CPU for large inputs
 ``aten``       PyTorch's own fused ops, for the scopes that are exactly one of them (:mod:`.aten`)
 ``composite``  masked BatchNorm/InstanceNorm/GroupNorm from a few large ATen ops with a
                closed-form backward (:mod:`.composite`)
@@ -14,26 +16,22 @@
 Per call the engine (:mod:`normscope.engine`) runs the first backend of :data:`AUTOMATIC_ORDER`
 that can run the call exactly and agrees to be chosen; a forced one (``backend=``,
 :func:`normscope.use_backend`, ``NORMSCOPE_BACKEND``) runs or raises saying why.
-
-``normscope.backends()`` -- this module called -- lists the registered names in that order.
+``normscope.backends()`` (:func:`normscope.engine.backends`) lists the registered names in that order.
 """
 
 from __future__ import annotations
 
-import sys
-import types
-
 from .. import engine
 from ..kernels.fused import triton_available
-from . import aten, composite, reference
+from . import aten, composite, reference, rows
 
 #: The automatic order: the first backend that takes a call runs it.
-AUTOMATIC_ORDER = ("triton", "aten", "composite", "reference")
+AUTOMATIC_ORDER = ("triton", "rows", "aten", "composite", "reference")
 
 #: Whether Triton is importable, i.e. whether the ``"triton"`` backend is registered.
 TRITON: bool = triton_available()
 
-_modules = {"aten": aten, "composite": composite, "reference": reference}
+_modules = {"rows": rows, "aten": aten, "composite": composite, "reference": reference}
 if TRITON:
     from . import triton
 
@@ -43,15 +41,4 @@ for _name in AUTOMATIC_ORDER:
     if _name in _modules:
         engine.register_backend(_modules[_name].BACKEND)
 
-
-class _CallableModule(types.ModuleType):
-    """``normscope.backends`` is both this package and the function it always was:
-    ``normscope.backends()`` returns the registered names in automatic order."""
-
-    def __call__(self) -> list[str]:
-        return engine.backends()
-
-
-sys.modules[__name__].__class__ = _CallableModule
-
-__all__ = ["AUTOMATIC_ORDER", "TRITON", "aten", "composite", "reference", "measured"]
+__all__ = ["AUTOMATIC_ORDER", "TRITON", "aten", "composite", "reference", "rows", "measured"]

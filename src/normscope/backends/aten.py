@@ -31,7 +31,6 @@ from torch import Tensor
 from .. import engine
 from .. import reference as ref
 from ..engine import Backend, Call, LayerEntry, Runner, Running
-from . import rms
 from ._layout import channels_last, reduced_last
 
 NAME = "aten"
@@ -40,33 +39,32 @@ _CANCEL_LIMIT = 1024.0  # output error <~ 1024 * 2**-24 = 6e-5 of a unit, varian
 
 
 def kind(call: Call) -> str | None:
-    """Which ATen op computes this call exactly, or None."""
-    s, ndim = call.scope, len(call.scope.shape)
+    """Which ATen op computes this call exactly, or None: the scope's classification
+    (:attr:`normscope.scope.Resolved.form`) read in ATen's order of preference."""
+    s = call.scope
     if call.mask is not None or not s.centered and call.running is not None:
         return None
-    reduce, affine = s.reduce, s.affine
-    every_but = lambda *kept: reduce == tuple(d for d in range(ndim) if d not in kept)  # noqa: E731
-    if call.op == "group_norm" and call.running is None and s.centered and ndim >= 2 and affine in ((1,), ()):
+    f, ndim = s.form, len(s.shape)
+    if call.op == "group_norm" and call.running is None and s.centered and (f.sample_groups or f.instance):
         # a GroupNorm layer's call: torch runs group_norm even where another op has the same scope
         # (GroupNorm(C, C) is InstanceNorm's scope; GroupNorm(1, C) on (N, C) is LayerNorm's)
-        if every_but(0) and (s.groups == 1 or s.group_dim == 1) or ndim >= 3 and every_but(0, 1):
-            return "group_norm"
-    if s.groups == 1 and s.centered:
-        if ndim >= 2 and every_but(1) and affine in ((1,), ()):
+        return "group_norm"
+    if s.centered and f.channel is not None:
+        if f.channel == 1:
             return "batch_norm"
-        if ndim >= 2 and every_but(ndim - 1) and affine in ((ndim - 1,), ()):
+        if f.channel == ndim - 1:
             return "batch_norm_last"
-        if ndim >= 3 and every_but(0, 1) and affine in ((1,), ()):
-            return "instance_norm"
+    if s.centered and f.instance:
+        return "instance_norm"
     if call.running is not None:
         return None
-    if s.groups == 1 and reduce and affine in (reduce, ()):
+    if f.rows:
         if s.centered:
             return "layer_norm"
         if call.bias is None:
             return "rms_norm"
     # torch.group_norm splits axis 1: a grouping of any other axis is not its op
-    if s.centered and ndim >= 2 and every_but(0) and affine in ((1,), ()) and (s.groups == 1 or s.group_dim == 1):
+    if s.centered and f.sample_groups:
         return "group_norm"  # groups of channels (also one group: LayerNorm with per-channel affine)
     return None
 
@@ -84,23 +82,6 @@ def why_not(call: Call) -> str | None:
         if call.mask is not None:
             return "ATen has no masked normalization"
         return "no ATen op computes this scope exactly"
-    return None
-
-
-def why_not_auto(call: Call) -> str | None:
-    """Leave large CPU RMS scopes to the composite backend's rows (:mod:`.rms`), which
-    ``benchmarks/results/cpu_speed.json`` measured faster than ``torch.rms_norm`` there (forward and
-    forward+backward); under tracing torch.compile fuses torch's op itself. The choice is made on the
-    input's total size, which the batch decides, and that is safe only because the rows give every
-    row torch's bits, output and input gradient (``tests/test_batch_invariance.py``)."""
-    if (
-        kind(call) == "rms_norm"
-        and call.x.device.type == "cpu"
-        and not engine.tracing()
-        and rms.takes(call) is None
-        and math.prod(call.scope.shape) >= rms.MIN_AUTO_ELEMENTS
-    ):
-        return "composite's RMS rows are measured faster on CPU at this size (benchmarks/results/cpu_speed.json)"
     return None
 
 
@@ -243,23 +224,10 @@ _FP32_MAX = torch.finfo(torch.float32).max
 _BOUNDED_MAX = 512  # statistics up to this many values are bounded in Python (_bounded), more with torch ops
 
 
-def _cancels(mean: Tensor, eps: float, rstd: Tensor | None = None, var: Tensor | None = None) -> bool:
-    """Whether ``max |mean| * rstd`` exceeds the limit (``rstd`` given, or ``rsqrt(var + eps)``).
-
-    The automatic fp32 CPU runners ask it on every call, so the ordinary call is settled by a bound
-    on the means alone: ``rstd <= 1/sqrt(eps)``, so no scope can cancel while ``max |mean| <= limit *
-    sqrt(eps)`` (3.2 at eps 1e-5). The answer is exact either way: the bound only ever says "no";
-    past it the exact maximum decides (:func:`_exceeds`). Small statistics (the per-call cost that
-    matters) are bounded by :func:`_bounded`, straight from memory; larger ones, or ones that are
-    not plain contiguous fp32 CPU tensors (a subclass -- fake, functional -- is not host memory), by
-    a torch reduction (:func:`_torch_bounded`), negligible beside the normalization of that many
-    scopes. CPU only: reading a value is a copy, not a device synchronisation."""
-    bounded = (_bounded(mean.numel()) if _plain_fp32(mean) else None) or _torch_bounded
-    return not bounded(mean, eps) and _exceeds(mean, eps, rstd, var)
-
-
 def _exceeds(mean: Tensor, eps: float, rstd: Tensor | None = None, var: Tensor | None = None) -> bool:
-    """:func:`_cancels`'s exact answer, once the bound on the means alone has not settled it."""
+    """Whether ``max |mean| * rstd`` exceeds the limit (``rstd`` given, or ``rsqrt(var + eps)``): the
+    exact answer, once the bound on the means alone (:func:`_bounded`, :func:`_torch_bounded`) has
+    not settled it."""
     m = mean.detach().reshape(-1)
     r = (rstd if rstd is not None else torch.rsqrt(var + eps)).detach().reshape(-1)
     return float(torch.linalg.vector_norm(m * r, math.inf)) > _CANCEL_LIMIT
@@ -268,10 +236,6 @@ def _exceeds(mean: Tensor, eps: float, rstd: Tensor | None = None, var: Tensor |
 def _torch_bounded(mean: Tensor, eps: float) -> bool:
     """Whether every ``|m| <= limit * sqrt(eps)``, by a torch reduction (any tensor, any size)."""
     return eps > 0 and float(torch.linalg.vector_norm(mean.detach(), math.inf)) <= _CANCEL_LIMIT * math.sqrt(eps)
-
-
-def _plain_fp32(t: Tensor) -> bool:
-    return type(t) is Tensor and t.dtype is torch.float32 and t.is_cpu and t.is_contiguous()
 
 
 _is_tracing = torch._C._is_tracing  # torch.jit.is_tracing() without its Python frames
@@ -340,10 +304,11 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
     def as_call(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Call:
         return Call(x, s, w, b, eps, None, r, op=op)  # the reference's recomputation, rare: see _runner
 
-    # The ordinary call's answer, at the least per-call cost: the statistics (one per scope; the
-    # native ops return them contiguous fp32 for an fp32 CPU input) bounded straight from memory
-    # against the limit at rstd's largest value 1/sqrt(eps) (_bounded; more statistics than it
-    # reads, by a torch reduction), as _cancels does; past the bound, _exceeds decides exactly.
+    # The ordinary call's answer, at the least per-call cost: rstd <= 1/sqrt(eps), so no scope can
+    # cancel while every |mean| <= limit * sqrt(eps) (3.2 at eps 1e-5). The statistics (one per
+    # scope; the native ops return them contiguous fp32 for an fp32 CPU input) are bounded so
+    # straight from memory (_bounded; more statistics than it reads, by a torch reduction); the bound
+    # only ever says "no": past it, _exceeds decides exactly.
     bounded = _bounded(math.prod(s.shape) // s.count) or _torch_bounded
     native_layer_norm, native_batch_norm = torch.native_layer_norm, torch.native_batch_norm
     if k == "layer_norm":
@@ -365,8 +330,8 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             if _is_tracing() or _peek() is not None:
                 return plain(x, w, b, eps, r)
             if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
-                # as _cancels, with the bound of this many statistics at hand; the buffers are fp32 CPU
-                # tensors like the input (the plan's signature): contiguity is what remains to ask
+                # the same bound, on the running means; the buffers are fp32 CPU tensors like the
+                # input (the plan's signature): contiguity is what remains to ask
                 rm, rv = r.mean, r.var
                 within = bounded(rm, eps) if rm.is_contiguous() else _torch_bounded(rm, eps)
                 if not within and _exceeds(rm, eps, var=rv):
@@ -429,4 +394,4 @@ def _groups(s) -> int:
     return s.shape[1] if s.reduce == tuple(range(2, len(s.shape))) else s.groups
 
 
-BACKEND = Backend(NAME, why_not, prepare, why_not_auto)
+BACKEND = Backend(NAME, why_not, prepare)

@@ -37,10 +37,6 @@ Higher-order gradients: the backward is a closed form of the first derivative. W
 for a differentiable backward (``create_graph=True``), it recomputes the call on the reference and
 differentiates that, so double backward is exact, not silently zero.
 
-Unmasked RMS scopes (RMSNorm) run here too, with one reduction each way and a closed-form backward
-(:mod:`.rms`): on a CPU that is measured faster than torch's ``rms_norm``, which the automatic order
-therefore leaves to this backend at large shapes (:func:`.aten.why_not_auto`).
-
 Not covered (declined, so the next backend runs them): masks that vary along the channel axis,
 masked uncentered (RMS) scopes, any other scope shape, and masked scopes under tracing
 (``torch.compile`` / ``torch.jit``: the reference traces without graph breaks; the masked path
@@ -58,7 +54,6 @@ from torch import Tensor
 from .. import engine
 from .. import reference as ref
 from ..engine import Backend, Call, Runner
-from . import aten, rms
 
 __all__ = ["NAME", "BACKEND"]
 
@@ -78,28 +73,25 @@ class _View(NamedTuple):
 
 
 def _view(call: Call) -> _View | None:
-    s, ndim = call.scope, len(call.scope.shape)
-    if not s.centered or ndim < 2:
+    """The scope's classification (:attr:`normscope.scope.Resolved.form`) as an ``(O, C, I)`` view."""
+    s = call.scope
+    if not s.centered:
         return None
-    every_but = lambda *kept: s.reduce == tuple(d for d in range(ndim) if d not in kept)  # noqa: E731
+    f = s.form
     # per sample first: statistics per index of axis 0 are also "BatchNorm over axis 0", but a
     # padding mask varies along axis 0, which that view cannot take
-    if every_but(0) and s.affine in ((1,), ()) and (s.groups == 1 or s.group_dim == 1):
+    if f.sample_groups:
         return _View(1, True, s.groups)  # GroupNorm(G, C); G = 1 is LayerNorm over (C, *)
-    if s.groups == 1:
-        if ndim >= 3 and every_but(0, 1) and s.affine in ((1,), ()):
-            return _View(1, True, s.shape[1])  # InstanceNorm: per sample and channel
-        for d in range(ndim):  # BatchNorm: statistics per index of one axis, over all the others
-            if every_but(d) and s.affine in ((d,), ()):
-                return _View(d, False, s.shape[d])
+    if f.instance:
+        return _View(1, True, s.shape[1])  # InstanceNorm: per sample and channel
+    if f.channel is not None:  # BatchNorm: statistics per index of one axis, over all the others
+        return _View(f.channel, False, s.shape[f.channel])
     return None
 
 
 def why_not(call: Call) -> str | None:
     if call.mask is None:
-        if rms.takes(call) is None:
-            return None
-        return "the composite backend runs unmasked RMS rows and masked scopes only (ATen runs the other unmasked ones)"
+        return "the composite backend runs masked scopes only (unmasked: aten, and the rows backend for RMS scopes)"
     if engine.tracing():
         return "tracing: the reference traces without graph breaks"
     if call.x.device.type == "meta":
@@ -307,9 +299,6 @@ def _reference_grads(ctx, dy, x3, weight, bias):
 
 
 def prepare(call: Call, automatic: bool) -> Runner:
-    if call.mask is None:
-        # rows not dense in memory go to torch's op, whose bits are torch's (see rms.prepare)
-        return rms.prepare(call, aten.prepare(call, False) if aten.why_not(call) is None else None)
     v = _view(call)
 
     def run(c: Call) -> Tensor:

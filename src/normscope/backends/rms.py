@@ -1,4 +1,4 @@
-"""RMSNorm over rows with one reduction each way: the composite backend's unmasked RMS scopes.
+"""RMSNorm over rows with one reduction each way: the rows backend's unmasked RMS scopes (:mod:`.rows`).
 
 torch's ``rms_norm`` on a CPU is not one kernel: it runs as a chain of ATen ops (upcast, square,
 mean, add, rsqrt, two multiplies) and autograd differentiates that chain op by op, about twenty ATen
@@ -44,7 +44,7 @@ row lengths 256, 1024 and 4096). ``benchmarks/results/cpu_speed_rms_rows.json`` 
 2-core VM): at 8192 x 1024 the median time ratio to torch is 0.47 forward and 0.32 forward +
 backward in fp32, 0.21 and 0.22 in bf16; fwd+bwd of RMSNorm(4096) on 8192 rows grows the process by
 +301 MiB (torch +807) in fp32 and +176 MiB (torch +871) in bf16. The automatic choice on CPU from
-:data:`MIN_AUTO_ELEMENTS` elements (:func:`normscope.backends.aten.why_not_auto`) is made on the
+:data:`MIN_AUTO_ELEMENTS` elements (:func:`normscope.backends.rows.why_not_auto`) is made on the
 total size because the crossover is one of total size, whatever the row length: below it the
 per-call cost of an ``autograd.Function`` outweighs the saved passes (see the constant).
 """
@@ -84,7 +84,7 @@ def takes(call: Call) -> str | None:
     s = call.scope
     if s.centered or call.mask is not None or call.running is not None or call.bias is not None:
         return "not an unmasked RMS scope without bias or running statistics"
-    if s.groups != 1 or not s.reduce or s.affine not in (s.reduce, ()):
+    if not s.form.rows:
         return "an RMS scope over grouped axes or with an affine over other axes"
     if call.x.dtype not in _FLOATS:
         return f"floating-point input only, got {call.x.dtype}"

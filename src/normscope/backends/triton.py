@@ -105,19 +105,17 @@ def op_name(call: Call) -> str:
 
 
 def _kind(s) -> tuple[str, int] | None:
-    """("rows", 0), ("groups", G), ("channels", d) or None: which canonical view a resolved scope maps onto."""
-    ndim, k = len(s.shape), len(s.reduce)
-    if s.groups == 1 and k and s.reduce == tuple(range(ndim - k, ndim)) and s.affine in ((), s.reduce):
+    """("rows", 0), ("groups", G), ("channels", d) or None: the kernel view of a resolved scope, its
+    classification (:attr:`normscope.scope.Resolved.form`) read in the kernels' order."""
+    f = s.form
+    if f.rows and f.trailing:
         return "rows", 0
-    if ndim >= 2 and s.groups == 1 and s.centered and len(s.reduce) == ndim - 1:
-        (d,) = set(range(ndim)) - set(s.reduce)
-        if s.affine in ((d,), ()):
-            return "channels", d  # BatchNorm: statistics per index of axis d over every other axis
-    if ndim >= 2 and s.affine in ((1,), ()):
-        if s.reduce == tuple(range(1, ndim)) and (s.groups == 1 or s.group_dim == 1):
-            return "groups", s.groups  # GroupNorm(G, C); G = 1: LayerNorm over (C, *), per-channel affine
-        if ndim >= 3 and s.groups == 1 and s.reduce == tuple(range(2, ndim)):
-            return "groups", s.shape[1]  # InstanceNorm: one group per channel
+    if s.centered and f.channel is not None:
+        return "channels", f.channel  # BatchNorm: statistics per index of axis d over every other axis
+    if f.sample_groups:
+        return "groups", s.groups  # GroupNorm(G, C); G = 1: LayerNorm over (C, *), per-channel affine
+    if f.instance:
+        return "groups", s.shape[1]  # InstanceNorm: one group per channel
     return None
 
 

@@ -296,13 +296,7 @@ def _run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
             break
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):
         eps = _eps(m)
-    if offset == 0.0 and casting == "torch":
-        op, settings = (FM._LAYER_NORM, ("layer_norm", True, shape, tuple, None)) if centered else (
-            FM._RMS_NORM, ("rms_norm", False, shape, tuple, None))
-    elif centered:
-        op, settings = FM._LAYER_NORM_FAMILY, ("layer_norm", True, shape, tuple, None, offset, float, casting)
-    else:
-        op, settings = FM._RMS_NORM_FAMILY, ("rms_norm", False, shape, tuple, None, offset, float, casting)
+    op, settings = FM.last_axes(centered, shape, None, offset, casting)
     return hot.call(op, settings, x, w, b, eps)
 
 

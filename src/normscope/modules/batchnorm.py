@@ -7,6 +7,7 @@ Internal Covariate Shift". Scope: :meth:`normscope.Scope.batch`.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 from torch import Tensor, nn
 
@@ -58,20 +59,31 @@ def _check_input(cls: type, num_features: int, channel_dim: int, input: object) 
         )
 
 
-def _batch_norm(settings: tuple, x, w, b, eps, running, mask) -> Tensor:
+class BatchNormLayerSettings(NamedTuple):
+    """What a BatchNorm layer's checked call reads besides the tensors and ``eps``: the training flag
+    and momentum come with the running statistics (a momentum of ``None`` changes every step, and
+    is no part of the key)."""
+
+    channel_dim: int
+
+
+
+
+def _batch_norm(settings: BatchNormLayerSettings, x, w, b, eps, running, mask) -> Tensor:
     """A BatchNorm layer's checked call (see :mod:`normscope.hot`): :func:`normscope.functional.batch_norm`'s
     checks, with the running statistics the layer resolved (the layer checked its input first)."""
-    (channel_dim,) = settings
+    channel_dim = settings.channel_dim
     training = running is None or running.use_input_stats
     momentum = 0.0 if running is None else running.momentum
-    return F._batch_norm((training, momentum, float, channel_dim, None), x, w, b, eps, running, mask)
+    settings = F.BatchNormSettings._make(F.batch_norm_settings(training, momentum, channel_dim))
+    return F.checked_batch_norm(settings, x, w, b, eps, running, mask)
 
 
-_BATCH_NORM = hot.Op("BatchNorm", _batch_norm)
+_BATCH_NORM = hot.Op("BatchNorm", _batch_norm, BatchNormLayerSettings)
 _NAMES = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 
 
-class _BatchNormMixin:
+class BatchNormMixin:
     """torch's ``_BatchNorm.forward``, routed through the engine; the rest is torch's own."""
 
     _dims: tuple[int, ...]
@@ -94,10 +106,11 @@ class _BatchNormMixin:
         # the batch counts once the call is checked, before it runs (see hot.call)
         counts = self.training and self.track_running_stats and nbt is not None
         start = functools.partial(nbt.add_, 1) if counts else None
-        return hot.call(_BATCH_NORM, (self.channel_dim,), input, w, b, self.eps, running, mask, start)
+        settings = (self.channel_dim,)  # BatchNormLayerSettings' fields
+        return hot.call(_BATCH_NORM, settings, input, w, b, self.eps, running, mask, start)
 
 
-class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
+class BatchNorm1d(BatchNormMixin, nn.BatchNorm1d):
     r"""Batch Normalization over a 2D (N, C) or 3D (N, C, L) input.
 
     .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \gamma + \beta
@@ -153,7 +166,7 @@ class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
         return s if self.channel_dim == 1 else f"{s}, channel_dim={self.channel_dim}"
 
 
-class BatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
+class BatchNorm2d(BatchNormMixin, nn.BatchNorm2d):
     r"""Batch Normalization over a 4D (N, C, H, W) input; see :class:`BatchNorm1d`.
 
     Same arguments, defaults, buffers and behaviour as :class:`torch.nn.BatchNorm2d`.
@@ -167,7 +180,7 @@ class BatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
     _dims = (4,)
 
 
-class BatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
+class BatchNorm3d(BatchNormMixin, nn.BatchNorm3d):
     r"""Batch Normalization over a 5D (N, C, D, H, W) input; see :class:`BatchNorm1d`.
 
     Same arguments, defaults, buffers and behaviour as :class:`torch.nn.BatchNorm3d`.

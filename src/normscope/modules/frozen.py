@@ -227,7 +227,7 @@ def freeze_batchnorm(model: nn.Module) -> nn.Module:
 
 
 def _unfrozen_from(frozen: FrozenBatchNorm2d) -> nn.Module:
-    from . import BatchNorm1d, BatchNorm2d, BatchNorm3d
+    from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d  # not the package: it imports this module
 
     source = frozen.__dict__.get("_normscope_source")
     if source is not None:  # a BatchNorm from elsewhere: the layer itself, with the frozen values

@@ -7,6 +7,7 @@ Scope: :meth:`normscope.Scope.instance`.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 from torch import Tensor, nn
 
@@ -16,11 +17,31 @@ from .. import hot
 _NAMES = ("weight", "bias", "running_mean", "running_var")
 
 
+class InstanceNormLayerSettings(NamedTuple):
+    """What an InstanceNorm layer's checked call reads besides the tensors and ``eps``
+    (:func:`layer_settings`)."""
+
+    name: str
+    spatial: int
+    num_features: int
+    #: whether a channel count other than ``num_features`` is refused (else warned about, as torch)
+    strict: bool
+    use_input_stats: bool
+    momentum: float
+
+
+def layer_settings(layer: nn.Module, use_input_stats: bool, momentum: float) -> tuple:
+    """The fields of :class:`InstanceNormLayerSettings` for ``layer``."""
+    strict = layer.affine or layer.track_running_stats
+    return (type(layer).__name__, layer._spatial, layer.num_features, strict, use_input_stats, momentum)
+
+
 def _instance_norm(settings: tuple, input, w, b, eps, running, mask) -> Tensor:
     """An InstanceNorm layer's checked call (see :mod:`normscope.hot`): torch's ``_InstanceNorm``
     rules for the input (unbatched input, a channel count that ``affine=False`` ignores with a warning
     on every call), then :func:`normscope.functional.instance_norm`'s checks."""
-    name, spatial, num_features, strict, use_input_stats, momentum = settings
+    name, spatial, num_features, strict = settings.name, settings.spatial, settings.num_features, settings.strict
+    use_input_stats, momentum = settings.use_input_stats, settings.momentum
     if not isinstance(input, Tensor):
         raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
     unbatched = spatial + 1
@@ -47,8 +68,8 @@ def _instance_norm(settings: tuple, input, w, b, eps, running, mask) -> Tensor:
         mask = mask.unsqueeze(0) if isinstance(mask, Tensor) else mask
         y = F.instance_norm(input.unsqueeze(0), rm, rv, w, b, use_input_stats, momentum, eps, mask=mask)
         return y.squeeze(0)
-    settings = (use_input_stats, momentum, float, None)
-    return F._instance_norm(settings, input, w, b, eps, running, mask)
+    settings = F.InstanceNormSettings._make(F.instance_norm_settings(use_input_stats, momentum))
+    return F.checked_instance_norm(settings, input, w, b, eps, running, mask)
 
 
 class _InstanceNormMixin:
@@ -65,12 +86,11 @@ class _InstanceNormMixin:
         running = None
         if rm is not None or rv is not None:  # as functional.instance_norm
             running = hot.running((rm, rv, momentum, use_input_stats))
-        strict = self.affine or self.track_running_stats
-        settings = (type(self).__name__, self._spatial, self.num_features, strict, use_input_stats, momentum)
+        settings = layer_settings(self, use_input_stats, momentum)
         return hot.call(_INSTANCE_NORM, settings, input, w, b, self.eps, running, mask)
 
 
-_INSTANCE_NORM = hot.Op("InstanceNorm", _instance_norm)
+_INSTANCE_NORM = hot.Op("InstanceNorm", _instance_norm, InstanceNormLayerSettings)
 
 
 class InstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):

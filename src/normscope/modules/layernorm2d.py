@@ -5,6 +5,8 @@ Paper: Liu et al. 2022, "A ConvNet for the 2020s" (ConvNeXt). Scope: :meth:`norm
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from torch import Tensor, nn
 
 from .. import _checks as check
@@ -16,9 +18,17 @@ _CHANNELS = Scope.channels()
 _WB = ("weight", "bias")
 
 
-def _layer_norm_2d(settings: tuple, input, w, b, eps, running, mask) -> Tensor:
+class LayerNorm2dSettings(NamedTuple):
+    """What LayerNorm2d's checked call reads besides the tensors and ``eps``: the class's name (for
+    messages) and the channels expected at dim 1."""
+
+    name: str
+    channels: int
+
+
+def _layer_norm_2d(settings: LayerNorm2dSettings, input, w, b, eps, running, mask) -> Tensor:
     """LayerNorm2d's checked call (see :mod:`normscope.hot`)."""
-    name, c = settings
+    name, c = settings.name, settings.channels
     if not isinstance(input, Tensor):
         raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
     check.tensor(input, "input", name)
@@ -33,7 +43,7 @@ def _layer_norm_2d(settings: tuple, input, w, b, eps, running, mask) -> Tensor:
     return norm(input, _CHANNELS, w, b, eps)
 
 
-_LAYER_NORM_2D = hot.Op("LayerNorm2d", _layer_norm_2d)
+_LAYER_NORM_2D = hot.Op("LayerNorm2d", _layer_norm_2d, LayerNorm2dSettings)
 
 
 class LayerNorm2d(nn.LayerNorm):
@@ -73,5 +83,5 @@ class LayerNorm2d(nn.LayerNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         w, b = hot.tensors(self, _WB)
-        settings = (type(self).__name__, self.normalized_shape[0])
+        settings = (type(self).__name__, self.normalized_shape[0])  # LayerNorm2dSettings' fields
         return hot.call(_LAYER_NORM_2D, settings, input, w, b, self.eps)

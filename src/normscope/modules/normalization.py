@@ -101,12 +101,8 @@ class LayerNorm(_FamilyOptions, nn.LayerNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         w, b = hot.tensors(self, _WB)
-        shape = self.normalized_shape
-        if self.weight_offset or self.casting != "torch":
-            family = ("layer_norm", True, shape, type(shape), None, self.weight_offset, float, self.casting)
-            return hot.call(FM._LAYER_NORM_FAMILY, family, input, w, b, self.eps)
-        settings = ("layer_norm", True, shape, type(shape), None)
-        return hot.call(FM._LAYER_NORM, settings, input, w, b, self.eps)
+        op, settings = FM.last_axes(True, self.normalized_shape, None, self.weight_offset, self.casting)
+        return hot.call(op, settings, input, w, b, self.eps)
 
 
 class RMSNorm(_FamilyOptions, nn.RMSNorm):
@@ -153,12 +149,8 @@ class RMSNorm(_FamilyOptions, nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         (w,) = hot.tensors(self, _W)
-        shape = self.normalized_shape
-        if self.weight_offset or self.casting != "torch":
-            family = ("rms_norm", False, shape, type(shape), None, self.weight_offset, float, self.casting)
-            return hot.call(FM._RMS_NORM_FAMILY, family, x, w, None, self.eps)
-        settings = ("rms_norm", False, shape, type(shape), None)
-        return hot.call(FM._RMS_NORM, settings, x, w, None, self.eps)
+        op, settings = FM.last_axes(False, self.normalized_shape, None, self.weight_offset, self.casting)
+        return hot.call(op, settings, x, w, None, self.eps)
 
 
 class GroupNorm(nn.GroupNorm):
@@ -205,9 +197,8 @@ class GroupNorm(nn.GroupNorm):
         """Normalize ``input``; ``mask`` (optional, bool, ``(N, *)``, True = valid) restricts each
         group's statistics to valid positions."""
         w, b = hot.tensors(self, _WB)
-        groups = self.num_groups
-        settings = (groups, type(groups), self.num_channels, None)
-        return hot.call(F._GROUP_NORM, settings, input, w, b, self.eps, None, mask)
+        settings = F.group_norm_settings(self.num_groups, self.num_channels)
+        return hot.call(F.GROUP_NORM, settings, input, w, b, self.eps, None, mask)
 
 
 class LocalResponseNorm(nn.LocalResponseNorm):

@@ -14,7 +14,7 @@ from .. import _checks as check
 from .. import engine
 from .. import reference as ref
 from ..scope import Scope
-from .batchnorm import BatchNorm1d, _BatchNormMixin, count_batch, momentum_factor
+from .batchnorm import BatchNorm1d, BatchNormMixin, count_batch, momentum_factor
 
 
 @torch.library.custom_op("normscope::batch_renorm_correction", mutates_args=())
@@ -39,7 +39,7 @@ def _(mean_b, sigma_b, running_mean, running_var, eps, rmax, dmax):
     return torch.empty_like(sigma_b), torch.empty_like(mean_b)
 
 
-class _BatchRenormMixin(_BatchNormMixin):
+class _BatchRenormMixin(BatchNormMixin):
     r"""BatchNorm's state and evaluation; in training, batch statistics corrected towards the
     running ones by ``r`` and ``d`` (stop-gradient):
 

@@ -1,0 +1,237 @@
+"""The backends the engine knows, the automatic choice among them, and the plan of one call.
+
+:mod:`normscope.backends` registers the built-in backends in their one declared order
+(``AUTOMATIC_ORDER``); :func:`register_backend` adds one of a user's. Per call the first backend of
+that order that can run the call exactly (``why_not``) and agrees to be chosen (``why_not_auto``)
+runs it; a forced one runs or raises saying why (:func:`choose`). :func:`plan_call` is the whole
+planning of one call: validate it once per signature, choose, prepare the runner.
+
+Depends on :mod:`normscope._contract` and :mod:`normscope._state`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from . import reference as ref
+from ._contract import ENV_VAR, Backend, Call, Runner
+from ._state import FORCED, TRACED_VIEW, compiling, environ_get
+
+__all__ = [
+    "BACKENDS",
+    "AUTO",
+    "PLANS",
+    "MAX_PLANS",
+    "register_backend",
+    "backends",
+    "use_backend",
+    "requested_backend",
+    "check_backend_name",
+    "signature",
+    "validate",
+    "choose",
+    "prepare",
+    "plan_call",
+]
+
+#: every registered backend by name
+BACKENDS: dict[str, Backend] = {}
+#: the automatic order (names of :data:`BACKENDS`)
+AUTO: list[str] = []
+#: the plans of eager calls by ``(signature, requested backend)`` (:func:`normscope.engine.plan`)
+PLANS: dict[tuple, tuple[str, Runner]] = {}
+#: a bound on each plan table, not a policy: past it a table starts afresh (real code has few)
+MAX_PLANS = 4096
+
+
+def register_backend(backend: Backend, *, before: str | None = None) -> None:
+    """Add a backend to the automatic order: just ahead of ``before``, else last.
+
+    :mod:`normscope.backends` registers the built-in ones in their order; use this for a backend
+    of your own (it must keep the :class:`~normscope.engine.Backend` contract)."""
+    BACKENDS[backend.name] = backend
+    if backend.name in AUTO:
+        AUTO.remove(backend.name)
+    at = AUTO.index(before) if before is not None and before in AUTO else len(AUTO)
+    AUTO.insert(at, backend.name)
+    PLANS.clear()
+
+
+def backends() -> list[str]:
+    """Names of the registered backends, in automatic order."""
+    return list(AUTO)
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Force a backend inside a ``with`` block (``None`` restores automatic choice)."""
+    if name is not None:
+        check_backend_name(name, "use_backend(name)")
+    token = FORCED.set(name or "auto")
+    TRACED_VIEW.forced = name or "auto"
+    try:
+        yield
+    finally:
+        # back to what this thread (or task) had on entry: another thread's blocks are its own
+        FORCED.reset(token)
+        TRACED_VIEW.forced = FORCED.get()
+
+
+def check_backend_name(name: str, where: str) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"{where}: expected a backend name (str), got {type(name).__name__} {name!r}")
+    if name != "auto" and name not in BACKENDS:
+        valid = ", ".join(["auto", *BACKENDS])
+        raise ValueError(f"{where}: unknown backend {name!r}; expected one of: {valid}")
+
+
+def requested_backend(backend: str | None = None) -> str:
+    """The backend a call asks for: ``backend`` if given, else the innermost :func:`use_backend`,
+    else ``NORMSCOPE_BACKEND``, else ``"auto"``."""
+    if backend is not None:
+        check_backend_name(backend, "backend")
+        return backend
+    forced = TRACED_VIEW.forced if compiling() else FORCED.get()
+    if forced is not None:
+        return forced
+    env = environ_get()
+    if env:
+        check_backend_name(env, f"environment variable {ENV_VAR}")
+        return env
+    return "auto"
+
+
+def signature(call: Call) -> tuple:
+    """What a backend's choice may depend on (see :class:`~normscope.engine.Backend`)."""
+    r, res = call.running, call.residual
+    return (
+        call.scope,
+        call.x.dtype,
+        call.x.device.type,
+        # which axes the mask broadcasts over (a per-position mask vs one that varies by channel)
+        None if call.mask is None else tuple(n == 1 for n in call.mask.shape),
+        None if r is None else (r.use_input_stats, r.mean is None, r.var is None),
+        # shapes, not just presence: a plan is validated once per signature (see validate)
+        None if call.weight is None else call.weight.shape,
+        None if call.bias is None else call.bias.shape,
+        None if r is None or r.mean is None else r.mean.shape,
+        None if r is None or r.var is None else r.var.shape,
+        None if res is None else (res.dtype, res.shape, call.residual_fp32),
+        call.weight_offset,
+        call.op,
+        call.casting,
+    )
+
+
+def validate(call: Call) -> None:
+    """What a backend may take for granted, checked once per signature (so never on the hot path):
+    weight, bias and running statistics fit the scope's affine axes -- a kernel indexing a wrong-size
+    buffer would read or write out of bounds -- and live on the input's device."""
+    s = call.scope
+    affine = tuple(s.shape[d] for d in s.affine)
+    n_aff = 1
+    for n in affine:
+        n_aff *= n
+    for name, t in (("weight", call.weight), ("bias", call.bias)):
+        if t is None:
+            continue
+        if not s.affine:
+            raise ValueError(f"norm: this scope has no affine axes, but `{name}` was given (shape {tuple(t.shape)})")
+        if tuple(t.shape) != affine and not (t.dim() == 1 and t.numel() == n_aff):
+            raise ValueError(
+                f"norm: expected `{name}` of shape {affine} (the scope's affine axes {s.affine} of an input of "
+                f"shape {tuple(s.shape)}), got {tuple(t.shape)}"
+            )
+    r = call.running
+    if r is not None:
+        if not s.affine and (r.mean is not None or r.var is not None):
+            raise ValueError("norm: running statistics need a scope with affine (kept, per-channel) axes")
+        for name, t in (("running.mean", r.mean), ("running.var", r.var)):
+            if t is not None and t.numel() != n_aff:
+                raise ValueError(
+                    f"norm: expected `{name}` with {n_aff} elements (one per index of the affine axes {s.affine} "
+                    f"of an input of shape {tuple(s.shape)}), got shape {tuple(t.shape)}"
+                )
+    if call.residual is not None and tuple(call.residual.shape) != tuple(s.shape):
+        raise ValueError(f"norm: expected `residual` of shape {tuple(s.shape)}, got {tuple(call.residual.shape)}")
+    for name, t in (("weight", call.weight), ("bias", call.bias), ("residual", call.residual), ("mask", call.mask)):
+        if t is not None and t.device != call.x.device:
+            raise ValueError(f"norm: expected `{name}` on {call.x.device}, got {t.device}")
+
+
+def _plain(call: Call) -> Call:
+    """The plain call a non-fusing backend runs for an add_norm call (``x`` stands in for ``h``:
+    the answers depend on the signature only, and ``h`` has ``x``'s shape)."""
+    return call._replace(residual=None, weight_offset=0.0, residual_fp32=False)
+
+
+def _why_not(b: Backend, call: Call, automatic: bool) -> str | None:
+    if call.residual is not None and not b.fuses_residual:
+        call = _plain(call)
+    reason = b.why_not(call)
+    if reason is None and automatic:
+        reason = b.why_not_auto(call)
+    return reason
+
+
+def choose(call: Call, name: str) -> str:
+    """The backend that runs ``call`` when ``name`` is requested: the first of the automatic order
+    that takes it (``"auto"``), else ``name`` itself; ValueError saying why when none can."""
+    if name == "auto":
+        reasons = {}
+        for name in AUTO:
+            reasons[name] = _why_not(BACKENDS[name], call, True)
+            if reasons[name] is None:
+                return name
+        why = "; ".join(f"{n}: {r}" for n, r in reasons.items())
+        raise ValueError(f"no backend can run this normalization ({why})")
+    reason = _why_not(BACKENDS[name], call, False)
+    if reason is not None:
+        raise ValueError(f"backend {name!r} cannot run this normalization: {reason}")
+    return name
+
+
+def prepare(name: str, call: Call, automatic: bool) -> tuple[str, Runner]:
+    """``(name, runner)`` of backend ``name`` for ``call`` (an add_norm call on a backend that does
+    not fuse the add: the add, then the backend's plain call)."""
+    b = BACKENDS[name]
+    if call.residual is None or b.fuses_residual:
+        return name, b.prepare(call, automatic)
+    return name, _adding(b.prepare(_plain(call), automatic))
+
+
+def plan_call(call: Call, name: str) -> tuple[str, Runner]:
+    """Validate ``call``, choose its backend for the request ``name`` and prepare the runner."""
+    validate(call)
+    return prepare(choose(call, name), call, name == "auto")
+
+
+def _adding(inner: Runner) -> Runner:
+    """Run an add_norm call on a backend that does not fuse the add: add, then normalize."""
+
+    def run(c: Call) -> tuple[Tensor, Tensor]:
+        h = _add(c.x, c.residual, c.residual_fp32)
+        hn, w = h, c.weight
+        if w is not None and (c.weight_offset != 0.0 or w.dtype != h.dtype):
+            # the scale (w + offset) is formed in fp32, as the definition does, so a bf16 weight plus
+            # 1.0 is not rounded to bf16; the normalization then runs on h in fp32 too
+            acc = ref.acc_dtype(h.dtype)
+            hn, w = h.to(acc), w.to(acc) + c.weight_offset
+        y = inner(c._replace(x=hn, weight=w, residual=None, weight_offset=0.0, residual_fp32=False))
+        return y.to(c.x.dtype), h
+
+    return run
+
+
+def _add(x: Tensor, residual: Tensor, residual_fp32: bool) -> Tensor:
+    """``x + residual`` computed in fp32 (fp64 for fp64) and rounded once to the residual's dtype,
+    or kept in fp32 with ``residual_fp32``: the definition every backend of add_norm shares."""
+    acc = ref.acc_dtype(residual.dtype if x.dtype == residual.dtype else torch.float32)
+    out = torch.float32 if residual_fp32 and residual.dtype != torch.float64 else residual.dtype
+    if x.dtype == residual.dtype == out:
+        return x + residual  # torch rounds a half-precision sum once from fp32 too
+    return (x.to(acc) + residual.to(acc)).to(out)
