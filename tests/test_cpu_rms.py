@@ -13,8 +13,8 @@ import torch.nn.functional as tF
 
 import normscope
 import normscope.functional as F
-from normscope.backends import aten, rms
 from normscope import engine
+from normscope.backends import aten, rms
 from normscope.scope import Scope
 
 FLOOR = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.float16: 2e-3}

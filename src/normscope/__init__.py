@@ -91,7 +91,8 @@ __all__ = [
 # ``normscope.backends`` is the function (the names in that order), as ``normscope.convert`` and
 # ``normscope.doctor`` are their functions; the package is ``import normscope.backends``'s module
 # (``from normscope.backends import TRITON``)
-from . import backends as _backends_package, kernels  # noqa: E402,F401
+from . import backends as _backends_package  # noqa: E402,F401
+from . import kernels  # noqa: E402,F401  (normscope.kernels, an attribute as before)
 from .engine import backends  # noqa: E402
 
 # The TorchScript tracer (the legacy ONNX exporter) warns on every Python bool taken from a traced

@@ -65,8 +65,8 @@ from torch import Tensor
 from . import _capture, _planning, _registry, _state
 from . import reference as ref
 from ._capture import capture, decline_record, record, recorded
-from ._contract import ENV_VAR, Backend, Call, LayerEntry, Runner, Running, call_of
-from ._planning import stand_in, symbolic
+from ._contract import ENV_VAR, Backend, Call, LayerEntry, Runner, Running, call_of  # noqa: F401  (the facade)
+from ._planning import stand_in, symbolic  # noqa: F401  (the facade)
 from ._registry import (
     backends,
     register_backend,
@@ -350,7 +350,8 @@ def apply(
 _AUTO = _registry.AUTO
 _FORCED, _LAST, _TRACING_CHOICE, _TRACED_VIEW = _state.FORCED, _state.LAST, _state.TRACING_CHOICE, _state.TRACED_VIEW
 _CAPTURED, _RECORDS = _capture.CAPTURED, _capture.RECORDS
-_ENV_DATA, _ENV_KEY, _environ_get, _traces_here = _state.ENV_DATA, _state.ENV_KEY, _state.environ_get, _state.traces_here
+_ENV_DATA, _ENV_KEY = _state.ENV_DATA, _state.ENV_KEY
+_environ_get, _traces_here = _state.environ_get, _state.traces_here
 _as_traced, _is_compiling = _state.as_traced, _state.is_compiling
 _choose, _validate, _prepare = _registry.choose, _registry.validate, _registry.prepare
 _check_backend_name = _registry.check_backend_name

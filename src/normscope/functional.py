@@ -175,7 +175,8 @@ def batch_norm(
 
 def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, running: Running | None, mask) -> Tensor:
     """:func:`batch_norm`'s checked call (see :mod:`normscope.hot`); the BatchNorm layers' too."""
-    training, momentum, channel_dim, backend = settings.training, settings.momentum, settings.channel_dim, settings.backend
+    training, momentum = settings.training, settings.momentum
+    channel_dim, backend = settings.channel_dim, settings.backend
     running_mean, running_var = (None, None) if running is None else running[:2]
     where = "batch_norm"
     check.tensor(input, "input", where)

@@ -142,13 +142,16 @@ def last_axes(
     if weight_offset == 0.0 and casting == "torch":
         settings = (where, centered, normalized_shape, type(normalized_shape), backend)
         return (LAYER_NORM if centered else RMS_NORM), settings
-    settings = (where, centered, normalized_shape, type(normalized_shape), backend, weight_offset, type(weight_offset), casting)
+    settings = (
+        where, centered, normalized_shape, type(normalized_shape), backend, weight_offset, type(weight_offset), casting
+    )
     return (LAYER_NORM_FAMILY if centered else RMS_NORM_FAMILY), settings
 
 
 def _last_axes(settings: LastAxesSettings | FamilySettings, input, weight, bias, eps, running, mask) -> Tensor:
     """:func:`layer_norm`'s and :func:`rms_norm`'s checked call (see :mod:`normscope.hot`)."""
-    where, centered, normalized_shape, backend = settings.where, settings.centered, settings.normalized_shape, settings.backend
+    where, centered = settings.where, settings.centered
+    normalized_shape, backend = settings.normalized_shape, settings.backend
     family = len(settings) > len(LastAxesSettings._fields)
     check.tensor(input, "input", where)
     shape = check.normalized_shape(normalized_shape, where)
