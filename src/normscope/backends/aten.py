@@ -48,8 +48,9 @@ def kind(call: Call) -> str | None:
     every_but = lambda *kept: reduce == tuple(d for d in range(ndim) if d not in kept)  # noqa: E731
     if call.op == "group_norm" and call.running is None and s.centered and ndim >= 2 and affine in ((1,), ()):
         # a GroupNorm layer's call: torch runs group_norm even where another op has the same scope
-        # (GroupNorm(C, C) is InstanceNorm's scope; GroupNorm(1, C) on (N, C) is LayerNorm's)
-        if every_but(0) and (s.groups == 1 or s.group_dim == 1) or ndim >= 3 and every_but(0, 1):
+        # (GroupNorm(C, C) is InstanceNorm's scope; GroupNorm(1, C) on (N, C) is LayerNorm's; GroupNorm(C, C)
+        # on (N, C) a scope of one element, which torch takes: the output is the bias)
+        if every_but(0) and (s.groups == 1 or s.group_dim == 1) or every_but(0, 1):
             return "group_norm"
     if s.groups == 1 and s.centered:
         if ndim >= 2 and every_but(1) and affine in ((1,), ()):
@@ -215,7 +216,7 @@ def _plain(call: Call) -> LayerEntry:
         groups = _groups(s)
 
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
-            return torch.group_norm(x, groups, w, b, eps)  # its cudnn flag: unused
+            return torch.group_norm(x, groups, _ones_for_bias(w, b), b, eps)  # its cudnn flag: unused
 
     else:
         # layer_norm / rms_norm over any axes: move the reduced axes to the end (a view; free when
@@ -394,7 +395,8 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             # weight and bias as contiguous memory (torch.group_norm makes them so, the native op
             # does not): a view (``base[::2]``, ``g.expand(C)``) would be read out of bounds
             xc = x.contiguous(memory_format=channels_last(x) or torch.contiguous_format)
-            wc = None if w is None else w.contiguous()
+            wc = _ones_for_bias(w, b)
+            wc = None if wc is None else wc.contiguous()
             bc = None if b is None else b.contiguous()
             y, mean, rstd = torch.native_group_norm(xc, wc, bc, n, ch, hw, groups, eps)
             if not bounded(mean, eps) and _exceeds(mean, eps, rstd):
@@ -421,6 +423,15 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
     else:
         return plain
     return run
+
+
+def _ones_for_bias(w: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """``w``, or ones where there is a bias and no weight: torch's group_norm backward raises "tensor
+    does not have a device" for a bias without weight (torch 2.13). Products by one are exact, so the
+    output and gradients are the bits of the call without weight; the ones need no gradient."""
+    if w is None and b is not None:
+        return torch.ones(b.shape, dtype=b.dtype, device=b.device)
+    return w
 
 
 def _groups(s) -> int:
