@@ -464,7 +464,7 @@ def prepare(call: Call, strided: Runner | None = None) -> Runner:
         # the weight spans the reduced axes in their order, which is the order they have at the end
         w = None if c.weight is None else c.weight.reshape(n)
         if scaled and not llama and w is not None:
-            w = w.to(acc) + offset  # Gemma's 1 + w, formed in fp32
+            w = w.to(acc) + offset if offset else w.to(acc)  # Gemma's 1 + w, formed in fp32
         grad = torch.is_grad_enabled() and (x.requires_grad or w is not None and w.requires_grad)
         if grad:
             # the input twice where torch's two gradient terms reach it directly (see _RMSRows)
