@@ -268,8 +268,8 @@ def test_float64_weight_gets_a_float64_accurate_gradient():
 @pytest.mark.parametrize("casting", ["torch", "llama"])
 def test_input_gradient_is_the_buffer_the_backward_wrote(monkeypatch, dtype, shape, k, casting):
     # Peak memory: autograd adds the two gradient terms of the input in place and takes the sum as
-    # .grad only when it holds each term's storage alone. A returned view made it allocate a third
-    # full-size tensor (fp32 RMSNorm(4096) on 8192 rows: +552 MiB of peak instead of +424).
+    # .grad only when it holds each term's storage alone; a returned view makes it allocate a third
+    # full-size tensor (fp32 RMSNorm(4096) on 8192 rows: +552 MiB of peak rather than +424).
     written = []
     real = rms._backward
 
