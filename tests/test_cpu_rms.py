@@ -286,3 +286,36 @@ def test_the_rows_backend_is_forced_by_its_name_and_refuses_what_it_does_not_run
     # the unmasked RMS scope is no longer composite's: forced there it says where it runs
     with pytest.raises(ValueError, match="masked scopes only.*rows backend for RMS scopes"):
         F.rms_norm(x, (33,), w, 1e-6, backend="composite")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,k", [((6, 5, 64), 1), ((4, 8, 16), 2)])
+@pytest.mark.parametrize("casting", ["torch", "llama"])
+def test_input_gradient_is_the_buffer_the_backward_wrote(monkeypatch, dtype, shape, k, casting):
+    # Peak memory: autograd adds the two gradient terms of the input in place and takes the sum as
+    # .grad only when it holds each term's storage alone; a returned view makes it allocate a third
+    # full-size tensor (fp32 RMSNorm(4096) on 8192 rows: +552 MiB of peak rather than +424).
+    written = []
+    real = rms._backward
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        written.extend(t.data_ptr() for t in out[:2] if t is not None)
+        return out
+
+    monkeypatch.setattr(rms, "_backward", spy)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(shape[-k:], generator=g).to(dtype).requires_grad_()
+    gy = torch.randn(shape, generator=g).to(dtype)
+    F.rms_norm(x, shape[-k:], w, 1e-6, backend="rows", casting=casting).backward(gy)
+    assert normscope.last_backend() == "rows" and written
+    assert x.grad.data_ptr() in written, "autograd copied the input gradient"
+    xt, wt = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    if casting == "torch":
+        tF.rms_norm(xt, shape[-k:], wt, 1e-6).backward(gy)
+    else:  # Llama's order: normalized in fp32, rounded to x's dtype, then the weight's product
+        x32 = xt.float()
+        dims = tuple(range(-k, 0))
+        (wt * (x32 * torch.rsqrt(x32.pow(2).mean(dims, keepdim=True) + 1e-6)).to(dtype)).backward(gy)
+    assert torch.equal(x.grad, xt.grad)

@@ -343,6 +343,12 @@ def local_response_norm(input: Tensor, size: int, alpha: float = 1e-4, beta: flo
     check.channels_first(input, 3, where)
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"{where}: expected `size` to be a positive int, got {size!r}")
+    if input.dim() >= 5 and not (
+        input.is_contiguous() or input.dim() == 5 and input.is_contiguous(memory_format=torch.channels_last_3d)
+    ):
+        # torch views the axes after the third as one (``view(N, 1, C, D, -1)``), which raises for
+        # layouts where they cannot merge (a transposed 5-D input); the values are the same on a copy
+        input = input.contiguous()
     return torch.nn.functional.local_response_norm(input, size, alpha, beta, k)
 
 

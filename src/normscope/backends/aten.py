@@ -45,9 +45,13 @@ def kind(call: Call) -> str | None:
     if call.mask is not None or not s.centered and call.running is not None:
         return None
     f, ndim = s.form, len(s.shape)
-    if call.op == "group_norm" and call.running is None and s.centered and (f.sample_groups or f.instance):
+    one_per_channel = ndim == 2 and not s.reduce and s.affine in ((1,), ())  # GroupNorm(C, C) on (N, C)
+    if call.op == "group_norm" and call.running is None and s.centered and (
+        f.sample_groups or f.instance or one_per_channel
+    ):
         # a GroupNorm layer's call: torch runs group_norm even where another op has the same scope
-        # (GroupNorm(C, C) is InstanceNorm's scope; GroupNorm(1, C) on (N, C) is LayerNorm's)
+        # (GroupNorm(C, C) is InstanceNorm's scope; GroupNorm(1, C) on (N, C) is LayerNorm's; GroupNorm(C, C)
+        # on (N, C) a scope of one element, which torch takes: the output is the bias)
         return "group_norm"
     if s.centered and f.channel is not None:
         if f.channel == 1:
@@ -146,7 +150,13 @@ def _family_entry(call: Call, automatic: bool) -> LayerEntry:
         if casting != "llama":
 
             def gemma(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
-                w = None if w is None else w.to(acc) + offset
+                # the casts only where they change a dtype: a no-op ``.to`` is still a dispatch, ~10 %
+                # of a small layer's call
+                if w is not None:
+                    w = w if w.dtype == acc else w.to(acc)
+                    w = w + offset if offset else w  # offset 0: the scale is the weight (as fp32 above)
+                if x.dtype == acc:
+                    return inner(x, w, None, eps, None)
                 return inner(x.to(acc), w, None, eps, None).to(x.dtype)
 
             return gemma
@@ -196,7 +206,7 @@ def _plain(call: Call) -> LayerEntry:
         groups = _groups(s)
 
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
-            return torch.group_norm(x, groups, w, b, eps)  # its cudnn flag: unused
+            return torch.group_norm(x, groups, _ones_for_bias(w, b), b, eps)  # its cudnn flag: unused
 
     else:
         # layer_norm / rms_norm over any axes: move the reduced axes to the end (a view; free when
@@ -359,7 +369,8 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             # weight and bias as contiguous memory (torch.group_norm makes them so, the native op
             # does not): a view (``base[::2]``, ``g.expand(C)``) would be read out of bounds
             xc = x.contiguous(memory_format=channels_last(x) or torch.contiguous_format)
-            wc = None if w is None else w.contiguous()
+            wc = _ones_for_bias(w, b)
+            wc = None if wc is None else wc.contiguous()
             bc = None if b is None else b.contiguous()
             y, mean, rstd = torch.native_group_norm(xc, wc, bc, n, ch, hw, groups, eps)
             if not bounded(mean, eps) and _exceeds(mean, eps, rstd):
@@ -386,6 +397,15 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
     else:
         return plain
     return run
+
+
+def _ones_for_bias(w: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """``w``, or ones where there is a bias and no weight: torch's group_norm backward raises "tensor
+    does not have a device" for a bias without weight (torch 2.13). Products by one are exact, so the
+    output and gradients are the bits of the call without weight; the ones need no gradient."""
+    if w is None and b is not None:
+        return torch.ones(b.shape, dtype=b.dtype, device=b.device)
+    return w
 
 
 def _groups(s) -> int:

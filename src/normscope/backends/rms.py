@@ -42,8 +42,10 @@ Speed: measured against ``F.rms_norm`` by ``benchmarks/cpu_overhead.py`` (cases 
 ``RMSNorm-bf16:large``, ``RMSNorm(RxN):rows`` and, with this path forced, ``RMSNorm-rows(RxN)`` over
 row lengths 256, 1024 and 4096). ``benchmarks/results/cpu_speed_rms_rows.json`` (one thread, a shared
 2-core VM): at 8192 x 1024 the median time ratio to torch is 0.47 forward and 0.32 forward +
-backward in fp32, 0.21 and 0.22 in bf16; fwd+bwd of RMSNorm(4096) on 8192 rows grows the process by
-+301 MiB (torch +807) in fp32 and +176 MiB (torch +871) in bf16. The automatic choice on CPU from
+backward in fp32, 0.21 and 0.22 in bf16. Fwd+bwd of RMSNorm(4096) on 8192 rows grows the process by
++424 MiB (torch +806) in fp32 and +175 MiB (torch +870) in bf16 (``cpu_overhead.peak_memory``): the
+output, the input gradient -- in fp32 its two terms, one full-size tensor more, see :class:`_RMSRows`
+-- and ~31 MiB torch's first explicit-gradient ``backward`` spends importing sympy, for both. The automatic choice on CPU from
 :data:`MIN_AUTO_ELEMENTS` elements (:func:`normscope.backends.rows.why_not_auto`) is made on the
 total size because the crossover is one of total size, whatever the row length: below it the
 per-call cost of an ``autograd.Function`` outweighs the saved passes (see the constant).
@@ -207,6 +209,7 @@ def _backward(
     need_w: bool,
     scale: Tensor | None = None,
     split: bool = False,
+    shape: tuple[int, ...] | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Closed-form ``(dx, dw)`` of :func:`_forward`, by blocks of rows (``dw`` summed over the blocks)
     for fp16/bf16 and large fp32/fp64 (:data:`BLOCKED_BYTES`).
@@ -226,7 +229,8 @@ def _backward(
 
     ``split`` (an input in the accumulation dtype, see :class:`_RMSRows`): ``dx``'s two terms are
     returned apart, ``(da * r, g * (2 * x), dw)``, for autograd to add as it adds torch's; otherwise
-    ``(dx, None, dw)``."""
+    ``(dx, None, dw)``. ``shape``: the shape ``dx`` and its terms are allocated in (R x N elements;
+    default ``(R, N)``), returned in it."""
     rows, n = x2.shape
     acc = r.dtype
     w = None if weight is None else weight.to(acc)
@@ -236,13 +240,20 @@ def _backward(
     low = x2.dtype != acc or dy.dtype != acc
     step, blocks = _blocks(rows, n, low, r.element_size())
     m = min(step, rows)
-    grad_x = torch.empty((rows, n), dtype=x2.dtype, device=x2.device) if need_x else None
+    shape = (rows, n) if shape is None else shape
+    full_x = torch.empty(shape, dtype=x2.dtype, device=x2.device) if need_x else None
     split = split and need_x and not low
-    grad_pow = torch.empty((rows, n), dtype=x2.dtype, device=x2.device) if split else None
+    full_pow = torch.empty(shape, dtype=x2.dtype, device=x2.device) if split else None
+    grad_x = None if full_x is None else full_x.view(rows, n)
+    grad_pow = None if full_pow is None else full_pow.view(rows, n)
     grad_w = None
-    prod = torch.empty((m, n), dtype=acc, device=x2.device)
+    # fp32/fp64 block temporaries where dx's own block is overwritten next (dw's product in dx's block,
+    # dr's in the second term's): two blocks of peak memory fewer, the same values
+    in_dx = need_x and not low
+    prod = torch.empty((m, n), dtype=acc, device=x2.device) if need_w and not in_dx else None
     xbuf, gbuf = (torch.empty((m, n), dtype=acc, device=x2.device) for _ in range(2)) if low else (None, None)
-    scratch = torch.empty((m, n), dtype=acc, device=x2.device) if need_x or need_s else None
+    alone = need_s or need_x and not split
+    scratch = torch.empty((m, n), dtype=acc, device=x2.device) if alone else None
     if scale is not None:  # block buffers: dy * scale (its dtype), rounded to x's dtype
         sd = torch.empty((m, n), dtype=torch.promote_types(scale.dtype, x2.dtype), device=x2.device)
         rounded = sd if sd.dtype == x2.dtype else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
@@ -263,7 +274,7 @@ def _backward(
         if low:
             gc = gbuf[: e - s].copy_(gc)
         if need_w:
-            gx = torch.mul(gc, xc, out=prod[: e - s])
+            gx = torch.mul(gc, xc, out=grad_x[s:e] if prod is None else prod[: e - s])
             if weight.dtype == torch.float64 and acc != torch.float64:
                 # an fp64 weight's gradient in fp64, as torch gives it (rare: fp32 input, fp64 weight)
                 part = _weighted_row_sum(gc.double() * xc.double(), rc.double())
@@ -277,7 +288,7 @@ def _backward(
                 torch.mul(gc, w, out=out)
             elif not low:
                 out.copy_(gc)
-            tmp = scratch[: e - s]
+            tmp = grad_pow[s:e] if scratch is None else scratch[: e - s]
             dr = torch.mul(out, xc, out=tmp).sum(-1, keepdim=True)
             # torch: (-0.5 * dr) * r^3, its mean's backward / N, its square's * (2 * x); x * (2 * g)
             # rounds as g * (2 * x) does: doubling is exact
@@ -293,13 +304,14 @@ def _backward(
         grad_w = torch.zeros(n, dtype=weight.dtype, device=x2.device)
     if need_s:
         grad_s = torch.zeros(n, dtype=scale.dtype, device=x2.device) if grad_s is None else grad_s.to(scale.dtype)
-        return grad_x, grad_pow, grad_s
-    return grad_x, grad_pow, None if grad_w is None else grad_w.to(weight.dtype)
+        return full_x, full_pow, grad_s
+    return full_x, full_pow, None if grad_w is None else grad_w.to(weight.dtype)
 
 
 class _Rows(NamedTuple):
     """How a Function sees its input: ``rows(x)``, the (R, N) rows of ``x`` (the reduced axes moved
-    last, a view where they already are), and ``back(g)``, a (R, N) gradient in ``x``'s shape."""
+    last, a view where they already are), and ``back(g)``, a gradient allocated in ``shape(x)`` in
+    ``x``'s axis order."""
 
     reduce: tuple[int, ...]
     tail: tuple[int, ...]
@@ -309,12 +321,19 @@ class _Rows(NamedTuple):
     def rows(self, x: Tensor) -> Tensor:
         return (x.movedim(self.reduce, self.tail) if self.moved else x).reshape(-1, self.n)
 
-    def back(self, g: Tensor | None, x: Tensor) -> Tensor | None:
-        if g is None:
-            return None
-        if not self.moved:
-            return g.view(x.shape)
-        return g.view(x.movedim(self.reduce, self.tail).shape).movedim(self.tail, self.reduce)
+    def shape(self, x: Tensor) -> torch.Size:
+        """The shape of ``x`` with the reduced axes last: a gradient is allocated in it, so that where
+        nothing moved it is returned as it was allocated (below)."""
+        return x.movedim(self.reduce, self.tail).shape if self.moved else x.shape
+
+    def back(self, g: Tensor | None) -> Tensor | None:
+        """A gradient allocated in :meth:`shape`, in ``x``'s axis order. Where nothing moved it is
+        returned itself, not a view: autograd adds a second gradient into a tensor in place, and takes
+        one as the input's ``.grad``, only when it holds the tensor's storage alone -- a view of it
+        costs a full-size copy (fp32 RMSNorm(4096) on 8192 rows: +128 MiB of peak memory)."""
+        if g is None or not self.moved:
+            return g
+        return g.movedim(self.tail, self.reduce)
 
 
 # Why the input comes twice. torch's rms_norm differentiates its input through two ops, ``x * r``
@@ -351,8 +370,9 @@ class _RMSRows(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_w = weight is not None and ctx.needs_input_grad[2]
         split = ctx.needs_input_grad[1]
-        grad_mul, grad_pow, grad_w = _backward(x2, dy, weight, r, need_x, need_w, split=split)
-        return ctx.rows.back(grad_mul, x), ctx.rows.back(grad_pow, x), grad_w, None, None
+        shape = ctx.rows.shape(x)
+        grad_mul, grad_pow, grad_w = _backward(x2, dy, weight, r, need_x, need_w, split=split, shape=shape)
+        return ctx.rows.back(grad_mul), ctx.rows.back(grad_pow), grad_w, None, None
 
 
 class _LlamaRows(torch.autograd.Function):
@@ -374,8 +394,9 @@ class _LlamaRows(torch.autograd.Function):
             gx, gs = _reference_grads(ctx, dy, x, scale, "llama")
             return gx, None, gs, None, None
         need_x, need_s = ctx.needs_input_grad[0] or ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grad_mul, grad_pow, grad_s = _backward(x2, dy, None, r, need_x, need_s, scale, split=ctx.needs_input_grad[1])
-        return ctx.rows.back(grad_mul, x), ctx.rows.back(grad_pow, x), grad_s, None, None
+        split, shape = ctx.needs_input_grad[1], ctx.rows.shape(x)
+        grad_mul, grad_pow, grad_s = _backward(x2, dy, None, r, need_x, need_s, scale, split, shape)
+        return ctx.rows.back(grad_mul), ctx.rows.back(grad_pow), grad_s, None, None
 
 
 def _reference_grads(ctx, dy: Tensor, x: Tensor, weight: Tensor | None, casting: str = "torch") -> tuple:
@@ -443,7 +464,7 @@ def prepare(call: Call, strided: Runner | None = None) -> Runner:
         # the weight spans the reduced axes in their order, which is the order they have at the end
         w = None if c.weight is None else c.weight.reshape(n)
         if scaled and not llama and w is not None:
-            w = w.to(acc) + offset  # Gemma's 1 + w, formed in fp32
+            w = w.to(acc) + offset if offset else w.to(acc)  # Gemma's 1 + w, formed in fp32
         grad = torch.is_grad_enabled() and (x.requires_grad or w is not None and w.requires_grad)
         if grad:
             # the input twice where torch's two gradient terms reach it directly (see _RMSRows)

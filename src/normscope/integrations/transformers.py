@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from .. import functional_modern as FM
 from .. import hot
 from ..modules import LayerNorm, RMSNorm
+from ..modules.normalization import offset_rms_norm
 from ._probe import EPS_NAMES as _EPS_NAMES
 from ._probe import eps_of as _eps
 from ._probe import probe_input as _probe_input
@@ -166,6 +167,9 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
+        y = offset_rms_norm(self, x, self.weight, self.normalized_shape, self.eps, 1.0, "gemma")
+        if y is not None:
+            return y
         return FM.rms_norm(x, self.normalized_shape, self.weight, self.eps, weight_offset=1.0, casting="gemma")
 
     def extra_repr(self) -> str:
@@ -296,6 +300,10 @@ def _run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
             break
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):
         eps = _eps(m)
+    if not centered and (offset or casting != "torch"):
+        y = offset_rms_norm(m, x, w, shape, eps, offset, casting)  # the scale w + offset cached on m
+        if y is not None:
+            return y
     op, settings = FM.last_axes(centered, shape, None, offset, casting)
     return hot.call(op, settings, x, w, b, eps)
 

@@ -8,9 +8,10 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks as check
+from .. import engine, hot
 from .. import functional as F
 from .. import functional_modern as FM
-from .. import hot
+from .. import reference as ref
 
 _WB = ("weight", "bias")
 _W = ("weight",)
@@ -149,8 +150,97 @@ class RMSNorm(_FamilyOptions, nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         (w,) = hot.tensors(self, _W)
-        op, settings = FM.last_axes(False, self.normalized_shape, None, self.weight_offset, self.casting)
+        shape = self.normalized_shape
+        if self.weight_offset or self.casting != "torch":
+            y = offset_rms_norm(self, x, w, shape, self.eps, self.weight_offset, self.casting)
+            if y is not None:
+                return y
+        op, settings = FM.last_axes(False, shape, None, self.weight_offset, self.casting)
         return hot.call(op, settings, x, w, None, self.eps)
+
+
+class _ScaleSlot:
+    """A layer's cached scale (:func:`_offset_scale`), in the layer's ``__dict__``: neither copied nor
+    pickled with it (a copy starts empty; the cached tensor may be part of an autograd graph, which
+    ``copy.deepcopy`` refuses)."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self) -> None:
+        self.entry: tuple | None = None
+
+    def __deepcopy__(self, memo: dict) -> _ScaleSlot:
+        return _ScaleSlot()
+
+    def __reduce__(self) -> tuple:
+        return (_ScaleSlot, ())
+
+
+def offset_rms_norm(
+    layer: nn.Module, x: Tensor, w: Tensor | None, shape: tuple, eps: float | None, offset: float, casting: str
+) -> Tensor | None:
+    """A layer's RMSNorm in Gemma's order with a weight offset, ``(x32 * r * (w32 + offset)).to(x.dtype)``,
+    run with the scale ``w32 + offset`` (:func:`_offset_scale`, cached on ``layer``) as its weight; None
+    where that does not apply (Llama's order, no offset or weight, no cache)."""
+    if not offset or casting == "llama":
+        return None
+    scale = _offset_scale(layer, w, x, offset)
+    if scale is None:
+        return None
+    if x.dtype == scale.dtype:  # torch's rms_norm is that order: ``(x * r) * scale``, rounded once
+        op, settings = FM.last_axes(False, shape)
+    else:
+        op, settings = FM.last_axes(False, shape, None, 0.0, casting)
+    return hot.call(op, settings, x, scale, None, eps)
+
+
+def _offset_scale(layer: nn.Module, w: Tensor | None, x: Tensor, offset: float) -> Tensor | None:
+    """``w.to(acc) + offset`` (acc: ``x``'s accumulation dtype), formed once per state of the weight
+    rather than on every call: at a small layer's size forming it was ~20 % of the call.
+
+    The key is everything the value depends on, compared on every call: the weight object itself,
+    its version counter (every in-place change through the tensor or its views: an optimizer step,
+    ``copy_``, ``load_state_dict``, ``nn.init``), its storage address, dtype and device (``.data``
+    reassigned by ``module.to()``/``.half()``), the accumulation dtype, and whether the call records
+    a graph for the weight's gradient and runs in inference mode. With a gradient the cached scale is
+    ``w + offset`` of the graph, reused: its backward (a cast and an add) saves no tensor, so every
+    backward through it is exact. A write through ``w.data`` bypasses the version counter (autograd
+    does not see it either) and is seen only once the weight changes otherwise: write through ``w``
+    under ``torch.no_grad()``, as torch's optimizers and ``nn.init`` do. None (no cache) while
+    tracing or under a torch.func transform, and for tensor subclasses."""
+    # traced (dynamo; the TorchScript tracer would bake a cached scale in as a constant) or transformed
+    if w is None or engine.compiling() or torch._C._is_tracing() or engine.transformed():
+        return None
+    grad = w.requires_grad and torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
+    slot = layer.__dict__.get("_scale_slot")
+    e = None if slot is None else slot.entry
+    version, ptr = w._version, w.data_ptr()
+    if (
+        e is not None
+        and e[0] is w
+        and e[1] == version
+        and e[2] == ptr
+        and e[3] == w.dtype
+        and e[4] == w.device
+        and e[5] == x.dtype
+        and e[6] == grad
+        and e[7] == inference
+        and e[8] == offset
+    ):
+        return e[9]
+    if type(w) not in (nn.Parameter, Tensor):
+        return None
+    acc = ref.acc_dtype(x.dtype)
+    if grad:
+        scale = (w if w.dtype == acc else w.to(acc)) + offset
+    else:
+        with torch.no_grad():
+            scale = (w if w.dtype == acc else w.to(acc)) + offset
+    if slot is None:
+        slot = layer.__dict__["_scale_slot"] = _ScaleSlot()
+    slot.entry = (w, version, ptr, w.dtype, w.device, x.dtype, grad, inference, offset, scale)
+    return scale
 
 
 class GroupNorm(nn.GroupNorm):

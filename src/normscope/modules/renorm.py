@@ -117,6 +117,13 @@ class _BatchRenormMixin(BatchNormMixin):
                 f"{name}: expected more than 1 value per channel when training, got input of shape "
                 f"{tuple(input.shape)} (1 value per channel)"
             )
+        requested = engine.requested_backend()
+        if requested not in ("auto", "reference"):
+            raise ValueError(
+                f"{name}: backend {requested!r} cannot run a training step: its batch statistics and "
+                f"correction (r, d) are computed by the 'reference' backend only; expected "
+                f"use_backend('reference') or no forced backend (evaluation runs on any backend)"
+            )
         rmax, dmax = self._limits(ref.acc_dtype(input.dtype))
         factor = momentum_factor(self)
         scope = Scope.batch(self.channel_dim).resolve(tuple(input.shape))
@@ -142,6 +149,7 @@ class _BatchRenormMixin(BatchNormMixin):
         engine.update_running(engine.Call(input, scope, None, None, self.eps, mask, running), m)
         y = engine.apply(input, m.mean - d * sigma_b / r, r / sigma_b, scope, self.weight, self.bias, mask)
         count_batch(self)
+        engine.report_backend("reference")
         return y
 
 
