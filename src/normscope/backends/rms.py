@@ -47,8 +47,9 @@ backward in fp32, 0.21 and 0.22 in bf16. Fwd+bwd of RMSNorm(4096) on 8192 rows g
 output, the input gradient -- in fp32 its two terms, one full-size tensor more, see :class:`_RMSRows`
 -- and ~31 MiB torch's first explicit-gradient ``backward`` spends importing sympy, for both. The
 automatic choice on CPU from :data:`MIN_AUTO_ELEMENTS` elements
-(:func:`normscope.backends.rows.why_not_auto`) is made on the total size because the crossover is one of total size, whatever the row length: below it the
-per-call cost of an ``autograd.Function`` outweighs the saved passes (see the constant).
+(:func:`normscope.backends.rows.why_not_auto`) is made on the total size because the crossover is
+one of total size, whatever the row length: below it the per-call cost of an ``autograd.Function``
+outweighs the saved passes (see the constant).
 """
 
 from __future__ import annotations
