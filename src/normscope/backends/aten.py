@@ -9,10 +9,11 @@ normalization as one multiply-add, ``y = x * (rstd*w) + (b - mean*rstd*w)``. Whe
 is large both terms are huge and cancel: at mean 1e4, std 1e-2 they are ~1e6, whose fp32 spacing
 (0.06) is a few percent of the output's unit spread, although the statistics themselves are
 accurate. Such inputs are rare and show in the statistics the kernels return anyway, so the
-automatic runner asks the native op for them and recomputes the rare cancelling call (``|mean| *
-rstd`` past 1024) in the ``(x - mean) * rstd`` form of the reference, in float64 (the fp32 sums of
-such an input lose what float64 keeps; see :func:`normscope.engine.recompute`). A *forced*
-``"aten"`` stays exactly torch.
+automatic runner asks the native op for them and, for the rare call where a scope cancels
+(``|mean| * rstd`` past 1024), recomputes it in the ``(x - mean) * rstd`` form of the reference, in
+float64 (the fp32 sums of such an input lose what float64 keeps; see
+:func:`normscope.engine.recompute`), and takes from that only the cancelling scopes' values: every
+other scope keeps torch's bits, whatever it is batched with. A *forced* ``"aten"`` stays exactly torch.
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ def kind(call: Call) -> str | None:
         return None
     f, ndim = s.form, len(s.shape)
     one_per_channel = ndim == 2 and not s.reduce and s.affine in ((1,), ())  # GroupNorm(C, C) on (N, C)
-    if call.op == "group_norm" and call.running is None and s.centered and (
-        f.sample_groups or f.instance or one_per_channel
+    if (
+        call.op == "group_norm"
+        and call.running is None
+        and s.centered
+        and (f.sample_groups or f.instance or one_per_channel)
     ):
         # a GroupNorm layer's call: torch runs group_norm even where another op has the same scope
         # (GroupNorm(C, C) is InstanceNorm's scope; GroupNorm(1, C) on (N, C) is LayerNorm's; GroupNorm(C, C)
@@ -248,6 +252,19 @@ def _torch_bounded(mean: Tensor, eps: float) -> bool:
     return eps > 0 and float(torch.linalg.vector_norm(mean.detach(), math.inf)) <= _CANCEL_LIMIT * math.sqrt(eps)
 
 
+def _merge(y: Tensor, cancel: Tensor, wide: Callable[[], Tensor]) -> Tensor:
+    """``y`` with the scopes flagged in ``cancel`` (a bool per scope, shaped to broadcast against
+    ``y``) taken from ``wide()``, the float64 recomputation of the call: only a cancelling scope
+    changes, so every other scope keeps torch's bits whatever it is batched with (scope isolation).
+    Each scope's gradient flows through the path that computed it."""
+    return torch.where(cancel, wide(), y)
+
+
+def _cancelling(mean: Tensor, rstd: Tensor) -> Tensor:
+    """Per scope, whether ``|mean| * rstd`` is past the limit (the statistics' own shape)."""
+    return mean.detach().abs() * rstd.detach() > _CANCEL_LIMIT
+
+
 _is_tracing = torch._C._is_tracing  # torch.jit.is_tracing() without its Python frames
 _peek = torch._C._functorch.peek_interpreter_stack  # engine.transformed(), likewise
 
@@ -330,7 +347,10 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
                 return plain(x, w, b, eps, r)
             y, mean, rstd = native_layer_norm(x.movedim(s.reduce, tail) if moved else x, shape, w, b, eps)
             if not bounded(mean, eps) and _exceeds(mean, eps, rstd):
-                return engine.recompute(as_call(x, w, b, eps, r), wide=True)
+                cancel = _cancelling(mean, rstd)  # (*kept, 1, ...): broadcasts over the reduced axes
+                if moved:
+                    y, cancel = y.movedim(tail, s.reduce), cancel.movedim(tail, s.reduce)
+                return _merge(y, cancel, lambda: engine.recompute(as_call(x, w, b, eps, r), wide=True))
             return y.movedim(tail, s.reduce) if moved else y
 
     elif k in ("batch_norm", "batch_norm_last"):
@@ -344,18 +364,22 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
                 # input (the plan's signature): contiguity is what remains to ask
                 rm, rv = r.mean, r.var
                 within = bounded(rm, eps) if rm.is_contiguous() else _torch_bounded(rm, eps)
-                if not within and _exceeds(rm, eps, var=rv):
-                    return engine.recompute(as_call(x, w, b, eps, r), wide=True)
                 x2 = x.reshape(-1, x.shape[-1]) if last else x
                 # cudnn_enabled=False: this runner is the CPU one, where ATen never reads the flag
                 y = torch.batch_norm(x2, w, b, rm, rv, False, 0.0, eps, False)
-                return y.reshape(x.shape) if last else y
+                y = y.reshape(x.shape) if last else y
+                if not within and _exceeds(rm, eps, var=rv):
+                    cancel = _per_channel(_cancelling(rm, torch.rsqrt(rv + eps)), x.dim(), last)
+                    return _merge(y, cancel, lambda: engine.recompute(as_call(x, w, b, eps, r), wide=True))
+                return y
             rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
             y, mean, invstd = native_batch_norm(x.reshape(-1, x.shape[-1]) if last else x, w, b, rm, rv, True, mom, eps)
+            y = y.reshape(x.shape) if last else y
             if not bounded(mean, eps) and _exceeds(mean, eps, invstd):
-                # the kernel already updated the running statistics
-                return engine.recompute(as_call(x, w, b, eps, None), wide=True)
-            return y.reshape(x.shape) if last else y
+                # the kernel already updated the running statistics: the recomputation takes none
+                cancel = _per_channel(_cancelling(mean, invstd), x.dim(), last)
+                return _merge(y, cancel, lambda: engine.recompute(as_call(x, w, b, eps, None), wide=True))
+            return y
 
     elif k == "group_norm":
         groups = _groups(s)
@@ -374,7 +398,10 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             bc = None if b is None else b.contiguous()
             y, mean, rstd = torch.native_group_norm(xc, wc, bc, n, ch, hw, groups, eps)
             if not bounded(mean, eps) and _exceeds(mean, eps, rstd):
-                return engine.recompute(as_call(x, w, b, eps, r), wide=True)
+                # (N, G) flags, one per (sample, group), over the group's channels and positions
+                cancel = _cancelling(mean, rstd).repeat_interleave(ch // groups, dim=1)
+                cancel = cancel.view(n, ch, *([1] * (x.dim() - 2)))
+                return _merge(y, cancel, lambda: engine.recompute(as_call(x, w, b, eps, r), wide=True))
             return y
 
     elif k == "instance_norm":
@@ -390,13 +417,21 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             wn = None if w is None else w.repeat(n)
             bn = None if b is None else b.repeat(n)
             y, mean, invstd = native_batch_norm(x.contiguous().view(folded), wn, bn, None, None, True, 0.0, eps)
+            y = y.view(x.shape)
             if not bounded(mean, eps) and _exceeds(mean, eps, invstd):
-                return engine.recompute(as_call(x, w, b, eps, r), wide=True)
-            return y.view(x.shape)
+                cancel = _cancelling(mean, invstd).view(n, ch, *([1] * (x.dim() - 2)))  # one per (sample, channel)
+                return _merge(y, cancel, lambda: engine.recompute(as_call(x, w, b, eps, r), wide=True))
+            return y
 
     else:
         return plain
     return run
+
+
+def _per_channel(flags: Tensor, ndim: int, last: bool) -> Tensor:
+    """BatchNorm's (C,) flags shaped to broadcast over an input of ``ndim`` axes, channels on axis 1
+    or (``last``) on the last axis."""
+    return flags if last else flags.view(-1, *([1] * (ndim - 2)))
 
 
 def _ones_for_bias(w: Tensor | None, b: Tensor | None) -> Tensor | None:
