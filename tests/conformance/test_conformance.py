@@ -205,7 +205,7 @@ DIFFERENCES: tuple[Difference, ...] = (
 )
 
 
-_DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "differences.md")
+_DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "differences.md")
 
 
 def test_every_difference_is_documented():

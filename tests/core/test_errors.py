@@ -1,5 +1,8 @@
 """Bad input: every error path raises ValueError/TypeError before any work, with a message that
-names the argument, what was expected and what was received."""
+names the argument, what was expected and what was received.
+
+The engine's own entry (``engine.norm``) refuses running statistics, weights and devices that do not
+fit the scope; a scope layer needs a positive number of dimensions."""
 
 from __future__ import annotations
 
@@ -10,8 +13,11 @@ import torch
 
 import normscope
 import normscope.functional as F
+from normscope import Scope
+from normscope.engine import Running, norm
 
 x3 = torch.randn(2, 6, 5)
+
 
 # (id, call, exception type, fragments that must all appear in the message)
 CASES = [
@@ -136,3 +142,40 @@ def test_torch_messages_are_the_floor():
     with pytest.raises(ValueError) as n:
         normscope.GroupNorm(3, 6)(x)
     assert "6 channels" in str(n.value) and "6 channels" not in str(t.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# engine misuse: a wrong-size buffer raises before any kernel reads it
+
+
+def test_engine_rejects_running_statistics_of_the_wrong_size():
+    x = torch.randn(64, 256, 50)
+    with pytest.raises(ValueError, match=r"running.mean.*256 elements.*\(3,\)"):
+        norm(x, Scope.batch(), running=Running(torch.zeros(3), torch.ones(3), 0.1, True))
+    with pytest.raises(ValueError, match=r"running.var.*256"):
+        norm(x, Scope.batch(), running=Running(torch.zeros(256), torch.ones(5), 0.1, False))
+
+
+@pytest.mark.parametrize("scope", [Scope.batch(), Scope.instance(), Scope.group(4), Scope.layer()])
+def test_engine_rejects_weights_that_do_not_fit_the_scope(scope):
+    x = torch.randn(8, 16, 5)
+    with pytest.raises(ValueError, match="expected `weight` of shape"):
+        norm(x, scope, weight=torch.ones(3))
+    with pytest.raises(ValueError, match="expected `bias` of shape"):
+        norm(x, scope, bias=torch.ones(17))
+    with pytest.raises(ValueError, match="no affine axes"):
+        norm(x, Scope(keep=(1,)), weight=torch.ones(16))
+
+
+def test_engine_rejects_a_weight_on_another_device():
+    x = torch.randn(2, 4, 3)
+    with pytest.raises(ValueError, match="expected `weight` on cpu, got meta"):
+        norm(x, Scope.batch(), weight=torch.ones(4, device="meta"))
+
+
+@pytest.mark.parametrize("ndims", [0, -1, True])
+@pytest.mark.parametrize("ctor", ["layer", "rms"])
+def test_scope_layer_needs_positive_ndims(ctor, ndims):
+    """Scope.layer(0)/layer(-1) gave an empty scope (all-zero output)."""
+    with pytest.raises(ValueError, match=r"expected `ndims` to be a positive int"):
+        getattr(normscope.Scope, ctor)(ndims)

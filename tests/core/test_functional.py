@@ -1,5 +1,7 @@
 """normscope.functional against torch.nn.functional (same signatures, same semantics, running
-buffers updated in place), and the generic normalize() against the float64 formula."""
+buffers updated in place), and the generic normalize() against the float64 formula.
+The generic normalize() over any axes against the float64 formula; torch's argument checks (eps,
+momentum) in the functional batch norm."""
 
 from __future__ import annotations
 
@@ -12,10 +14,15 @@ import normscope.functional as F
 from conftest import BACKENDS, direct
 
 g = torch.Generator().manual_seed(0)
+
 X3 = torch.randn(4, 6, 5, generator=g, dtype=torch.float64) * 2 + 1
+
 X4 = torch.randn(2, 6, 3, 5, generator=g, dtype=torch.float64) - 1
+
 W6 = torch.randn(6, generator=g, dtype=torch.float64)
+
 B6 = torch.randn(6, generator=g, dtype=torch.float64)
+
 W5 = torch.randn(5, generator=g, dtype=torch.float64)
 
 
@@ -136,3 +143,45 @@ def test_normalize_mask_broadcast(shape):
     y = normscope.normalize(x, keep=1, mask=mask, weight=W6, bias=B6)
     assert normscope.last_backend() == "composite"
     torch.testing.assert_close(y, direct(x, (0, 2, 3), affine=(1,), weight=W6, bias=B6, mask=mask))
+
+
+@pytest.mark.parametrize("dims", [(1,), (2, 3), (0, 2), (1, 3), (0, 1, 2, 3)])
+def test_normalize_any_axes_float64_formula(dims):
+    x = torch.randn(3, 4, 5, 6, dtype=torch.float64) * 2 + 7
+    var, mean = torch.var_mean(x, dim=dims, keepdim=True, correction=0)
+    want = (x - mean) / torch.sqrt(var + 1e-5)
+    torch.testing.assert_close(normscope.normalize(x, dims=dims), want)
+    # an uncentered scope over the same axes: the root mean square
+    want_rms = x / torch.sqrt(x.square().mean(dims, keepdim=True) + 1e-5)
+    torch.testing.assert_close(normscope.normalize(x, dims=dims, centered=False), want_rms)
+
+
+@pytest.mark.parametrize("training, eps", [(True, 0.0), (True, -1e-5), (False, -1e-5)])
+def test_batch_norm_eps_checked_like_torch(training, eps):
+    """eps <= 0 in training (NaN) and eps < 0 in evaluation were accepted; torch raises."""
+    x = torch.randn(4, 3, 5)
+    with pytest.raises(ValueError, match="eps"):
+        torch.nn.functional.batch_norm(x, torch.zeros(3), torch.ones(3), training=training, eps=eps)
+    with pytest.raises(ValueError, match=rf"batch_norm: expected `eps` .* got {eps!r}"):
+        F.batch_norm(x, torch.zeros(3), torch.ones(3), training=training, eps=eps)
+    bn = normscope.BatchNorm1d(3, eps=eps).train(training)
+    with pytest.raises(ValueError, match="eps"):
+        bn(x)
+
+
+def test_batch_norm_eps_zero_in_eval_is_allowed_like_torch():
+    x, rm, rv = torch.randn(4, 3, 5), torch.randn(3), torch.rand(3) + 0.5
+    want = torch.nn.functional.batch_norm(x, rm, rv, training=False, eps=0.0)
+    torch.testing.assert_close(F.batch_norm(x, rm, rv, training=False, eps=0.0), want)
+
+
+@pytest.mark.parametrize("fn", ["batch_norm", "instance_norm"])
+def test_momentum_none_is_a_type_error_like_torch(fn):
+    """F.batch_norm(momentum=None) silently meant 0; torch raises TypeError."""
+    x, rm, rv = torch.randn(4, 3, 5), torch.zeros(3), torch.ones(3)
+    args = (x, rm, rv, None, None, True)
+    with pytest.raises(TypeError):
+        getattr(torch.nn.functional, fn)(*args, momentum=None)
+    with pytest.raises(TypeError, match=rf"{fn}: expected `momentum` to be a float .* got None"):
+        getattr(F, fn)(*args, momentum=None)
+    torch.testing.assert_close(rm, torch.zeros(3))  # nothing was updated

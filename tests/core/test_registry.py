@@ -1,9 +1,12 @@
 """Registry names are exact (lower-case, no spaces, ':G' only after 'group'): a malformed name is a
 ValueError naming the argument, the valid forms and the value received -- never a layer built by
-accident. timm's own names keep timm's matching (underscores dropped, case ignored)."""
+accident. timm's own names keep timm's matching (underscores dropped, case ignored).
+The registry's names build the right classes and partials, and its sync with torch.nn is lazy."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import re
 
 import pytest
@@ -90,3 +93,47 @@ def test_register_norm_exact_name_round_trip():
     assert type(get_norm("x_strict_identity", 4)) is nn.Identity
     with pytest.raises(ValueError, match="names are exact"):
         get_norm("X_Strict_Identity", 4)
+
+
+# -- registry --------------------------------------------------------------------------------------
+
+
+def test_registry_names_classes_partials():
+    assert type(normscope.get_norm("batch", 8)) is normscope.BatchNorm2d
+    assert type(normscope.get_norm("batch1d", 8)) is normscope.BatchNorm1d
+    assert type(normscope.get_norm("batch3d", 8)) is normscope.BatchNorm3d
+    ln = normscope.get_norm("layer", 8, eps=1e-6)
+    assert type(ln) is normscope.LayerNorm and ln.normalized_shape == (8,) and ln.eps == 1e-6
+    assert type(normscope.get_norm("rms", 8)) is normscope.RMSNorm
+    assert type(normscope.get_norm("instance", 8)) is normscope.InstanceNorm2d
+    assert normscope.get_norm("group:4", 8).num_groups == 4
+    assert normscope.get_norm("group", 64).num_groups == 32
+    assert normscope.get_norm("group", 48).num_groups == 24  # 32 clipped to a divisor
+    assert normscope.get_norm("group", 64, num_groups=8).num_groups == 8
+    assert type(normscope.get_norm("layer2d", 8)) is normscope.LayerNorm2d
+    assert type(normscope.get_norm("batchrenorm", 8)) is normscope.BatchRenorm2d
+    assert type(normscope.get_norm("power", 8)) is normscope.PowerNorm
+    assert type(normscope.get_norm("frozen", 8)) is normscope.FrozenBatchNorm2d
+    assert type(normscope.get_norm("dyt", 8)) is normscope.DyT
+    assert type(normscope.get_norm("none", 8)) is nn.Identity
+    assert type(normscope.get_norm("identity", 8)) is nn.Identity
+    assert type(normscope.get_norm(nn.BatchNorm2d, 8)) is nn.BatchNorm2d
+    assert normscope.get_norm(nn.GroupNorm, 64).num_groups == 32
+    bn = normscope.get_norm(functools.partial(normscope.BatchNorm1d, momentum=0.01), 8)
+    assert bn.momentum == 0.01 and bn.num_features == 8
+    with pytest.raises(ValueError, match="expected one of: .*batch.*layer2d"):
+        normscope.get_norm("batchnrom", 8)  # ("batchnorm" is timm's name now: it resolves)
+    with pytest.raises(ValueError, match="group:G"):
+        normscope.get_norm("layer:3", 8)
+    with pytest.raises(ValueError, match="divisible"):
+        normscope.get_norm("group:5", 8)
+
+
+def test_registry_sync_is_lazy():
+    try:
+        importlib.import_module("normscope.modules.syncbatchnorm")
+    except ImportError:
+        with pytest.raises(ValueError, match="normscope.modules.syncbatchnorm:SyncBatchNorm"):
+            normscope.get_norm("sync", 8)
+    else:
+        assert type(normscope.get_norm("sync", 8)).__name__ == "SyncBatchNorm"

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("sphinx", reason="the docs extra is not installed (pip install -e '.[docs]')")
 pytest.importorskip("myst_parser", reason="the docs extra is not installed (pip install -e '.[docs]')")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

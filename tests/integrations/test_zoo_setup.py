@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ZOO = Path(os.environ.get("NORMSCOPE_ZOO", Path(__file__).resolve().parents[1] / "build" / "zoo"))
+ZOO = Path(os.environ.get("NORMSCOPE_ZOO", Path(__file__).resolve().parents[2] / "build" / "zoo"))
 _SCHEMAS = (
     "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
     "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",

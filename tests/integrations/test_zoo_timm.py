@@ -22,10 +22,10 @@ import os
 
 import pytest
 import torch
+from test_zoo_setup import zoo_import
 from torch import nn
 
 import normscope
-from test_zoo_setup import zoo_import
 
 # family (timm.models module) -> (model, create_model keywords, input size)
 FAMILIES: dict[str, tuple[str, dict, int]] = {

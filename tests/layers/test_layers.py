@@ -1,5 +1,8 @@
 """Every layer against its torch.nn namesake, in train and eval, on both backends and four dtypes:
-outputs, every gradient (input, weight, bias), running buffers and num_batches_tracked."""
+outputs, every gradient (input, weight, bias), running buffers and num_batches_tracked.
+Empty batches return what torch returns; half-precision running statistics are rounded once; the
+layers beyond torch.nn pass gradcheck in float64 and run in half precision; momentum=None is a
+cumulative average."""
 
 from __future__ import annotations
 
@@ -7,8 +10,10 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import normscope
+import normscope.functional as nf
 from conftest import BACKENDS, assert_half_close
 
 # (id, class name, ctor args, ctor kwargs, input shape)
@@ -47,6 +52,8 @@ CONFIGS = [
     ("lrn", "LocalResponseNorm", (3,), {}, (2, 5, 7)),
     ("lrn_4d", "LocalResponseNorm", (2,), {"alpha": 1e-2, "beta": 0.5, "k": 2.0}, (2, 5, 3, 4)),
 ]
+
+
 IDS = [c[0] for c in CONFIGS]
 
 
@@ -269,3 +276,131 @@ def test_empty_batch_leaves_running_stats_like_torch(name, shape, backend):
     # buffers; normscope matches that rather than inventing its own rule, hence equal_nan)
     for k, v in buffers(t).items():
         torch.testing.assert_close(buffers(n)[k], v, equal_nan=True, msg=lambda m, k=k: f"{k}: {m}")
+
+
+EMPTY_BACKENDS = ["auto", "aten", "reference"]
+
+
+# ---------------------------------------------------------------------------------------------
+# empty batches: torch returns an empty tensor
+
+
+@pytest.mark.parametrize("backend", EMPTY_BACKENDS)
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: normscope.BatchNorm2d(4), (0, 4, 3, 3)),
+        (lambda: normscope.BatchNorm1d(4), (2, 4, 0)),
+        (lambda: normscope.InstanceNorm2d(4), (0, 4, 3, 3)),
+        (lambda: normscope.InstanceNorm1d(4), (0, 4, 5)),  # torch itself fails with affine=True at N=0
+        (lambda: normscope.GroupNorm(2, 4), (0, 4, 3)),
+        (lambda: normscope.LayerNorm(5), (0, 4, 5)),
+    ],
+)
+def test_empty_batches_return_empty_like_torch(make, shape, backend):
+    layer = make()
+    torch_layer = getattr(torch.nn, type(layer).__name__)(*_ctor_args(layer))
+    torch_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(shape, requires_grad=True)
+    with normscope.use_backend(None if backend == "auto" else backend):
+        y = layer(x)
+    y_t = torch_layer(x)
+    assert y.shape == y_t.shape and y.numel() == 0
+    y.sum().backward()  # and the backward runs
+    for name, buf in layer.named_buffers():
+        torch.testing.assert_close(buf, dict(torch_layer.named_buffers())[name], msg=name)
+
+
+def _ctor_args(layer):
+    if isinstance(layer, torch.nn.GroupNorm):
+        return (layer.num_groups, layer.num_channels)
+    if isinstance(layer, torch.nn.LayerNorm):
+        return (layer.normalized_shape,)
+    if isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm):
+        return (layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats)
+    return (layer.num_features,)
+
+
+def test_functional_and_masked_empty_batches():
+    assert nf.instance_norm(torch.randn(0, 4, 3)).shape == (0, 4, 3)
+    mask = torch.ones(0, 5, dtype=torch.bool)
+    y = nf.batch_norm(torch.randn(0, 4, 5), None, None, training=True, mask=mask)
+    assert y.shape == (0, 4, 5)
+    y = normscope.normalize(torch.randn(0, 4, 5), keep=1, mask=torch.ones(0, 1, 5, dtype=torch.bool))
+    assert y.shape == (0, 4, 5)
+    with pytest.raises(ValueError, match="at least one valid"):  # a real batch with no valid element still raises
+        nf.batch_norm(torch.randn(2, 4, 5), None, None, training=True, mask=torch.zeros(2, 5, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------------------------
+# half-precision running statistics: updated in fp32, rounded once, as torch does
+
+
+@pytest.mark.parametrize("backend", ["reference", "composite"])
+def test_half_running_statistics_are_rounded_once(backend):
+    g = torch.Generator().manual_seed(1)
+    c = 64
+    x = (torch.randn(50, c, 8, generator=g) * 2 + 1).half()
+    bn = normscope.BatchNorm1d(c).half()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1, generator=g)
+        bn.running_var.uniform_(0.5, 2, generator=g)
+    rm0, rv0 = bn.running_mean.double(), bn.running_var.double()
+    mask = torch.ones(50, 8, dtype=torch.bool) if backend == "composite" else None
+    with normscope.use_backend(backend):
+        bn(x, mask=mask) if mask is not None else bn(x)
+    xd = x.double()
+    mean, var = xd.mean((0, 2)), xd.var((0, 2), unbiased=True)
+    want_m = (rm0 * 0.9 + mean * 0.1).half()
+    want_v = (rv0 * 0.9 + var * 0.1).half()
+    # a correctly rounded update is within one fp16 ulp of the float64 value rounded once
+    ulp_m = (want_m.double().abs() * 2**-10).clamp_min(2**-24)
+    ulp_v = want_v.double().abs() * 2**-10
+    assert ((bn.running_mean.double() - want_m.double()).abs() <= ulp_m).all()
+    assert ((bn.running_var.double() - want_v.double()).abs() <= ulp_v).all()
+
+
+# -- gradcheck, dtypes, serialization ----------------------------------------------------------------
+
+
+def test_gradcheck_float64():
+    torch.manual_seed(5)
+    x = torch.randn(3, 4, 5, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(3, 5) > 0.3
+    mask[0, 0] = True
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: nf.batch_norm(x, None, None, w, b, True, mask=mask), (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w, b: nf.group_norm(x, 2, w, b, mask=mask), (x, w, b))
+    # (BatchRenorm is deliberately not differentiable in r and d -- the paper's stop-gradient --
+    # so gradcheck does not apply; its gradient is checked against the direct formula above)
+    style = torch.randn(3, 4, 2, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda c, s: nf.adain(c, s), (x, style))
+    ln2d = normscope.LayerNorm2d(4).double()
+    assert torch.autograd.gradcheck(lambda x: ln2d(x), (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_masked_and_new_layers(dtype):
+    x = torch.randn(4, 6, 8)
+    mask = torch.rand(4, 8) > 0.3
+    mask[0, 0] = True
+    y = normscope.BatchNorm1d(6).to(dtype)(x.to(dtype), mask)
+    want = normscope.BatchNorm1d(6)(x, mask)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), want, atol=2e-2, rtol=2e-2)
+    for layer, inp in ((normscope.LayerNorm2d(6), x[..., None]), (normscope.PowerNorm(6, channel_dim=1), x),
+                       (normscope.FrozenBatchNorm2d(6), x[..., None])):
+        out = layer.to(dtype)(inp.to(dtype))
+        assert out.dtype == dtype and torch.isfinite(out.float()).all()
+
+
+def test_layers_momentum_none_still_cumulative():
+    """The layers' momentum=None (a cumulative average) is unaffected by the functional check."""
+    torch.manual_seed(0)
+    ours, theirs = normscope.BatchNorm1d(3, momentum=None), nn.BatchNorm1d(3, momentum=None)
+    for _ in range(3):
+        x = torch.randn(8, 3)
+        ours(x), theirs(x)
+    torch.testing.assert_close(ours.running_mean, theirs.running_mean)
+    torch.testing.assert_close(ours.running_var, theirs.running_var)

@@ -1,5 +1,6 @@
 """Checkpoints move both ways between torch.nn and normscope; layers deepcopy, pickle, save and
-load whole; repr and isinstance are torch's."""
+load whole; repr and isinstance are torch's.
+The layers beyond torch.nn round-trip through state_dict and pickle."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from torch import nn
 
 import normscope
 
@@ -31,6 +33,8 @@ LAYERS = [
     ("InstanceNorm3d", (2,), {"affine": True}, (2, 2, 3, 4, 2)),
     ("LocalResponseNorm", (3,), {"alpha": 1e-3, "beta": 0.5, "k": 2.0}, (2, 5, 7)),
 ]
+
+
 IDS = [f"{c[0]}-{i}" for i, c in enumerate(LAYERS)]
 
 
@@ -156,3 +160,21 @@ def test_model_with_normscope_layers_state_dict_loads_into_torch_model():
     torch.testing.assert_close(n(x), t(x))
     t.load_state_dict(n.state_dict(), strict=True)
     torch.testing.assert_close(n(x), t(x))
+
+
+def test_state_dict_and_pickle_round_trips():
+    import pickle
+
+    brn = normscope.BatchRenorm2d(3)
+    brn(torch.randn(4, 3, 2, 2))
+    bn = nn.BatchNorm2d(3)
+    bn.load_state_dict(brn.state_dict())  # a BatchRenorm checkpoint is a BatchNorm checkpoint
+    assert torch.equal(bn.running_var, brn.running_var)
+    for m in (normscope.BatchNorm1d(3, channel_dim=-1), brn, normscope.PowerNorm(3), normscope.LayerNorm2d(3),
+              normscope.FrozenBatchNorm2d(3), normscope.DyT(3), normscope.AdaIN()):
+        m2 = pickle.loads(pickle.dumps(m))
+        assert repr(m2) == repr(m)
+        for (k, v), (k2, v2) in zip(m.state_dict().items(), m2.state_dict().items()):
+            assert k == k2 and torch.equal(v, v2)
+    pn = normscope.PowerNorm(3)
+    assert set(pn.state_dict()) == {"weight", "bias", "running_phi", "ema_gz", "num_batches_tracked"}

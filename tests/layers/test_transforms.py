@@ -6,7 +6,10 @@ Training-mode BatchRenorm/PowerNorm update their buffers in place, which torch.f
 allow for captured buffers -- torch's own BatchNorm fails the same way in training (functorch's
 ``replace_all_batch_norm_modules_``) -- so they are transformed in evaluation mode, where their
 forward is a pure function; training mode is covered by compile/export/meta.
-"""
+
+The torch.nn-equivalent and masked layers too: torch.func.vmap / jacrev, masked BatchNorm under
+grad and vmap, meta tensors, torch.jit.trace (and torch.jit.script refused as documented), masked
+layers compiled fullgraph in training."""
 
 from __future__ import annotations
 
@@ -15,9 +18,11 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as TF
 from torch.func import functional_call, grad, vmap
 
 import normscope
+import normscope.functional as nf
 
 
 def _cases():
@@ -169,3 +174,116 @@ def test_func_grad_equals_autograd(name):
     m(*args).square().sum().backward()
     for k, p in m.named_parameters():
         torch.testing.assert_close(got[k], p.grad, msg=k)
+
+
+def _ctor_args(layer):
+    if isinstance(layer, torch.nn.GroupNorm):
+        return (layer.num_groups, layer.num_channels)
+    if isinstance(layer, torch.nn.LayerNorm):
+        return (layer.normalized_shape,)
+    if isinstance(layer, torch.nn.modules.instancenorm._InstanceNorm):
+        return (layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats)
+    return (layer.num_features,)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.func transforms and meta tensors
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: normscope.LayerNorm(5),
+        lambda: normscope.GroupNorm(2, 4),
+        lambda: normscope.InstanceNorm1d(4, affine=True),
+        lambda: normscope.BatchNorm1d(4).eval(),
+        lambda: normscope.BatchNorm1d(4, track_running_stats=False),
+        lambda: normscope.RMSNorm(5),
+    ],
+)
+def test_vmap_and_jacrev_match_torch(make):
+    layer = make()
+    torch_layer = getattr(torch.nn, type(layer).__name__)(*_ctor_args_any(layer))
+    torch_layer.load_state_dict(layer.state_dict())
+    torch_layer.train(layer.training)
+    x = torch.randn(3, 2, 4, 5)
+    torch.testing.assert_close(torch.func.vmap(layer)(x), torch.func.vmap(torch_layer)(x))
+    jac = torch.func.jacrev(lambda t: layer(t).square().sum())(x[0])
+    jac_t = torch.func.jacrev(lambda t: torch_layer(t).square().sum())(x[0])
+    torch.testing.assert_close(jac, jac_t, atol=1e-4, rtol=1e-4)
+
+
+def _ctor_args_any(layer):
+    if isinstance(layer, torch.nn.RMSNorm):
+        return (layer.normalized_shape,)
+    if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
+        return (layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats)
+    return _ctor_args(layer)
+
+
+def test_masked_batch_norm_under_torch_func_grad_and_vmap():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 4, 5, generator=g, dtype=torch.float64)
+    mask = torch.rand(2, 5, generator=g) > 0.3
+    mask[0, 0] = True
+
+    def f(t):
+        return nf.batch_norm(t, None, None, training=True, mask=mask).square().mul(torch.arange(5.0)).sum()
+
+    f(x)  # an eager call first: its plan (the composite backend) is cached for this signature ...
+    assert normscope.last_backend() == "composite"
+    got = torch.func.grad(f)(x)  # ... and must still run inside the transform
+    assert normscope.last_backend() == "reference"
+    xr = x.clone().requires_grad_()
+    with normscope.use_backend("reference"):
+        (want,) = torch.autograd.grad(f(xr), xr)
+    torch.testing.assert_close(got, want)
+    batched = torch.func.vmap(lambda t: normscope.normalize(t, keep=0, mask=mask[0][None]))(x)
+    with normscope.use_backend("reference"):
+        want = torch.stack([normscope.normalize(t, keep=0, mask=mask[0][None]) for t in x])
+    torch.testing.assert_close(batched, want)
+
+
+def test_meta_tensors_run_masked_batch_norm_and_layers():
+    xm = torch.randn(2, 4, 5, device="meta")
+    mask = torch.ones(2, 5, dtype=torch.bool, device="meta")
+    assert nf.batch_norm(xm, None, None, training=True, mask=mask).shape == (2, 4, 5)
+    for layer in (normscope.BatchNorm1d(4), normscope.GroupNorm(2, 4), normscope.LayerNorm(5)):
+        assert layer.to("meta")(xm).shape == (2, 4, 5)
+
+
+def test_torchscript_trace_works_and_script_is_refused_as_documented():
+    m = normscope.LayerNorm(5)
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        traced = torch.jit.trace(m, (x,), check_trace=False)
+    torch.testing.assert_close(traced(x * 3 + 1), TF.layer_norm(x * 3 + 1, (5,), m.weight, m.bias))
+    with pytest.raises(TypeError, match=r"torch\.compile.*torch\.export"):
+        torch.jit.script(m)
+
+
+@pytest.mark.parametrize("name", ["PowerNorm", "BatchRenorm1d", "BatchNorm1d"])
+def test_masked_layers_compile_fullgraph_in_training(name):
+    import copy
+
+    g = torch.Generator().manual_seed(3)
+    if name == "PowerNorm":
+        eager, x, mask = normscope.PowerNorm(4), torch.randn(3, 5, 4, generator=g), torch.rand(3, 5, generator=g) > 0.3
+    else:
+        eager = getattr(normscope, name)(4)
+        x, mask = torch.randn(3, 4, 5, generator=g), torch.rand(3, 5, generator=g) > 0.3
+    mask[0, 0] = True
+    mod = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(mod, fullgraph=True, backend="aot_eager")  # a graph break raises
+    for _ in range(2):
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ye, yc = eager(xe, mask=mask), compiled(xc, mask=mask)
+        torch.testing.assert_close(yc, ye)
+        ye.square().sum().backward()
+        yc.square().sum().backward()
+        torch.testing.assert_close(xc.grad, xe.grad)
+    for (k, be), (_, bc) in zip(eager.named_buffers(), mod.named_buffers()):
+        torch.testing.assert_close(bc, be, msg=k)
+    with pytest.raises(ValueError, match="at least one valid"):  # eager still refuses an all-False mask
+        eager(x, mask=torch.zeros_like(mask))

@@ -386,7 +386,7 @@ def test_docs_modern_examples_run():
     import pathlib
     import re
 
-    text = (pathlib.Path(__file__).parent.parent / "docs" / "modern.md").read_text()
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "modern.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert len(blocks) >= 6
     namespace: dict = {}

@@ -19,7 +19,7 @@ import pytest
 from normscope.tools import lab
 from normscope.tools.lab.core import Context, Progress, write_json
 
-ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
 
 
 # -- write_json ---------------------------------------------------------------------------------------

@@ -1,19 +1,51 @@
-"""Lab v2 (issue 16): the verdict rules on fixed inputs -- every outcome, gates included -- and the
-pieces of the new designs that can be checked without training (bucketed batching, the cluttered
-digits, the docs table generated from result.json)."""
+"""The lab's verdict rules (normscope.tools.lab.verdicts) on fixed inputs: every outcome of every
+rule -- reproduced, not reproduced, inconclusive -- gates included."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
 pytest.importorskip("sklearn")
-import torch  # noqa: E402
 
+from normscope.tools.lab import verdicts  # noqa: E402
 from normscope.tools.lab import verdicts as V  # noqa: E402
-from normscope.tools.lab.verdicts import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED  # noqa: E402
+from normscope.tools.lab.verdicts import (  # noqa: E402
+    INCONCLUSIVE,  # noqa: E402
+    NOT_REPRODUCED,
+    REPRODUCED,
+)
+
+# ---------------------------------------------------------------------------------------------
+# verdict rules on fixed inputs: both outcomes
+
+
+def test_power_rule():
+    assert verdicts.power_rule(90.0, 90.5, 85.0).outcome == REPRODUCED
+    assert verdicts.power_rule(84.0, 90.5, 85.0).outcome == NOT_REPRODUCED
+
+
+def test_rms_quality_rule():
+    assert verdicts.rms_quality_rule(2.00, 2.03).outcome == REPRODUCED
+    assert verdicts.rms_quality_rule(2.00, 2.20).outcome == NOT_REPRODUCED
+
+
+def test_other_rules():
+    assert verdicts.smoothness_rule({"loss_range": 0.1, "beta": 1.0}, {"loss_range": 0.5, "beta": 3.0}).outcome \
+        == REPRODUCED
+    assert verdicts.smoothness_rule({"loss_range": 0.6, "beta": 1.0}, {"loss_range": 0.5, "beta": 3.0}).outcome \
+        == NOT_REPRODUCED
+    assert verdicts.noisy_rule(90.0, 90.5, 95.0).outcome == REPRODUCED
+    assert verdicts.noisy_rule(80.0, 90.5, 95.0).outcome == NOT_REPRODUCED
+    drop = {"batch": 30.0, "instance": 1.0, "group:8": 3.0, "layer": 5.0}
+    assert verdicts.contrast_rule(drop).outcome == REPRODUCED
+    assert verdicts.contrast_rule({**drop, "instance": 10.0}).outcome == NOT_REPRODUCED
+    assert verdicts.adain_rule(1e-5).outcome == REPRODUCED
+    assert verdicts.adain_rule(0.1).outcome == NOT_REPRODUCED
+    assert verdicts.sync_rule(20.0, 10.0, 12.0).outcome == REPRODUCED
+    assert verdicts.sync_rule(20.0, 19.5, 12.0).outcome == NOT_REPRODUCED
+    assert verdicts.skipped("c", "p", "needs X").outcome == "skipped: needs X"
 
 
 def _inconclusive(v: V.Verdict) -> bool:
@@ -91,49 +123,36 @@ def test_rms_speed_and_no_norm_rules_v2_outcomes():
     assert _inconclusive(V.no_norm_rule_v2(12, 1.0, math.inf, 2.0, True))
 
 
-def test_bucketed_batches_vary_the_pad_fraction():
-    from normscope.tools.lab.data import padded_sequences
-    from normscope.tools.lab.exp_padding import bucketed_batches
+def test_qk_norm_rule_every_outcome():
+    from normscope.tools.lab.verdicts import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, qk_norm_rule
 
-    _, mask, _ = padded_sequences(2000, seed=1234)
-    batches = bucketed_batches(mask.sum(1), 32, torch.Generator().manual_seed(0))
-    assert len(batches) == 2000 // 32
-    flat = torch.cat(batches)
-    assert len(set(flat.tolist())) == len(flat)  # each sequence at most once per epoch
-    pads = [1 - float(mask[b].float().mean()) for b in batches]
-    assert max(pads) - min(pads) > 0.5  # the mechanism: batches of short sequences are mostly padding
-    lengths = mask.sum(1)
-    assert all(int(lengths[b].max() - lengths[b].min()) <= 4 for b in batches)  # a batch holds similar lengths
-
-
-def test_cluttered_digits_places_each_digit_on_the_canvas():
-    from normscope.tools.lab.data import cluttered_digits, digits
-
-    xtr, ytr, xte, yte = cluttered_digits(16, 0.0)
-    assert xtr.shape[1:] == (1, 16, 16) and len(xtr) == len(digits()[0])
-    assert torch.equal(ytr, digits()[1])
-    # without noise, all but an 8x8 window is the (standardized) background value
-    bg = xtr[0].flatten().mode().values
-    assert int((xtr[0] != bg).sum()) <= 64
+    inf = float("inf")
+    with_ = {1e-3: ([2.0, 2.1], [4.0, 4.0]), 1e-1: ([2.1, 2.0], [5.0, 5.0])}
+    grows = {1e-3: ([2.0, 2.1], [5.0, 5.0]), 1e-1: ([inf, 3.0], [40.0, 60.0])}
+    assert qk_norm_rule(grows, with_, 3.0).outcome == REPRODUCED
+    # logits grow but training stays fine: (b) fails
+    calm = {1e-3: ([2.0, 2.1], [5.0, 5.0]), 1e-1: ([2.1, 2.1], [40.0, 60.0])}
+    assert qk_norm_rule(calm, with_, 3.0).outcome == NOT_REPRODUCED
+    # unstable, but the logits did not grow 3x: (a) fails
+    flat = {1e-3: ([2.0, 2.1], [5.0, 5.0]), 1e-1: ([inf, inf], [6.0, 6.0])}
+    assert qk_norm_rule(flat, with_, 3.0).outcome == NOT_REPRODUCED
+    # one seed without QK-norm was fine at that lr: not "every seed"
+    one = {1e-3: ([2.0, 2.1], [5.0, 5.0]), 1e-1: ([inf, 2.1], [40.0, 60.0])}
+    assert qk_norm_rule(one, with_, 3.0).outcome == NOT_REPRODUCED
+    # QK-norm itself unstable at the high lr: no lr where it is stable and the other is not
+    bad_with = {1e-3: ([2.0, 2.1], [4.0, 4.0]), 1e-1: ([2.6, 2.7], [5.0, 5.0])}
+    assert qk_norm_rule(grows, bad_with, 3.0).outcome == NOT_REPRODUCED
+    assert qk_norm_rule(grows, with_, 1.5).outcome.startswith(INCONCLUSIVE)
 
 
-def test_docs_table_is_generated_from_result_json(tmp_path):
-    from normscope.tools.lab.report import markdown_table
+def test_derf_rule_every_outcome():
+    from normscope.tools.lab.verdicts import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, derf_rule
 
-    v = {"claim": "c", "published": "p", "measured": "m 1.23", "outcome": REPRODUCED, "rule": "r"}
-    (tmp_path / "padding").mkdir()
-    (tmp_path / "padding" / "result.json").write_text(
-        json.dumps({"experiment": "padding", "verdicts": [v], "seeds": [0, 1, 2], "wall_s": 12.5, "mode": "quick"})
-    )
-    table = markdown_table(tmp_path)
-    assert "| padding | c | m 1.23 | reproduced | 3 |" in table
-    assert "padding 12 s" in table
-
-
-def test_smoke_records_one_thread_and_judges_nothing(tmp_path):
-    from normscope.tools import lab
-
-    torch.set_num_threads(2)  # the runner must record the 1 thread its runs used, not the caller's setting
-    r = lab.run_one("contrast-style", "smoke", tmp_path)
-    assert r["versions"]["torch_threads"] == "1"
-    assert r["verdicts"] and all(v["outcome"] == V.NOT_JUDGED for v in r["verdicts"])
+    ln = [2.00, 2.01, 2.02]
+    assert derf_rule({"layer": ln, "dyt": [2.04] * 3, "derf": [1.99] * 3}, 3.0).outcome == REPRODUCED
+    assert derf_rule({"layer": ln, "dyt": [2.10] * 3, "derf": [1.99] * 3}, 3.0).outcome == NOT_REPRODUCED
+    assert derf_rule({"layer": ln, "dyt": [2.0] * 3, "derf": [2.0, float("inf"), 2.0]}, 3.0).outcome == NOT_REPRODUCED
+    # a noisy LN widens the tolerance to 2x its seed std
+    noisy = [1.9, 2.0, 2.1]
+    assert derf_rule({"layer": noisy, "dyt": [2.15] * 3, "derf": [2.0] * 3}, 3.0).outcome == REPRODUCED
+    assert derf_rule({"layer": ln, "dyt": ln, "derf": ln}, 1.0).outcome.startswith(INCONCLUSIVE)
