@@ -51,7 +51,7 @@ try:  # torch.testing._internal imports expecttest at import time
     import expecttest  # noqa: F401
 except ImportError as e:  # fail loudly: a conformance suite that silently skips proves nothing
     raise ImportError(
-        "tests/test_conformance.py needs `expecttest` for torch.testing._internal (pip install 'normscope[dev]')"
+        "tests/conformance/test_conformance.py needs `expecttest` for torch.testing._internal (pip install 'normscope[dev]')"
     ) from e
 
 _SCRIPT_CALLS = (torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__)
@@ -164,7 +164,7 @@ NOT_COVERED = {
     "nn.functional.normalize": "L_p normalization of vectors (x / ||x||), not a mean/variance normalization",
     "masked.normalize, masked.norm, norm, linalg.*norm, renorm": "norms of tensors, not normalization layers",
     "native_* saved mean/rstd": "internal to torch's autograd; normscope returns only the normalized output",
-    "nn.SyncBatchNorm": "no ModuleInfo in torch's database (needs a process group); tests/test_syncbn.py",
+    "nn.SyncBatchNorm": "no ModuleInfo in torch's database (needs a process group); tests/layers/test_syncbn.py",
 }
 
 _OPINFOS = {o.name: o for o in op_db if o.name in OPS and not o.variant_test_name}

@@ -15,7 +15,7 @@ model, data and seed:
 
 Process start-up dominates (each rank imports torch), so one 2-rank group runs every scenario, each
 recording its results or its error; the tests below read them. The spawning helper is
-tests/test_syncbn.py's.
+tests/layers/test_syncbn.py's.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ _TORCH = {
 @pytest.mark.parametrize("name", list(NAMED))
 def test_explain_accepts_every_name_torch_has_and_builds_the_tables_scope(name):
     entry = NAMED[name]
-    if name in explain.BSD_KINDS:  # shown on (B, S, D) against torch.nn.functional: tests/test_modern.py
+    if name in explain.BSD_KINDS:  # shown on (B, S, D) against torch.nn.functional: tests/modern/test_modern.py
         assert entry.torch_names == () and explain.parse_layer(name) == (name, None)
         return
     if entry.torch_class is None:  # LayerNorm2d: compared with its torch.nn.functional equivalent

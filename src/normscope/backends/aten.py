@@ -92,7 +92,7 @@ def why_not_auto(call: Call) -> str | None:
     ``benchmarks/results/cpu_speed.json`` measured faster than ``torch.rms_norm`` there (forward and
     forward+backward); under tracing torch.compile fuses torch's op itself. The choice is made on the
     input's total size, which the batch decides, and that is safe only because the rows give every
-    row torch's bits, output and input gradient (``tests/test_batch_invariance.py``)."""
+    row torch's bits, output and input gradient (``tests/backends/test_batch_invariance.py``)."""
     if (
         kind(call) == "rms_norm"
         and call.x.device.type == "cpu"

@@ -143,7 +143,7 @@ def param_arg(data, shape, dtype, seed, label, *, offset=1.0, scale=0.5, follows
 
 def mask_arg(data, shape, seed, label="mask") -> Any:
     """A bool mask, True = valid, with at least one valid position per sample (an all-padded sample
-    has a documented result of its own, tested in tests/test_masks.py)."""
+    has a documented result of its own, tested in tests/layers/test_masks.py)."""
     g = torch.Generator().manual_seed(seed)
     m = torch.rand(shape, generator=g) < data.draw(st.sampled_from([0.3, 0.7, 1.0]), label="valid fraction")
     m.reshape(shape[0], -1)[:, 0] = True
@@ -1315,7 +1315,7 @@ def _draw_power(data, dtype, tiny=False) -> Case:
 
 register(
     layer_op(
-        "PowerNorm",  # evaluation: the running quadratic mean normalizes (training: tests/test_powernorm_authors.py)
+        "PowerNorm",  # evaluation: the running quadratic mean normalizes (training: tests/layers/test_powernorm.py)
         lambda kw: normscope.PowerNorm(kw["n"], kw["eps"]),
         lambda kw: _PowerNormEvalTwin(kw["n"], kw["eps"]),
         _draw_power,
@@ -1330,8 +1330,8 @@ register(
 NOT_OPS = {
     "functional.CASTINGS": "a constant: the casting names, drawn by rms_norm_family and qk_norm",
     "functional_modern.CASTINGS": "a constant, as above",
-    "freeze_batchnorm": "model surgery, not a normalization (tests/test_convert_lossless.py)",
-    "unfreeze_batchnorm": "model surgery, not a normalization (tests/test_convert_lossless.py)",
+    "freeze_batchnorm": "model surgery, not a normalization (tests/layers/test_convert.py)",
+    "unfreeze_batchnorm": "model surgery, not a normalization (tests/layers/test_convert.py)",
 }
 
 

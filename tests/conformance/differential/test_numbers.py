@@ -19,7 +19,7 @@ from .ops import OPS, THRESHOLDS, draw_case, forcing_layout, forcing_shape, pair
 
 def _interpreted_bf16(path: str, dtype: torch.dtype) -> bool:
     """Triton's CPU interpreter (3.6) converts fp32 to bf16 toward zero, where compiled Triton and
-    torch round to nearest even (triton-lang/triton#8322); tests/test_kernels_edges.py holds the
+    torch round to nearest even (triton-lang/triton#8322); tests/kernels/test_kernels_edges.py holds the
     kernels' bf16 results to that rounding there."""
     return path == "triton" and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
 
