@@ -1,7 +1,6 @@
 """normscope.functional against torch.nn.functional (same signatures, same semantics, running
-buffers updated in place), and the generic normalize() against the float64 formula.
-The generic normalize() over any axes against the float64 formula; torch's argument checks (eps,
-momentum) in the functional batch norm."""
+buffers updated in place), the generic normalize() over any axes against the float64 formula, and
+torch's argument checks (eps, momentum) in the functional batch norm."""
 
 from __future__ import annotations
 
