@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the headless browser for the explorer's end-to-end test (tests/test_explorer_browser.py):
+# Install the headless browser for the explorer's end-to-end test (tests/tools/test_explorer_browser.py):
 # Debian's chromium and its matching chromedriver. Idempotent: does nothing when both are present.
 # The test drives them with selenium (pip install 'normscope[browser-test]'); no browser download.
 set -euo pipefail

@@ -73,7 +73,7 @@ for dt in ("fp32", "bf16"):
         # channels_last tiles (BLOCK_S, BLOCK_G, BLOCK_C): 4 groups of 16 channels for every flag; the
         # InstanceNorm shape (64 groups of 1) and one wide group (1 of 64) with all flags set and the most
         # splits _cl_config allows them (BLOCK_P: min(GROUPS_CL_PROGRAMS, GROUPS_CL_TILE // BLOCK_G)); and
-        # the tiny tiles of tests/test_kernels_groups_cl.py, which NORMSCOPE_TEST_DEVICE=cuda runs compiled
+        # the tiny tiles of tests/kernels/test_kernels_groups_cl.py, which NORMSCOPE_TEST_DEVICE=cuda runs compiled
         dims = {"G": "i32", "C": "i32", "Cg": "i32", "HW": "i32", "chunk": "i32", "splits": "i32"}
         blocks = ("BLOCK_S", "BLOCK_G", "BLOCK_C")
         for tile in ((32, 4, 16), (32, 64, 1), (32, 1, 64), (2, 2, 2), (2, 4, 1), (2, 1, 4)):

@@ -6,7 +6,7 @@
 #
 # MODE
 #   env     nvidia-smi, python, torch, triton, liger-kernel versions                        ~15 s
-#   tests   env + tests/test_kernels*.py on CUDA (NORMSCOPE_TEST_DEVICE=cuda, 8 pytest-xdist workers)
+#   tests   env + tests/kernels/ on CUDA (NORMSCOPE_TEST_DEVICE=cuda, 8 pytest-xdist workers)
 #           + compute-sanitizer memcheck of benchmarks/sanitize_kernels.py
 #           + benchmarks/compile_check.py (GPU_CHECK_COMPILE=0: left to the CPU, where it runs too) ~3-5 min
 #   bench   env + `python -m normscope.tools.bench --resume --budget-s B`: bf16 first, then fp32,
@@ -132,7 +132,7 @@ if [[ "$mode" == tests || "$mode" == all ]]; then
   else
     test_env=(env -u TRITON_INTERPRET NORMSCOPE_TEST_DEVICE=cuda)
   fi
-  # tests/test_kernels*.py and tests/test_modern_kernels*.py: every kernel test file; on the GPU host in
+  # tests/kernels/: every kernel test file; on the GPU host in
   # GPU_CHECK_WORKERS processes (pytest-xdist: most of the time is Triton compiling, one CPU core each)
   workers=()
   if [[ "$dry" != 1 && "${GPU_CHECK_WORKERS:-8}" != 0 ]] && python3 -c "import xdist" 2>/dev/null; then
@@ -140,10 +140,10 @@ if [[ "$mode" == tests || "$mode" == all ]]; then
   fi
   # the > 2**31-element tests (4-17 GB each) after the others, one at a time: side by side in several
   # workers they ran the GPU out of memory
-  timeout "${GPU_CHECK_TESTS_S:-420}" "${test_env[@]}" python3 -m pytest tests/test_kernels*.py tests/test_modern_kernels*.py \
+  timeout "${GPU_CHECK_TESTS_S:-420}" "${test_env[@]}" python3 -m pytest tests/kernels/ \
     -q -rfEs --durations=15 -p no:cacheprovider -k "not 2_31 and not 2_pow_31" ${workers[@]+"${workers[@]}"} 2>&1 | tee "$outdir/tests.log"
   rc=$?
-  timeout "${GPU_CHECK_TESTS_S:-420}" "${test_env[@]}" python3 -m pytest tests/test_kernels*.py tests/test_modern_kernels*.py \
+  timeout "${GPU_CHECK_TESTS_S:-420}" "${test_env[@]}" python3 -m pytest tests/kernels/ \
     -q -rfEs -p no:cacheprovider -k "2_31 or 2_pow_31" 2>&1 | tee -a "$outdir/tests.log"
   rc=$((rc | $?))
   if ((rc)); then status=1; fi

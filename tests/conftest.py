@@ -18,7 +18,7 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-#: Device of the kernel tests' tensors (tests/test_kernels.py): "cpu" runs the kernels in Triton's
+#: Device of the kernel tests' tensors (tests/kernels/test_kernels.py): "cpu" runs the kernels in Triton's
 #: interpreter; ``NORMSCOPE_TEST_DEVICE=cuda`` runs them compiled on the GPU (same assertions, plus
 #: larger shapes). Other test modules ignore it.
 TEST_DEVICE = os.environ.get("NORMSCOPE_TEST_DEVICE", "cpu")

@@ -74,7 +74,7 @@ def constant_when_compiled(fn: Callable) -> Callable:
 
     The mark is the attribute ``torch.compiler.assume_constant_result`` sets (torch 2.4 to 2.13),
     set here directly: calling it imports ``torch._dynamo`` (~0.7 s) at ``import normscope``, for
-    users who never compile. ``tests/test_engine.py`` checks that the two marks agree."""
+    users who never compile. ``tests/core/test_engine.py`` checks that the two marks agree."""
     fn._dynamo_marked_constant = True
     return fn
 

@@ -346,7 +346,7 @@ def apply(
 
 # The parts' own names under this module's: tests set and read the per-thread state and the
 # registry through ``engine._FORCED``, ``engine._BACKENDS``, ``engine._choose``... (no module of the
-# package reads them here: each imports the part it needs, tests/test_imports.py)
+# package reads them here: each imports the part it needs, tests/core/test_imports.py)
 _AUTO = _registry.AUTO
 _FORCED, _LAST, _TRACING_CHOICE, _TRACED_VIEW = _state.FORCED, _state.LAST, _state.TRACING_CHOICE, _state.TRACED_VIEW
 _CAPTURED, _RECORDS = _capture.CAPTURED, _capture.RECORDS

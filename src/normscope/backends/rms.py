@@ -16,7 +16,7 @@ ops in the backward. Here the same function takes one reduction each way:
 same order, none fused), and a row's reduction in torch depends on the row alone. So a row's output
 and input gradient are torch's, bit for bit, whichever of the two paths runs -- and the automatic
 choice between them, made on the input's total size (:data:`MIN_AUTO_ELEMENTS`), never makes a
-sample's result depend on its batch (``tests/test_batch_invariance.py``). This is also why the model
+sample's result depend on its batch (``tests/backends/test_batch_invariance.py``). This is also why the model
 families' casting orders, whose modules compute ``x * rsqrt(x.pow(2).mean(-1) + eps)``, are exact
 here at every size. What the path saves is torch's full-size temporaries and autograd's chain of
 twenty-odd ops, not any rounding. ``dw`` is a sum over rows (no per-row bits to keep): it is summed

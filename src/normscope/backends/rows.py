@@ -10,7 +10,7 @@ Automatic choice: on CPU, from :data:`.rms.MIN_AUTO_ELEMENTS` elements, where
 forward+backward; under tracing torch.compile fuses torch's op itself. The choice is made on the
 input's total size, which the batch decides, and that keeps the scope-isolation rule
 (:mod:`normscope.engine`) only because the rows give every row torch's bits, output and input
-gradient (``tests/test_batch_invariance.py``): the two paths produce the same bits per scope.
+gradient (``tests/backends/test_batch_invariance.py``): the two paths produce the same bits per scope.
 """
 
 from __future__ import annotations

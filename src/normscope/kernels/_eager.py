@@ -8,7 +8,7 @@ forward + backward on an H100, which then waited on the CPU (benchmarks/results/
 Under ``torch.compile`` the custom ops stay what the compiler sees: opaque, with fake shapes.
 
 Both paths call the same launch functions, so they compute the same bits; what differs is only the
-Python around the launch. ``tests/test_kernels_eager.py`` holds them bitwise equal.
+Python around the launch. ``tests/kernels/test_kernels_eager.py`` holds them bitwise equal.
 """
 
 from __future__ import annotations

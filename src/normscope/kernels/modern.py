@@ -37,7 +37,7 @@ Limits
   backward is a ``torch.library`` op (``normscope::modulated_fwd``, ``qk_fwd``, ``poly_fwd``,
   ``derf_fwd`` and their ``*_bwd``; q + k's backward is ``rows_bwd``) with a fake implementation and
   its autograd registered, as the rows and groups kernels are. Eager autograd runs the same registered
-  backward: one code path, the same numbers (tests/test_modern_kernels_compile.py). Each op is opaque
+  backward: one code path, the same numbers (tests/kernels/test_modern_kernels_compile.py). Each op is opaque
   to the compiler, so nothing around it is fused into the kernel.
 """
 

@@ -1,0 +1,181 @@
+"""Bad input: every error path raises ValueError/TypeError before any work, with a message that
+names the argument, what was expected and what was received.
+
+The engine's own entry (``engine.norm``) refuses running statistics, weights and devices that do not
+fit the scope; a scope layer needs a positive number of dimensions."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import normscope
+import normscope.functional as F
+from normscope import Scope
+from normscope.engine import Running, norm
+
+x3 = torch.randn(2, 6, 5)
+
+
+# (id, call, exception type, fragments that must all appear in the message)
+CASES = [
+    ("gn_channels", lambda: normscope.GroupNorm(3, 6)(torch.randn(2, 5, 4)), ValueError,
+     ["GroupNorm(3, 6)", "expected input with 6 channels", "got 5", "(2, 5, 4)"]),
+    ("gn_ctor_not_divisible", lambda: normscope.GroupNorm(4, 6), ValueError,
+     ["num_channels (6)", "divisible by num_groups (4)", "[1, 2, 3, 6]"]),
+    ("gn_ctor_zero_groups", lambda: normscope.GroupNorm(0, 6), ValueError, ["num_groups", "positive int", "got 0"]),
+    ("gn_ctor_float_channels", lambda: normscope.GroupNorm(2, 6.0), ValueError, ["num_channels", "got 6.0"]),
+    ("gn_functional_not_divisible", lambda: F.group_norm(x3, 4), ValueError,
+     ["group_norm", "input.shape[1] = 6", "num_groups=4"]),
+    ("gn_1d_input", lambda: normscope.GroupNorm(2, 4)(torch.randn(4)), ValueError,
+     ["group_norm", "at least 2 dims", "(4,)"]),
+    ("bn2d_ndim", lambda: normscope.BatchNorm2d(6)(x3), ValueError,
+     ["BatchNorm2d", "expected 4D input", "got 3D", "(2, 6, 5)"]),
+    ("bn1d_ndim", lambda: normscope.BatchNorm1d(6)(torch.randn(2, 6, 5, 5)), ValueError, ["2D or 3D", "got 4D"]),
+    ("bn1d_channels", lambda: normscope.BatchNorm1d(6)(torch.randn(2, 5, 3)), ValueError,
+     ["BatchNorm1d(6)", "6 channels at dim 1", "got 5"]),
+    ("bn_one_value_per_channel", lambda: normscope.BatchNorm1d(3)(torch.randn(1, 3)), ValueError,
+     ["more than 1 value per channel", "(1, 3)"]),
+    ("bn_eval_without_running", lambda: F.batch_norm(x3, None, None), ValueError,
+     ["training=False", "running_mean", "got None"]),
+    ("bn_running_shape", lambda: F.batch_norm(x3, torch.zeros(5), torch.ones(6)), ValueError,
+     ["`running_mean` of shape (6,)", "got shape (5,)"]),
+    ("in_ndim", lambda: normscope.InstanceNorm1d(6)(torch.randn(6)), ValueError,
+     ["InstanceNorm1d", "2D (unbatched) or 3D (batched)", "got 1D"]),
+    ("in_channels_affine", lambda: normscope.InstanceNorm1d(3, affine=True)(torch.randn(2, 4, 5)), ValueError,
+     ["InstanceNorm1d(3)", "3 channels at dim 1", "got 4"]),
+    ("in_one_spatial", lambda: normscope.InstanceNorm1d(3)(torch.randn(2, 3, 1)), ValueError,
+     ["more than 1 spatial element", "(2, 3, 1)"]),
+    ("in_eval_without_running", lambda: F.instance_norm(x3, use_input_stats=False), ValueError,
+     ["use_input_stats=False", "running_mean", "got None"]),
+    ("ln_shape_mismatch", lambda: normscope.LayerNorm((6, 5))(torch.randn(2, 5, 6)), ValueError,
+     ["normalized_shape=[6, 5]", "(2, 5, 6)"]),
+    ("ln_too_few_dims", lambda: normscope.LayerNorm((2, 3, 4))(torch.randn(3, 4)), ValueError,
+     ["last 3 dimension(s)", "normalized_shape=[2, 3, 4]", "(3, 4)"]),
+    ("ln_ctor_zero", lambda: normscope.LayerNorm(0), ValueError, ["normalized_shape", "positive sizes", "(0,)"]),
+    ("ln_ctor_str", lambda: normscope.LayerNorm("a"), TypeError, ["normalized_shape", "sequence of ints", "'a'"]),
+    ("ln_ctor_float", lambda: normscope.LayerNorm([2.5]), TypeError, ["normalized_shape", "[2.5]"]),
+    ("ln_weight_shape", lambda: F.layer_norm(x3, (5,), weight=torch.ones(4)), ValueError,
+     ["`weight` of shape (5,)", "input of shape (2, 6, 5)", "got shape (4,)"]),
+    ("ln_bias_shape", lambda: F.layer_norm(x3, (5,), bias=torch.ones(5, 1)), ValueError,
+     ["`bias` of shape (5,)", "got shape (5, 1)"]),
+    ("ln_weight_type", lambda: F.layer_norm(x3, (5,), weight=[1.0] * 5), TypeError, ["`weight`", "got list"]),
+    ("ln_weight_dtype", lambda: F.layer_norm(x3, (5,), weight=torch.ones(5, dtype=torch.float64)), TypeError,
+     ["`weight` of dtype torch.float32", "got torch.float64"]),
+    ("ln_weight_device", lambda: F.layer_norm(x3, (5,), weight=torch.ones(5, device="meta")), ValueError,
+     ["`weight` on the input's device cpu", "got meta"]),
+    ("bn_buffer_dtype_half", lambda: normscope.BatchNorm1d(6).half()(x3), TypeError,
+     ["`running_mean` of dtype torch.float32", "got torch.float16"]),
+    ("half_weight_dtype", lambda: F.layer_norm(x3.bfloat16(), (5,), torch.ones(5, dtype=torch.float16)), TypeError,
+     ["torch.bfloat16 or torch.float32", "got torch.float16"]),
+    ("rms_weight_shape", lambda: F.rms_norm(x3, (5,), weight=torch.ones(6)), ValueError,
+     ["rms_norm", "`weight` of shape (5,)", "got shape (6,)"]),
+    ("int_input", lambda: normscope.BatchNorm1d(6)(torch.ones(2, 6, 4, dtype=torch.int32)), TypeError,
+     ["`input`", "floating-point", "torch.int32"]),
+    ("complex_input", lambda: normscope.LayerNorm(5)(x3.to(torch.complex64)), TypeError,
+     ["floating-point", "torch.complex64"]),
+    ("list_input", lambda: normscope.LayerNorm(5)([1.0] * 5), TypeError, ["`input`", "torch.Tensor", "got list"]),
+    ("lrn_int_input", lambda: normscope.LocalResponseNorm(2)(torch.ones(2, 3, 4, dtype=torch.int64)), TypeError,
+     ["local_response_norm", "torch.int64"]),
+    ("lrn_ndim", lambda: F.local_response_norm(torch.randn(2, 3), 2), ValueError, ["at least 3 dims", "(2, 3)"]),
+    ("lrn_size", lambda: F.local_response_norm(x3, 0), ValueError, ["`size`", "positive int", "got 0"]),
+    ("normalize_mask_dtype", lambda: normscope.normalize(x3, dims=-1, mask=torch.ones(5)), TypeError,
+     ["`mask`", "torch.bool", "got torch.float32"]),
+    ("normalize_mask_type", lambda: normscope.normalize(x3, dims=-1, mask=[True] * 5), TypeError,
+     ["`mask`", "got list"]),
+    ("normalize_mask_shape", lambda: normscope.normalize(x3, dims=-1, mask=torch.ones(3, dtype=torch.bool)),
+     ValueError, ["`mask` broadcastable to (2, 6, 5)", "got (3,)"]),
+    ("normalize_dims_and_keep", lambda: normscope.normalize(x3, dims=-1, keep=0), ValueError,
+     ["exactly one of `dims` and `keep`", "dims=-1", "keep=0"]),
+    ("normalize_neither", lambda: normscope.normalize(x3), ValueError, ["exactly one of `dims` and `keep`"]),
+    ("normalize_axis", lambda: normscope.normalize(x3, dims=5), ValueError,
+     ["axis 5", "rank 3", "[-3, 2]"]),
+    ("normalize_eps", lambda: normscope.normalize(x3, dims=-1, eps=-1), ValueError,
+     ["`eps`", "non-negative", "got -1"]),
+    ("normalize_groups", lambda: normscope.normalize(x3, keep=0, groups=4), ValueError,
+     ["axis 1, got 6", "groups=4"]),
+    ("normalize_weight_shape", lambda: normscope.normalize(x3, dims=-1, weight=torch.ones(3)), ValueError,
+     ["`weight` of shape (5,)", "got shape (3,)"]),
+]
+
+
+@pytest.mark.parametrize("call,exc,fragments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_error_message(call, exc, fragments):
+    with pytest.raises(exc) as e:
+        call()
+    assert type(e.value) is exc  # not a subclass raised deep inside ATen
+    msg = str(e.value)
+    for frag in fragments:
+        assert frag in msg, f"{frag!r} not in {msg!r}"
+
+
+def test_errors_are_raised_before_any_work():
+    """A rejected call leaves the layer's state untouched (no num_batches_tracked increment)."""
+    bn = normscope.BatchNorm1d(6)
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    with pytest.raises(ValueError):
+        bn(torch.randn(2, 5, 3))
+    with pytest.raises(TypeError):
+        bn(torch.ones(2, 6, 3, dtype=torch.int64))
+    with pytest.raises(ValueError):
+        bn(torch.randn(1, 6))  # one value per channel
+    with pytest.raises(TypeError):
+        bn(torch.randn(4, 6, dtype=torch.float64))  # fp32 buffers, fp64 input
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_instancenorm_channel_mismatch_without_affine_warns_like_torch():
+    x = torch.randn(2, 4, 5)
+    with pytest.warns(UserWarning, match=re.escape("does not match num_features (3)")):
+        y = normscope.InstanceNorm1d(3)(x)
+    torch.testing.assert_close(y, torch.nn.functional.instance_norm(x))
+
+
+def test_torch_messages_are_the_floor():
+    """torch's own GroupNorm error does not say how many channels it expected; ours does."""
+    x = torch.randn(2, 5, 4)
+    with pytest.raises(RuntimeError) as t:
+        torch.nn.GroupNorm(3, 6)(x)
+    with pytest.raises(ValueError) as n:
+        normscope.GroupNorm(3, 6)(x)
+    assert "6 channels" in str(n.value) and "6 channels" not in str(t.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# engine misuse: a wrong-size buffer raises before any kernel reads it
+
+
+def test_engine_rejects_running_statistics_of_the_wrong_size():
+    x = torch.randn(64, 256, 50)
+    with pytest.raises(ValueError, match=r"running.mean.*256 elements.*\(3,\)"):
+        norm(x, Scope.batch(), running=Running(torch.zeros(3), torch.ones(3), 0.1, True))
+    with pytest.raises(ValueError, match=r"running.var.*256"):
+        norm(x, Scope.batch(), running=Running(torch.zeros(256), torch.ones(5), 0.1, False))
+
+
+@pytest.mark.parametrize("scope", [Scope.batch(), Scope.instance(), Scope.group(4), Scope.layer()])
+def test_engine_rejects_weights_that_do_not_fit_the_scope(scope):
+    x = torch.randn(8, 16, 5)
+    with pytest.raises(ValueError, match="expected `weight` of shape"):
+        norm(x, scope, weight=torch.ones(3))
+    with pytest.raises(ValueError, match="expected `bias` of shape"):
+        norm(x, scope, bias=torch.ones(17))
+    with pytest.raises(ValueError, match="no affine axes"):
+        norm(x, Scope(keep=(1,)), weight=torch.ones(16))
+
+
+def test_engine_rejects_a_weight_on_another_device():
+    x = torch.randn(2, 4, 3)
+    with pytest.raises(ValueError, match="expected `weight` on cpu, got meta"):
+        norm(x, Scope.batch(), weight=torch.ones(4, device="meta"))
+
+
+@pytest.mark.parametrize("ndims", [0, -1, True])
+@pytest.mark.parametrize("ctor", ["layer", "rms"])
+def test_scope_layer_needs_positive_ndims(ctor, ndims):
+    """Scope.layer(0)/layer(-1) gave an empty scope (all-zero output)."""
+    with pytest.raises(ValueError, match=r"expected `ndims` to be a positive int"):
+        getattr(normscope.Scope, ctor)(ndims)

@@ -1,0 +1,34 @@
+"""AdaIN against its direct formula (instance statistics of the content, affine from the style),
+in both call styles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import normscope
+import normscope.functional as F
+
+# -- AdaIN -----------------------------------------------------------------------------------------
+
+
+def test_adain_direct_formula_and_tuple_style():
+    content = (torch.randn(2, 3, 6, 5, dtype=torch.float64) * 4 + 2).requires_grad_()
+    style = torch.randn(2, 3, 4, 7, dtype=torch.float64) * 0.5 - 1
+    eps = 1e-5
+    cv, cm = torch.var_mean(content, dim=(2, 3), keepdim=True, correction=0)
+    sv, sm = torch.var_mean(style, dim=(2, 3), keepdim=True, correction=0)
+    want = (content - cm) / torch.sqrt(cv + eps) * torch.sqrt(sv + eps) + sm
+    y = normscope.AdaIN()(content, style)
+    torch.testing.assert_close(y, want)
+    g = torch.randn_like(y)
+    (gy,) = torch.autograd.grad(y, content, g)
+    (gw,) = torch.autograd.grad(want, content, g)
+    torch.testing.assert_close(gy, gw)
+    y2 = F.adain(content, (sm.flatten(1), torch.sqrt(sv + eps).flatten(1)))
+    torch.testing.assert_close(y2, want)
+    # one style for the whole batch, (C,) statistics
+    y3 = F.adain(content, (sm[0].flatten(), torch.sqrt(sv[0] + eps).flatten()))
+    torch.testing.assert_close(y3[0], want[0])
+    with pytest.raises(ValueError, match="style"):
+        F.adain(content, torch.randn(2, 4, 3, 3, dtype=torch.float64))

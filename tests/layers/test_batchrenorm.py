@@ -1,0 +1,132 @@
+"""BatchRenorm against the direct formula of the paper (Ioffe 2017) and torch's BatchNorm running
+statistics: warm-up and the r/d limits, channels_last with a mask, and its edges -- non-float input,
+one value per channel (refused as BatchNorm refuses it), the warm-up ramp read as a tensor."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import normscope
+
+TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+def _randomize(module: nn.Module, seed: int = 0) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return module
+
+
+# -- BatchRenorm ---------------------------------------------------------------------------------
+
+
+def _renorm_direct(x, rm, rv, w, b, eps, rmax, dmax):
+    dims = (0, 2)
+    mu = x.mean(dims)
+    sb = torch.sqrt(x.var(dims, unbiased=False) + eps)
+    s = torch.sqrt(rv + eps)
+    r = (sb / s).clamp(1 / rmax, rmax).detach()
+    d = ((mu - rm) / s).clamp(-dmax, dmax).detach()
+    c = lambda t: t[None, :, None]  # noqa: E731
+    return ((x - c(mu)) / c(sb) * c(r) + c(d)) * c(w) + c(b)
+
+
+def test_batchrenorm_matches_direct_formula_and_bn_running_stats():
+    c = 6
+    brn = _randomize(normscope.BatchRenorm1d(c, rmax=2.0, dmax=0.5, momentum=0.2))
+    # running statistics far from the batch's on some channels, so that both clips are active
+    rm0 = torch.tensor([0.0, 3.0, -3.0, 0.5, 0.0, 1.0])
+    rv0 = torch.tensor([1.0, 1.0, 1.0, 20.0, 0.05, 4.0])
+    brn.running_mean.copy_(rm0), brn.running_var.copy_(rv0)
+    bn = nn.BatchNorm1d(c, momentum=0.2)
+    bn.load_state_dict(brn.state_dict())
+    x = (torch.randn(8, c, 5) * 1.5 + 0.3).requires_grad_()
+    y = brn(x)
+    x2 = x.detach().clone().requires_grad_()
+    w2, b2 = brn.weight.detach().clone().requires_grad_(), brn.bias.detach().clone().requires_grad_()
+    y2 = _renorm_direct(x2, rm0, rv0, w2, b2, brn.eps, 2.0, 0.5)
+    torch.testing.assert_close(y, y2, **TOL)
+    g = torch.randn_like(y)
+    y.backward(g), y2.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, **TOL)
+    torch.testing.assert_close(brn.weight.grad, w2.grad, **TOL)
+    torch.testing.assert_close(brn.bias.grad, b2.grad, **TOL)
+    bn(x.detach())  # running statistics: exactly BatchNorm's update
+    torch.testing.assert_close(brn.running_mean, bn.running_mean, **TOL)
+    torch.testing.assert_close(brn.running_var, bn.running_var, **TOL)
+    brn.eval(), bn.eval()
+    torch.testing.assert_close(brn(x), bn(x), **TOL)
+    assert "rmax=2.0, dmax=0.5" in repr(brn)
+
+
+def test_batchrenorm_warmup_and_limits():
+    brn = normscope.BatchRenorm2d(3, warmup_iters=4)
+    assert brn.limits(0) == (1.0, 0.0) and brn.limits(2) == (2.0, 2.5) and brn.limits(9) == (3.0, 5.0)
+    brn.running_mean.fill_(5.0), brn.running_var.fill_(9.0)
+    bn = nn.BatchNorm2d(3)
+    bn.load_state_dict(brn.state_dict())
+    x = torch.randn(4, 3, 3, 3)
+    torch.testing.assert_close(brn(x), bn(x), **TOL)  # first step: r = 1, d = 0 -- plain BatchNorm
+    assert not torch.allclose(brn(x), bn(x), atol=1e-3)  # later steps: corrected
+    # constant input: x - mu_B = 0, so y = d = (1 - running_mean) / sqrt(running_var + eps), clipped
+    brn3 = normscope.BatchRenorm3d(2, dmax=0.5)
+    torch.testing.assert_close(brn3(torch.ones(2, 2, 2, 2, 2)), torch.full((2, 2, 2, 2, 2), 0.5))
+    with pytest.raises(ValueError, match="track_running_stats"):
+        normscope.BatchRenorm2d(3, track_running_stats=False)
+    with pytest.raises(ValueError, match="rmax"):
+        normscope.BatchRenorm2d(3, rmax=0.5)
+
+
+def test_batchrenorm_channels_last_with_mask():
+    x = torch.randn(4, 7, 5)
+    mask = torch.rand(4, 7) > 0.3
+    mask[0, 0] = True
+    a = normscope.BatchRenorm1d(5, channel_dim=-1)
+    a.running_mean.fill_(0.3)
+    b = normscope.BatchRenorm1d(5)
+    b.load_state_dict(a.state_dict())
+    y = a(x, mask)
+    yv = b(x[mask].unsqueeze(-1))  # the valid tokens alone, as (K, C, 1)
+    torch.testing.assert_close(y[mask], yv.squeeze(-1), **TOL)
+    torch.testing.assert_close(a.running_var, b.running_var, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_batchrenorm_rejects_non_float_input(dtype):
+    """BatchRenorm accepted int/bool input in training and returned an int tensor."""
+    with pytest.raises(TypeError, match="floating-point"):
+        normscope.BatchRenorm1d(3)(torch.ones(4, 3, dtype=dtype))
+
+
+def test_batchrenorm_one_value_per_channel_raises_like_batchnorm():
+    """BatchRenorm accepted one value per channel (torch's BatchNorm raises)."""
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        nn.BatchNorm1d(3)(torch.randn(1, 3))  # the rule being matched
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        normscope.BatchRenorm1d(3)(torch.randn(1, 3))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        normscope.BatchRenorm2d(3)(torch.randn(1, 3, 1, 1))
+
+
+def test_batchrenorm_warmup_ramp_read_as_tensor():
+    """The ramp of rmax/dmax follows num_batches_tracked (now read without int())."""
+    torch.manual_seed(0)
+    m = normscope.BatchRenorm1d(2, warmup_iters=4, rmax=3.0, dmax=2.0, momentum=0.0)
+    with torch.no_grad():
+        m.running_var.fill_(100.0)  # sigma_B / sigma is far below 1/rmax: r sits on its clip
+    x = torch.randn(16, 2, dtype=torch.float32)
+    mean, var = x.double().mean(0), x.double().var(0, unbiased=False)
+    for step in range(6):
+        rmax = 1 + 2 * min(step / 4, 1)
+        dmax = 2 * min(step / 4, 1)
+        sigma = math.sqrt(100 + 1e-5)
+        r = torch.clamp(torch.sqrt(var + 1e-5) / sigma, 1 / rmax, rmax)
+        d = torch.clamp(mean / sigma, -dmax, dmax)
+        want = (x.double() - mean) / torch.sqrt(var + 1e-5) * r + d
+        torch.testing.assert_close(m(x).double(), want, atol=1e-5, rtol=1e-5)

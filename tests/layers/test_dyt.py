@@ -1,0 +1,34 @@
+"""DyT (Dynamic Tanh) against its formula ``weight * tanh(alpha * x) + bias``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import normscope
+
+
+def _randomize(module: nn.Module, seed: int = 0) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return module
+
+
+# -- DyT ------------------------------------------------------------------------------------------
+
+
+def test_dyt_formula():
+    dyt = _randomize(normscope.DyT(4, alpha_init=0.7))
+    x = torch.randn(2, 3, 4)
+    want = dyt.weight * torch.tanh(dyt.alpha * x) + dyt.bias
+    torch.testing.assert_close(dyt(x), want)
+    first = _randomize(normscope.DyT(4, channel_dim=1))
+    xc = torch.randn(2, 4, 3, 3)
+    w, b = first.weight[:, None, None], first.bias[:, None, None]
+    torch.testing.assert_close(first(xc), w * torch.tanh(first.alpha * xc) + b)
+    assert normscope.DyT(4).alpha.item() == 0.5
+    with pytest.raises(ValueError, match="4 features at dim -1"):
+        dyt(torch.randn(2, 4, 3))
