@@ -274,8 +274,8 @@ def _bounded(n: int) -> Callable[[Tensor, float], bool] | None:
     """``bounded(mean, eps)``: whether every one of the ``n`` fp32 values of a contiguous CPU tensor
     ``mean`` has ``|m| <= limit * sqrt(eps)`` -- exactly (False for ``eps <= 0`` and for a tensor
     subclass), and at the least cost this runs at per call: ~0.7 us for 32 values, ~2 us for 256
-    on this VM, where the bound used before (the Euclidean norm of the values unpacked into Python
-    floats) took ~1.1 and ~5.7 us, the largest part of a small InstanceNorm2d's overhead.
+    on this VM, where the Euclidean norm of the values unpacked into Python floats takes ~1.1 and
+    ~5.7 us, the largest part of a small InstanceNorm2d's overhead.
 
     The values' bits are read from memory as one Python integer, 32 bits a lane. Positive IEEE
     floats are ordered as their bits, so with the sign cleared (``& 0x7FFFFFFF`` in each lane)
