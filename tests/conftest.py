@@ -164,3 +164,52 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
         rc = e.code
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+# ---------------------------------------------------------------------------------------------
+# the import graph of the package, read from its source (core/test_imports.py, backends/test_backends.py)
+
+import ast  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import normscope  # noqa: E402
+
+#: the package's source folder
+SRC = Path(normscope.__file__).resolve().parent
+#: the engine's parts in their one-way order (each imports only those before it)
+ENGINE_PARTS = ("_contract", "_state", "_registry", "_planning", "_capture", "engine")
+
+
+def import_graph_module_name(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def import_graph_is_module(name: str) -> bool:
+    path = SRC.parent / Path(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def module_imports(path: Path) -> set[str]:
+    """The normscope modules ``path`` imports (``from . import x`` as the module ``x`` when it is one)."""
+    me = import_graph_module_name(path)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from . import rms`: the submodule itself; a name defined in the package: the package
+            subs = [f"{target}.{a.name}" for a in node.names]
+            real = [m for m in subs if import_graph_is_module(m)]
+            found.update(real)
+            if len(real) < len(subs):
+                found.add(target)
+    return {m for m in found if m.startswith("normscope")} - {me}

@@ -403,8 +403,8 @@ def test_kernels_import_nothing_from_the_engine_and_the_engine_no_backend():
         names = ("engine", "backends", "functional", "reference", "composite")
         bad = {m for m in _imports(f) if any(k in m for k in names)}
         assert not bad, f"{f.name} imports {bad}"
-    from test_imports import ENGINE_PARTS
-    from test_imports import _imports as modules_imported
+    from conftest import ENGINE_PARTS
+    from conftest import module_imports as modules_imported
 
     for part in ENGINE_PARTS:  # the engine and its parts, read as the modules they import
         bad = {m for m in modules_imported(SRC / f"{part}.py") if m.split(".")[1] in ("backends", "kernels")}

@@ -15,53 +15,19 @@ from pathlib import Path
 
 import pytest
 
-import normscope
+from conftest import ENGINE_PARTS, SRC
+from conftest import import_graph_is_module as _is_module
+from conftest import import_graph_module_name as _module_name
+from conftest import module_imports as _imports
 
-SRC = Path(normscope.__file__).resolve().parent
 #: the engine's parts (normscope.engine's docstring), in their one-way order: each imports only those before it
-ENGINE_PARTS = ("_contract", "_state", "_registry", "_planning", "_capture", "engine")
 #: the modules whose graph must have no cycle: the engine and everything between it and the user
 CORE = (*ENGINE_PARTS, "hot", "reference", "scope", "_checks", "functional", "functional_modern", "backends", "modules")
-
-
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(SRC.parent).with_suffix("")
-    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-    return ".".join(parts)
 
 
 def _in_core(name: str) -> bool:
     parts = name.split(".")
     return len(parts) >= 2 and parts[0] == "normscope" and parts[1] in CORE
-
-
-def _is_module(name: str) -> bool:
-    path = SRC.parent / Path(*name.split("."))
-    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
-
-
-def _imports(path: Path) -> set[str]:
-    """The normscope modules ``path`` imports (``from . import x`` as the module ``x`` when it is one)."""
-    me = _module_name(path)
-    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            # `from . import rms`: the submodule itself; a name defined in the package: the package
-            subs = [f"{target}.{a.name}" for a in node.names]
-            real = [m for m in subs if _is_module(m)]
-            found.update(real)
-            if len(real) < len(subs):
-                found.add(target)
-    return {m for m in found if m.startswith("normscope")} - {me}
 
 
 def _graph() -> dict[str, set[str]]:
@@ -117,7 +83,8 @@ def test_the_engine_parts_depend_one_way():
     g = _graph()
     for i, part in enumerate(ENGINE_PARTS):
         later = {f"normscope.{p}" for p in ENGINE_PARTS[i + 1 :]}
-        assert not g[f"normscope.{part}"] & later, f"normscope.{part} imports a later part: {g[f'normscope.{part}'] & later}"
+        bad = g[f"normscope.{part}"] & later
+        assert not bad, f"normscope.{part} imports a later part: {bad}"
     assert {f"normscope.{p}" for p in ENGINE_PARTS[:-1]} <= g["normscope.engine"]
 
 
