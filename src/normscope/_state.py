@@ -137,14 +137,14 @@ def compiling() -> bool:
     ``torch.compiler.is_compiling()`` alone is not that: dynamo answers it True where it traces, but
     torch (2.13) also holds it True, process-wide, for as long as any thread compiles -- so eager
     calls of every other thread would read it True. This asks it first (False, the usual eager
-    answer, costs one call) and then :func:`traces_here`."""
+    answer, costs one call) and then ``traces_here()``."""
     return is_compiling() and traces_here()
 
 
 @constant_when_compiled
 def traces_here() -> bool:
     """Eagerly: whether this thread is inside a dynamo trace (its ``TracingContext`` is set) and not
-    in the engine's own eager planning for that trace (:func:`as_traced`), which runs as eager code.
+    in the engine's own eager planning for that trace (``as_traced()``), which runs as eager code.
     Where dynamo traces a call of it, dynamo runs it eagerly -- the answer is True -- and bakes that in."""
     from torch._guards import TracingContext  # loaded with torch; imported here, where dynamo runs
 
@@ -158,7 +158,7 @@ is_compiling = torch.compiler.is_compiling
 
 def tracing() -> bool:
     """Whether torch.compile (dynamo) or the TorchScript tracer is recording this call (or the
-    engine is planning a call dynamo traces, see :func:`as_traced`)."""
+    engine is planning a call dynamo traces, see ``as_traced()``)."""
     return compiling() or torch.jit.is_tracing() or TRACING_CHOICE.get()
 
 

@@ -128,7 +128,7 @@ class Scope:
 
 class Form(NamedTuple):
     """Which canonical views a resolved scope maps onto: the one classification every backend reads
-    (:attr:`Resolved.form`). A scope may have several (LayerNorm over (N, C) with a per-channel
+    (``Resolved.form``). A scope may have several (LayerNorm over (N, C) with a per-channel
     affine is rows and per-sample groups at once); each backend picks among them in its own order.
     Sizes are not part of it: it depends on the rank and the axes only, so a symbolic size never
     reaches it.
