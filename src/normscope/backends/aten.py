@@ -238,15 +238,6 @@ _FP32_MAX = torch.finfo(torch.float32).max
 _BOUNDED_MAX = 512  # statistics up to this many values are bounded in Python (_bounded), more with torch ops
 
 
-def _exceeds(mean: Tensor, eps: float, rstd: Tensor | None = None, var: Tensor | None = None) -> bool:
-    """Whether ``max |mean| * rstd`` exceeds the limit (``rstd`` given, or ``rsqrt(var + eps)``): the
-    exact answer, once the bound on the means alone (:func:`_bounded`, :func:`_torch_bounded`) has
-    not settled it."""
-    m = mean.detach().reshape(-1)
-    r = (rstd if rstd is not None else torch.rsqrt(var + eps)).detach().reshape(-1)
-    return float(torch.linalg.vector_norm(m * r, math.inf)) > _CANCEL_LIMIT
-
-
 def _torch_bounded(mean: Tensor, eps: float) -> bool:
     """Whether every ``|m| <= limit * sqrt(eps)``, by a torch reduction (any tensor, any size)."""
     return eps > 0 and float(torch.linalg.vector_norm(mean.detach(), math.inf)) <= _CANCEL_LIMIT * math.sqrt(eps)
@@ -261,7 +252,9 @@ def _merge(y: Tensor, cancel: Tensor, wide: Callable[[], Tensor]) -> Tensor:
 
 
 def _cancelling(mean: Tensor, rstd: Tensor) -> Tensor:
-    """Per scope, whether ``|mean| * rstd`` is past the limit (the statistics' own shape)."""
+    """Per scope, whether ``|mean| * rstd`` is past the limit (the statistics' own shape): the exact
+    answer, once the bound on the means alone (:func:`_bounded`, :func:`_torch_bounded`) has not
+    settled it."""
     return mean.detach().abs() * rstd.detach() > _CANCEL_LIMIT
 
 
@@ -335,7 +328,7 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
     # cancel while every |mean| <= limit * sqrt(eps) (3.2 at eps 1e-5). The statistics (one per
     # scope; the native ops return them contiguous fp32 for an fp32 CPU input) are bounded so
     # straight from memory (_bounded; more statistics than it reads, by a torch reduction); the bound
-    # only ever says "no": past it, _exceeds decides exactly.
+    # only ever says "no": past it, _cancelling decides exactly, per scope.
     bounded = _bounded(math.prod(s.shape) // s.count) or _torch_bounded
     native_layer_norm, native_batch_norm = torch.native_layer_norm, torch.native_batch_norm
     if k == "layer_norm":
@@ -346,8 +339,8 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             if _is_tracing() or _peek() is not None:
                 return plain(x, w, b, eps, r)
             y, mean, rstd = native_layer_norm(x.movedim(s.reduce, tail) if moved else x, shape, w, b, eps)
-            if not bounded(mean, eps) and _exceeds(mean, eps, rstd):
-                cancel = _cancelling(mean, rstd)  # (*kept, 1, ...): broadcasts over the reduced axes
+            # the flags' shape is the statistics' (*kept, 1, ...): they broadcast over the reduced axes
+            if not bounded(mean, eps) and (cancel := _cancelling(mean, rstd)).any():
                 if moved:
                     y, cancel = y.movedim(tail, s.reduce), cancel.movedim(tail, s.reduce)
                 return _merge(y, cancel, lambda: engine.recompute(as_call(x, w, b, eps, r), wide=True))
@@ -368,16 +361,16 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
                 # cudnn_enabled=False: this runner is the CPU one, where ATen never reads the flag
                 y = torch.batch_norm(x2, w, b, rm, rv, False, 0.0, eps, False)
                 y = y.reshape(x.shape) if last else y
-                if not within and _exceeds(rm, eps, var=rv):
-                    cancel = _per_channel(_cancelling(rm, torch.rsqrt(rv + eps)), x.dim(), last)
+                if not within and (cancel := _cancelling(rm, torch.rsqrt(rv + eps))).any():
+                    cancel = _per_channel(cancel, x.dim(), last)
                     return _merge(y, cancel, lambda: engine.recompute(as_call(x, w, b, eps, r), wide=True))
                 return y
             rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
             y, mean, invstd = native_batch_norm(x.reshape(-1, x.shape[-1]) if last else x, w, b, rm, rv, True, mom, eps)
             y = y.reshape(x.shape) if last else y
-            if not bounded(mean, eps) and _exceeds(mean, eps, invstd):
+            if not bounded(mean, eps) and (cancel := _cancelling(mean, invstd)).any():
                 # the kernel already updated the running statistics: the recomputation takes none
-                cancel = _per_channel(_cancelling(mean, invstd), x.dim(), last)
+                cancel = _per_channel(cancel, x.dim(), last)
                 return _merge(y, cancel, lambda: engine.recompute(as_call(x, w, b, eps, None), wide=True))
             return y
 
@@ -397,9 +390,9 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             wc = None if wc is None else wc.contiguous()
             bc = None if b is None else b.contiguous()
             y, mean, rstd = torch.native_group_norm(xc, wc, bc, n, ch, hw, groups, eps)
-            if not bounded(mean, eps) and _exceeds(mean, eps, rstd):
+            if not bounded(mean, eps) and (cancel := _cancelling(mean, rstd)).any():
                 # (N, G) flags, one per (sample, group), over the group's channels and positions
-                cancel = _cancelling(mean, rstd).repeat_interleave(ch // groups, dim=1)
+                cancel = cancel.repeat_interleave(ch // groups, dim=1)
                 cancel = cancel.view(n, ch, *([1] * (x.dim() - 2)))
                 return _merge(y, cancel, lambda: engine.recompute(as_call(x, w, b, eps, r), wide=True))
             return y
@@ -418,8 +411,8 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             bn = None if b is None else b.repeat(n)
             y, mean, invstd = native_batch_norm(x.contiguous().view(folded), wn, bn, None, None, True, 0.0, eps)
             y = y.view(x.shape)
-            if not bounded(mean, eps) and _exceeds(mean, eps, invstd):
-                cancel = _cancelling(mean, invstd).view(n, ch, *([1] * (x.dim() - 2)))  # one per (sample, channel)
+            if not bounded(mean, eps) and (cancel := _cancelling(mean, invstd)).any():
+                cancel = cancel.view(n, ch, *([1] * (x.dim() - 2)))  # one per (sample, channel)
                 return _merge(y, cancel, lambda: engine.recompute(as_call(x, w, b, eps, r), wide=True))
             return y
 
