@@ -167,6 +167,36 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# scope isolation: one sample alone and inside batches (tests/kernels/*invariance*)
+
+
+def sample_alone_and_in_batches(fn, sample: torch.Tensor, batches) -> None:
+    """``fn(xb) -> y`` on ``sample`` alone and inside each ``(batch size, position)`` of ``batches``,
+    the other samples drawn from a fixed generator (a failure reproduces); asserts the sample's output
+    and input gradient are bitwise equal in each. The output cotangent is the same in every batch."""
+    g = torch.Generator().manual_seed(11)
+    cots = []
+
+    def run(xb: torch.Tensor, at: int):
+        xb = xb.detach().requires_grad_(True)
+        y = fn(xb)
+        if not cots:  # an output's shape can differ from the input's
+            cots.append(torch.randn(y.shape[1:], generator=g).to(sample.device, y.dtype))
+        grad_out = torch.zeros_like(y)
+        grad_out[at] = cots[0]
+        (gx,) = torch.autograd.grad(y, xb, grad_out)
+        return y[at].detach(), gx[at]
+
+    alone_y, alone_g = run(sample[None], 0)
+    for n, at in batches:
+        rest = torch.randn((n - 1, *sample.shape), generator=g).to(sample.device, sample.dtype)
+        xb = torch.cat([rest[:at], sample[None], rest[at:]])
+        y, gx = run(xb, at)
+        assert torch.equal(y, alone_y), f"batch {n}, position {at}: output differs from the sample alone"
+        assert torch.equal(gx, alone_g), f"batch {n}, position {at}: input gradient differs from the sample alone"
+
+
+# ---------------------------------------------------------------------------------------------
 # the import graph of the package, read from its source (core/test_imports.py, backends/test_backends.py)
 
 import ast  # noqa: E402

@@ -7,7 +7,7 @@ BatchNorm's scope spans the batch by definition and is not here.
 
 import os
 
-from conftest import TEST_DEVICE, kernel_interpreter_env
+from conftest import TEST_DEVICE, kernel_interpreter_env, sample_alone_and_in_batches
 
 _PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
 if TEST_DEVICE == "cpu":
@@ -54,30 +54,6 @@ def _small_tiles(monkeypatch):
         monkeypatch.setattr(KC, name, value)
 
 
-def _sample_alone_and_in_batches(fn, sample: torch.Tensor) -> None:
-    """``fn(xb) -> y`` on the sample alone and in the batches of :data:`BATCHES`; asserts the sample's
-    output and input gradient are bitwise equal in each."""
-    cots = []
-
-    def run(xb: torch.Tensor, at: int):
-        xb = xb.detach().requires_grad_(True)
-        y = fn(xb)
-        if not cots:  # the sample's output cotangent, the same in every batch
-            cots.append(torch.randn(y.shape[1:], generator=torch.Generator().manual_seed(7)).to(DEV, y.dtype))
-        grad_out = torch.zeros_like(y)
-        grad_out[at] = cots[0]
-        (g,) = torch.autograd.grad(y, xb, grad_out)
-        return y[at].detach(), g[at]
-
-    alone_y, alone_g = run(sample[None], 0)
-    for n, at in BATCHES:
-        rest = torch.randn((n - 1, *sample.shape), device=DEV, dtype=sample.dtype)
-        xb = torch.cat([rest[:at], sample[None], rest[at:]])
-        y, g = run(xb, at)
-        assert torch.equal(y, alone_y), f"batch {n}, position {at}: output differs from the sample alone"
-        assert torch.equal(g, alone_g), f"batch {n}, position {at}: input gradient differs from the sample alone"
-
-
 @pytest.mark.parametrize("layout", ("nchw", "channels_last"))
 @pytest.mark.parametrize("groups", (2, 8))
 def test_group_norm_kernels_are_batch_invariant(layout, groups):
@@ -91,7 +67,7 @@ def test_group_norm_kernels_are_batch_invariant(layout, groups):
             xb = xb.contiguous(memory_format=torch.channels_last)
         return nf.group_norm(xb, groups, w, b, backend="triton")
 
-    _sample_alone_and_in_batches(fn, sample)
+    sample_alone_and_in_batches(fn, sample, BATCHES)
 
 
 @pytest.mark.parametrize("centered", (True, False))
@@ -108,7 +84,7 @@ def test_rows_kernels_are_batch_invariant(centered, n):
             return nf.layer_norm(xb, (n,), w, b, backend="triton")
         return nf.rms_norm(xb, (n,), w, backend="triton")
 
-    _sample_alone_and_in_batches(fn, sample)
+    sample_alone_and_in_batches(fn, sample, BATCHES)
 
 
 def test_fused_add_rms_norm_kernel_is_batch_invariant():
@@ -121,7 +97,7 @@ def test_fused_add_rms_norm_kernel_is_batch_invariant():
         y, h = nf.fused_add_rms_norm(xb[..., :n], xb[..., n:], w, backend="triton")
         return torch.cat([y, h], -1)
 
-    _sample_alone_and_in_batches(fn, sample)
+    sample_alone_and_in_batches(fn, sample, BATCHES)
 
 
 def _modern(name: str):
@@ -155,5 +131,4 @@ def _modern(name: str):
 @pytest.mark.parametrize("name", ("modulated_norm", "qk_norm", "poly_norm", "derf"))
 def test_modern_kernels_are_batch_invariant(name):
     fn, sample = _modern(name)
-    _sample_alone_and_in_batches(fn, sample)
-
+    sample_alone_and_in_batches(fn, sample, BATCHES)

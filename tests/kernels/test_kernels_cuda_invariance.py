@@ -10,7 +10,7 @@ these sizes, and test_kernels_batch_invariance.py holds the same property there 
 import pytest
 import torch
 
-from conftest import TEST_DEVICE
+from conftest import TEST_DEVICE, sample_alone_and_in_batches
 
 pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
 
@@ -27,31 +27,6 @@ GROUP_BATCHES = ((2, 1), (7, 3), (32, 31))
 ROW_NS = (256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 MODERN_NS = (256, 1024, 4096, 8192, 16384)
 CUDA_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _alone_and_among(fn, sample: torch.Tensor, batches) -> None:
-    """:func:`_sample_alone_and_in_batches` with the given ``(batch size, position)`` pairs; the other
-    samples are drawn from a fixed generator so a failure reproduces."""
-    g = torch.Generator().manual_seed(11)
-    cots = []
-
-    def run(xb: torch.Tensor, at: int):
-        xb = xb.detach().requires_grad_(True)
-        y = fn(xb)
-        if not cots:  # the sample's output cotangent (an output's shape can differ from the input's)
-            cots.append(torch.randn(y.shape[1:], generator=g).to(DEV, y.dtype))
-        grad_out = torch.zeros_like(y)
-        grad_out[at] = cots[0]
-        (gx,) = torch.autograd.grad(y, xb, grad_out)
-        return y[at].detach(), gx[at]
-
-    alone_y, alone_g = run(sample[None], 0)
-    for n, at in batches:
-        rest = torch.randn((n - 1, *sample.shape), generator=g).to(DEV, sample.dtype)
-        xb = torch.cat([rest[:at], sample[None], rest[at:]])
-        y, gx = run(xb, at)
-        assert torch.equal(y, alone_y), f"batch {n}, position {at}: output differs from the sample alone"
-        assert torch.equal(gx, alone_g), f"batch {n}, position {at}: input gradient differs from the sample alone"
 
 
 @cuda_only
@@ -77,7 +52,7 @@ def test_rows_kernels_are_batch_invariant_at_bench_sizes(op, n, dtype):
                 return nf.layer_norm(xb, (n,), w, b, backend="triton")
             return nf.rms_norm(xb, (n,), w, backend="triton")
 
-    _alone_and_among(fn, sample, ROW_BATCHES)
+    sample_alone_and_in_batches(fn, sample, ROW_BATCHES)
 
 
 @cuda_only
@@ -125,7 +100,7 @@ def test_modern_kernels_are_batch_invariant_at_bench_sizes(name, n, dtype):
         def fn(xb):
             return FM.derf(xb, alpha, shift, w, b, backend="triton")
 
-    _alone_and_among(fn, sample, ROW_BATCHES)
+    sample_alone_and_in_batches(fn, sample, ROW_BATCHES)
 
 
 @cuda_only
@@ -147,4 +122,4 @@ def test_group_kernels_are_batch_invariant_at_bench_sizes(op, layout, dtype):
             return nf.group_norm(xb, 32, w, b, backend="triton")
         return nf.instance_norm(xb, weight=w, bias=b, backend="triton")
 
-    _alone_and_among(fn, sample, GROUP_BATCHES)
+    sample_alone_and_in_batches(fn, sample, GROUP_BATCHES)
