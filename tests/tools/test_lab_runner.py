@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -203,7 +204,11 @@ def test_sigint_stops_the_ranks_and_keeps_a_finished_run(tmp_path, finished):
         [sys.executable, str(script), str(tmp_path / "out")], stdout=subprocess.PIPE, text=True, env=env
     )
     try:
-        pids = [int(proc.stdout.readline().split()[1]) for _ in range(4)]
+        pids: list[int] = []  # four ranks print to one pipe: two lines can interleave ("rank 1rank 2")
+        while len(pids) < 4:
+            line = proc.stdout.readline()
+            assert line, f"the ranks' output ended after {len(pids)} pids"
+            pids += [int(p) for p in re.findall(r"rank (\d+)", line)]
         time.sleep(0.5)  # rank 0 has written its file before printing
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
