@@ -232,7 +232,7 @@ def _writable_dir(text: str, argument: str, parser: argparse.ArgumentParser) -> 
 
 def _tour(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .tools import tour
-    from .tools._term import Out
+    from .terminal import Out
 
     if args.pictures:
         _writable_dir(args.pictures, "--pictures", parser)
@@ -282,7 +282,7 @@ def _drawing_module():
 
 def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .tools import explain
-    from .tools._term import Out
+    from .terminal import Out
 
     try:
         result = explain.explain(

@@ -1,9 +1,10 @@
-"""The applications (normscope/tools/) use the library as a user would: no private name of the core.
+"""The applications (normscope/tools/) use the library as a user would: no private name of the core; and the
+core (the engine, the layers, ``normscope doctor``, the command line) uses no private name of the tools.
 
 A private name is one with a leading underscore, as a module (``normscope._checks``) or as a name taken from a
-core module (``from normscope.engine import _fast``, ``from .. import _checks``) or read off one
+module of the other side (``from normscope.engine import _fast``, ``from .. import _checks``) or read off one
 (``normscope.kernels.rows._block``, ``nf._flat``). The source is read with ``ast``, imports inside functions
-included, so a deferred import is judged too. Inside tools/, the tools' own private names are theirs to use.
+included, so a deferred import is judged too. Each side's own private names are its own to use.
 """
 
 from __future__ import annotations
@@ -34,8 +35,13 @@ def _core(dotted: str) -> bool:
     return parts[0] == "normscope" and parts[1:2] != ["tools"]
 
 
-def violations(source: str, module: str, is_package: bool = False) -> list[str]:
-    """Each private name of the core that ``source`` (the module ``module``) imports or reads."""
+def _tools(dotted: str) -> bool:
+    return dotted.split(".")[:2] == ["normscope", "tools"]
+
+
+def violations(source: str, module: str, is_package: bool = False, other=_core) -> list[str]:
+    """Each private name of the other side (``other``: the core for a tool, the tools for the core) that
+    ``source`` (the module ``module``) imports or reads."""
     package = module if is_package else module.rpartition(".")[0]
     found = []
     bound: dict[str, str] = {}  # local name -> the core module it stands for
@@ -43,7 +49,7 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                if _core(a.name):
+                if other(a.name):
                     if _private(a.name):
                         found.append(f"line {node.lineno}: import {a.name}")
                     if a.asname:
@@ -57,7 +63,7 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if not _core(target):
+            if not other(target):
                 continue
             for a in node.names:
                 name = f"{target}.{a.name}"
@@ -91,7 +97,7 @@ def _tool_files() -> list[Path]:
         ("from normscope import _checks", "normscope.tools.x"),
         ("from ... import _checks", "normscope.tools.viz.scopes"),
         ("from ...kernels.rows import _block", "normscope.tools.viz.scopes"),
-        ("from .._term import Out", "normscope.tools.viz.scopes"),  # the tools' own: allowed, see below
+        ("from .._draw import Figure", "normscope.tools.viz.scopes"),  # the tools' own: allowed, see below
         ("import normscope._checks", "normscope.tools.x"),
         ("import normscope\nnormscope.kernels.rows._block", "normscope.tools.x"),
         ("from normscope import functional as nf\nnf._flat(1)", "normscope.tools.x"),
@@ -100,8 +106,8 @@ def _tool_files() -> list[Path]:
 )
 def test_the_reader_finds_each_kind_of_private_use(source, module):
     found = violations(source, module)
-    if "_term" in source:
-        assert found == []  # normscope.tools._term is the tools' own
+    if "_draw" in source:
+        assert found == []  # normscope.tools._draw would be the tools' own
     else:
         assert len(found) == 1, found
 
@@ -109,7 +115,7 @@ def test_the_reader_finds_each_kind_of_private_use(source, module):
 def test_the_reader_passes_public_uses():
     source = (
         "import normscope\nfrom normscope import functional as nf\nfrom ... import engine\n"
-        "normscope.__version__\nnf.normalize\nengine.norm\nfrom .._term import Out\n"
+        "normscope.__version__\nnf.normalize\nengine.norm\nfrom .._draw import Figure\n"
     )
     assert violations(source, "normscope.tools.viz.scopes") == []
 
@@ -124,6 +130,45 @@ def test_the_tools_are_read():
 def test_the_tools_use_no_private_name_of_the_core(path):
     found = violations(path.read_text(), _module_name(path), is_package=path.name == "__init__.py")
     assert not found, f"{path.relative_to(SRC.parent)} uses private names of the core: {found}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the other way: the core uses no private name of the tools
+
+
+def _core_files() -> list[Path]:
+    return sorted(p for p in SRC.rglob("*.py") if TOOLS not in p.parents)
+
+
+@pytest.mark.parametrize(
+    "source,module",
+    [
+        ("from .tools._draw import Figure", "normscope.cli"),
+        ("from ..tools import _draw", "normscope.doctor.cli"),
+        ("import normscope.tools._draw", "normscope.x"),
+        ("from .tools import named\nnamed._TABLE", "normscope.cli"),
+        ("def f():\n    from ..tools.lab import _quick", "normscope.doctor.cli"),
+    ],
+)
+def test_the_reader_finds_each_private_use_of_the_tools(source, module):
+    assert len(violations(source, module, other=_tools)) == 1
+
+
+def test_the_reader_passes_the_cores_public_uses_of_the_tools():
+    source = "from .tools import tour\nfrom .tools.named import spellings\ntour.main\nfrom ._checks import x\n"
+    assert violations(source, "normscope.cli", other=_tools) == []
+
+
+def test_the_core_is_read():
+    names = {_module_name(p) for p in _core_files()}
+    assert {"normscope.cli", "normscope.doctor.cli", "normscope.engine", "normscope.bench"} <= names
+    assert not any(n.startswith("normscope.tools") for n in names)
+
+
+@pytest.mark.parametrize("path", _core_files(), ids=lambda p: str(p.relative_to(SRC)))
+def test_the_core_uses_no_private_name_of_the_tools(path):
+    found = violations(path.read_text(), _module_name(path), is_package=path.name == "__init__.py", other=_tools)
+    assert not found, f"{path.relative_to(SRC.parent)} uses private names of the tools: {found}"
 
 
 # ---------------------------------------------------------------------------------------------

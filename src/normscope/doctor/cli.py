@@ -194,7 +194,7 @@ def _short(measured: dict) -> str:
 
 def render(report, plain: bool = False, title: str | None = None) -> None:
     """The report as a terminal table (rich when installed), most serious first, then the fixes."""
-    from ..tools._term import Out
+    from ..terminal import Out
 
     out = Out(plain=plain)
     out.heading(f"normscope doctor: {report.model}" + (f" ({title})" if title else ""))

@@ -30,7 +30,7 @@ import normscope
 
 from .. import reference
 from ..scope import Resolved, Scope
-from ._term import Out, fmt, vec
+from ..terminal import Out, fmt, vec
 from .named import MASKED, NAMED, parse, scope_ids
 
 __all__ = [

@@ -31,7 +31,7 @@ import normscope
 
 from .. import reference
 from ..scope import Scope
-from ._term import Out, fmt, vec
+from ..terminal import Out, fmt, vec
 from .explain import axis_names, scope_ids
 
 __all__ = ["Check", "SOURCES", "Section", "run", "render"]

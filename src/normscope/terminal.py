@@ -1,4 +1,9 @@
-"""Terminal output for the command line: headings, aligned tables, pass/fail marks.
+"""Terminal output for normscope's commands: headings, aligned tables, pass/fail marks.
+
+One helper for both sides of the package: the core's commands (``normscope doctor``, the ``normscope``
+dispatcher) and the applications under :mod:`normscope.tools` (``tour``, ``explain``). It sits in the core,
+with a public name, because the tools may use only the core's public names and the core imports nothing
+private of the tools. It is not part of the numerical API (not in ``normscope.__all__``).
 
 Uses `rich <https://github.com/Textualize/rich>`_ when it is importable (the ``cli`` extra) --
 colours only when the terminal supports them (rich checks ``isatty``, ``NO_COLOR``, ``TERM``) --
