@@ -173,7 +173,7 @@ def test_load_state_dict_and_to_after_warm_calls_match_torch(spec):
     _compare(ours, theirs, x, gy, f"{name} float32 input, float64 parameters")
 
 
-def test_issue_reproducer_batchnorm_weight_data_swapped_raises_and_writes_nothing():
+def test_batchnorm_weight_data_swapped_for_a_wrong_shape_raises_and_writes_nothing():
     bn = normscope.BatchNorm2d(4)
     x = torch.randn(2, 4, 3, 3)
     bn(x), bn(x)
@@ -243,7 +243,7 @@ def test_layers_under_activation_checkpointing_match_torch(spec, post, reentrant
         torch.testing.assert_close(sa[k], sb[k], msg=lambda m, k=k: f"{name}: {k} after checkpointed steps: {m}")
 
 
-def test_checkpoint_issue_reproducer_layer_norm_non_reentrant():
+def test_layer_norm_under_non_reentrant_checkpoint_matches_torchs_gradient():
     x = torch.randn(4, 8, requires_grad=True)
     ln = normscope.LayerNorm(8)
     checkpoint(ln, x, use_reentrant=False).sum().backward()

@@ -70,7 +70,7 @@ def test_convert_refuses_a_malformed_name_before_touching_the_model():
     assert type(model[0]) is nn.BatchNorm2d
 
 
-def test_well_formed_names_still_work():
+def test_well_formed_names_resolve():
     assert get_norm("group:2", 8).num_groups == 2
     assert get_norm("group:32", 64).num_groups == 32
     assert get_norm("groupnorm:4", 8).num_groups == 4

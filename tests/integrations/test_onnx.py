@@ -96,7 +96,7 @@ def test_register_is_idempotent_and_export_helper(tmp_path):
     torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (8,)), atol=1e-5, rtol=1e-5)
 
 
-def test_legacy_export_prints_no_tracer_warning_from_normscope(tmp_path):
+def test_torchscript_export_prints_no_tracer_warning_from_normscope(tmp_path):
     # the checks' Python bools of traced sizes are constants by design (the export above runs other
     # batch sizes): the TorchScript exporter must not flood the user with TracerWarnings about them.
     # A fresh interpreter, as a user's script: under pytest normscope is imported inside the warning

@@ -381,7 +381,7 @@ def test_gradcheck_float64():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_masked_and_new_layers(dtype):
+def test_half_precision_masked_batchnorm_layernorm2d_powernorm_frozen_batchnorm(dtype):
     x = torch.randn(4, 6, 8)
     mask = torch.rand(4, 8) > 0.3
     mask[0, 0] = True
@@ -395,7 +395,7 @@ def test_half_precision_masked_and_new_layers(dtype):
         assert out.dtype == dtype and torch.isfinite(out.float()).all()
 
 
-def test_layers_momentum_none_still_cumulative():
+def test_layers_momentum_none_is_a_cumulative_average():
     """The layers' momentum=None (a cumulative average) is unaffected by the functional check."""
     torch.manual_seed(0)
     ours, theirs = normscope.BatchNorm1d(3, momentum=None), nn.BatchNorm1d(3, momentum=None)

@@ -440,7 +440,7 @@ class TestHostile:
         if padding == "finite":
             assert torch.isfinite(pad_y).all()
 
-    def test_reproducer_from_the_issue(self):
+    def test_infinite_padding_leaves_finite_gradients_and_none_at_the_pads(self):
         x = torch.randn(4, 6, 3)
         x[1, 4:] = float("inf")
         x.requires_grad_()

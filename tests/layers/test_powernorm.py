@@ -177,7 +177,8 @@ def test_powernorm_padded_positions_get_exactly_zero_gradient_every_step(over):
     assert pn.ema_gz.abs().max() > 0  # the correction term was live
 
 
-def test_powernorm_issue_reproducer_second_step():
+def test_powernorm_padded_positions_get_no_gradient_on_the_second_step():
+    """The backward state from the first step must not leak gradient into the second step's padding."""
     pn = normscope.PowerNorm(4, warmup_iters=10)
     mask = torch.tensor([[True, True, False, False]])
     for _ in range(2):

@@ -89,24 +89,24 @@ def test_isinstance_layernorm():
 
 
 @pytest.mark.parametrize("cls", ["BatchNorm1d", "BatchNorm2d"])
-def test_old_batchnorm_checkpoint_without_num_batches_tracked(cls):
+def test_version1_batchnorm_checkpoint_without_num_batches_tracked_loads_as_in_torch(cls):
     """Checkpoints from torch < 0.4.1 (metadata version 1) have no num_batches_tracked."""
     t = _randomize(getattr(torch.nn, cls)(3))
-    old = OrderedDict((k, v) for k, v in t.state_dict().items() if k != "num_batches_tracked")
-    old._metadata = OrderedDict({"": {"version": 1}})
+    v1 = OrderedDict((k, v) for k, v in t.state_dict().items() if k != "num_batches_tracked")
+    v1._metadata = OrderedDict({"": {"version": 1}})
     n = getattr(normscope, cls)(3)
     ref = getattr(torch.nn, cls)(3)
     with torch.no_grad():
         n.num_batches_tracked.fill_(5)
         ref.num_batches_tracked.fill_(5)
-    n.load_state_dict(old, strict=True)
-    ref.load_state_dict(old, strict=True)
+    n.load_state_dict(v1, strict=True)
+    ref.load_state_dict(v1, strict=True)
     # torch's upgrade path keeps the layer's own counter for the missing entry; ours is torch's
     assert int(n.num_batches_tracked) == int(ref.num_batches_tracked) == 5
     torch.testing.assert_close(n.running_mean, t.running_mean)
     torch.testing.assert_close(n.running_var, t.running_var)
     # the same checkpoint without the version marker is rejected in strict mode, as by torch
-    fresh = OrderedDict(old)
+    fresh = OrderedDict(v1)
     fresh._metadata = OrderedDict({"": {"version": 2}})
     with pytest.raises(RuntimeError, match="num_batches_tracked"):
         getattr(normscope, cls)(3).load_state_dict(fresh, strict=True)

@@ -52,45 +52,45 @@ def _inconclusive(v: V.Verdict) -> bool:
     return v.outcome.startswith(INCONCLUSIVE)
 
 
-def test_batch_size_rule_v2_outcomes():
+def test_batch_size_rule_outcomes():
     gn_flat = {32: (3.0, 0.3), 2: (3.2, 0.3)}
-    assert V.batch_size_rule_v2({32: (3.0, 0.4), 2: (8.0, 0.5)}, gn_flat).outcome == REPRODUCED
+    assert V.batch_size_rule({32: (3.0, 0.4), 2: (8.0, 0.5)}, gn_flat).outcome == REPRODUCED
     # BN's rise within twice its seed spread: not enough
-    assert V.batch_size_rule_v2({32: (3.0, 2.0), 2: (6.0, 0.5)}, gn_flat).outcome == NOT_REPRODUCED
+    assert V.batch_size_rule({32: (3.0, 2.0), 2: (6.0, 0.5)}, gn_flat).outcome == NOT_REPRODUCED
     # GN rises as much as BN
     assert (
-        V.batch_size_rule_v2({32: (3.0, 0.4), 2: (8.0, 0.5)}, {32: (3.0, 0.3), 2: (7.0, 0.3)}).outcome == NOT_REPRODUCED
+        V.batch_size_rule({32: (3.0, 0.4), 2: (8.0, 0.5)}, {32: (3.0, 0.3), 2: (7.0, 0.3)}).outcome == NOT_REPRODUCED
     )
     # GN falling as the batch shrinks does not count against the claim
-    assert V.batch_size_rule_v2({32: (3.5, 0.4), 2: (8.0, 0.5)}, {32: (3.0, 0.3), 2: (2.0, 0.3)}).outcome == REPRODUCED
+    assert V.batch_size_rule({32: (3.5, 0.4), 2: (8.0, 0.5)}, {32: (3.0, 0.3), 2: (2.0, 0.3)}).outcome == REPRODUCED
     # gate: GN(32) more than 1 point from BN(32) -> inconclusive, whatever BN does
-    assert _inconclusive(V.batch_size_rule_v2({32: (3.0, 0.4), 2: (8.0, 0.5)}, {32: (9.0, 3.0), 2: (3.0, 0.3)}))
-    assert V.batch_size_rule_v2({32: (3.0, 0.4), 2: (math.nan, 0.5)}, gn_flat).outcome == NOT_REPRODUCED
+    assert _inconclusive(V.batch_size_rule({32: (3.0, 0.4), 2: (8.0, 0.5)}, {32: (9.0, 3.0), 2: (3.0, 0.3)}))
+    assert V.batch_size_rule({32: (3.0, 0.4), 2: (math.nan, 0.5)}, gn_flat).outcome == NOT_REPRODUCED
 
 
-def test_padding_rule_v2_outcomes():
-    assert V.padding_rule_v2((90.0, 0.5), (95.0, 0.5), (96.0, 0.2)).outcome == REPRODUCED
-    assert V.padding_rule_v2((90.0, 2.0), (93.0, 0.5), (96.0, 0.2)).outcome == NOT_REPRODUCED  # 3 < 2 x 2.0
-    assert V.padding_rule_v2((95.0, 0.5), (95.5, 0.5), (96.0, 0.2)).outcome == NOT_REPRODUCED
-    assert _inconclusive(V.padding_rule_v2((60.0, 0.5), (70.0, 0.5), (70.0, 0.2)))  # LN did not learn
-    assert _inconclusive(V.padding_rule_v2((99.8, 0.1), (100.0, 0.0), (100.0, 0.0)))  # ceiling
+def test_padding_rule_outcomes():
+    assert V.padding_rule((90.0, 0.5), (95.0, 0.5), (96.0, 0.2)).outcome == REPRODUCED
+    assert V.padding_rule((90.0, 2.0), (93.0, 0.5), (96.0, 0.2)).outcome == NOT_REPRODUCED  # 3 < 2 x 2.0
+    assert V.padding_rule((95.0, 0.5), (95.5, 0.5), (96.0, 0.2)).outcome == NOT_REPRODUCED
+    assert _inconclusive(V.padding_rule((60.0, 0.5), (70.0, 0.5), (70.0, 0.2)))  # LN did not learn
+    assert _inconclusive(V.padding_rule((99.8, 0.1), (100.0, 0.0), (100.0, 0.0)))  # ceiling
 
 
-def test_fluctuation_rule_v2_outcomes():
-    assert V.fluctuation_rule_v2([0.5, 0.6, 0.4], [0.1, 0.2, 0.1], 3.0, 3.0, 5.0).outcome == REPRODUCED
-    assert V.fluctuation_rule_v2([0.3, 0.3, 0.3], [0.2, 0.2, 0.2], 3.0, 3.0, 5.0).outcome == NOT_REPRODUCED
+def test_fluctuation_rule_outcomes():
+    assert V.fluctuation_rule([0.5, 0.6, 0.4], [0.1, 0.2, 0.1], 3.0, 3.0, 5.0).outcome == REPRODUCED
+    assert V.fluctuation_rule([0.3, 0.3, 0.3], [0.2, 0.2, 0.2], 3.0, 3.0, 5.0).outcome == NOT_REPRODUCED
     # mean ratio large but one seed reversed
-    assert V.fluctuation_rule_v2([1.0, 1.0, 0.1], [0.1, 0.1, 0.2], 3.0, 3.0, 5.0).outcome == NOT_REPRODUCED
-    assert _inconclusive(V.fluctuation_rule_v2([0.5] * 3, [0.1] * 3, 30.0, 3.0, 5.0))  # CNN did not learn
-    assert _inconclusive(V.fluctuation_rule_v2([0.5] * 3, [0.1] * 3, 3.0, 5.5, 5.0))  # LM no better than unigram
+    assert V.fluctuation_rule([1.0, 1.0, 0.1], [0.1, 0.1, 0.2], 3.0, 3.0, 5.0).outcome == NOT_REPRODUCED
+    assert _inconclusive(V.fluctuation_rule([0.5] * 3, [0.1] * 3, 30.0, 3.0, 5.0))  # CNN did not learn
+    assert _inconclusive(V.fluctuation_rule([0.5] * 3, [0.1] * 3, 3.0, 5.5, 5.0))  # LM no better than unigram
 
 
-def test_prenorm_rules_v2_outcomes():
+def test_prenorm_rules_outcomes():
     flat = {"encoder": 1.1, "decoder": 0.9}
-    assert V.prenorm_grad_rule_v2({"encoder": 1.5, "decoder": 3.0}, flat).outcome == REPRODUCED
-    assert V.prenorm_grad_rule_v2({"encoder": 1.5, "decoder": 1.5}, flat).outcome == NOT_REPRODUCED
+    assert V.prenorm_grad_rule({"encoder": 1.5, "decoder": 3.0}, flat).outcome == REPRODUCED
+    assert V.prenorm_grad_rule({"encoder": 1.5, "decoder": 1.5}, flat).outcome == NOT_REPRODUCED
     assert (
-        V.prenorm_grad_rule_v2({"encoder": 1.5, "decoder": 3.0}, {"encoder": 0.3, "decoder": 1.0}).outcome
+        V.prenorm_grad_rule({"encoder": 1.5, "decoder": 3.0}, {"encoder": 0.3, "decoder": 1.0}).outcome
         == NOT_REPRODUCED
     )
     assert V.depth_rule(0.02, -0.42).outcome == REPRODUCED
@@ -106,21 +106,21 @@ def _grid(post_fail: float, post_loss: float, pre_fail0: float = 0.0) -> dict:
     }
 
 
-def test_warmup_rule_v2_outcomes():
-    assert V.warmup_rule_v2(_grid(1.0, math.inf)).outcome == REPRODUCED
-    assert V.warmup_rule_v2(_grid(0.0, 2.2)).outcome == REPRODUCED  # >= 0.1 nats worse, no failure
-    assert V.warmup_rule_v2(_grid(0.0, 2.05)).outcome == NOT_REPRODUCED
-    assert _inconclusive(V.warmup_rule_v2(_grid(1.0, math.inf, pre_fail0=1 / 3)))
+def test_warmup_rule_outcomes():
+    assert V.warmup_rule(_grid(1.0, math.inf)).outcome == REPRODUCED
+    assert V.warmup_rule(_grid(0.0, 2.2)).outcome == REPRODUCED  # >= 0.1 nats worse, no failure
+    assert V.warmup_rule(_grid(0.0, 2.05)).outcome == NOT_REPRODUCED
+    assert _inconclusive(V.warmup_rule(_grid(1.0, math.inf, pre_fail0=1 / 3)))
 
 
-def test_rms_speed_and_no_norm_rules_v2_outcomes():
-    assert V.rms_speed_rule_v2([0.8, 0.85, 0.9]).outcome == REPRODUCED
-    assert V.rms_speed_rule_v2([0.95, 1.1, 1.0]).outcome == NOT_REPRODUCED
-    assert _inconclusive(V.rms_speed_rule_v2([0.8, 1.1, 0.9]))
-    assert V.no_norm_rule_v2(12, 2 / 3, math.inf, 2.0, False).outcome == REPRODUCED
-    assert V.no_norm_rule_v2(12, 0.0, 2.3, 2.0, False).outcome == REPRODUCED  # 0.3 nats worse
-    assert V.no_norm_rule_v2(12, 0.0, 2.05, 2.0, False).outcome == NOT_REPRODUCED
-    assert _inconclusive(V.no_norm_rule_v2(12, 1.0, math.inf, 2.0, True))
+def test_rms_speed_and_no_norm_rules_outcomes():
+    assert V.rms_speed_rule([0.8, 0.85, 0.9]).outcome == REPRODUCED
+    assert V.rms_speed_rule([0.95, 1.1, 1.0]).outcome == NOT_REPRODUCED
+    assert _inconclusive(V.rms_speed_rule([0.8, 1.1, 0.9]))
+    assert V.no_norm_rule(12, 2 / 3, math.inf, 2.0, False).outcome == REPRODUCED
+    assert V.no_norm_rule(12, 0.0, 2.3, 2.0, False).outcome == REPRODUCED  # 0.3 nats worse
+    assert V.no_norm_rule(12, 0.0, 2.05, 2.0, False).outcome == NOT_REPRODUCED
+    assert _inconclusive(V.no_norm_rule(12, 1.0, math.inf, 2.0, True))
 
 
 def test_qk_norm_rule_every_outcome():

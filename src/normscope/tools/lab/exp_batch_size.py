@@ -5,7 +5,7 @@ learning rate linear in the batch (0.1 x batch/32, Wu & He Sec. 4.1 after Goyal 
 against GN, >= 3 seeds. Data made harder than clean 8x8 digits so that batch statistics matter:
 each digit pasted at a random place on a 16x16 canvas with pixel noise (:func:`data.cluttered_digits`).
 
-Settings (v3) from a pilot on seeds 100-102, which the reported runs never use
+Settings from a pilot on seeds 100-102, which the reported runs never use
 (``docs/lab/batch-size/pilot.json``, ``scripts/lab_pilot_batch_size.py``): GN(8) sits on a
 plateau at chance for its first ~20 epochs at batch 32 and then trains; 40 epochs at width 32 were
 the shortest tried where it reached BN's error on every pilot seed. Whether it did so on the reported
@@ -21,7 +21,7 @@ from .core import Context, mean_std, pyplot, seed_all
 from .data import cluttered_digits
 from .models import SmallCNN, error_rate, norm_sources, train_classifier
 from .norms import Missing
-from .verdicts import batch_size_rule_v2
+from .verdicts import batch_size_rule
 
 NAME = "batch-size"
 TITLE = "BatchNorm vs GroupNorm as the batch shrinks"
@@ -132,4 +132,4 @@ def verdicts(metrics: dict) -> list:
     s = metrics["summary"]
     bn = {int(b): (v["mean"], v["std"]) for b, v in s["batch"].items()}
     gn = {int(b): (v["mean"], v["std"]) for b, v in s["group:8"].items()}
-    return [batch_size_rule_v2(bn, gn)]
+    return [batch_size_rule(bn, gn)]

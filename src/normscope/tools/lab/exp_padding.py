@@ -1,7 +1,7 @@
 """padding: BatchNorm in a transformer on heavily padded sequences (Shen et al. 2020, "PowerNorm:
 Rethinking Batch Normalization in Transformers").
 
-Part 1 (v2): a 2-layer Pre-LN transformer encoder classifies generated variable-length
+Part 1: a 2-layer Pre-LN transformer encoder classifies generated variable-length
 sequences with LN, plain BN (statistics count the pads), masked BN (statistics over real tokens
 only) and PowerNorm (``--full`` adds RMSNorm, DyT, none). Batches are *length-bucketed* as in
 translation systems (fairseq): sequences sorted by length, cut into batches, the batch order
@@ -9,12 +9,12 @@ shuffled every epoch -- so the pad fraction ranges from near 0 to over 0.9 betwe
 is what contaminates BN's statistics. Attention and pooling are masked in every variant: only the
 norm differs. PowerNorm switches from batch to running statistics after a quarter of the steps.
 
-PowerNorm (v4) is built as the authors' transformer builds it -- group scaling over the attention
+PowerNorm is built as the authors' transformer builds it -- group scaling over the attention
 heads (their ``NormSelect`` passes ``group_num=head_num``) -- and judged in that form; reported
 beside it, not judged: without group scaling, and with the authors' all-position average of the
 backward state (``ema_gz_over="all"``). Padded positions get no gradient in all three.
 
-Part 2 (v2): the paper's Fig. 2 measurement -- during training, at the *first* BN layer, the
+Part 2: the paper's Fig. 2 measurement -- during training, at the *first* BN layer, the
 distance of each batch's statistics from the running ones (mean over channels of |mu_B - mu|/sigma
 and |var_B/var - 1|), averaged over the second half of training -- for a BN CNN on digit images
 and a masked-BN word-level language model on word-level batches of variable-length sentences
@@ -31,7 +31,7 @@ from .core import Context, mean_std, pyplot, seed_all
 from .data import digits, padded_sequences, unigram_entropy, word_sentences
 from .models import SmallCNN, TinyTransformer, error_rate, norm_sources, train_classifier
 from .norms import NormSlot, available
-from .verdicts import fluctuation_rule_v2, padding_rule_v2, power_rule, skipped
+from .verdicts import fluctuation_rule, padding_rule, power_rule, skipped
 
 NAME = "padding"
 TITLE = "Padding, BatchNorm and transformers"
@@ -234,8 +234,8 @@ def verdicts(metrics: dict) -> list:
     a = {k: (v["mean"], v["std"]) for k, v in metrics["acc"].items()}
     acc = {k: v[0] for k, v in a.items()}
     fl = metrics["fluctuation"]
-    out = [padding_rule_v2(a["batch"], a["batch-masked"], a["layer"]),
-           fluctuation_rule_v2([f["text"]["total"] for f in fl], [f["images"]["total"] for f in fl],
+    out = [padding_rule(a["batch"], a["batch-masked"], a["layer"]),
+           fluctuation_rule([f["text"]["total"] for f in fl], [f["images"]["total"] for f in fl],
                                mean_std([f["images"]["test_err"] for f in fl])[0],
                                mean_std([f["text"]["val_loss"] for f in fl])[0],
                                mean_std([f["text"]["unigram_entropy"] for f in fl])[0])]

@@ -1,14 +1,14 @@
 """prenorm: Post-LN vs Pre-LN transformers (Xiong et al. 2020, "On Layer Normalization in the
 Transformer Architecture").
 
-Part 1 (v2), no training, the paper's Fig. 3: the gradient norm of each layer's second
+Part 1, no training, the paper's Fig. 3: the gradient norm of each layer's second
 feed-forward weight (W2) at initialization in a 6+6 layer *encoder-decoder* with cross-attention,
 Post-LN (x <- LN(x + f(x))) vs Pre-LN (x <- x + f(LN(x))), Xavier init, on a sequence-reversal
 batch of Python standard-library source (source: a window of characters, target: the window
 reversed, teacher-forced). The theorem's other half: the last layer's W2 gradient against depth
 (2 to 32) in a decoder-only stack, and its log-log slope (Post-LN ~ 0, Pre-LN ~ -1/2).
 
-Part 2 (v2), training: a 6-layer character LM with Adam over a pre-registered learning-rate grid,
+Part 2, training: a 6-layer character LM with Adam over a pre-registered learning-rate grid,
 Post-LN without / with linear warm-up and Pre-LN without, counting failed runs (non-finite loss,
 or a validation loss no better than the unigram entropy). Decoder-only, not the paper's
 translation model: the budget is minutes on a CPU.
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .core import Context, mean_std, pyplot, seed_all
 from .data import char_batch, char_splits, unigram_entropy
 from .models import EncoderDecoder, TinyTransformer, lm_loss, norm_sources, train_lm
-from .verdicts import depth_rule, prenorm_grad_rule_v2, warmup_rule_v2
+from .verdicts import depth_rule, prenorm_grad_rule, warmup_rule
 
 NAME = "prenorm"
 TITLE = "Pre-LN vs Post-LN: gradients at init and warm-up"
@@ -184,8 +184,8 @@ def plot(ctx: Context, cfg: dict, metrics: dict) -> None:
 
 
 def verdicts(metrics: dict) -> list:
-    return [prenorm_grad_rule_v2(metrics["encdec_ratio"]["post"], metrics["encdec_ratio"]["pre"]),
+    return [prenorm_grad_rule(metrics["encdec_ratio"]["post"], metrics["encdec_ratio"]["pre"]),
             depth_rule(metrics["depth_slope"]["post"], metrics["depth_slope"]["pre"]),
-            warmup_rule_v2(metrics["by_lr"])]
+            warmup_rule(metrics["by_lr"])]
 
 

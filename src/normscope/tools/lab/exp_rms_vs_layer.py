@@ -1,7 +1,7 @@
 """rms-vs-layer: RMSNorm vs LayerNorm (Zhang & Sennrich 2019, "Root Mean Square Layer
 Normalization").
 
-Part 1 (v2): the operator's cost, like with like. Forward+backward CPU time of LayerNorm
+Part 1: the operator's cost, like with like. Forward+backward CPU time of LayerNorm
 and RMSNorm on the same (rows, features) tensor, interleaved, median per timing block, >= 3
 blocks, in three implementation styles: both as plain-PyTorch formulas (judged: the same style
 for both, as the paper compared them within one framework), both through normscope's reference
@@ -25,7 +25,7 @@ import normscope
 from .core import Context, mean_std, pyplot, seed_all
 from .data import char_splits, unigram_entropy
 from .models import TinyTransformer, norm_sources, train_lm
-from .verdicts import no_norm_rule_v2, rms_quality_rule, rms_speed_rule_v2
+from .verdicts import no_norm_rule, rms_quality_rule, rms_speed_rule
 
 NAME = "rms-vs-layer"
 TITLE = "RMSNorm vs LayerNorm: cost and quality"
@@ -176,6 +176,6 @@ def verdicts(metrics: dict) -> list:
     dd = metrics["by_depth"][deepest]
     ln_failed_any = any(v["layer"]["failed"] > 0 for v in metrics["by_depth"].values())
     return [rms_quality_rule(q["layer"]["val_loss"], q["rms"]["val_loss"]),
-            rms_speed_rule_v2([b["ratio"] for b in metrics["op_ms"]["formula"]["blocks"]]),
-            no_norm_rule_v2(int(deepest), dd["none"]["failed"], dd["none"]["val_loss"], dd["layer"]["val_loss"],
+            rms_speed_rule([b["ratio"] for b in metrics["op_ms"]["formula"]["blocks"]]),
+            no_norm_rule(int(deepest), dd["none"]["failed"], dd["none"]["val_loss"], dd["layer"]["val_loss"],
                             ln_failed_any)]

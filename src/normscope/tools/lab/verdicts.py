@@ -169,10 +169,10 @@ def sync_rule(local_bn_err: float, sync_err: float, gn_err: float) -> Verdict:
 
 
 # =============================================================================================
-# Lab v2: each claim tested the way its paper did. These rules were committed before
-# the runs that produced docs/lab/*. A rule with a *gate* returns INCONCLUSIVE when the gate fails
-# (an unconverged baseline, a task at its ceiling, timings that disagree): the experiment then
-# cannot speak to the claim either way.
+# Each claim tested the way its paper did. The rules are committed before the runs that produce
+# docs/lab/*, so a result cannot bend its own rule. A rule with a *gate* returns INCONCLUSIVE when
+# the gate fails (an unconverged baseline, a task at its ceiling, timings that disagree): the
+# experiment then cannot speak to the claim either way.
 
 INCONCLUSIVE = "inconclusive"
 NOT_JUDGED = "not judged: smoke run (models barely trained)"
@@ -184,16 +184,16 @@ def _v(claim: str, published: str, measured: str, ok: bool, rule: str, gate: boo
     return Verdict(claim, published, measured, outcome, rule)
 
 
-BATCH_V2_PUBLISHED = ("Wu & He 2018, Fig. 1/Table 2: ResNet-50 on ImageNet, 8 GPUs, equal epochs, lr 0.1 x batch/32; "
+BATCH_SIZE_PUBLISHED = ("Wu & He 2018, Fig. 1/Table 2: ResNet-50 on ImageNet, 8 GPUs, equal epochs, lr 0.1 x batch/32; "
                       "BN top-1 error 23.6 (32/GPU) -> 34.7 (2/GPU), GN 24.1 -> 24.1")
-BATCH_V2_RULE = ("gate: GN's error at the largest batch is within 1.0 point of BN's there (both converged), else "
+BATCH_SIZE_RULE = ("gate: GN's error at the largest batch is within 1.0 point of BN's there (both converged), else "
                  "inconclusive. Reproduced if BN's mean error rises from the largest to the smallest batch by >= 1.0 "
                  "point AND by more than 2x the larger of BN's seed std at the two batches, GN's mean error rises by "
                  "less than half of BN's rise (a fall counts as no rise), and BN is worse than GN at the smallest "
                  "batch")
 
 
-def batch_size_rule_v2(bn: dict[int, tuple[float, float]], gn: dict[int, tuple[float, float]]) -> Verdict:
+def batch_size_rule(bn: dict[int, tuple[float, float]], gn: dict[int, tuple[float, float]]) -> Verdict:
     """``bn``/``gn``: batch size -> (mean, std over seeds) test error in percent."""
     big, small = max(bn), min(bn)
     d_bn, d_gn = bn[small][0] - bn[big][0], gn[small][0] - gn[big][0]
@@ -205,18 +205,18 @@ def batch_size_rule_v2(bn: dict[int, tuple[float, float]], gn: dict[int, tuple[f
     measured = (f"BN {bn[big][0]:.1f}±{bn[big][1]:.1f} -> {bn[small][0]:.1f}±{bn[small][1]:.1f} (batch {big} -> "
                 f"{small}), GN {gn[big][0]:.1f}±{gn[big][1]:.1f} -> {gn[small][0]:.1f}±{gn[small][1]:.1f} "
                 "(test error %, mean±std over seeds)")
-    return _v(BATCH_SIZE_CLAIM, BATCH_V2_PUBLISHED, measured, ok, BATCH_V2_RULE, gate,
+    return _v(BATCH_SIZE_CLAIM, BATCH_SIZE_PUBLISHED, measured, ok, BATCH_SIZE_RULE, gate,
               f"GN({big}) {gn[big][0]:.1f}% vs BN({big}) {bn[big][0]:.1f}%: baselines not converged alike")
 
 
-PADDING_V2_PUBLISHED = ("Shen et al. 2020 (PowerNorm), Sec. 3: transformer BN on IWSLT14/WMT14 with length-bucketed "
+PADDING_PUBLISHED = ("Shen et al. 2020 (PowerNorm), Sec. 3: transformer BN on IWSLT14/WMT14 with length-bucketed "
                         "batches (fairseq); BN's statistics must exclude pads; naive BN trails LN by ~1 BLEU")
-PADDING_V2_RULE = ("gate: LN learns the task (test accuracy >= 80%) and plain BN is below the 99.5% ceiling, else "
+PADDING_RULE = ("gate: LN learns the task (test accuracy >= 80%) and plain BN is below the 99.5% ceiling, else "
                    "inconclusive. Reproduced if masked BN's mean accuracy exceeds plain BN's (pads counted) by >= 1.0 "
                    "point AND by more than 2x the larger of their seed std")
 
 
-def padding_rule_v2(plain: tuple[float, float], masked: tuple[float, float], ln: tuple[float, float]) -> Verdict:
+def padding_rule(plain: tuple[float, float], masked: tuple[float, float], ln: tuple[float, float]) -> Verdict:
     """(mean, std over seeds) test accuracy in percent for plain BN, masked BN and LN."""
     d = masked[0] - plain[0]
     gate = _finite(ln[0], plain[0]) and ln[0] >= 80.0 and plain[0] < 99.5
@@ -224,20 +224,20 @@ def padding_rule_v2(plain: tuple[float, float], masked: tuple[float, float], ln:
     measured = (f"test accuracy, length-bucketed batches: plain BN {plain[0]:.1f}±{plain[1]:.1f}%, masked BN "
                 f"{masked[0]:.1f}±{masked[1]:.1f}%, LN {ln[0]:.1f}±{ln[1]:.1f}%")
     why = f"LN {ln[0]:.1f}% (task not learned)" if not ln[0] >= 80.0 else f"plain BN {plain[0]:.1f}% (ceiling)"
-    return _v(PADDING_CLAIM, PADDING_V2_PUBLISHED, measured, ok, PADDING_V2_RULE, gate, why)
+    return _v(PADDING_CLAIM, PADDING_PUBLISHED, measured, ok, PADDING_RULE, gate, why)
 
 
-FLUCT_V2_PUBLISHED = ("Shen et al. 2020, Fig. 2: during training, first BN layer, (1/d)||mu_B - mu|| and "
+FLUCT_PUBLISHED = ("Shen et al. 2020, Fig. 2: during training, first BN layer, (1/d)||mu_B - mu|| and "
                       "(1/d)||sigma_B^2 - sigma^2|| against the running statistics; transformer on IWSLT14 "
                       "(word-level batches of variable-length sentences) far above ResNet-20 on CIFAR-10")
-FLUCT_V2_RULE = ("both measured at the first BN layer during training (mean over the second half of training, "
+FLUCT_RULE = ("both measured at the first BN layer during training (mean over the second half of training, "
                  "relative to the running statistics: |mu_B - mu|/sigma and |sigma_B^2/sigma^2 - 1|, mean over "
                  "channels). gate: both models learned (digits CNN test error <= 10%, word LM validation loss below "
                  "the word unigram entropy), else inconclusive. Reproduced if text's mean+variance distance is >= 2x "
                  "images' for the mean over seeds AND text > images in every seed")
 
 
-def fluctuation_rule_v2(text: list[float], images: list[float], img_err: float, lm_loss: float,
+def fluctuation_rule(text: list[float], images: list[float], img_err: float, lm_loss: float,
                         unigram: float) -> Verdict:
     """Per-seed distances (mean term + variance term) for text and images; the gate's inputs."""
     mt, mi = sum(text) / len(text), sum(images) / len(images)
@@ -246,23 +246,23 @@ def fluctuation_rule_v2(text: list[float], images: list[float], img_err: float, 
     measured = (f"first-BN batch-vs-running distance during training: text {mt:.3f}, images {mi:.3f} "
                 f"(ratio {mt / mi:.2f}; {len(text)} seeds); digits error {img_err:.1f}%, word LM val loss "
                 f"{lm_loss:.2f} vs unigram {unigram:.2f}")
-    return _v(FLUCT_CLAIM, FLUCT_V2_PUBLISHED, measured, ok, FLUCT_V2_RULE, gate, "a baseline did not learn")
+    return _v(FLUCT_CLAIM, FLUCT_PUBLISHED, measured, ok, FLUCT_RULE, gate, "a baseline did not learn")
 
 
-PRENORM_V2_PUBLISHED = ("Xiong et al. 2020, Fig. 3: 6-6 layer encoder-decoder Transformer (IWSLT14 De-En), at "
+PRENORM_PUBLISHED = ("Xiong et al. 2020, Fig. 3: 6-6 layer encoder-decoder Transformer (IWSLT14 De-En), at "
                         "initialization: Post-LN's |dL/dW2| (FFN) grows with the layer index, Pre-LN's stays flat")
-PRENORM_V2_RULE = ("encoder-decoder with cross-attention, 6+6 layers, Xavier init, mean over >= 3 seeds: reproduced "
+PRENORM_RULE = ("encoder-decoder with cross-attention, 6+6 layers, Xavier init, mean over >= 3 seeds: reproduced "
                    "if Post-LN's top/bottom W2 gradient-norm ratio is >= 2 in the decoder and >= 1 in the encoder, "
                    "and Pre-LN's lies in [0.5, 2] in both")
 
 
-def prenorm_grad_rule_v2(post: dict[str, float], pre: dict[str, float]) -> Verdict:
+def prenorm_grad_rule(post: dict[str, float], pre: dict[str, float]) -> Verdict:
     """``post``/``pre``: {'encoder': top/bottom ratio, 'decoder': top/bottom ratio}."""
     ok = (_finite(*post.values(), *pre.values()) and post["decoder"] >= 2.0 and post["encoder"] >= 1.0
           and all(0.5 <= pre[k] <= 2.0 for k in ("encoder", "decoder")))
     measured = (f"top/bottom |dL/dW2| at init: Post-LN encoder {post['encoder']:.2f}, decoder {post['decoder']:.2f}; "
                 f"Pre-LN encoder {pre['encoder']:.2f}, decoder {pre['decoder']:.2f}")
-    return _v(PRENORM_GRAD_CLAIM, PRENORM_V2_PUBLISHED, measured, ok, PRENORM_V2_RULE)
+    return _v(PRENORM_GRAD_CLAIM, PRENORM_PUBLISHED, measured, ok, PRENORM_RULE)
 
 
 DEPTH_CLAIM = "Post-LN's last-layer gradient does not shrink with depth; Pre-LN's shrinks like 1/sqrt(L)"
@@ -278,15 +278,15 @@ def depth_rule(post_slope: float, pre_slope: float) -> Verdict:
     return Verdict(DEPTH_CLAIM, DEPTH_PUBLISHED, measured, _ok(ok), DEPTH_RULE)
 
 
-WARMUP_V2_PUBLISHED = ("Xiong et al. 2020, Fig. 2/Sec. 3.1: IWSLT14 De-En, Adam; Post-LN without warm-up fails "
+WARMUP_PUBLISHED = ("Xiong et al. 2020, Fig. 2/Sec. 3.1: IWSLT14 De-En, Adam; Post-LN without warm-up fails "
                        "(BLEU far below) at lr 5e-4 and 1e-3, works with warm-up; Pre-LN trains without warm-up")
-WARMUP_V2_RULE = ("pre-registered Adam lr grid. gate: Pre-LN without warm-up trains (no seed fails) at the smallest "
+WARMUP_RULE = ("pre-registered Adam lr grid. gate: Pre-LN without warm-up trains (no seed fails) at the smallest "
                   "lr, else inconclusive. Reproduced if at some lr of the grid Post-LN without warm-up fails in >= "
                   "half the seeds OR ends >= 0.1 nats worse (mean) than Post-LN with warm-up, while at that lr Pre-LN "
                   "without warm-up fails in < half the seeds and is not >= 0.1 nats worse than Post-LN with warm-up")
 
 
-def warmup_rule_v2(by_lr: dict[str, dict[str, dict[str, float]]]) -> Verdict:
+def warmup_rule(by_lr: dict[str, dict[str, dict[str, float]]]) -> Verdict:
     """``by_lr``: lr (str) -> variant ('post', 'post+warmup', 'pre') -> {'loss': mean val loss, 'failed': fraction}."""
     lrs = sorted(by_lr, key=float)
     lo = by_lr[lrs[0]]
@@ -303,42 +303,42 @@ def warmup_rule_v2(by_lr: dict[str, dict[str, dict[str, float]]]) -> Verdict:
         f"{by_lr[lr]['post+warmup']['loss']:.3f} ({by_lr[lr]['post+warmup']['failed']:.0%}), Pre-LN "
         f"{by_lr[lr]['pre']['loss']:.3f} ({by_lr[lr]['pre']['failed']:.0%})" for lr in lrs)
     measured += f" -> separating lr: {', '.join(hits) or 'none'}"
-    return _v(WARMUP_CLAIM, WARMUP_V2_PUBLISHED, measured, bool(hits), WARMUP_V2_RULE, gate,
+    return _v(WARMUP_CLAIM, WARMUP_PUBLISHED, measured, bool(hits), WARMUP_RULE, gate,
               f"Pre-LN failed at lr {lrs[0]}")
 
 
-RMS_SPEED_V2_PUBLISHED = ("Zhang & Sennrich 2019, Table 1-6: RMSNorm speeds up the whole model 7%-64% over LN, same "
+RMS_SPEED_PUBLISHED = ("Zhang & Sennrich 2019, Table 1-6: RMSNorm speeds up the whole model 7%-64% over LN, same "
                           "framework and implementation style for both")
-RMS_SPEED_V2_RULE = ("like with like: both norms as plain-PyTorch formulas (autograd), forward+backward on (rows, "
+RMS_SPEED_RULE = ("like with like: both norms as plain-PyTorch formulas (autograd), forward+backward on (rows, "
                      "features) fp32, interleaved, CPU time of this process; >= 3 timing blocks. Reproduced if "
                      "RMS/LN time ratio <= 0.93 in every block, not reproduced if > 0.93 in every block, else "
                      "inconclusive (blocks disagree). torch's fused kernels are reported, not judged")
 
 
-def rms_speed_rule_v2(ratios: list[float]) -> Verdict:
+def rms_speed_rule(ratios: list[float]) -> Verdict:
     """``ratios``: RMS/LN CPU-time ratio (median within a block), one per timing block."""
     fin = _finite(*ratios) and len(ratios) >= 1
     yes = fin and all(r <= 0.93 for r in ratios)
     no = fin and all(r > 0.93 for r in ratios)
     measured = "plain-formula RMS/LN CPU-time ratio per block: " + ", ".join(f"{r:.2f}" for r in ratios)
-    return _v(RMS_SPEED_CLAIM, RMS_SPEED_V2_PUBLISHED, measured, yes, RMS_SPEED_V2_RULE, yes or no,
+    return _v(RMS_SPEED_CLAIM, RMS_SPEED_PUBLISHED, measured, yes, RMS_SPEED_RULE, yes or no,
               "timing blocks disagree")
 
 
-NO_NORM_V2_CLAIM = "A deep transformer without normalization fails to train"
-NO_NORM_V2_PUBLISHED = ("Zhang & Sennrich 2019 / Xiong et al. 2020: without LN the (6+ layer) model diverges or fails "
+NO_NORM_CLAIM = "A deep transformer without normalization fails to train"
+NO_NORM_PUBLISHED = ("Zhang & Sennrich 2019 / Xiong et al. 2020: without LN the (6+ layer) model diverges or fails "
                         "to converge; the failure is a matter of depth")
-NO_NORM_V2_RULE = ("depth sweep, same Adam lr for all. gate: LN (Pre-LN) trains in every seed at every depth, else "
+NO_NORM_RULE = ("depth sweep, same Adam lr for all. gate: LN (Pre-LN) trains in every seed at every depth, else "
                    "inconclusive. Reproduced if at the deepest depth >= half of the no-norm seeds fail (diverge, or "
                    "end no better than the unigram loss) or end >= 0.1 nats worse than LN (mean)")
 
 
-def no_norm_rule_v2(depth: int, none_failed: float, none_loss: float, ln_loss: float, ln_failed_any: bool) -> Verdict:
+def no_norm_rule(depth: int, none_failed: float, none_loss: float, ln_loss: float, ln_failed_any: bool) -> Verdict:
     gate = not ln_failed_any
     ok = _finite(none_failed) and (none_failed >= 0.5 or (_finite(none_loss, ln_loss) and none_loss - ln_loss >= 0.1))
     measured = (f"depth {depth}: no norm {none_failed:.0%} of seeds failed, val loss none {none_loss:.3f} vs LN "
                 f"{ln_loss:.3f}")
-    return _v(NO_NORM_V2_CLAIM, NO_NORM_V2_PUBLISHED, measured, ok, NO_NORM_V2_RULE, gate, "LN failed somewhere")
+    return _v(NO_NORM_CLAIM, NO_NORM_PUBLISHED, measured, ok, NO_NORM_RULE, gate, "LN failed somewhere")
 
 
 # ---------------------------------------------------------------------------------------------
