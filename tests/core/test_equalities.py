@@ -1,15 +1,12 @@
 """The equalities DESIGN.md promises, proven: GroupNorm(1, C) is LayerNorm over (C, *),
-GroupNorm(C, C) is InstanceNorm with affine, BatchNorm on one sample is InstanceNorm.
-GroupNorm(C, C) also runs as torch runs it (one channel per group, every dtype)."""
+GroupNorm(C, C) is InstanceNorm with affine, BatchNorm on one sample is InstanceNorm."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as TF
 
 import normscope
-import normscope.functional as nf
 from conftest import BACKENDS
 from normscope import Scope
 
@@ -90,26 +87,3 @@ def test_batchnorm_on_one_sample_equals_instancenorm(shape, backend):
     # the scopes differ only in the batch axis, which has size 1 here
     rb, ri = Scope.batch().resolve(shape), Scope.instance().resolve(shape)
     assert set(rb.reduce) - set(ri.reduce) == {0}
-
-
-# ---------------------------------------------------------------------------------------------
-# GroupNorm(C, C): torch runs group_norm, not instance_norm
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_group_norm_with_one_channel_per_group_is_torchs_group_norm(dtype):
-    g = torch.Generator().manual_seed(0)
-    x = (torch.randn(4, 8, 5, 5, generator=g) * 3 + 2).to(dtype)
-    ours, theirs = normscope.GroupNorm(8, 8).to(dtype), torch.nn.GroupNorm(8, 8).to(dtype)
-    with torch.no_grad():
-        ours.weight.uniform_(0.5, 1.5, generator=g)
-        theirs.weight.copy_(ours.weight)
-    # bit-identical: the same ATen op (fp32 and half types)
-    assert torch.equal(ours(x), theirs(x))
-    xc = x.contiguous(memory_format=torch.channels_last)
-    y = ours(xc)
-    assert y.is_contiguous(memory_format=torch.channels_last) == theirs(xc).is_contiguous(
-        memory_format=torch.channels_last
-    )
-    torch.testing.assert_close(y, theirs(xc), atol=0, rtol=0)
-    assert torch.equal(nf.group_norm(x, 8, ours.weight), TF.group_norm(x, 8, theirs.weight))

@@ -1,6 +1,7 @@
-"""Edges where normscope was found to differ from torch.nn on the same state, each checked against
-torch (or float64) directly: values per group, empty batches, eps, cancellation, axes, and the hot
-path's keys (``True == 1`` in Python)."""
+"""Edges where a reimplementation of torch.nn's norms easily parts from torch on the same state, each
+checked against torch (or float64) directly: empty batches, eps, cancellation, axes, channel mismatches,
+numpy scalars as arguments, the hot path's keys (``True == 1`` in Python). GroupNorm's and BatchRenorm's
+own edges are in their files (``layers/test_group_norm.py``, ``layers/test_batchrenorm.py``)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,6 @@ from torch import nn
 
 import normscope
 import normscope.functional as F
-
-
-def test_group_norm_one_value_per_group_raises_as_torch():
-    x = torch.rand(1, 10, 1)
-    with pytest.raises(ValueError):  # torch: nn.GroupNorm(10, 10)(x) raises too
-        nn.GroupNorm(10, 10)(x)
-    with pytest.raises(ValueError, match="more than 1 value per group"):
-        normscope.GroupNorm(10, 10)(x)
-    with pytest.raises(ValueError, match="more than 1 value per group"):
-        F.group_norm(x, 10)
-    for shape, groups in (((2, 10, 1), 10), ((1, 10, 1), 5), ((1, 10, 2), 10)):  # torch computes these
-        x = torch.rand(shape)
-        torch.testing.assert_close(normscope.GroupNorm(groups, 10)(x), nn.GroupNorm(groups, 10)(x))
 
 
 @pytest.mark.parametrize("train", [True, False])
@@ -204,64 +192,6 @@ def test_modern_norms_take_eps_by_the_same_rule():
     ):
         with pytest.raises(ValueError, match="eps"):
             call()
-
-
-def _grads(fn, *tensors, gy):
-    leaves = [t.detach().clone().requires_grad_() for t in tensors]
-    y = fn(*leaves)
-    y.backward(gy)
-    return (y.detach(), *(t.grad for t in leaves))
-
-
-@pytest.mark.parametrize("backend", [None, "aten", "reference"])
-@pytest.mark.parametrize("shape", [(3, 4), (2, 4, 5), (2, 4, 3, 3)])
-def test_group_norm_bias_without_weight_has_a_backward(backend, shape):
-    # torch's own group_norm backward raises "tensor does not have a device" here; its values are those
-    # of the call without bias, plus the bias (float64 independent check)
-    g = torch.Generator().manual_seed(0)
-    x, b = torch.randn(shape, generator=g), torch.randn(shape[1], generator=g)
-    gy = torch.randn(shape, generator=g)
-    with normscope.use_backend(backend):
-        y, dx, db = _grads(lambda x, b: F.group_norm(x, 2, None, b), x, b, gy=gy)
-    per_channel = (1, -1) + (1,) * (len(shape) - 2)
-    want_y, want_dx = _grads(lambda x: nn.functional.group_norm(x, 2), x.double(), gy=gy.double())
-    torch.testing.assert_close(y, (want_y + b.double().view(per_channel)).float())  # fp32 tolerances
-    torch.testing.assert_close(dx, want_dx.float())
-    torch.testing.assert_close(db, gy.double().sum([d for d in range(len(shape)) if d != 1]).float())
-
-
-def test_group_norm_one_group_per_channel_on_two_dims_runs_on_aten_as_torch():
-    # (N, C) with num_groups == C: one value per group, which torch computes (the output is the bias)
-    g = torch.Generator().manual_seed(1)
-    x, w, b = torch.randn(3, 4, generator=g), torch.randn(4, generator=g), torch.randn(4, generator=g)
-    gy = torch.randn(3, 4, generator=g)
-    want = _grads(lambda *t: nn.functional.group_norm(t[0], 4, t[1], t[2]), x, w, b, gy=gy)
-    for backend in (None, "aten"):
-        with normscope.use_backend(backend):
-            got = _grads(lambda *t: F.group_norm(t[0], 4, t[1], t[2]), x, w, b, gy=gy)
-            assert normscope.last_backend() == "aten"
-        for name, o, t in zip(("y", "dx", "dw", "db"), got, want):
-            assert torch.equal(o, t), (backend, name)
-
-
-def test_batch_renorm_training_honours_the_forced_backend_and_says_which_ran():
-    m = normscope.BatchRenorm2d(4)
-    x = torch.randn(2, 4, 3, 3)
-    F.layer_norm(x, (3,))  # leaves last_backend() at "aten"
-    assert normscope.last_backend() == "aten"
-    m(x)
-    assert normscope.last_backend() == "reference"  # its training step runs on the reference
-    with normscope.use_backend("reference"):
-        m(x)
-    for name in ("aten", "composite"):
-        before = m.running_mean.clone()
-        with normscope.use_backend(name), pytest.raises(ValueError, match=f"backend '{name}' cannot run a training"):
-            m(x)
-        assert torch.equal(m.running_mean, before)  # refused before any state changed
-    m.eval()
-    with normscope.use_backend("aten"):
-        torch.testing.assert_close(m(x), nn.functional.batch_norm(x, m.running_mean, m.running_var, m.weight, m.bias))
-        assert normscope.last_backend() == "aten"
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,15 @@
 """BatchRenorm against the direct formula of the paper (Ioffe 2017) and torch's BatchNorm running
 statistics: warm-up and the r/d limits, channels_last with a mask, and its edges -- non-float input,
-one value per channel (refused as BatchNorm refuses it), the warm-up ramp read as a tensor."""
+one value per channel (refused as BatchNorm refuses it), the warm-up ramp read as a tensor; a forced
+backend that cannot run its training step refused before any state moves; torch.compile(fullgraph=True)
+giving eager's gradients step after step.
+
+BatchRenorm's rows in the sweeps over every layer (layers, masks, serialization, transforms) stay with
+their sweep."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -11,6 +17,7 @@ import torch
 from torch import nn
 
 import normscope
+import normscope.functional as nf
 
 TOL = dict(atol=2e-5, rtol=1e-5)
 
@@ -130,3 +137,56 @@ def test_batchrenorm_warmup_ramp_read_as_tensor():
         d = torch.clamp(mean / sigma, -dmax, dmax)
         want = (x.double() - mean) / torch.sqrt(var + 1e-5) * r + d
         torch.testing.assert_close(m(x).double(), want, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# backends and torch.compile
+
+
+def test_batch_renorm_training_honours_the_forced_backend_and_says_which_ran():
+    m = normscope.BatchRenorm2d(4)
+    x = torch.randn(2, 4, 3, 3)
+    nf.layer_norm(x, (3,))  # leaves last_backend() at "aten"
+    assert normscope.last_backend() == "aten"
+    m(x)
+    assert normscope.last_backend() == "reference"  # its training step runs on the reference
+    with normscope.use_backend("reference"):
+        m(x)
+    for name in ("aten", "composite"):
+        before = m.running_mean.clone()
+        with normscope.use_backend(name), pytest.raises(ValueError, match=f"backend '{name}' cannot run a training"):
+            m(x)
+        assert torch.equal(m.running_mean, before)  # refused before any state changed
+    m.eval()
+    with normscope.use_backend("aten"):
+        torch.testing.assert_close(m(x), nn.functional.batch_norm(x, m.running_mean, m.running_var, m.weight, m.bias))
+        assert normscope.last_backend() == "aten"
+
+
+def test_compile_batchrenorm_with_momentum_matches_eager():
+    """r and d are computed once, before the running buffers move: a backward that recomputed them from
+    the updated buffers would differ from eager's by the size of the update."""
+    _compile_batchrenorm(momentum=0.1, warmup=0, steps=3)
+
+
+def test_compile_batchrenorm_warmup_matches_eager():
+    """The warm-up limits come from the step counter, incremented in the same graph."""
+    _compile_batchrenorm(momentum=0.0, warmup=3, steps=4)
+
+
+def _compile_batchrenorm(momentum, warmup, steps):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = normscope.BatchRenorm2d(4, momentum=momentum, rmax=1.5, dmax=0.5, warmup_iters=warmup)
+    with torch.no_grad():
+        m.running_mean.uniform_(-1, 1)
+        m.running_var.uniform_(0.5, 2)
+    x = torch.randn(8, 4, 3, 3)
+    eager, compiled = copy.deepcopy(m), copy.deepcopy(m)
+    fn = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    for _ in range(steps):
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        dy = torch.randn_like(x)
+        (eager(xe) * dy).sum().backward()
+        (fn(xc) * dy).sum().backward()
+        torch.testing.assert_close(xc.grad, xe.grad)
