@@ -95,7 +95,7 @@ from . import backends as _backends_package  # noqa: E402,F401
 from . import kernels  # noqa: E402,F401  (normscope.kernels, an attribute as before)
 from .engine import backends  # noqa: E402
 
-# The TorchScript tracer (the legacy ONNX exporter) warns on every Python bool taken from a traced
+# The TorchScript tracer (the ONNX exporter with ``dynamo=False``) warns on every Python bool taken from a traced
 # size. normscope's argument checks and scope resolution take such bools by design: they validate the
 # example call, and what they decide is constant for the exported graph (the ONNX tests export with a
 # dynamic batch and run other batch sizes in onnxruntime). Warnings attributed to other modules stay.

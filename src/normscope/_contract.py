@@ -84,7 +84,7 @@ LayerEntry = Callable[[Tensor, "Tensor | None", "Tensor | None", float, "Running
 #: ``call_of((x, scope, weight, bias, eps, mask, running, residual, weight_offset, residual_fp32, op,
 #: casting))``:
 #: a :class:`Call` from all its fields, in order, without the NamedTuple's Python-level ``__new__``
-#: (a frame that was a measurable share of a small layer's per-call cost); for the layers' hot path.
+#: (a frame that is a measurable share of a small layer's per-call cost); for the layers' hot path.
 call_of = functools.partial(tuple.__new__, Call)
 
 

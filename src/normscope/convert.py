@@ -112,8 +112,8 @@ def _builder(cls: type) -> Callable[[nn.Module], nn.Module]:
     """A builder of ``cls`` with the configuration of a layer of its namesake (either direction).
 
     Built on the meta device: every tensor is replaced by the old layer's own (:func:`_move`)."""
-    # torch >= 2.13 can drop the bias alone (keyword-only ``bias=False``); pass it only then, so
-    # older torch versions keep working
+    # torch >= 2.13 can drop the bias alone (keyword-only ``bias=False``); passed only then, as the
+    # torch versions before it take no such keyword
     nobias = lambda m, affine: {"bias": False} if affine and getattr(m, "bias", 0) is None else {}  # noqa: E731
     meta = {"device": "meta"}
     if issubclass(cls, nn.SyncBatchNorm) or cls.__name__ == "SyncBatchNorm":
@@ -465,8 +465,9 @@ def _refuse_unmovable(path: str, old: nn.Module, new: nn.Module) -> None:
     for kind, label in (("_parameters", "parameters"), ("_buffers", "buffers")):
         have, want = set(getattr(old, kind)), set(getattr(new, kind))
         if have != want:
-            legacy = {"WeightNorm": "weight_norm", "SpectralNorm": "spectral_norm"}
-            found = [legacy[type(h).__name__] for h in old._forward_pre_hooks.values() if type(h).__name__ in legacy]
+            # torch.nn.utils.weight_norm / spectral_norm work by a forward pre-hook that renames the weight
+            by_hook = {"WeightNorm": "weight_norm", "SpectralNorm": "spectral_norm"}
+            found = [by_hook[type(h).__name__] for h in old._forward_pre_hooks.values() if type(h).__name__ in by_hook]
             hint = f" (torch.nn.utils.{found[0]} is applied: remove it first)" if found else ""
             raise ValueError(
                 f"{where}: expected {label} {sorted(want)} for a lossless conversion to {type(new).__name__}, "

@@ -6,7 +6,7 @@ Two exporters ship with torch, and both work (tested with onnxruntime, outputs w
   default from 2.9 on; needs ``onnxscript``). It traces through the engine's Python dispatch
   (the backend choice and its cache run at trace time and leave only the chosen ATen ops in the
   graph), so nothing extra is needed.
-* ``torch.onnx.export(model, args, f, dynamo=False)`` -- the legacy TorchScript exporter. It has
+* ``torch.onnx.export(model, args, f, dynamo=False)`` -- the TorchScript exporter, which torch deprecates. It has
   no conversion for ``aten::rms_norm`` (ONNX's ``RMSNormalization`` only exists from opset 23,
   beyond that exporter), which the engine uses for RMSNorm. :func:`register` adds one (the
   formula in ONNX ops); importing this module calls it, and :func:`export` is
@@ -57,7 +57,7 @@ def _rms_norm_symbolic(g, x, normalized_shape, weight, eps):
 
 
 def register() -> None:
-    """Teach the legacy TorchScript exporter (``dynamo=False``) ``aten::rms_norm``. Idempotent."""
+    """Teach the TorchScript exporter (``dynamo=False``) ``aten::rms_norm``. Idempotent."""
     if _registered[0]:
         return
     from torch.onnx import register_custom_op_symbolic

@@ -101,7 +101,7 @@ def _cudnn() -> bool:
 
 
 def _static(sizes: list) -> list:
-    """Sizes as Python ints. Under the TorchScript tracer (legacy ONNX export) ``x.shape`` holds
+    """Sizes as Python ints. Under the TorchScript tracer (ONNX export with ``dynamo=False``) ``x.shape`` holds
     0-d tensors, and a traced ``normalized_shape`` cannot be exported with a dynamic axis; the
     normalized axes are fixed by the layer's weight anyway, so freeze them (once, at prepare)."""
     if not any(isinstance(n, Tensor) for n in sizes):
@@ -174,7 +174,7 @@ def _family_entry(call: Call, automatic: bool) -> LayerEntry:
 def _runner(entry: LayerEntry) -> Runner:
     """The runner of ``entry(x, weight, bias, eps, running)``, the form every runner here is written
     in: a layer's hot path calls the entry itself (:func:`normscope.engine.layer_entry`) and builds
-    no :class:`Call` -- at a small layer's size that was ~1 us of a ~15 us call
+    no :class:`Call` -- building one is ~1 us of a small layer's ~15 us call
     (``benchmarks/cpu_overhead.py``). The planned call's other fields are fixed by the plan: no
     mask, no residual (``kind``), ``op`` read at planning only."""
 

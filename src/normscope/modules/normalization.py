@@ -196,7 +196,7 @@ def offset_rms_norm(
 
 def _offset_scale(layer: nn.Module, w: Tensor | None, x: Tensor, offset: float) -> Tensor | None:
     """``w.to(acc) + offset`` (acc: ``x``'s accumulation dtype), formed once per state of the weight
-    rather than on every call: at a small layer's size forming it was ~20 % of the call.
+    rather than on every call: forming it is ~20 % of a small layer's call.
 
     The key is everything the value depends on, compared on every call: the weight object itself,
     its version counter (every in-place change through the tensor or its views: an optimizer step,
