@@ -36,8 +36,9 @@ busy machine the least disturbed estimate.
 
 Writes JSON (machine, torch version, threads, every sample) to ``--out``, by default a new
 ``results/cpu_speed-<UTC time>.json`` beside the committed ``results/cpu_speed.json`` (the README's
-figures; replace it deliberately with ``--out results/cpu_speed.json``). The older
-``results/cpu_overhead*.json`` are earlier measurements of slower code, kept for comparison.
+figures; replace it deliberately with ``--out results/cpu_speed.json``).
+``results/cpu_overhead*.json`` measure a slower state of the code (fewer cases, torch's default
+threads): a baseline to compare against, not the README's figures.
 """
 
 from __future__ import annotations
