@@ -157,7 +157,7 @@ def test_normalize_any_axes_float64_formula(dims):
 
 @pytest.mark.parametrize("training, eps", [(True, 0.0), (True, -1e-5), (False, -1e-5)])
 def test_batch_norm_eps_checked_like_torch(training, eps):
-    """eps <= 0 in training (NaN) and eps < 0 in evaluation were accepted; torch raises."""
+    """eps <= 0 in training (NaN) and eps < 0 in evaluation are refused, as torch refuses them."""
     x = torch.randn(4, 3, 5)
     with pytest.raises(ValueError, match="eps"):
         torch.nn.functional.batch_norm(x, torch.zeros(3), torch.ones(3), training=training, eps=eps)

@@ -197,7 +197,7 @@ def test_torchvision_models_and_detection_backbone():
     assert isinstance(converted[0], normscope.LayerNorm2d) and not report.skipped
     assert torch.equal(converted[0](x), layer(x))
     assert type(normscope.convert(converted, to="torch")[0][0]) is LayerNorm2d
-    # FrozenBatchNorm2d: 0 of 20 were converted before (no num_features attribute)
+    # FrozenBatchNorm2d: torchvision's has no num_features attribute; all 20 must still convert
     backbone = resnet_fpn_backbone(backbone_name="resnet18", weights=None).eval()
     _randomize_norms(backbone)
     x = torch.randn(1, 3, 32, 32)

@@ -306,7 +306,7 @@ def test_parametrized_layers_are_refused_and_the_model_is_untouched():
     with pytest.raises(ValueError, match=r"1 \(ParametrizedGroupNorm\) has parametrized tensors \(weight"):
         normscope.convert(model)
     assert type(model[0]) is nn.BatchNorm2d  # nothing replaced: the refusal came first
-    # the legacy hook-based weight_norm too (its weight_g / weight_v have no place)
+    # torch.nn.utils.weight_norm, which works by a forward pre-hook, too (its weight_g / weight_v have no place)
     model = nn.Sequential(nn.BatchNorm2d(4), nn.GroupNorm(2, 4))
     with pytest.warns(FutureWarning):
         torch.nn.utils.weight_norm(model[1], "weight", dim=0)
@@ -398,7 +398,7 @@ def test_normact_keeps_its_activation_lossless_and_to_another_norm():
         getattr(original, mode)(), getattr(converted, mode)()
         assert torch.equal(converted(x), original(x)), mode
     assert torch.equal(converted[1].running_mean, original[1].running_mean)
-    # to another norm: the activation stays after it (it was dropped, changing the output by O(1))
+    # to another norm: the activation stays after it (dropping it would change the output by O(1))
     grouped, report = normscope.convert(copy.deepcopy(model), to="group:2", where=nn.BatchNorm2d)
     assert isinstance(grouped[1], normscope.GroupNorm) and isinstance(grouped[1].act, nn.SiLU)
     ref = nn.Sequential(model[0], nn.GroupNorm(2, 6), nn.SiLU())

@@ -260,8 +260,8 @@ def _close_states(a: dict, b: dict, **tol) -> None:
         torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}", **tol)
 
 
-# bf16 parameters and activations: at most about one bf16 rounding (2**-7 relative) apart. Today the
-# results are bitwise equal (measured when this test was written), so this only leaves room for a
+# bf16 parameters and activations: at most about one bf16 rounding (2**-7 relative) apart. The
+# results measure bitwise equal on CPU/gloo, so this only leaves room for a
 # backend that rounds differently, not for a wrong result
 BF16 = dict(atol=1e-2, rtol=1e-2)
 

@@ -162,7 +162,7 @@ def test_powernorm_valid_tokens_is_the_authors_algorithm_on_the_valid_tokens_alo
 
 @pytest.mark.parametrize("over", ["valid", "all"])
 def test_powernorm_padded_positions_get_exactly_zero_gradient_every_step(over):
-    """The issue's reproducer, over many steps in fp64: x.grad at padding is exactly 0 each step,
+    """Over many steps in fp64: x.grad at padding is exactly 0 each step,
     even when the loss reads the padded outputs (upstream gradient nonzero there)."""
     torch.manual_seed(0)
     pn = normscope.PowerNorm(4, warmup_iters=10, ema_gz_over=over, dtype=torch.float64)

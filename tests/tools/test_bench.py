@@ -340,7 +340,7 @@ def test_choice_table_group_norm_needs_every_memory_format_and_derives_n_from_th
         ("batch_norm", 32 * 56 * 56, 1.3, 1.3),
         ("group_norm", 8 * 56 * 56, 1.2, 1.1),
     ]
-    cl[1]["impls"]["torch"]["ms"] = 0.5  # channels_last slower in fwd+bwd: GroupNorm at that n no longer qualifies
+    cl[1]["impls"]["torch"]["ms"] = 0.5  # channels_last slower in fwd+bwd: GroupNorm at that n then does not qualify
     assert [c["op"] for c in bench.choice_table(_cuda_report(nchw + cl + bn))["choices"]] == ["batch_norm"]
 
 

@@ -50,7 +50,7 @@ def test_modern_cases_are_a_group_of_their_own_and_every_level_stays_within_the_
                 assert len(shape) == 4 and shape[2] == cases.QK_HEADS
             elif case.startswith("modulated"):
                 assert len(shape) == 3 and shape[0] == cases.MOD_BATCH
-    # the old cases keep their interpreter widths (20000: normscope's looped path; 70000: Liger's limit)
+    # the other cases keep their interpreter widths (20000: normscope's looped path; 70000: Liger's limit)
     assert cases.NS_INTERPRET == (64, 20000, 70000)
     assert {s[-1] for _, _, s in bench.plan(["poly_norm"], ["fp32"], "interpret")} == set(cases.NS_MODERN["interpret"])
 

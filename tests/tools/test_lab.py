@@ -44,7 +44,7 @@ def test_every_experiment_writes_result_plots_and_verdicts(smoke):
         assert r["verdicts"], name
         for v in r["verdicts"]:
             assert VERDICT_KEYS <= set(v)
-            # smoke runs barely train: their rules run but judge nothing (issue 16)
+            # smoke runs barely train: their rules run but judge nothing
             assert v["outcome"] == verdicts.NOT_JUDGED or v["outcome"].startswith("skipped: "), v
         assert r["plots"], name
         for p in r["plots"]:
