@@ -231,8 +231,8 @@ def _writable_dir(text: str, argument: str, parser: argparse.ArgumentParser) -> 
 
 
 def _tour(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .tools import tour
     from .terminal import Out
+    from .tools import tour
 
     if args.pictures:
         _writable_dir(args.pictures, "--pictures", parser)
@@ -281,8 +281,8 @@ def _drawing_module():
 
 
 def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .tools import explain
     from .terminal import Out
+    from .tools import explain
 
     try:
         result = explain.explain(
