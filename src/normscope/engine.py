@@ -344,10 +344,15 @@ def apply(
     return ref.apply(x, mean, rstd, resolved, weight, bias, mask)
 
 
-# The parts' own names under this module's, for the tests that set and read the per-thread state and
-# the registry through ``engine._FORCED``, ``engine._LAST``, ``engine._choose``... (no module of the
+# The parts' own names under this module's: tests set and read the per-thread state and the
+# registry through ``engine._FORCED``, ``engine._BACKENDS``, ``engine._choose``... (no module of the
 # package reads them here: each imports the part it needs, tests/core/test_imports.py)
-_FORCED, _LAST = _state.FORCED, _state.LAST
-_as_traced = _state.as_traced
-_choose = _registry.choose
+_AUTO = _registry.AUTO
+_FORCED, _LAST, _TRACING_CHOICE, _TRACED_VIEW = _state.FORCED, _state.LAST, _state.TRACING_CHOICE, _state.TRACED_VIEW
+_CAPTURED, _RECORDS = _capture.CAPTURED, _capture.RECORDS
+_ENV_DATA, _ENV_KEY = _state.ENV_DATA, _state.ENV_KEY
+_environ_get, _traces_here = _state.environ_get, _state.traces_here
+_as_traced, _is_compiling = _state.as_traced, _state.is_compiling
+_choose, _validate, _prepare = _registry.choose, _registry.validate, _registry.prepare
+_check_backend_name = _registry.check_backend_name
 _choice_for_trace, _static_signature = _planning.choice_for_trace, _planning.static_signature
