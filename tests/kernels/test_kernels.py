@@ -1,6 +1,6 @@
 """The Triton kernels (rows, groups, channels, fused residual add) against independent float64 oracles.
 
-Device: CPU by default, where the kernels run in Triton's interpreter (this folder's conftest.py
+Device: CPU by default, where the kernels run in Triton's interpreter (tests/conftest.py
 sets TRITON_INTERPRET=1 before any kernel is imported) and shapes are tiny because the interpreter
 is slow. ``NORMSCOPE_TEST_DEVICE=cuda``
 (see conftest.py) runs the same tests on the compiled kernels on a GPU: the same assertions on the

@@ -1,6 +1,6 @@
 """The channels_last GroupNorm / InstanceNorm kernels, on CPU in Triton's interpreter (or compiled on a GPU).
 
-On CPU the kernels run in Triton's interpreter (this folder's conftest.py sets TRITON_INTERPRET=1).
+On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 for this folder).
 Shapes are tiny: the interpreter is slow. ``NORMSCOPE_TEST_DEVICE=cuda`` (see tests/conftest.py) runs
 the same tests on the compiled kernels: numbers are drawn on the CPU, then moved, and the expected
 output layout is what torch's CPU ``group_norm`` gives (torch's CUDA one may differ).
