@@ -17,6 +17,7 @@ from triton.compiler import ASTSource
 from normscope.kernels import channels as CH
 from normscope.kernels import config as KC
 from normscope.kernels import groups as G
+from normscope.kernels import modern as MK
 from normscope.kernels import rows as R
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -119,6 +120,46 @@ for dt in ("fp32", "bf16"):
         sig = {"DY": p, "X": p, "MASK": "*u8", "MEAN": "*fp32", "RSTD": "*fp32", "W": "*fp32", "SDY": "*fp32",
                "SDYX": "*fp32", "DX": p, "COUNT": "*fp32", "C": "i32", "inner": "i32", "P": "i32", **csig}
         check(CH._bwd_dx_kernel, sig, cval, f"channels bwd dx {dt} {cval}")
+
+    # the modern row kernels (kernels/modern.py), built from the rows body of kernels/_rowbody.py
+    bm, bn = 4, 1024
+    for centered, affine, mod in itertools.product([False, True], repeat=3):
+        names = ("BLOCK_M", "BLOCK_N", "CENTERED", "HAS_WEIGHT", "HAS_BIAS", "HAS_SHIFT", "HAS_SCALE")
+        csig, cval = const(names, (bm, bn, centered, affine, affine, mod, mod))
+        sig = {"X": p, "W": p, "B": p, "SHIFT": p, "SCALE": p, "Y": p, "MEAN": "*fp32", "RSTD": "*fp32",
+               "stride_x": "i32", "stride_y": "i32", "stride_shift": "i32", "stride_scale": "i32",
+               "M": "i32", "N": "i32", "per_shift": "i32", "per_scale": "i32", "eps": "fp32", **csig}
+        check(MK._mod_fwd_kernel, sig, cval, f"modulated fwd {dt} {cval}")
+        names = ("BLOCK_M", "BLOCK_N", "CENTERED", "HAS_WEIGHT", "HAS_BIAS", "HAS_SCALE")
+        csig, cval = const(names, (bm, bn, centered, affine, affine, mod))
+        sig = {"DY": p, "X": p, "W": p, "B": p, "SCALE": p, "MEAN": "*fp32", "RSTD": "*fp32", "DX": p,
+               "DW": "*fp32", "DB": "*fp32", "DSC": "*fp32", "stride_dy": "i32", "stride_x": "i32",
+               "stride_scale": "i32", "stride_dx": "i32", "M": "i32", "N": "i32", "per_scale": "i32",
+               "rows_per_prog": "i32", **csig}
+        check(MK._mod_bwd_kernel, sig, cval, f"modulated bwd {dt} {cval}")
+        names = ("BLOCK_M", "BLOCK_N", "CENTERED", "HAS_WQ", "HAS_WK", "HAS_BQ", "HAS_BK")
+        csig, cval = const(names, (bm, bn, centered, affine, mod, mod, affine))
+        sig = {"Q": p, "K": p, "WQ": p, "WK": p, "BQ": p, "BK": p, "YQ": p, "YK": p, "MEANQ": "*fp32",
+               "RSTDQ": "*fp32", "MEANK": "*fp32", "RSTDK": "*fp32", "stride_q": "i32", "stride_k": "i32",
+               "stride_yq": "i32", "stride_yk": "i32", "Mq": "i32", "Mk": "i32", "N": "i32", "eps": "fp32",
+               "w_offset": "fp32", "q_blocks": "i32", **csig}
+        check(MK._qk_fwd_kernel, sig, cval, f"qk fwd {dt} {cval}")
+    csig, cval = const(("BLOCK_M", "BLOCK_N"), (bm, bn))
+    sig = {"X": p, "W": p, "B": p, "Y": p, "RSTD": "*fp32", "stride_x": "i32", "stride_y": "i32", "M": "i32",
+           "N": "i32", "eps": "fp32", **csig}
+    check(MK._poly_fwd_kernel, sig, cval, f"poly fwd {dt}")
+    sig = {"DY": p, "X": p, "W": p, "RSTD": "*fp32", "DX": p, "DWB": "*fp32", "stride_dy": "i32",
+           "stride_x": "i32", "stride_dx": "i32", "M": "i32", "N": "i32", "rows_per_prog": "i32", **csig}
+    check(MK._poly_bwd_kernel, sig, cval, f"poly bwd {dt}")
+    for has_w in (False, True):
+        csig, cval = const(("BLOCK_M", "BLOCK_N", "HAS_WEIGHT"), (bm, bn, has_w))
+        sig = {"X": p, "A": p, "S": p, "W": p, "B": p, "Y": p, "stride_x": "i32", "stride_y": "i32",
+               "M": "i32", "N": "i32", **csig}
+        check(MK._derf_fwd_kernel, sig, cval, f"derf fwd {dt} {cval}")
+        sig = {"DY": p, "X": p, "A": p, "S": p, "W": p, "DX": p, "DWB": "*fp32", "DAS": "*fp32",
+               "stride_dy": "i32", "stride_x": "i32", "stride_dx": "i32", "M": "i32", "N": "i32",
+               "rows_per_prog": "i32", **csig}
+        check(MK._derf_bwd_kernel, sig, cval, f"derf bwd {dt} {cval}")
 # fmt: on
 
 print(f"triton {triton.__version__}: {failures} failures")

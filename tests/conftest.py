@@ -8,6 +8,7 @@ is checked against something independent.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 #: interpreter; ``NORMSCOPE_TEST_DEVICE=cuda`` runs them compiled on the GPU (same assertions, plus
 #: larger shapes). Other test modules ignore it.
 TEST_DEVICE = os.environ.get("NORMSCOPE_TEST_DEVICE", "cpu")
+_TESTS = Path(__file__).resolve().parent
 
 
 def kernel_interpreter_env(previous):
@@ -36,6 +38,20 @@ def kernel_interpreter_env(previous):
         os.environ.pop("TRITON_INTERPRET", None)
     else:
         os.environ["TRITON_INTERPRET"] = previous
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_module_interpreter(request):
+    """The opening every module of tests/kernels/ shares (:func:`kernel_interpreter_env`), given here
+    rather than by a conftest.py of that folder: a second conftest module would take the name
+    ``conftest`` from this one, and making the folder a package to avoid it would put a top-level
+    package named ``kernels`` on ``sys.path`` (the name of Hugging Face's kernels library, whose
+    presence transformers probes)."""
+    if request.node.path.parent.name != "kernels" or request.node.path.parent.parent != _TESTS:
+        yield
+        return
+    yield from kernel_interpreter_env(os.environ.get("TRITON_INTERPRET"))
+
 
 from normscope import engine  # noqa: E402
 

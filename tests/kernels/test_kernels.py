@@ -1,8 +1,8 @@
 """The Triton kernels (rows, groups, channels, fused residual add) against independent float64 oracles.
 
-Device: CPU by default, where the kernels run in Triton's interpreter -- TRITON_INTERPRET=1 is set
-here, at import, before normscope.kernels.rows is imported (Triton reads it when a kernel is
-decorated) -- and shapes are tiny because the interpreter is slow. ``NORMSCOPE_TEST_DEVICE=cuda``
+Device: CPU by default, where the kernels run in Triton's interpreter (tests/conftest.py
+sets TRITON_INTERPRET=1 before any kernel is imported) and shapes are tiny because the interpreter
+is slow. ``NORMSCOPE_TEST_DEVICE=cuda``
 (see conftest.py) runs the same tests on the compiled kernels on a GPU: the same assertions on the
 same numbers (drawn on the CPU, then moved), plus the ``*_at_realistic_sizes`` tests that only CUDA
 runs. Tolerances follow flash-attention's rule: the kernel's error against a float64 reference may
@@ -12,15 +12,11 @@ be at most twice the error of the same-dtype PyTorch computation, plus a small a
 import itertools
 import os
 
-from conftest import TEST_DEVICE, direct, kernel_interpreter_env
+import pytest
+import torch
+import torch.nn.functional as F
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if TEST_DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from conftest import TEST_DEVICE, direct
 
 #: where every test's tensors live (numbers are drawn on the CPU, so both devices see the same ones)
 DEV = torch.device(TEST_DEVICE)
@@ -41,11 +37,6 @@ from normscope.kernels import rows as R  # noqa: E402
 
 # eps=0 makes the (masked, never stored) padding rows of a block compute 1/sqrt(0) in numpy
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_env():
-    yield from kernel_interpreter_env(_PREVIOUS_INTERPRET)
 
 
 @pytest.fixture(params=["block", "looped"])

@@ -5,16 +5,10 @@ settings small enough that these tiny shapes take several tiles and several spli
 BatchNorm's scope spans the batch by definition and is not here.
 """
 
-import os
+import pytest
+import torch
 
-from conftest import TEST_DEVICE, kernel_interpreter_env, sample_alone_and_in_batches
-
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if TEST_DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from conftest import TEST_DEVICE, sample_alone_and_in_batches
 
 pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
 
@@ -27,11 +21,6 @@ DEV = torch.device(TEST_DEVICE)
 BATCHES = ((2, 0), (5, 3))
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_env():
-    yield from kernel_interpreter_env(_PREVIOUS_INTERPRET)
 
 
 @pytest.fixture(autouse=True)

@@ -6,16 +6,10 @@ backend (plain PyTorch), torch.nn.functional or torch's own add."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-from conftest import TEST_DEVICE, kernel_interpreter_env
-
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if TEST_DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from conftest import TEST_DEVICE
 
 pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
 
@@ -25,11 +19,6 @@ from normscope import functional_modern as FM  # noqa: E402
 
 DEV = torch.device(TEST_DEVICE)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_env():
-    yield from kernel_interpreter_env(_PREVIOUS_INTERPRET)
 
 
 def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,9 +1,9 @@
 """The channels_last GroupNorm / InstanceNorm kernels, on CPU in Triton's interpreter (or compiled on a GPU).
 
-On CPU, TRITON_INTERPRET=1 must be set before Triton decorates a kernel, so it is set here, at import
-(as in test_kernels.py). Shapes are tiny: the interpreter is slow. ``NORMSCOPE_TEST_DEVICE=cuda`` (see
-conftest.py) runs the same tests on the compiled kernels: numbers are drawn on the CPU, then moved, and
-the expected output layout is what torch's CPU ``group_norm`` gives (torch's CUDA one may differ).
+On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 for this folder).
+Shapes are tiny: the interpreter is slow. ``NORMSCOPE_TEST_DEVICE=cuda`` (see tests/conftest.py) runs
+the same tests on the compiled kernels: numbers are drawn on the CPU, then moved, and the expected
+output layout is what torch's CPU ``group_norm`` gives (torch's CUDA one may differ).
 The oracle is float64 PyTorch (``F.group_norm`` on ``x.double()``, the RMS variant written out);
 low-precision dtypes follow flash-attention's rule: the kernel's error against float64 is at most
 twice the same-dtype PyTorch error plus a small atol. Every numeric test also checks, through a spy
@@ -11,17 +11,12 @@ on the kernels, that the channels_last kernels ran and the NCHW ones did not.
 """
 
 import inspect
-import os
 
-from conftest import TEST_DEVICE, kernel_interpreter_env
+import pytest
+import torch
+import torch.nn.functional as F
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if TEST_DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from conftest import TEST_DEVICE
 
 pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
 
@@ -41,11 +36,6 @@ CL_KERNELS = ("_groups_cl_stats_kernel", "_groups_cl_apply_kernel", "_groups_cl_
 NCHW_KERNELS = ("_groups_fwd_kernel", "_groups_bwd_kernel")
 CL = {4: torch.channels_last, 5: torch.channels_last_3d}
 _REAL = {name: getattr(G, name) for name in CL_KERNELS + NCHW_KERNELS}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_env():
-    yield from kernel_interpreter_env(_PREVIOUS_INTERPRET)
 
 
 class _Spy:

@@ -8,16 +8,10 @@ empty input (QuACK), bf16 ``1 + w`` (Liger #1462), weights that are views.
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-from conftest import TEST_DEVICE, kernel_interpreter_env
-
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if TEST_DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from conftest import TEST_DEVICE
 
 pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
 
@@ -28,11 +22,6 @@ from normscope.kernels import config as KC  # noqa: E402
 DEV = torch.device(TEST_DEVICE)
 cuda_only = pytest.mark.skipif(DEV.type == "cpu", reason="> 2^31 elements run only with NORMSCOPE_TEST_DEVICE=cuda")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_env():
-    yield from kernel_interpreter_env(_PREVIOUS_INTERPRET)
 
 
 def _mod64(x, shift, scale, w, b, centered, eps=1e-6):

@@ -7,16 +7,10 @@ graph, eager runs it, so the numbers are the kernels' own); tiny shapes.
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-from conftest import TEST_DEVICE, kernel_interpreter_env
-
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if TEST_DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from conftest import TEST_DEVICE
 
 pytest.importorskip("triton", reason="the kernel tests need Triton (pip install 'normscope[kernels]')")
 
@@ -26,11 +20,6 @@ from normscope.kernels import modern as _registers_the_ops  # noqa: E402, F401  
 
 DEV = torch.device(TEST_DEVICE)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_env():
-    yield from kernel_interpreter_env(_PREVIOUS_INTERPRET)
 
 
 def _leaves(*shapes, seed):

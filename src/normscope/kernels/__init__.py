@@ -15,8 +15,15 @@ What exists (see ``docs/kernels.md``):
 * :mod:`.channels` -- BatchNorm on any channel axis, training (two-stage deterministic
   reduction; the engine updates running statistics) and evaluation, forward and backward, with
   an optional per-position mask (masked BatchNorm1d on (B, S, D)).
+* :mod:`.modern` -- the modern norms over rows: the modulated (AdaLN) norm, q + k norm in one
+  launch, PolyNorm, Derf.
 * :mod:`.fused` -- the reference of the fused residual add + RMSNorm
   (:func:`normscope.functional.fused_add_rms_norm` is the op).
+
+Private to the package: :mod:`._common` (what every family shares: launch arithmetic, Chan's
+combination), :mod:`._rowbody` (the body of a block of rows, the rows and modern kernels' one
+spelling), :mod:`._ref` (every family's plain-PyTorch reference, importable without Triton) and
+:mod:`._eager` (the eager autograd path).
 """
 
 from __future__ import annotations

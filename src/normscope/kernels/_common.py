@@ -1,6 +1,8 @@
 """What the kernel families share: the interpreter switch, when a tensor runs the kernel, the dense
-per-channel view every entry point takes, launch arithmetic, and Chan's combination of partial
-moments (a ``triton.jit`` function the rows, groups and channels kernels call).
+per-channel view every entry point takes, launch arithmetic (the rows view's block and backward grid
+included: the rows and modern kernels launch alike), and Chan's combination of partial moments (a
+``triton.jit`` function the rows, groups and channels kernels call). The body of a block of rows is
+in :mod:`._rowbody`, the references in :mod:`._ref`.
 """
 
 from __future__ import annotations
@@ -84,6 +86,30 @@ def programs(x: Tensor, work: int, per_sm: int) -> int:
     if x.is_cuda:
         return max(1, min(work, sm_count(x.device.index or 0) * per_sm))
     return max(1, min(work, config.INTERPRETER_PROGRAMS))
+
+
+def rows_config(N: int) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, looped, num_warps) of a kernel over rows of length N (settings:
+    kernels/config.py): whole rows in registers up to ``ROWS_MAX_FUSED_N``, else one row a program
+    walked in chunks. Every kernel on the rows view launches with these."""
+    block = next_pow2(N)
+    if block <= config.ROWS_MAX_FUSED_N:
+        block_m = max(1, min(config.ROWS_MAX_BLOCK_M, config.ROWS_TILE // block))
+        warps = min(config.ROWS_MAX_WARPS, max(1, block_m * block // config.ROWS_WARP_ELEMS))
+        return block_m, block, False, next_pow2(warps)
+    tuned = config.ROWS_LOOP_LAUNCH.get(block)
+    if tuned is not None:
+        return 1, tuned[0], True, tuned[1]
+    chunk = min(config.ROWS_LOOP_BLOCK, config.ROWS_MAX_FUSED_N)
+    return 1, chunk, True, next_pow2(min(config.ROWS_MAX_WARPS, max(1, chunk // config.ROWS_LOOP_WARP_ELEMS)))
+
+
+def bwd_grid(x: Tensor, M: int, block_m: int, per_sm: int) -> tuple[int, int]:
+    """(programs, rows per program) of a single-block rows backward: each program takes a run of
+    whole blocks (a multiple of ``block_m`` rows) and writes one row of per-program dW/dB partials."""
+    blocks = triton.cdiv(M, block_m)
+    rows_per_prog = triton.cdiv(blocks, programs(x, blocks, per_sm)) * block_m
+    return triton.cdiv(M, rows_per_prog), rows_per_prog
 
 
 def dense(t: Tensor | None) -> Tensor | None:

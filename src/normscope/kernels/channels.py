@@ -30,6 +30,9 @@ Limits
 * The ``(outer, inner)`` index arithmetic (``//``, ``%``) hides contiguity from the compiler, so
   NCHW loads are not vectorised: correct, not yet fast. Block sizes and warps (``CHANNELS_*`` in
   :mod:`normscope.kernels.config`) are heuristics, not measured on a GPU.
+
+The reference (what a CPU tensor without ``TRITON_INTERPRET=1``, empty input and the double backward
+run) is :func:`._ref.channels_fwd_ref`.
 """
 
 from typing import Optional
@@ -44,6 +47,7 @@ from ._common import chan_combine as _chan_combine
 from ._common import dense, use_kernel
 from ._common import next_pow2 as _next_pow2
 from ._common import sm_count as _sm_count
+from ._ref import channels_fwd_ref as _ref_fwd
 
 __all__ = ["batch_norm_channels"]
 
@@ -237,32 +241,6 @@ def _batch_stats(x3: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Te
 def _non_finite_padding(x3: Tensor, mask: Tensor) -> Tensor:
     """Where ``x3`` holds inf or NaN at a padded position (``mask``: one flag per position)."""
     return ~torch.isfinite(x3) & (mask[:, None, :] == 0)
-
-
-def _ref_fwd(x3, weight, bias, mean_in, var_in, mask, eps):
-    acc = torch.float64 if x3.dtype == torch.float64 else torch.float32
-    xf = x3.to(acc)
-    count = torch.tensor(float(x3.shape[0] * x3.shape[2]), device=x3.device)
-    if mean_in is not None:
-        mean, var = mean_in.to(acc), var_in.to(acc)
-    elif mask is None:
-        var, mean = torch.var_mean(xf, dim=(0, 2), correction=0)
-    else:
-        m = mask.to(acc)[:, None, :]
-        count = m.sum((0, 2))[0] if x3.shape[1] else m.sum()
-        denom = count.clamp_min(1)
-        valid = m != 0  # where, not a product with m: padding may hold inf or NaN
-        mean = torch.where(valid, xf, 0).sum((0, 2)) / denom
-        var = torch.where(valid, (xf - mean[:, None]).square(), 0).sum((0, 2)) / denom
-    rstd = torch.rsqrt(var + eps)
-    if mean_in is None:
-        rstd = torch.where(count > 0, rstd, torch.zeros_like(rstd))  # no valid position: y = bias
-    y = (xf - mean[:, None]) * rstd[:, None]
-    if weight is not None:
-        y = y * weight.to(acc)[:, None]
-    if bias is not None:
-        y = y + bias.to(acc)[:, None]
-    return y.to(x3.dtype), mean.float(), rstd.float(), var.float(), count.float()
 
 
 def _channels_fwd_impl(

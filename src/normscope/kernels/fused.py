@@ -7,16 +7,18 @@ normalized, so swapping the fused op in changes no bit of the residual stream.
 
 The public op is :func:`normscope.functional.fused_add_rms_norm` (it goes through the engine, so
 it obeys a forced backend and reports ``last_backend()``); the kernel is :func:`.rows.rows_norm`
-with a residual, reached through the ``"triton"`` backend. This module holds the plain-PyTorch
-reference beside them.
+with a residual, reached through the ``"triton"`` backend. Its reference is the rows family's
+(:func:`normscope.kernels._ref.fused_add_rms_norm_ref`, named here too); this module also says
+whether Triton is importable. Limits: none of its own -- it imports neither Triton nor a kernel.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-import torch
-from torch import Tensor
+from ._ref import fused_add_rms_norm_ref
+
+__all__ = ["fused_add_rms_norm_ref", "triton_available"]
 
 
 def triton_available() -> bool:
@@ -25,23 +27,3 @@ def triton_available() -> bool:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):  # a broken or blocked installation counts as absent
         return False
-
-
-def fused_add_rms_norm_ref(
-    x: Tensor,
-    residual: Tensor,
-    weight: Tensor | None = None,
-    eps: float = 1e-6,
-    *,
-    weight_offset: float = 0.0,
-    residual_fp32: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """The reference for :func:`fused_add_rms_norm` in plain PyTorch ops (any device, any dtype)."""
-    dt = torch.float32 if residual_fp32 and residual.dtype != torch.float64 else residual.dtype
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    h = (x.to(acc) + residual.to(acc)).to(dt)
-    hf = h.to(acc)
-    y = hf * torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * (weight.to(acc) + weight_offset)
-    return y.to(x.dtype), h

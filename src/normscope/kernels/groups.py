@@ -54,6 +54,9 @@ Limits
   group small enough for registers would need one read -- not specialised yet.
 * Launch settings (``GROUPS_TILE``, ``GROUPS_CL_*``, warps, the split heuristic) live in
   :mod:`normscope.kernels.config`; they are heuristics, not measured on a GPU.
+
+The reference (:func:`group_norm_ref`, what a CPU tensor without ``TRITON_INTERPRET=1`` and the
+double backward run) is the rows reference on each (sample, group), in :mod:`._ref`.
 """
 
 from typing import Optional
@@ -67,6 +70,9 @@ from . import _eager, config
 from ._common import chan_combine as _chan_combine
 from ._common import dense, use_kernel
 from ._common import next_pow2 as _next_pow2
+from ._ref import group_norm_ref
+from ._ref import groups_bwd_ref as _ref_bwd
+from ._ref import groups_fwd_ref as _ref_fwd
 
 __all__ = ["group_norm", "group_norm_ref"]
 
@@ -535,59 +541,6 @@ def _cl_bwd(dy, x, weight, mean, rstd, dx, groups, centered, has_bias):
         num_warps=warps,
     )  # fmt: skip
     return dwp.sum(0) if has_w else None, dbp.sum(0) if has_bias else None
-
-
-# ---- the reference, next to the kernel
-
-
-def group_norm_ref(
-    x: Tensor,
-    groups: int,
-    weight: Optional[Tensor] = None,
-    bias: Optional[Tensor] = None,
-    eps: float = 1e-5,
-    centered: bool = True,
-) -> Tensor:
-    """Plain-PyTorch GroupNorm over (N, C, *) (``centered=False``: the RMS variant), fp32 statistics."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xg = x.to(acc).reshape(x.shape[0], groups, -1)
-    if centered:
-        xg = xg - xg.mean(-1, keepdim=True)
-    y = (xg * torch.rsqrt(xg.square().mean(-1, keepdim=True) + eps)).reshape(x.shape)
-    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
-    if weight is not None:
-        y = y * weight.to(acc).reshape(shape)
-    if bias is not None:
-        y = y + bias.to(acc).reshape(shape)
-    return y.to(x.dtype)
-
-
-def _ref_fwd(x, weight, bias, groups, eps, centered):
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xg = x.to(acc).reshape(x.shape[0] * groups, -1)
-    if centered:
-        var, mean = torch.var_mean(xg, -1, correction=0)
-    else:
-        var, mean = xg.square().mean(-1), torch.zeros(xg.shape[0], dtype=acc, device=x.device)
-    return group_norm_ref(x, groups, weight, bias, eps, centered), mean.float(), torch.rsqrt(var + eps).float()
-
-
-def _ref_bwd(dy, x, weight, mean, rstd, groups, centered, has_bias):
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    n, c = x.shape[0], x.shape[1]
-    shape = [1, c] + [1] * (x.dim() - 2)
-    xg = x.to(acc).reshape(n * groups, -1)
-    xhat = ((xg - mean.to(acc)[:, None]) * rstd.to(acc)[:, None]).reshape(x.shape)
-    dyf = dy.to(acc)
-    gy = dyf * weight.to(acc).reshape(shape) if weight is not None else dyf
-    gg, hg = gy.reshape(n * groups, -1), xhat.reshape(n * groups, -1)
-    length = gg.shape[1]
-    dx = gg - hg * (gg * hg).sum(-1, keepdim=True) / length
-    if centered:
-        dx = dx - gg.sum(-1, keepdim=True) / length
-    dx = (dx * rstd.to(acc)[:, None]).reshape(x.shape)
-    red = [0] + list(range(2, x.dim()))
-    return dx, (dyf * xhat).sum(red).float(), dyf.sum(red).float()
 
 
 # ---- torch.library ops

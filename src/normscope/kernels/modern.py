@@ -27,6 +27,10 @@ backward is one launch too, with dW (3,) and dB (1,) as per-program fp32 partial
 (:func:`derf_rows`): element-wise over rows, the same partial scheme for d alpha, d shift, d gamma,
 d beta.
 
+The row body (load, fp32 statistics, normalize and affine, the backward's row reductions) is the rows
+kernel's, from :mod:`._rowbody`, so a row normalizes to the same bits here as in :mod:`.rows`; the
+references (:func:`modulated_ref`, ``poly_ref``, ``derf_ref``) are in :mod:`._ref`.
+
 Limits
 ------
 * Rows up to ``config.ROWS_MAX_FUSED_N`` (16K) elements, in registers; longer rows are declined by
@@ -49,12 +53,11 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _eager, config
-from ._common import dense, fix_interpreter_index, interpreting, use_kernel
-from ._common import programs as _programs
-from .rows import _config, _row_stats, _rows_bwd_impl, rows_bwd, rows_ref
-
-if interpreting():
-    fix_interpreter_index()
+from ._common import bwd_grid, dense, use_kernel
+from ._common import rows_config as _config
+from ._ref import derf_ref, modulated_ref, poly_ref, rows_ref
+from ._rowbody import load_cols, load_rows, normalize_rows, row_block, row_dx, row_xhat
+from .rows import _rows_bwd_impl, rows_bwd
 
 __all__ = ["modulated_rows", "modulated_ref", "qk_rows", "poly_rows", "derf_rows"]
 
@@ -74,27 +77,14 @@ def _mod_fwd_kernel(
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    rmask = rows < M
-    cmask = cols < N  # masked lanes count as nothing: the divisions are by N, not BLOCK_N (Liger #518)
-    mask = rmask[:, None] & cmask[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    mean, d, rstd = _row_stats(x, cols, mask, N, eps, CENTERED, BLOCK_M)
-    tl.store(MEAN + rows, mean, mask=rmask)
-    tl.store(RSTD + rows, rstd, mask=rmask)
-    y = d * rstd[:, None]
-    if HAS_WEIGHT:
-        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    rows, cols, rmask, cmask, mask, r64 = row_block(pid * BLOCK_M, M, N, BLOCK_M, BLOCK_N)
+    x = load_rows(X, r64, stride_x, cols, mask)
+    y = normalize_rows(x, W, B, MEAN, RSTD, rows, rmask, cols, cmask, mask, N, eps, 0.0,
+                       BLOCK_M, CENTERED, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
     if HAS_SCALE:
-        srow = (rows // per_scale).to(tl.int64)[:, None]
-        y = y * (1.0 + tl.load(SCALE + srow * stride_scale + cols[None, :], mask=mask, other=0.0).to(tl.float32))
+        y = y * (1.0 + load_rows(SCALE, (rows // per_scale).to(tl.int64)[:, None], stride_scale, cols, mask))
     if HAS_SHIFT:
-        hrow = (rows // per_shift).to(tl.int64)[:, None]
-        y = y + tl.load(SHIFT + hrow * stride_shift + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = y + load_rows(SHIFT, (rows // per_shift).to(tl.int64)[:, None], stride_shift, cols, mask)
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -110,25 +100,19 @@ def _mod_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        w = load_cols(W, cols, cmask)
     if HAS_BIAS:
-        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+        b = load_cols(B, cols, cmask)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
     first = pid * rows_per_prog
-    for start in range(0, rows_per_prog, BLOCK_M):
-        rows = first + start + tl.arange(0, BLOCK_M)
-        rmask = (rows < M) & (start + tl.arange(0, BLOCK_M) < rows_per_prog)
-        mask = rmask[:, None] & cmask[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    for start in range(0, rows_per_prog, BLOCK_M):  # rows_per_prog is a multiple of BLOCK_M (bwd_grid)
+        rows, cols, rmask, cmask, mask, r64 = row_block(first + start, M, N, BLOCK_M, BLOCK_N)
+        x = load_rows(X, r64, stride_x, cols, mask)
+        dy = load_rows(DY, r64, stride_dy, cols, mask)
+        xhat, rstd = row_xhat(x, MEAN, RSTD, rows, rmask, mask, CENTERED)
         if HAS_SCALE:
-            srow = (rows // per_scale).to(tl.int64)[:, None]
-            sc = tl.load(SCALE + srow * stride_scale + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            sc = load_rows(SCALE, (rows // per_scale).to(tl.int64)[:, None], stride_scale, cols, mask)
             n = xhat
             if HAS_WEIGHT:
                 n = n * w[None, :]
@@ -143,34 +127,12 @@ def _mod_bwd_kernel(
         dw += tl.sum(g * xhat, axis=0)
         if HAS_WEIGHT:
             g = g * w[None, :]
-        c1 = tl.sum(g * xhat, axis=1) / N
-        dx = g - xhat * c1[:, None]
-        if CENTERED:
-            dx = dx - (tl.sum(g, axis=1) / N)[:, None]
-        dx = dx * rstd[:, None]
+        dx = row_dx(g, xhat, rstd, N, CENTERED)
         tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         tl.store(DW + pid.to(tl.int64) * N + cols, dw, mask=cmask)
     if HAS_BIAS:
         tl.store(DB + pid.to(tl.int64) * N + cols, db, mask=cmask)
-
-
-def modulated_ref(x, shift, scale, weight, bias, eps, centered, per_shift, per_scale):
-    """The reference next to the kernel, in differentiable torch ops, on the kernel's 2-D views."""
-    xf = x.float() if x.dtype != torch.float64 else x
-    acc = xf.dtype
-    if centered:
-        xf = xf - xf.mean(-1, keepdim=True)
-    n = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        n = n * weight.to(acc)
-    if bias is not None:
-        n = n + bias.to(acc)
-    if scale is not None:
-        n = n * (1 + scale.to(acc).repeat_interleave(per_scale, 0))
-    if shift is not None:
-        n = n + shift.to(acc).repeat_interleave(per_shift, 0)
-    return n.to(x.dtype)
 
 
 # The ops below follow rows.py: the schema is read from plain ``typing`` annotations; optional
@@ -234,7 +196,7 @@ def _modulated_bwd_impl(
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()  # a stride-0 gradient from .sum() (QuACK #88)
     dx = torch.empty_like(x)
     block_m, block_n, _, warps = _config(N)
-    progs, rows_per_prog = _bwd_grid(x, M, block_m)
+    progs, rows_per_prog = bwd_grid(x, M, block_m, config.ROWS_BWD_PROGRAMS_PER_SM)
     dw = torch.empty((progs, N), dtype=torch.float32, device=x.device) if weight is not None else None
     db = torch.empty((progs, N), dtype=torch.float32, device=x.device) if bias is not None else None
     dsc = torch.empty((M, N), dtype=torch.float32, device=x.device) if scale is not None else x.new_empty(0)
@@ -344,21 +306,10 @@ def _rows_block(
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """One block of BLOCK_M rows: statistics in fp32, scale (w + offset) in fp32, one rounding."""
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    rmask = rows < M
-    cmask = cols < N
-    mask = rmask[:, None] & cmask[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    mean, d, rstd = _row_stats(x, cols, mask, N, eps, CENTERED, BLOCK_M)
-    tl.store(MEAN + rows, mean, mask=rmask)
-    tl.store(RSTD + rows, rstd, mask=rmask)
-    y = d * rstd[:, None]
-    if HAS_WEIGHT:
-        y = y * (tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset)[None, :]
-    if HAS_BIAS:
-        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    rows, cols, rmask, cmask, mask, r64 = row_block(blk * BLOCK_M, M, N, BLOCK_M, BLOCK_N)
+    x = load_rows(X, r64, stride_x, cols, mask)
+    y = normalize_rows(x, W, B, MEAN, RSTD, rows, rmask, cols, cmask, mask, N, eps, w_offset,
+                       BLOCK_M, CENTERED, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -491,12 +442,8 @@ def _poly_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    rmask = rows < M
-    mask = rmask[:, None] & (cols < N)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    x1 = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, cols, rmask, cmask, mask, r64 = row_block(pid * BLOCK_M, M, N, BLOCK_M, BLOCK_N)
+    x1 = load_rows(X, r64, stride_x, cols, mask)
     x2 = x1 * x1
     x3 = x2 * x1
     r3 = tl.rsqrt(tl.sum(x3 * x3, axis=1) / N + eps)
@@ -511,13 +458,6 @@ def _poly_fwd_kernel(
     b = tl.load(B).to(tl.float32)
     y = w0 * (x3 * r3[:, None]) + w1 * (x2 * r2[:, None]) + w2 * (x1 * r1[:, None]) + b
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rms_dx(u, r, g, N):
-    """d/du of u * r (r = rsqrt(mean(u^2) + eps)) applied to the upstream g: r * (g - uhat * mean(g * uhat))."""
-    uhat = u * r[:, None]
-    return r[:, None] * (g - uhat * (tl.sum(g * uhat, axis=1) / N)[:, None]), uhat
 
 
 @triton.jit
@@ -536,20 +476,21 @@ def _poly_bwd_kernel(
     a2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     a1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     first = pid * rows_per_prog
-    for start in range(0, rows_per_prog, BLOCK_M):
-        rows = first + start + tl.arange(0, BLOCK_M)
-        rmask = (rows < M) & (start + tl.arange(0, BLOCK_M) < rows_per_prog)
-        mask = rmask[:, None] & cmask[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        x1 = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    for start in range(0, rows_per_prog, BLOCK_M):  # rows_per_prog is a multiple of BLOCK_M (bwd_grid)
+        rows, cols, rmask, cmask, mask, r64 = row_block(first + start, M, N, BLOCK_M, BLOCK_N)
+        x1 = load_rows(X, r64, stride_x, cols, mask)
+        dy = load_rows(DY, r64, stride_dy, cols, mask)
         r3 = tl.load(RSTD + rows * 3, mask=rmask, other=0.0)
         r2 = tl.load(RSTD + rows * 3 + 1, mask=rmask, other=0.0)
         r1 = tl.load(RSTD + rows * 3 + 2, mask=rmask, other=0.0)
         x2 = x1 * x1
-        d3, h3 = _rms_dx(x2 * x1, r3, w0 * dy, N)
-        d2, h2 = _rms_dx(x2, r2, w1 * dy, N)
-        d1, h1 = _rms_dx(x1, r1, w2 * dy, N)
+        # each power is an RMSNorm of its own (u * r): its input gradient is the rows kernel's
+        h3 = x2 * x1 * r3[:, None]
+        h2 = x2 * r2[:, None]
+        h1 = x1 * r1[:, None]
+        d3 = row_dx(w0 * dy, h3, r3, N, False)
+        d2 = row_dx(w1 * dy, h2, r2, N, False)
+        d1 = row_dx(w2 * dy, h1, r1, N, False)
         dx = 3.0 * x2 * d3 + 2.0 * x1 * d2 + d1
         tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         a3 += tl.sum(dy * h3, axis=0)
@@ -561,23 +502,6 @@ def _poly_bwd_kernel(
     tl.store(base + 1, tl.sum(a2, axis=0))
     tl.store(base + 2, tl.sum(a1, axis=0))
     tl.store(base + 3, tl.sum(acc, axis=0))
-
-
-def poly_ref(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    xf = x.float() if x.dtype != torch.float64 else x
-    w = weight.to(xf.dtype)
-
-    def rms(u: Tensor) -> Tensor:
-        return u * torch.rsqrt(u.square().mean(-1, keepdim=True) + eps)
-
-    return (w[0] * rms(xf**3) + w[1] * rms(xf**2) + w[2] * rms(xf) + bias.to(xf.dtype)).to(x.dtype)
-
-
-def _bwd_grid(x: Tensor, M: int, block_m: int) -> tuple[int, int]:
-    blocks = triton.cdiv(M, block_m)
-    progs = _programs(x, blocks, config.ROWS_BWD_PROGRAMS_PER_SM)
-    rows_per_prog = triton.cdiv(blocks, progs) * block_m
-    return triton.cdiv(M, rows_per_prog), rows_per_prog
 
 
 def _poly_fwd_impl(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -607,7 +531,7 @@ def _poly_bwd_impl(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     dx = torch.empty_like(x)
     block_m, block_n, _, warps = _config(N)
-    progs, rows_per_prog = _bwd_grid(x, M, block_m)
+    progs, rows_per_prog = bwd_grid(x, M, block_m, config.ROWS_BWD_PROGRAMS_PER_SM)
     part = torch.empty((progs, 4), dtype=torch.float32, device=x.device)
     _poly_bwd_kernel[(progs,)](
         dy, x, weight, rstd, dx, part, dy.stride(0), x.stride(0), dx.stride(0), M, N, rows_per_prog,
@@ -668,16 +592,12 @@ def _derf_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    cmask = cols < N
-    mask = (rows < M)[:, None] & cmask[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rows, cols, rmask, cmask, mask, r64 = row_block(pid * BLOCK_M, M, N, BLOCK_M, BLOCK_N)
+    x = load_rows(X, r64, stride_x, cols, mask)
     y = tl.math.erf(x * tl.load(A).to(tl.float32) + tl.load(S).to(tl.float32))
     if HAS_WEIGHT:
-        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y = y * load_cols(W, cols, cmask)[None, :]
+        y = y + load_cols(B, cols, cmask)[None, :]
     tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -692,19 +612,16 @@ def _derf_bwd_kernel(
     a = tl.load(A).to(tl.float32)
     s = tl.load(S).to(tl.float32)
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        w = load_cols(W, cols, cmask)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
     da = tl.zeros([BLOCK_N], dtype=tl.float32)
     ds = tl.zeros([BLOCK_N], dtype=tl.float32)
     first = pid * rows_per_prog
-    for start in range(0, rows_per_prog, BLOCK_M):
-        rows = first + start + tl.arange(0, BLOCK_M)
-        rmask = (rows < M) & (start + tl.arange(0, BLOCK_M) < rows_per_prog)
-        mask = rmask[:, None] & cmask[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    for start in range(0, rows_per_prog, BLOCK_M):  # rows_per_prog is a multiple of BLOCK_M (bwd_grid)
+        rows, cols, rmask, cmask, mask, r64 = row_block(first + start, M, N, BLOCK_M, BLOCK_N)
+        x = load_rows(X, r64, stride_x, cols, mask)
+        dy = load_rows(DY, r64, stride_dy, cols, mask)
         z = x * a + s
         g = dy
         if HAS_WEIGHT:
@@ -721,14 +638,6 @@ def _derf_bwd_kernel(
         tl.store(DWB + p64 * 2 * N + N + cols, db, mask=cmask)
     tl.store(DAS + p64 * 2, tl.sum(da, axis=0))
     tl.store(DAS + p64 * 2 + 1, tl.sum(ds, axis=0))
-
-
-def derf_ref(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = torch.erf(x.to(acc) * alpha.to(acc).reshape(()) + shift.to(acc).reshape(()))
-    if weight is not None:
-        y = y * weight.to(acc) + bias.to(acc)
-    return y.to(x.dtype)
 
 
 def _derf_fwd_impl(x: Tensor, alpha: Tensor, shift: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]) -> Tensor:
@@ -760,7 +669,7 @@ def _derf_bwd_impl(
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     dx = torch.empty_like(x)
     block_m, block_n, _, warps = _config(N)
-    progs, rows_per_prog = _bwd_grid(x, M, block_m)
+    progs, rows_per_prog = bwd_grid(x, M, block_m, config.ROWS_BWD_PROGRAMS_PER_SM)
     has_w = weight is not None
     dwb = torch.empty((progs, 2, N), dtype=torch.float32, device=x.device) if has_w else None
     das = torch.empty((progs, 2), dtype=torch.float32, device=x.device)

@@ -39,8 +39,11 @@ Limits and trade-offs
   bf16 output -- the residual sum ``s`` included -- can be 1 ulp from torch's. The kernels' arithmetic
   is the same on both; fp16 and fp32 are converted to nearest even in the interpreter too.
 
-Every kernel has a plain-PyTorch reference next to it (:func:`rows_ref`); on a CPU tensor without
-``TRITON_INTERPRET=1`` the registered ops run that reference.
+The single-block body (a row's load, statistics, normalize and affine, and the backward's row
+reductions) is spelled once in :mod:`._rowbody`, shared with the modern row kernels. The plain-PyTorch
+reference (:func:`rows_ref`, :func:`._ref.rows_fwd_ref`, :func:`._ref.rows_bwd_ref`) is
+the engine's :mod:`normscope.reference` on the rows view; on a CPU tensor without
+``TRITON_INTERPRET=1`` the registered ops run it.
 """
 
 from typing import Optional  # noqa: F401  (custom_op schemas are read from these annotations)
@@ -51,35 +54,21 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _eager, config
+from ._common import bwd_grid, dense, use_kernel
 from ._common import chan_combine as _chan_combine
-from ._common import dense, use_kernel
 from ._common import next_pow2 as _next_pow2
 from ._common import programs as _programs
+from ._common import rows_config as _config
+from ._ref import res_dtype as _res_dtype
+from ._ref import rows_bwd_ref as _ref_bwd
+from ._ref import rows_fwd_ref, rows_ref
+from ._rowbody import load_cols, load_rows, normalize_rows, row_block, row_dx, row_xhat
 
 __all__ = ["rows_norm", "rows_ref"]
 
 
 # ----------------------------------------------------------------------------------------------
 # kernels
-
-
-@triton.jit
-def _row_stats(x, cols, mask, N, eps, CENTERED: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``(mean, d, rstd)`` of a block of whole rows held in registers (fp32, masked lanes 0): ``d`` is
-    ``x - mean`` (``x`` itself, mean 0, for RMS), zero in masked lanes, and ``rstd = rsqrt(mean(d^2) +
-    eps)`` -- divided by N, not BLOCK_N, so the masked lanes count as nothing (Liger #518). Centred,
-    the row is first shifted by its first element: with |mean| >> std the fp32 sum of raw values
-    loses the digits the deviations live in. Every kernel that holds whole rows computes them here."""
-    if CENTERED:
-        k = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
-        xk = tl.where(mask, x - k[:, None], 0.0)
-        mk = tl.sum(xk, axis=1) / N
-        mean = k + mk
-        d = tl.where(mask, xk - mk[:, None], 0.0)
-    else:
-        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-        d = x
-    return mean, d, tl.rsqrt(tl.sum(d * d, axis=1) / N + eps)
 
 
 @triton.jit
@@ -93,27 +82,15 @@ def _rows_fwd_kernel(
     pid = tl.program_id(0)
     if not LOOPED:
         # BLOCK_M whole rows per program, each row in registers
-        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, BLOCK_N)
-        rmask = rows < M
-        cmask = cols < N
-        mask = rmask[:, None] & cmask[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows, cols, rmask, cmask, mask, r64 = row_block(pid * BLOCK_M, M, N, BLOCK_M, BLOCK_N)
+        x = load_rows(X, r64, stride_x, cols, mask)
         if HAS_RESIDUAL:
-            x += tl.load(R + r64 * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x += load_rows(R, r64, stride_r, cols, mask)
             s = x.to(RES.dtype.element_ty)
             tl.store(RES + r64 * stride_res + cols[None, :], s, mask=mask)
             x = s.to(tl.float32)  # normalize what "add, then norm" would see
-        mean, d, rstd = _row_stats(x, cols, mask, N, eps, CENTERED, BLOCK_M)
-        tl.store(MEAN + rows, mean, mask=rmask)
-        tl.store(RSTD + rows, rstd, mask=rmask)
-        y = d * rstd[:, None]
-        if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset
-            y = y * w[None, :]
-        if HAS_BIAS:
-            y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        y = normalize_rows(x, W, B, MEAN, RSTD, rows, rmask, cols, cmask, mask, N, eps, w_offset,
+                           BLOCK_M, CENTERED, HAS_WEIGHT, HAS_BIAS)  # fmt: skip
         tl.store(Y + r64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
         # one long row per program, walked in chunks
@@ -170,9 +147,9 @@ def _rows_fwd_kernel(
             else:
                 y = x * rstd
             if HAS_WEIGHT:
-                y = y * (tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset)
+                y = y * (load_cols(W, cols, cmask) + w_offset)
             if HAS_BIAS:
-                y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+                y = y + load_cols(B, cols, cmask)
             tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=cmask)
 
 
@@ -192,35 +169,22 @@ def _rows_bwd_kernel(
         cols = tl.arange(0, BLOCK_N)
         cmask = cols < N
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset
+            w = load_cols(W, cols, cmask) + w_offset
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
         first = pid * rows_per_prog
         for i in range(0, rows_per_prog, BLOCK_M):
-            rows = first + i + tl.arange(0, BLOCK_M)
-            rmask = rows < M
-            mask = rmask[:, None] & cmask[None, :]
-            r64 = rows.to(tl.int64)[:, None]
-            x = tl.load(X + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-            if CENTERED:
-                mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
-                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-            else:
-                xhat = x * rstd[:, None]
+            rows, cols, rmask, cmask, mask, r64 = row_block(first + i, M, N, BLOCK_M, BLOCK_N)
+            x = load_rows(X, r64, stride_x, cols, mask)
+            dy = load_rows(DY, r64, stride_dy, cols, mask)
+            xhat, rstd = row_xhat(x, MEAN, RSTD, rows, rmask, mask, CENTERED)
             if HAS_WEIGHT:
                 g = dy * w[None, :]
             else:
                 g = dy
-            c1 = tl.sum(g * xhat, axis=1) / N
-            if CENTERED:
-                c2 = tl.sum(g, axis=1) / N
-                dx = (g - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
-            else:
-                dx = (g - xhat * c1[:, None]) * rstd[:, None]
+            dx = row_dx(g, xhat, rstd, N, CENTERED)
             if HAS_DRES:
-                dx += tl.load(DRES + r64 * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                dx += load_rows(DRES, r64, stride_dres, cols, mask)
             tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             if HAS_WEIGHT:
                 dw += tl.sum(dy * xhat, axis=0)
@@ -253,7 +217,7 @@ def _rows_bwd_kernel(
                 dy = tl.load(DY + r64 * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
                 xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
                 if HAS_WEIGHT:
-                    g = dy * (tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset)
+                    g = dy * (load_cols(W, cols, cmask) + w_offset)
                 else:
                     g = dy
                 c1 += tl.sum(g * xhat, axis=0)
@@ -267,7 +231,7 @@ def _rows_bwd_kernel(
                 dy = tl.load(DY + r64 * stride_dy + cols, mask=cmask, other=0.0).to(tl.float32)
                 xhat = tl.where(cmask, (x - mean) * rstd, 0.0)
                 if HAS_WEIGHT:
-                    g = dy * (tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + w_offset)
+                    g = dy * (load_cols(W, cols, cmask) + w_offset)
                 else:
                     g = dy
                 if CENTERED:
@@ -286,20 +250,6 @@ def _rows_bwd_kernel(
 
 # ----------------------------------------------------------------------------------------------
 # launch configuration
-
-
-def _config(N: int) -> tuple[int, int, bool, int]:
-    """(BLOCK_M, BLOCK_N, looped, num_warps) for rows of length N (settings: kernels/config.py)."""
-    block = _next_pow2(N)
-    if block <= config.ROWS_MAX_FUSED_N:
-        block_m = max(1, min(config.ROWS_MAX_BLOCK_M, config.ROWS_TILE // block))
-        warps = min(config.ROWS_MAX_WARPS, max(1, block_m * block // config.ROWS_WARP_ELEMS))
-        return block_m, block, False, _next_pow2(warps)
-    tuned = config.ROWS_LOOP_LAUNCH.get(block)
-    if tuned is not None:
-        return 1, tuned[0], True, tuned[1]
-    chunk = min(config.ROWS_LOOP_BLOCK, config.ROWS_MAX_FUSED_N)
-    return 1, chunk, True, _next_pow2(min(config.ROWS_MAX_WARPS, max(1, chunk // config.ROWS_LOOP_WARP_ELEMS)))
 
 
 def _bwd_config(N: int) -> tuple[int, int, bool, int, int]:
@@ -330,7 +280,7 @@ def _rows_fwd_impl(x, weight, bias, residual, eps, centered, weight_offset, resi
     if M == 0:
         return y, res, mean, rstd
     if not use_kernel(x):
-        yr, sr, mr, rr = _ref_fwd(x, weight, bias, residual, eps, centered, weight_offset, residual_fp32)
+        yr, sr, mr, rr = rows_fwd_ref(x, weight, bias, residual, eps, centered, weight_offset, residual_fp32)
         y.copy_(yr), mean.copy_(mr), rstd.copy_(rr)
         if residual is not None:
             res.copy_(sr)
@@ -367,10 +317,7 @@ def _rows_bwd_impl(dy, dres, xs, weight, mean, rstd, centered, has_bias, weight_
         rows_per_prog = 0  # unused: the looped path strides over rows
         alloc = torch.zeros
     else:
-        blocks = triton.cdiv(M, block_m)
-        progs = _programs(xs, blocks, per_sm)
-        rows_per_prog = triton.cdiv(blocks, progs) * block_m
-        progs = triton.cdiv(M, rows_per_prog)
+        progs, rows_per_prog = bwd_grid(xs, M, block_m, per_sm)
         alloc = torch.empty
     dw = alloc((progs, N), dtype=torch.float32, device=xs.device) if has_w else None
     db = alloc((progs, N), dtype=torch.float32, device=xs.device) if has_bias else None
@@ -389,79 +336,6 @@ def _rows_bwd_impl(dy, dres, xs, weight, mean, rstd, centered, has_bias, weight_
         dw.sum(0) if has_w else xs.new_empty(0),
         db.sum(0) if has_bias else xs.new_empty(0),
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# the reference, next to the kernel: plain PyTorch, same contract
-
-
-def _res_dtype(residual: Tensor, residual_fp32: bool) -> torch.dtype:
-    return torch.float32 if residual_fp32 and residual.dtype != torch.float64 else residual.dtype
-
-
-def _ref_fwd(x, weight, bias, residual, eps, centered, weight_offset, residual_fp32):
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(acc)
-    s = None
-    if residual is not None:
-        s = (xf + residual.to(acc)).to(_res_dtype(residual, residual_fp32))
-        xf = s.to(acc)
-    if centered:
-        var, mean = torch.var_mean(xf, dim=-1, correction=0)
-    else:
-        var, mean = xf.square().mean(-1), torch.zeros(xf.shape[:-1], dtype=acc, device=x.device)
-    rstd = torch.rsqrt(var + eps)
-    y = (xf - mean[:, None]) * rstd[:, None]
-    if weight is not None:
-        y = y * (weight.to(acc) + weight_offset)
-    if bias is not None:
-        y = y + bias.to(acc)
-    return y.to(x.dtype), s, mean.float(), rstd.float()
-
-
-def _ref_bwd(dy, dres, xs, weight, mean, rstd, centered, has_bias, weight_offset):
-    # differentiable in every argument (the double backward evaluates it with grad enabled)
-    acc = torch.float64 if xs.dtype == torch.float64 else torch.float32
-    xf, dyf = xs.to(acc), dy.to(acc)
-    mean, rstd = mean.to(acc)[:, None], rstd.to(acc)[:, None]
-    xhat = (xf - mean) * rstd
-    g = dyf * (weight.to(acc) + weight_offset) if weight is not None else dyf
-    n = xs.shape[-1]
-    c1 = (g * xhat).sum(-1, keepdim=True) / n
-    dx = g - xhat * c1
-    if centered:
-        dx = dx - g.sum(-1, keepdim=True) / n
-    dx = dx * rstd
-    if dres is not None:
-        dx = dx + dres.to(acc)
-    return dx, (dyf * xhat).sum(0).float(), dyf.sum(0).float()
-
-
-def rows_ref(
-    x: Tensor,
-    weight: Optional[Tensor] = None,
-    bias: Optional[Tensor] = None,
-    eps: float = 1e-5,
-    centered: bool = True,
-    residual: Optional[Tensor] = None,
-    weight_offset: float = 0.0,
-    residual_fp32: bool = False,
-) -> tuple[Tensor, Optional[Tensor]]:
-    """The reference for :func:`rows_norm`, written with differentiable torch ops (any device, any
-    dtype; computes in fp32, or fp64 for fp64 input). Returns ``(y, s)`` like :func:`rows_norm`."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf, s = x.to(acc), None
-    if residual is not None:
-        s = (xf + residual.to(acc)).to(_res_dtype(residual, residual_fp32))
-        xf = s.to(acc)
-    if centered:
-        xf = xf - xf.mean(-1, keepdim=True)
-    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * (weight.reshape(-1).to(acc) + weight_offset)
-    if bias is not None:
-        y = y + bias.reshape(-1).to(acc)
-    return y.to(x.dtype), s
 
 
 # ----------------------------------------------------------------------------------------------
