@@ -1,8 +1,8 @@
 """The modern norms' fused Triton kernels (forced backend) against float64 formulas and the unfused path.
 
 CPU: the kernels run in Triton's interpreter on tiny shapes; ``NORMSCOPE_TEST_DEVICE=cuda`` runs the
-same tests compiled, plus the > 2^31-element cases (skipped, visibly, on CPU). The peer-bug cases of
-issue 25 are here: width 1536 (Liger #518), a stride-0 upstream gradient from ``.sum()`` (QuACK #88),
+same tests compiled, plus the > 2^31-element cases (skipped, visibly, on CPU). The bugs peers shipped are cases
+here: width 1536 (Liger #518), a stride-0 upstream gradient from ``.sum()`` (QuACK #88),
 empty input (QuACK), bf16 ``1 + w`` (Liger #1462), weights that are views.
 """
 
