@@ -43,7 +43,7 @@ Speed: measured against ``F.rms_norm`` by ``benchmarks/cpu_overhead.py`` (cases 
 row lengths 256, 1024 and 4096). ``benchmarks/results/cpu_speed_rms_rows.json`` (one thread, a shared
 2-core VM): at 8192 x 1024 the median time ratio to torch is 0.47 forward and 0.32 forward +
 backward in fp32, 0.21 and 0.22 in bf16. Fwd+bwd of RMSNorm(4096) on 8192 rows grows the process by
-+424 MiB (torch +806) in fp32 and +175 MiB (torch +870) in bf16 (``cpu_overhead.peak_memory``): the
++423 MiB (torch +806) in fp32 and +169 MiB (torch +870) in bf16 (``cpu_overhead.peak_memory``): the
 output, the input gradient -- in fp32 its two terms, one full-size tensor more, see :class:`_RMSRows`
 -- and ~31 MiB torch's first explicit-gradient ``backward`` spends importing sympy, for both. The
 automatic choice on CPU from :data:`MIN_AUTO_ELEMENTS` elements
