@@ -319,3 +319,31 @@ def test_input_gradient_is_the_buffer_the_backward_wrote(monkeypatch, dtype, sha
         dims = tuple(range(-k, 0))
         (wt * (x32 * torch.rsqrt(x32.pow(2).mean(dims, keepdim=True) + 1e-6)).to(dtype)).backward(gy)
     assert torch.equal(x.grad, xt.grad)
+
+
+@pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16,) * 2, (torch.float16,) * 2, (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("block", [None, 100])
+def test_llama_order_by_blocks_output_input_and_scale_gradients(monkeypatch, dtype, wdtype, block):
+    # Llama's order on the rows path, the default blocks and blocks of 3 rows (a ragged last one):
+    # y and dx bitwise the formula's (autograd through it), the scale's gradient within a few
+    # roundings of its exact value -- the float64 sum of dy * the rounded normalized value
+    if block is not None:
+        monkeypatch.setattr(rms, "BLOCK_ELEMENTS", block)
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(257, 33, generator=g) * 3).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(33, generator=g)).to(wdtype).requires_grad_()
+    gy = torch.randn(257, 33, generator=g).to(torch.promote_types(dtype, wdtype))
+    y = F.rms_norm(x, (33,), w, 1e-6, backend="rows", casting="llama")
+    assert normscope.last_backend() == "rows"
+    y.backward(gy)
+    xt, wt = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    x32 = xt.float()
+    rounded = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    expected = wt * rounded
+    expected.backward(gy)
+    assert y.dtype == expected.dtype and torch.equal(y, expected)
+    assert torch.equal(x.grad, xt.grad)
+    exact = (gy.double() * rounded.detach().double()).sum(0)
+    err = (w.grad.double() - exact).abs().max().item()
+    ulp = torch.finfo(wdtype).eps * exact.abs().max().item()
+    assert err <= 2 * ulp, (err, ulp)

@@ -52,6 +52,31 @@ def test_gemma_rmsnorm_bitwise(family, dtype, width):
     assert not torch.equal(FM.rms_norm(x, width, ref.weight, 1e-6, casting="gemma"), ref(x))  # the offset counts
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", ["input", torch.float32])
+@pytest.mark.parametrize("offset", [1.0, 0.0])
+@pytest.mark.parametrize("grad", [False, True])
+def test_gemma_order_on_half_input_through_the_layer_and_the_function(dtype, weight_dtype, offset, grad):
+    # a half-precision input runs its own entry (torch's op between x.float() and the cast back by
+    # the dtype's own method): fp16 as well as bf16, with and without a graph, layer and function,
+    # against Gemma's formula written out
+    width = 48
+    wdtype = dtype if weight_dtype == "input" else weight_dtype
+    w = (torch.randn(width, generator=torch.Generator().manual_seed(3)) * 0.01).to(wdtype)
+    x = _x((4, 3, width), dtype)
+    x32 = x.float()
+    expected = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (w.float() + offset)).to(dtype)
+    layer = normscope.RMSNorm(width, eps=1e-6, weight_offset=offset, casting="gemma", dtype=wdtype)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    with torch.set_grad_enabled(grad):
+        xi = x.clone().requires_grad_(grad)
+        for _ in range(2):  # the checked call, then the plan
+            for y in (layer(xi), FM.rms_norm(xi, width, w, 1e-6, weight_offset=offset, casting="gemma")):
+                assert y.dtype == dtype and torch.equal(y, expected)
+        assert normscope.last_backend() == "aten"
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_dtype", DTYPES)

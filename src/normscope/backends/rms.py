@@ -43,7 +43,7 @@ Speed: measured against ``F.rms_norm`` by ``benchmarks/cpu_overhead.py`` (cases 
 row lengths 256, 1024 and 4096). ``benchmarks/results/cpu_speed_rms_rows.json`` (one thread, a shared
 2-core VM): at 8192 x 1024 the median time ratio to torch is 0.47 forward and 0.32 forward +
 backward in fp32, 0.21 and 0.22 in bf16. Fwd+bwd of RMSNorm(4096) on 8192 rows grows the process by
-+424 MiB (torch +806) in fp32 and +175 MiB (torch +870) in bf16 (``cpu_overhead.peak_memory``): the
++423 MiB (torch +806) in fp32 and +169 MiB (torch +870) in bf16 (``cpu_overhead.peak_memory``): the
 output, the input gradient -- in fp32 its two terms, one full-size tensor more, see :class:`_RMSRows`
 -- and ~31 MiB torch's first explicit-gradient ``backward`` spends importing sympy, for both. The
 automatic choice on CPU from :data:`MIN_AUTO_ELEMENTS` elements
@@ -101,7 +101,12 @@ def takes(call: Call) -> str | None:
 
 #: Elements per block of rows (at least one row) where the work runs block by block: the passes over
 #: a block run while it is in cache and each temporary is one block, not a full-size fp32 copy.
-BLOCK_ELEMENTS = 1 << 19
+#: 2^17 (512 KiB an fp32 buffer): the three or four buffers a pass reads and writes fit a 2 MiB L2,
+#: where a bf16<->fp32 copy runs ~2x faster per element than out of L3. Measured against 2^19 (a
+#: shared 2-core Sapphire Rapids VM, one thread, min of 9 interleaved runs, forward / backward ms):
+#: 8192 x 1024 bf16 13.8 / 34.7 -> 11.0 / 26.6, fp32 25.9 / 43.6 -> 24.2 / 36.0; 8192 x 4096 bf16
+#: 125 / 234 -> 106 / 195; 2^16 was no faster.
+BLOCK_ELEMENTS = 1 << 17
 
 #: fp32/fp64, forward and backward: block by block from this many bytes of one full-size tensor up
 #: (below it the full-size temporaries are reused by the allocator, stay in cache and the fewer calls
@@ -145,15 +150,22 @@ def _forward(x2: Tensor, weight: Tensor | None, eps: float, scale: Tensor | None
     r = torch.empty((rows, 1), dtype=acc, device=x2.device)
     m = min(step, rows)
     buf, sq = (torch.empty((m, n), dtype=acc, device=x2.device) for _ in range(2)) if low else (None, None)
-    rounded = None if scale is None else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    # Llama's rounded normalized value: straight into y's block where y has x's dtype (the scale's
+    # product then in place), else a block buffer
+    in_y = scale is not None and out == x2.dtype
+    rounded = None if scale is None or in_y else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     for s, e in blocks:
         xc, rc = x2[s:e], r[s:e]
         if low:
             xc = buf[: e - s].copy_(xc)
-        _rstd(xc, eps, rc, sq[: e - s] if low else y[s:e] if scale is None else rounded[: e - s])
+        _rstd(xc, eps, rc, sq[: e - s] if low else y[s:e] if scale is None or in_y else rounded[: e - s])
         if scale is not None:  # Llama: x * r rounded to x's dtype, then the scale's product
-            yc = xc.mul_(rc) if low else torch.mul(xc, rc, out=rounded[: e - s])
-            torch.mul(rounded[: e - s].copy_(yc), scale, out=y[s:e])
+            if in_y:
+                yc = y[s:e]
+                (yc.copy_(xc.mul_(rc)) if low else torch.mul(xc, rc, out=yc)).mul_(scale)
+            else:
+                yc = xc.mul_(rc) if low else torch.mul(xc, rc, out=rounded[: e - s])
+                torch.mul(rounded[: e - s].copy_(yc), scale, out=y[s:e])
             continue
         yc = xc.mul_(rc) if low else torch.mul(xc, rc, out=y[s:e])  # x * r * w in fp32, as torch ...
         if w is not None:
@@ -267,7 +279,10 @@ def _backward(
             k = e - s
             if need_s:  # the scale's gradient: dy times the rounded normalized value, summed over rows
                 t = torch.mul(xc, rc, out=scratch[:k])
-                t.copy_(rounded[:k].copy_(t)).mul_(gc)
+                # dy upcast into its block buffer first: a product of fp32 and bf16 upcasts a
+                # temporary of its own (an allocation and a pass more); the same values
+                g32 = gc if gc.dtype == acc else gbuf[:k].copy_(gc)
+                t.copy_(rounded[:k].copy_(t)).mul_(g32)
                 part = _weighted_row_sum(t, ones[:k])  # groups of rows in batched products, as dw's
                 grad_s = part if grad_s is None else grad_s.add_(part)
             # the normalized value's gradient: dy * scale, rounded to x's dtype as autograd rounds it

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks as check
-from .. import engine, hot
+from .. import _state, hot
 from .. import functional as F
 from .. import functional_modern as FM
 from .. import reference as ref
@@ -194,6 +194,10 @@ def offset_rms_norm(
     return hot.call(op, settings, x, scale, None, eps)
 
 
+_is_compiling, _traces_here = _state.is_compiling, _state.traces_here
+_is_tracing, _peek = torch._C._is_tracing, torch._C._functorch.peek_interpreter_stack
+
+
 def _offset_scale(layer: nn.Module, w: Tensor | None, x: Tensor, offset: float) -> Tensor | None:
     """``w.to(acc) + offset`` (acc: ``x``'s accumulation dtype), formed once per state of the weight
     rather than on every call: forming it is ~20 % of a small layer's call.
@@ -209,8 +213,8 @@ def _offset_scale(layer: nn.Module, w: Tensor | None, x: Tensor, offset: float) 
     under ``torch.no_grad()``, as torch's optimizers and ``nn.init`` do. None (no cache) while
     tracing or under a torch.func transform, and for tensor subclasses."""
     # traced (dynamo; the TorchScript tracer would bake a cached scale in as a constant) or transformed
-    if w is None or engine.compiling() or torch._C._is_tracing() or engine.transformed():
-        return None
+    if w is None or (_is_compiling() and _traces_here()) or _is_tracing() or _peek() is not None:
+        return None  # engine.compiling(), torch.jit.is_tracing(), engine.transformed(): inline, per call
     grad = w.requires_grad and torch.is_grad_enabled()
     inference = torch.is_inference_mode_enabled()
     slot = layer.__dict__.get("_scale_slot")

@@ -50,7 +50,7 @@ threshold                                 value        crossed by
 (auto: ATen below, the rows path above)                family's (1, 1024, 1024); RMSNorm, poly_norm,
                                                        modulated_norm, fused_add at (300, 4096)
 ``backends.rms.BLOCKED_BYTES``            16 MiB       THRESHOLDS: (300, 16, 1024) fp32 (19.7 MB)
-``backends.rms.BLOCK_ELEMENTS``           2^19 elems   THRESHOLDS: (300, 4096) bf16 (3 blocks)
+``backends.rms.BLOCK_ELEMENTS``           2^17 elems   THRESHOLDS: (300, 4096) bf16 (10 blocks)
 ``backends.rms.RSTD_CHUNK``               128 cols     ROW_LENGTHS 127, 128, 255, 256, 257, 300
 ``backends.rms.DW_GROUP_ROWS``            16 rows      drawn row counts (1..300 x middle axes)
 ``backends.aten._BOUNDED_MAX``            512 stats    THRESHOLDS: layer_norm (600, 8), group_norm

@@ -1382,7 +1382,7 @@ class Threshold:
 _RMS_BATCH = (300, 4096)  # 1.2M elements; a sample: 4096
 THRESHOLDS = (
     Threshold("rms_norm", _RMS_BATCH, 1, F32, ("auto", "aten", "rows"), "ab", "MIN_AUTO_ELEMENTS (total elements)"),
-    Threshold("rms_norm", _RMS_BATCH, 1, BF16, ("auto", "rows"), "ab", "BLOCK_ELEMENTS: bf16 rows by blocks of 2^19"),
+    Threshold("rms_norm", _RMS_BATCH, 1, BF16, ("auto", "rows"), "ab", "BLOCK_ELEMENTS: bf16 rows by blocks of 2^17"),
     Threshold("rms_norm", (300, 16, 1024), 1, F32, ("auto", "rows"), "b", "BLOCKED_BYTES: 19.7 MB > 16 MiB of fp32"),
     Threshold("rms_norm_family", (1, 1024, 1024), 1, F32, ("auto",), "a", "the family's bits past MIN_AUTO_ELEMENTS"),
     Threshold("rms_norm_family", (1, 1024, 1024), 1, BF16, ("auto",), "a", "the same in bf16"),
