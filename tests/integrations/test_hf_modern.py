@@ -173,3 +173,43 @@ def test_patched_layer_pickles_and_trains():
     ref(x2).square().sum().backward()
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(norm.weight.grad, ref.weight.grad)
+
+
+def _views(dense: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views a family's norm receives or could: contiguous, a query/key ``view(...).transpose(1, 2)``,
+    a permutation of three leading axes, a slice (no dense tensor behind it), an expanded batch."""
+    return {
+        "contiguous": dense,
+        "transposed": dense.transpose(1, 2),
+        "permuted": dense.permute(2, 0, 1, 3),
+        "sliced": dense[:, ::2],
+        "expanded": dense[:1].expand(3, -1, -1, -1),
+    }
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma3", "olmo2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_patched_norm_on_views_matches_the_original_values_strides_and_gradients(model_type, dtype):
+    """A patched norm given a strided view of its input -- the transposed query a Gemma 3 / OLMo 2
+    q_norm receives, a permutation, a slice, an expanded batch -- gives the original module's output
+    bit for bit, in the original's memory order (its elementwise ops keep the input's), and the same
+    input and weight gradients."""
+    model = _build(model_type, dtype)
+    copied = copy.deepcopy(model)
+    hf.patch(copied)
+    norm, patched = model.model.norm, copied.model.norm
+    assert hasattr(type(patched), "_normscope_how") and not hasattr(type(norm), "_normscope_how")
+    dense = torch.randn(3, 5, 4, SMALL["hidden_size"], generator=torch.Generator().manual_seed(3)).to(dtype)
+    for name, view in _views(dense).items():
+        xa = view.detach().clone().requires_grad_() if name == "contiguous" else None
+        x0 = dense.detach().clone().requires_grad_()
+        x1 = dense.detach().clone().requires_grad_()
+        v0, v1 = (_views(x0)[name], _views(x1)[name]) if xa is None else (x0, x1)
+        y0, y1 = norm(v0), patched(v1)
+        assert torch.equal(y1, y0), name
+        assert y1.stride() == y0.stride(), (name, y1.stride(), y0.stride())
+        dy = torch.randn(y0.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+        g0 = torch.autograd.grad(y0, (x0, norm.weight), dy)
+        g1 = torch.autograd.grad(y1, (x1, patched.weight), dy)
+        assert torch.equal(g1[0], g0[0]), name
+        torch.testing.assert_close(g1[1], g0[1], rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
