@@ -283,7 +283,7 @@ def test_the_rows_backend_is_forced_by_its_name_and_refuses_what_it_does_not_run
         normscope.normalize(x, dims=-1, centered=False, mask=mask, backend="rows")
     with pytest.raises(ValueError, match="rows backend runs unmasked RMS scopes.*grouped axes"):
         normscope.normalize(torch.randn(2, 6, 4), keep=0, groups=2, centered=False, backend="rows")
-    # the unmasked RMS scope is no longer composite's: forced there it says where it runs
+    # the unmasked RMS scope is the rows backend's: composite, forced, says where it runs
     with pytest.raises(ValueError, match="masked scopes only.*rows backend for RMS scopes"):
         F.rms_norm(x, (33,), w, 1e-6, backend="composite")
 

@@ -26,9 +26,9 @@ Blocks of rows: fp16/bf16 both ways, and fp32/fp64 from :data:`BLOCKED_BYTES`,
 run block by block (:data:`BLOCK_ELEMENTS` elements a block). Each block is upcast once into fp32
 buffers that stay in cache, and every pass above runs over the block there; the outputs are written
 (rounded once to the input dtype) block by block. Over the whole input the fp32 upcasts and
-products were full-size temporaries: several more passes over memory and, for large ones, fresh
-pages from the system on every call -- which made the bf16 path ~10x slower than this and is why a
-large fp32 backward gains too. Small fp32/fp64 inputs keep the whole-input calls (fewer of them).
+products would be full-size temporaries: several more passes over memory and, for large ones, fresh
+pages from the system on every call -- measured ~10x slower for bf16, and the reason a large fp32
+backward gains too. Small fp32/fp64 inputs keep the whole-input calls (fewer of them).
 
 Numbers: the statistics are accumulated in fp32 like torch's (which upcasts fp16/bf16 input to fp32
 first), the output is rounded once to the input dtype. There is no mean, so no cancellation: a large
@@ -131,14 +131,14 @@ def _forward(x2: Tensor, weight: Tensor | None, eps: float, scale: Tensor | None
     By blocks of rows (:func:`_blocks`) for fp16/bf16 and for fp32/fp64 from
     :data:`BLOCKED_BYTES`: a block read once from memory for its norms stays in cache for
     its products (the weight's product in place, in cache). Over the whole input the weight's
-    product was another full pass over memory: 8192 x 1024 fp32 forward at 0.70 of torch's time
-    before, 0.54-0.65 after when the allocator keeps memory (``--keep-freed-memory``; 0.39 either way with
+    product is another full pass over memory: 8192 x 1024 fp32 forward at 0.70 of torch's time
+    that way, 0.54-0.65 by blocks when the allocator keeps memory (``--keep-freed-memory``; 0.39 either way with
     glibc's default, where torch's temporaries are fresh pages). fp16/bf16 blocks are
     upcast once into an fp32 buffer, computed there and rounded once into ``y`` (over the whole input
-    the upcasts were full-size temporaries, fresh pages from the system each call: ~10x slower).
+    the upcasts are full-size temporaries, fresh pages from the system each call: ~10x slower).
 
     ``scale`` (with ``weight`` None): Llama's casting, ``y = scale * (x * r).to(x.dtype)`` in the
-    promoted dtype of ``scale`` and ``x``, block by block (a separate product was another pass over
+    promoted dtype of ``scale`` and ``x``, block by block (a separate product is another pass over
     memory: 1.5x the plain rows' time at 8192 x 1024 bf16)."""
     rows, n = x2.shape
     acc = ref.acc_dtype(x2.dtype)
