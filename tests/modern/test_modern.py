@@ -1,4 +1,4 @@
-"""Modern norms (AdaLN, QK-norm, Gemma RMSNorm, PolyNorm, Derf...) against float64 formulas written here from their papers.
+"""Modern norms (AdaLN, QK-norm, Gemma RMSNorm, PolyNorm, Derf) against float64 formulas from their papers.
 
 The formulas below are deliberately written without normscope or the engine: mean of squares,
 variance, erf, all in float64. Each test compares normscope's output (and gradients, where the
