@@ -1,4 +1,4 @@
-"""The rows backend (normscope.backends.rows, its RMSNorm rows in normscope.backends.rms): one reduction each way, closed-form backward.
+"""The rows backend (normscope.backends.rows; its RMSNorm rows in backends.rms): one reduction each way, closed form.
 
 Every output and gradient is compared with float64 (torch's own ``F.rms_norm`` run in float64 -- an
 independent computation) and with torch at the same dtype: the error against float64 may be at most
@@ -167,7 +167,10 @@ def test_automatic_choice_follows_the_measured_size():
 
     assert rows_backend.why_not_auto is rows_backend.BACKEND.why_not_auto
     assert normscope.backends().index("rows") < normscope.backends().index("aten")
-    assert aten.BACKEND.why_not_auto(engine.Call(large, Scope.rms(1).resolve(large.shape), None, None, 1e-6, None, None)) is None
+    assert (
+        aten.BACKEND.why_not_auto(engine.Call(large, Scope.rms(1).resolve(large.shape), None, None, 1e-6, None, None))
+        is None
+    )
 
 
 # Block by block (rms.BLOCK_ELEMENTS): fp16/bf16 always, fp32/fp64 (both ways) from

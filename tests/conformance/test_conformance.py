@@ -51,7 +51,8 @@ try:  # torch.testing._internal imports expecttest at import time
     import expecttest  # noqa: F401
 except ImportError as e:  # fail loudly: a conformance suite that silently skips proves nothing
     raise ImportError(
-        "tests/conformance/test_conformance.py needs `expecttest` for torch.testing._internal (pip install 'normscope[dev]')"
+        "tests/conformance/test_conformance.py needs `expecttest` for torch.testing._internal "
+        "(pip install 'normscope[dev]')"
     ) from e
 
 _SCRIPT_CALLS = (torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__)

@@ -149,7 +149,9 @@ def test_compiled_layer_guards_only_its_runner(i):
     modules = ("normscope_dot__checks", "normscope_dot_functional", "normscope_dot_scope")
     # the op's settings builder is the layer's own forward (functional.*_settings, functional_modern.
     # last_axes): it runs traced and reads its op and settings type, not the checks
-    builder = re.compile(r"functional(_modern)?'\]($|\.(last_axes|\w+_settings|\w+Settings|[A-Z_]*NORM[A-Z_]*(\.name)?)$)")
+    builder = re.compile(
+        r"functional(_modern)?'\]($|\.(last_axes|\w+_settings|\w+Settings|[A-Z_]*NORM[A-Z_]*(\.name)?)$)"
+    )
     checked = [n for n in names if any(m in n for m in modules) and not builder.search(n)]
     assert not checked, f"{type(layer).__name__}: the checked path was traced: {sorted(checked)}"
     assert any("_TRACE_PLANS" in n for n in names), sorted(names)

@@ -495,9 +495,15 @@ def test_backends_read_the_form_not_their_own_derivation():
 
     assert aten.kind(call(Scope.layer(1))) == "layer_norm" and triton._kind(call(Scope.layer(1)).scope) == ("rows", 0)
     assert aten.kind(call(Scope.rms(1))) == "rms_norm" and rms.takes(call(Scope.rms(1))) is None
-    assert aten.kind(call(Scope.batch(1))) == "batch_norm" and triton._kind(call(Scope.batch(1)).scope) == ("channels", 1)
+    assert aten.kind(call(Scope.batch(1))) == "batch_norm" and triton._kind(call(Scope.batch(1)).scope) == (
+        "channels",
+        1,
+    )
     assert aten.kind(call(Scope.batch(-1))) == "batch_norm_last"
-    assert aten.kind(call(Scope.instance())) == "instance_norm" and triton._kind(call(Scope.instance()).scope) == ("groups", 6)
+    assert aten.kind(call(Scope.instance())) == "instance_norm" and triton._kind(call(Scope.instance()).scope) == (
+        "groups",
+        6,
+    )
     assert aten.kind(call(Scope.group(2))) == "group_norm" and triton._kind(call(Scope.group(2)).scope) == ("groups", 2)
     assert aten.kind(call(Scope.group(6), op="group_norm")) == "group_norm"  # InstanceNorm's scope, torch's op
     assert aten.kind(call(Scope.channels())) == "layer_norm" and triton._kind(call(Scope.channels()).scope) is None

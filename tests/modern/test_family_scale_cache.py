@@ -126,7 +126,9 @@ def test_gradients_through_the_cached_scale_equal_the_uncached_ones(dtype):
     m.weight.grad = None
     m(x).backward(dy)
     (x64 * r * (1 + w64)).backward(dy.double())
-    torch.testing.assert_close(m.weight.grad.double(), w64.grad, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+    torch.testing.assert_close(
+        m.weight.grad.double(), w64.grad, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3
+    )
 
 
 def test_a_layer_with_a_cached_scale_copies_and_pickles():

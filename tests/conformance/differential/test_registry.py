@@ -22,14 +22,18 @@ def test_every_registered_backend_is_a_path():
     assert all(p.reports == p.backend for p in PATHS.values()), "a forced path reports its own name"
     paths = set(forced)
     registered = set(engine.backends())
-    assert registered <= paths, f"backends with no path in tests/conformance/differential/ops.py PATHS: {registered - paths}"
+    assert registered <= paths, (
+        f"backends with no path in tests/conformance/differential/ops.py PATHS: {registered - paths}"
+    )
     unknown = paths - registered - {"triton"}  # triton is registered only where Triton is installed
     assert not unknown, f"paths of PATHS whose backend is not registered: {unknown}"
 
 
 def test_every_public_op_is_in_the_table():
     public, covered = public_names(), covered_names() | set(NOT_OPS)
-    assert not public - covered, f"public names in no op of tests/conformance/differential/ops.py: {sorted(public - covered)}"
+    assert not public - covered, (
+        f"public names in no op of tests/conformance/differential/ops.py: {sorted(public - covered)}"
+    )
     assert not covered - public, f"ops or NOT_OPS entries that name nothing public: {sorted(covered - public)}"
 
 
