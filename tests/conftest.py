@@ -237,6 +237,15 @@ def import_graph_is_module(name: str) -> bool:
     return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
+def import_target(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` names, read in ``package`` (its dots resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def module_imports(path: Path) -> set[str]:
     """The normscope modules ``path`` imports (``from . import x`` as the module ``x`` when it is one)."""
     me = import_graph_module_name(path)
@@ -246,12 +255,7 @@ def module_imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = import_target(node, package)
             # `from . import rms`: the submodule itself; a name defined in the package: the package
             subs = [f"{target}.{a.name}" for a in node.names]
             real = [m for m in subs if import_graph_is_module(m)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ENGINE_PARTS, SRC
+from conftest import ENGINE_PARTS, SRC, import_target
 from conftest import import_graph_is_module as _is_module
 from conftest import import_graph_module_name as _module_name
 from conftest import module_imports as _imports
@@ -109,12 +109,7 @@ def _private_reads(path: Path) -> set[str]:
                 if a.name.startswith("normscope"):
                     bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = import_target(node, package)
             if not target.startswith("normscope"):
                 continue
             for a in node.names:

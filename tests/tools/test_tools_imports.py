@@ -14,16 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import normscope
+from conftest import SRC, import_target
+from conftest import import_graph_module_name as _module_name
 
-SRC = Path(normscope.__file__).resolve().parent
 TOOLS = SRC / "tools"
-
-
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(SRC.parent).with_suffix("")
-    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-    return ".".join(parts)
 
 
 def _private(dotted: str) -> bool:
@@ -57,12 +51,7 @@ def violations(source: str, module: str, is_package: bool = False, other=_core) 
                     else:  # `import normscope.engine` binds `normscope`
                         bound[a.name.split(".")[0]] = a.name.split(".")[0]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = import_target(node, package)
             if not other(target):
                 continue
             for a in node.names:
