@@ -179,10 +179,49 @@ def _last_axes(settings: LastAxesSettings | FamilySettings, input, weight, bias,
     return norm(input, scope, weight, bias, eps, backend=backend, weight_offset=offset, casting=casting)
 
 
+class ByWeightSettings(NamedTuple):
+    """What :func:`by_weight`'s checked call reads besides the tensors and ``eps``: no normalized
+    shape -- the weight's is."""
+
+    centered: bool
+    backend: str | None
+    weight_offset: float
+    offset_type: type
+    casting: str
+
+
+def by_weight(
+    centered: bool, backend: str | None = None, weight_offset: float = 0.0, casting: str = "torch"
+) -> tuple[hot.Op, tuple]:
+    """The op and settings of a LayerNorm or RMSNorm call over the last axes whose normalized shape
+    is its 1-D weight's -- a model family's module that keeps no ``normalized_shape``, only a
+    weight (the Hugging Face patch). The settings then depend on the configuration alone, built
+    once per module class rather than from the weight's shape on every call; the weight's shape
+    is still compared on every call, as every tensor's is (:mod:`normscope.hot`), and a plan is
+    made for each shape it takes."""
+    return BY_WEIGHT, (centered, backend, weight_offset, type(weight_offset), casting)
+
+
+def _by_weight(settings: ByWeightSettings, input, weight, bias, eps, running, mask) -> Tensor:
+    """:func:`by_weight`'s checked call: the weight's shape as the normalized shape, then
+    :func:`_last_axes`' checked call."""
+    where = "layer_norm" if settings.centered else "rms_norm"
+    expected = "expected `weight` to be a 1-D tensor (its shape is the normalized shape)"
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{where}: {expected}, got {type(weight).__name__}")
+    if weight.dim() != 1:
+        raise ValueError(f"{where}: {expected}, got shape {tuple(weight.shape)}")
+    op, full = last_axes(
+        settings.centered, tuple(weight.shape), settings.backend, settings.weight_offset, settings.casting
+    )
+    return op.checked(tuple.__new__(op.settings_type, full), input, weight, bias, eps, running, mask)
+
+
 LAYER_NORM = hot.Op("layer_norm", _last_axes, LastAxesSettings)
 RMS_NORM = hot.Op("rms_norm", _last_axes, LastAxesSettings)
 LAYER_NORM_FAMILY = hot.Op("layer_norm_family", _last_axes, FamilySettings)
 RMS_NORM_FAMILY = hot.Op("rms_norm_family", _last_axes, FamilySettings)
+BY_WEIGHT = hot.Op("last_axes_by_weight", _by_weight, ByWeightSettings)
 
 
 def rms_norm(

@@ -213,3 +213,33 @@ def test_patched_norm_on_views_matches_the_original_values_strides_and_gradients
         g1 = torch.autograd.grad(y1, (x1, patched.weight), dy)
         assert torch.equal(g1[0], g0[0]), name
         torch.testing.assert_close(g1[1], g0[1], rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3"])
+def test_patched_norm_follows_its_weight_and_eps_when_replaced(model_type):
+    """The patched forward reads the weight and eps on every call and takes the normalized shape
+    from the weight: a weight swapped through ``.data`` for one of another width, a new Parameter,
+    or a changed eps gives what the original module gives with the same state -- never a plan made
+    for the old weight. A weight that is no 1-D tensor is refused with a ValueError naming it."""
+    model = _build(model_type, torch.float32)
+    copied = copy.deepcopy(model)
+    hf.patch(copied)
+    norm, patched = model.model.norm, copied.model.norm
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, SMALL["hidden_size"], generator=g)
+    assert torch.equal(patched(x), norm(x))  # planned for the first weight
+    wide = torch.randn(48, generator=g)
+    for m in (norm, patched):
+        m.weight.data = wide.clone()
+    x48 = torch.randn(2, 3, 48, generator=g)
+    assert torch.equal(patched(x48), norm(x48))
+    for m in (norm, patched):
+        m.weight = torch.nn.Parameter(torch.randn(24, generator=torch.Generator().manual_seed(6)))
+        for name in ("variance_epsilon", "eps"):
+            if name in m.__dict__:
+                setattr(m, name, 0.25)
+    x24 = torch.randn(2, 3, 24, generator=g)
+    assert torch.equal(patched(x24), norm(x24))
+    patched.weight = torch.nn.Parameter(torch.randn(4, 6))
+    with pytest.raises(ValueError, match="weight"):
+        patched(x24)

@@ -277,13 +277,42 @@ def _run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
     """``m``'s normalization on normscope: one call of the hot path (:mod:`normscope.hot`) with the
     configuration ``how`` names, planned once per call signature as every layer's is. What it reads
     of ``m`` -- weight, bias, eps, normalized shape -- is read on every call (a model may replace
-    them), from the instance's dicts first (:func:`_attr`)."""
+    them), from the instance's dicts first (:func:`_attr`).
+
+    The families' RMS modules keep no normalized shape, only a 1-D weight: theirs is the weight's,
+    and the op of :func:`normscope.functional_modern.by_weight` takes it from there (the hot path
+    compares the weight's shape on every call), so that their settings are ``how``'s alone
+    (:data:`_BY_WEIGHT`) and the call reads no more of the module than the weight and eps."""
     d = m.__dict__
+    centered, casting, offset = how
     w = d["_parameters"].get("weight", _MISSING)
+    eps = _MISSING
+    for name in _EPS_NAMES:
+        eps = d.get(name, _MISSING)
+        if eps is not _MISSING:
+            break
+    if type(eps) is not float:  # an int, a property, a name of its own: read as the probe reads it
+        eps = eps if isinstance(eps, int) and not isinstance(eps, bool) else _eps(m)
+    dense = None if x.is_contiguous() else _MISSING
+    if not centered and w is not None and w is not _MISSING and "normalized_shape" not in d:
+        # an RMS module whose normalized shape is its weight's (the checked call refuses a weight
+        # that is not a 1-D tensor)
+        if dense is not None:
+            dense = _dense_order(x, 1)
+            if dense is not None:  # a permuted view of a dense tensor: normalize that one, permute back
+                x = x.permute(dense[0])
+        y = None
+        if offset and casting != "llama":
+            y = offset_rms_norm(m, x, w, None, eps, offset, casting)  # the scale w + offset cached on m
+        if y is None:
+            by_weight = _BY_WEIGHT.get(how)
+            if by_weight is None:
+                by_weight = _BY_WEIGHT[how] = FM.by_weight(False, None, offset, casting)
+            y = hot.call(by_weight[0], by_weight[1], x, w, None, eps)
+        return y if dense is None else y.permute(dense[1])
     if w is _MISSING:
         w = _attr(m, "weight")
     w = w if isinstance(w, Tensor) else None
-    centered, casting, offset = how
     b = None
     if centered:  # an RMS configuration has no bias (the probe matched the module without one)
         b = _attr(m, "bias")
@@ -293,16 +322,10 @@ def _run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
         shape = tuple(ns)
     else:
         shape = tuple(w.shape) if w is not None and w.dim() == 1 else _shape(m)
-    eps = _MISSING
-    for name in _EPS_NAMES:
-        eps = d.get(name, _MISSING)
-        if eps is not _MISSING:
-            break
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        eps = _eps(m)
-    dense = None if x.is_contiguous() else _dense_order(x, len(shape))
-    if dense is not None:  # a permuted view of a dense tensor: normalize that one, permute back
-        x = x.permute(dense[0])
+    if dense is not None:
+        dense = _dense_order(x, len(shape))
+        if dense is not None:
+            x = x.permute(dense[0])
     y = None
     if offset and not centered and casting != "llama":
         y = offset_rms_norm(m, x, w, shape, eps, offset, casting)  # the scale w + offset cached on m
@@ -359,6 +382,8 @@ _ORDERS: dict[tuple, tuple | None] = {}
 #: tokens). The value is what last_axes returns for the key, never changed once stored
 _SETTINGS: dict[tuple, tuple] = {}
 _MAX_SETTINGS = 1024
+#: :func:`normscope.functional_modern.by_weight`'s op and settings by ``how`` (a few configurations)
+_BY_WEIGHT: dict[Exact, tuple] = {}
 
 
 def _why_unfit(m: nn.Module, forward: Callable) -> str | None:

@@ -177,21 +177,27 @@ class _ScaleSlot:
 
 
 def offset_rms_norm(
-    layer: nn.Module, x: Tensor, w: Tensor | None, shape: tuple, eps: float | None, offset: float, casting: str
+    layer: nn.Module, x: Tensor, w: Tensor | None, shape: tuple | None, eps: float | None, offset: float, casting: str
 ) -> Tensor | None:
     """A layer's RMSNorm in Gemma's order with a weight offset, ``(x32 * r * (w32 + offset)).to(x.dtype)``,
     run with the scale ``w32 + offset`` (:func:`_offset_scale`, cached on ``layer``) as its weight; None
-    where that does not apply (Llama's order, no offset or weight, no cache)."""
+    where that does not apply (Llama's order, no offset or weight, no cache). ``shape`` None: the
+    weight's (:func:`normscope.functional_modern.by_weight`)."""
     if not offset or casting == "llama":
         return None
     scale = _offset_scale(layer, w, x, offset)
     if scale is None:
         return None
     if x.dtype == scale.dtype:  # torch's rms_norm is that order: ``(x * r) * scale``, rounded once
-        op, settings = FM.last_axes(False, shape)
+        op, settings = FM.last_axes(False, shape) if shape is not None else _BY_WEIGHT
     else:
-        op, settings = FM.last_axes(False, shape, None, 0.0, casting)
+        op, settings = FM.last_axes(False, shape, None, 0.0, casting) if shape is not None else _BY_WEIGHT_CAST[casting]
     return hot.call(op, settings, x, scale, None, eps)
+
+
+#: :func:`offset_rms_norm`'s ops and settings where the normalized shape is the weight's: constants
+_BY_WEIGHT = FM.by_weight(False)
+_BY_WEIGHT_CAST = {c: FM.by_weight(False, None, 0.0, c) for c in FM.CASTINGS}
 
 
 _is_compiling, _traces_here = _state.is_compiling, _state.traces_here
