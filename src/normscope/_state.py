@@ -151,9 +151,30 @@ def traces_here() -> bool:
     return TracingContext.try_get() is not None and not TRACING_CHOICE.get()
 
 
-# a module-level name, not a ``torch.<...>`` read: while dynamo traces a layer (normscope.hot) the
-# same module object read from two of our modules costs a guard evaluated in Python on every call
-is_compiling = torch.compiler.is_compiling
+_compiler = torch.compiler
+
+if hasattr(_compiler, "_is_compiling_flag") and hasattr(_compiler, "_compile_session_context"):
+
+    @constant_when_compiled
+    def is_compiling() -> bool:
+        """``torch.compiler.is_compiling()``: its flag, read without its two Python frames.
+
+        Eagerly torch's function answers ``_is_compiling_flag`` (after asking
+        ``torch.jit.is_scripting()``, False outside TorchScript, which never runs this code). A
+        layer's hot path asks it on every call, and inside a model -- between the model's other
+        code, with its own code and torch's module dictionaries out of cache -- torch's two frames
+        cost several microseconds a call (``benchmarks/families.py``: a patched norm's time inside a
+        model). Where dynamo traces a call of it, dynamo runs it (a constant, as torch's function
+        is): torch holds the flag True for a whole compile session (``_compile_session_context``,
+        whose presence is what selects this reader) and for an export, so the answer is True there
+        as torch's, without a guard on the flag's value that would fail on every run of the graph."""
+        return _compiler._is_compiling_flag
+
+else:  # a torch whose compile session does not hold the flag: its function, which dynamo answers
+    # a module-level name, not a ``torch.<...>`` read: while dynamo traces a layer (normscope.hot)
+    # the same module object read from two of our modules costs a guard evaluated in Python on
+    # every call
+    is_compiling = torch.compiler.is_compiling
 
 
 def tracing() -> bool:

@@ -419,6 +419,30 @@ def test_constant_when_compiled_marks_as_torch_does_without_importing_dynamo():
     assert out.stdout.split() == ["False", "False"], out.stdout
 
 
+def test_is_compiling_answers_as_torch_eagerly_and_when_compiled_without_recompiling():
+    """The engine's ``is_compiling`` (a flag read, where torch's compile session holds the flag)
+    answers what ``torch.compiler.is_compiling()`` answers: False eagerly, True where dynamo traces
+    a call of it -- and a compiled function that asks it runs its one graph on later calls (no
+    guard on the flag, which is False whenever the graph runs)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from normscope import _state
+
+    assert _state.is_compiling() is False is torch.compiler.is_compiling()
+    counter = CompileCounter()
+
+    def f(x):
+        return x + 1 if _state.is_compiling() else x - 1
+
+    compiled = torch.compile(f, backend=counter)
+    x = torch.zeros(3)
+    for _ in range(3):
+        assert torch.equal(compiled(x), x + 1)
+    assert counter.frame_count == 1
+    assert torch.equal(f(x), x - 1)
+    torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------------------------------------
 # one classification of a resolved scope (scope.Resolved.form), read by every backend
 
