@@ -50,8 +50,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .. import _state, hot
 from .. import functional_modern as FM
-from .. import hot
 from ..modules import LayerNorm, RMSNorm
 from ..modules.normalization import offset_rms_norm
 from ._probe import EPS_NAMES as _EPS_NAMES
@@ -354,7 +354,7 @@ def _dense_order(x: Tensor, k: int) -> tuple[tuple[int, ...], tuple[int, ...]] |
     result depends on the row alone)."""
     stride = x.stride()
     key = (x.shape, stride, k)
-    traced = torch.compiler.is_compiling()
+    traced = _is_compiling()
     if not traced:
         found = _ORDERS.get(key, _MISSING)
         if found is not _MISSING:
@@ -372,6 +372,8 @@ def _dense_order(x: Tensor, k: int) -> tuple[tuple[int, ...], tuple[int, ...]] |
         _ORDERS[key] = found
     return found
 
+
+_is_compiling = _state.is_compiling  # torch.compiler.is_compiling() (see there)
 
 #: :func:`_dense_order`'s answers by ``(shape, strides, k)``: what it computes from them alone
 _ORDERS: dict[tuple, tuple | None] = {}
