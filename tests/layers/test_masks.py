@@ -481,6 +481,34 @@ class TestHostile:
             # torch's GroupNorm and BatchNorm keep channels_last (InstanceNorm: docs/differences.md)
             assert y.is_contiguous(memory_format=torch.channels_last)
 
+    @pytest.mark.parametrize("layout,kind", NON_CONTIGUOUS)
+    @pytest.mark.parametrize("padding", ["inf", "nan", "huge"])
+    def test_non_contiguous_padding_changes_no_bit(self, kind, layout, padding):
+        # the same transposed / channels_last input padded with finite values and with hostile ones:
+        # the valid outputs, every gradient and the running statistics are the same bits (the
+        # hostile padding must not move the sums into another memory order)
+        _, shape, channel_dim = LAYERS[kind]
+        torch.manual_seed(0)
+        base = LAYOUTS[layout](shape)
+        mask = _valid_mask(shape[0], *shape[2:])
+        valid = mask.unsqueeze(1).expand(base.shape)
+        g = torch.randn(base.shape, generator=torch.Generator().manual_seed(5))
+
+        def run(values):
+            x = _hostile(base, mask, channel_dim, values)
+            assert x.stride() == base.stride()
+            x.requires_grad_()
+            layer = _layer(kind)
+            y = layer(x, mask)
+            (torch.where(valid, y, 0) * g).sum().backward()
+            return y.detach()[valid], x.grad, layer.weight.grad, layer.bias.grad, [b.clone() for b in layer.buffers()]
+
+        want, got = run(PADDINGS["finite"]), run(PADDINGS[padding])
+        for name, a, b in zip(("valid output", "input gradient", "weight gradient", "bias gradient"), want, got):
+            assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} elements differ with {padding} padding"
+        assert torch.count_nonzero(got[1][~valid]) == 0
+        assert all(torch.equal(a, b) for a, b in zip(want[4], got[4])), "running statistics"
+
     def test_gradient_arriving_non_contiguous(self):
         x = torch.randn(3, C, 5, requires_grad=True)
         mask = _valid_mask(3, 5)
