@@ -136,7 +136,14 @@ def _masked_sums(t: Tensor, mf: Tensor, per_outer: bool) -> Tensor:
         return torch.bmm(mf.view(b, 1, o // b), t.view(b, o // b, c)).sum(0)
     # mf as a transposed (O, I, 1) view: BLAS takes this layout as one batched GEMM, several times
     # faster than the contiguous (O, I, 1) column it treats as O separate matrix-vector products
-    sums = torch.bmm(t, mf.unsqueeze(1).transpose(1, 2)).view(o, c)
+    col = mf.unsqueeze(1).transpose(1, 2)
+    if o == 1 and per_outer:
+        # torch runs a bmm of one matrix as a plain mm, another BLAS kernel with other roundings than
+        # the batched GEMM of every larger batch: a sample alone would differ in its last bits from the
+        # same sample in a batch (scope isolation). A stride-0 batch of two takes the batched kernel
+        # without a copy; its first result is the sample's
+        return torch.bmm(t.expand(2, c, i), col.expand(2, i, 1))[:1].view(o, c)
+    sums = torch.bmm(t, col).view(o, c)
     return sums if per_outer else sums.sum(0, keepdim=True)
 
 
@@ -223,6 +230,8 @@ class _MaskedApply(torch.autograd.Function):
         ctx.save_for_backward(x3, weight, bias, d, shift, rstd, count, mf, bad)
         ctx.groups = groups
         ctx.call = call  # for the reference recomputation of a double backward
+        # per-sample scopes (InstanceNorm, GroupNorm) even for one sample, where rows == 1 as BatchNorm's
+        ctx.per_outer = _view(call).per_outer
         return _affine(d if d_out is None else d_out, scale, base).to(x3.dtype)
 
     @staticmethod
@@ -237,11 +246,13 @@ class _MaskedApply(torch.autograd.Function):
             g = _laid_like(g, torch.where(bad, 0, g))
         # sum(dy * d) and sum(dy) per channel in one pass of ATen's BatchNorm backward kernel (with
         # mean 0 and invstd 1 its "xhat" is our d); per (sample, channel) for per-sample scopes
-        if rows > 1 and not d.is_contiguous():
-            # a transposed or channels_last input (``_affine``): no (1, O * C, I) view; plain sums
+        if ctx.per_outer and not d.is_contiguous():
+            # a transposed or channels_last input (``_affine``): no (1, O * C, I) view; plain sums --
+            # for one sample too: BatchNorm's kernel below sums in another order, and a sample alone
+            # would differ in its last bits from the same sample in a batch (scope isolation)
             sdd, sd = (g * d).sum(2), g.sum(2)
         else:
-            if rows > 1:
+            if ctx.per_outer:
                 gv, dv = g.reshape(1, o * c, i), d.view(1, o * c, i)  # reshape: dy may come in any layout
             else:
                 gv, dv = (g.view(o, c), d.view(o, c)) if i == 1 else (g, d)  # (O, C): channels-last loop
