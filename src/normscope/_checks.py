@@ -100,6 +100,16 @@ def eps(value: object, where: str) -> None:
         raise ValueError(f"{where}: expected `eps` to be a number, got {value!r}")
 
 
+def weight_offset(value: object, where: str) -> float:
+    """``weight_offset`` of the ops that take one (the scale is ``weight + weight_offset``): a real
+    number, not NaN, which would make every output NaN as a NaN ``eps`` would."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: expected `weight_offset` to be a float, got {type(value).__name__} {value!r}")
+    if value != value:
+        raise ValueError(f"{where}: expected `weight_offset` to be a number, got {value!r}")
+    return float(value)
+
+
 def positive_eps(eps: float, where: str) -> None:
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
         raise ValueError(f"{where}: expected `eps` to be a non-negative number, got {eps!r}")

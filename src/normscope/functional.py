@@ -560,6 +560,11 @@ def fused_add_rms_norm(
     if weight is not None:
         check.tensor(weight, "weight", where)  # floating point
         check.param(weight, "weight", (x.shape[-1],), x, where, any_dtype=True)  # shape, device
+    check.eps(eps, where)
+    weight_offset = check.weight_offset(weight_offset, where)
+    if not isinstance(residual_fp32, bool):
+        got = f"{type(residual_fp32).__name__} {residual_fp32!r}"
+        raise TypeError(f"{where}: expected `residual_fp32` to be a bool, got {got}")
     options = {"weight_offset": weight_offset, "residual_fp32": residual_fp32, "backend": backend}
     return add_norm(x, residual, _RMS_LAST, weight, None, eps, **options)
 

@@ -80,11 +80,7 @@ def _choice(value: object, name: str, options: Sequence[str], where: str) -> Non
 
 
 def _offset(value: object, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where}: expected `weight_offset` to be a float, got {type(value).__name__} {value!r}")
-    if value != value:  # NaN: every output would be NaN, as with a NaN eps
-        raise ValueError(f"{where}: expected `weight_offset` to be a number, got {value!r}")
-    return float(value)
+    return check.weight_offset(value, where)  # the one rule (normscope._checks.weight_offset)
 
 
 def _prod(shape: Sequence[int]) -> int:

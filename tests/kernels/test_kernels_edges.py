@@ -1,8 +1,8 @@
 """Edges of the Triton door, in Triton's interpreter on CPU (as the other kernel tests): q and k
 each with their own optional affine in the one-launch QK-norm, empty input through every modern
 kernel op with autograd, masked BatchNorm with one valid position per channel or with padding that
-holds inf or NaN, and the fused add's residual sum rounded once. The oracle is the reference
-backend (plain PyTorch), torch.nn.functional or torch's own add."""
+holds inf, NaN or values whose normalization overflows, and the fused add's residual sum rounded
+once. The oracle is the reference backend (plain PyTorch), torch.nn.functional or torch's own add."""
 
 from __future__ import annotations
 
@@ -190,6 +190,31 @@ def test_masked_batch_norm_padding_holds_anything(padding):
     for name, got, want in zip(("x", "weight", "bias"), grads, expected):
         assert bool(got.isfinite().all()), f"grad of {name}: not finite"
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("value", (3e38, 1e38))
+def test_masked_batch_norm_huge_finite_padding_without_gradient_changes_nothing(value):
+    """A finite padded value far enough from the mean overflows its normalized value to inf (3e38;
+    1e38 at std 0.1). When the loss reads valid outputs only, the padding gets no cotangent and
+    must pass nothing: the valid outputs and every gradient are the bits of the same batch padded
+    with zeros (0 * inf would make them NaN)."""
+    torch.manual_seed(8)
+    x = torch.randn(2, 3, 5) * 0.1
+    w, b = torch.randn(3), torch.randn(3)
+    mask = torch.rand(2, 5) < 0.5
+    mask[0, 0], mask[1, 4] = True, False
+    valid = mask.unsqueeze(1).expand_as(x)
+    cot = torch.randn(x.shape) * valid
+
+    def run(pad):
+        leaves = [_leaf(t) for t in (torch.where(valid, x, pad), w, b)]
+        y = nf.batch_norm(leaves[0], None, None, leaves[1], leaves[2], True, mask=mask.to(DEV), backend="triton")
+        assert normscope.last_backend() == "triton"
+        grads = torch.autograd.grad(y, leaves, cot.to(DEV))
+        return (y.detach()[valid.to(DEV)], *grads)
+
+    for name, got, want in zip(("valid output", "grad of x", "grad of weight", "grad of bias"), run(value), run(0.0)):
+        assert torch.equal(got, want), f"{name}: {got} != {want}"
 
 
 def _bf16_toward_zero(t: torch.Tensor) -> torch.Tensor:

@@ -407,6 +407,47 @@ def _padding_has_no_influence(make, shape, channel_dim, padding):
         torch.testing.assert_close(b1[k], b0[k], msg=k)
 
 
+# -- batch invariance: a masked per-sample scope alone and among other samples ------------------------
+
+_PER_SAMPLE = {
+    "gn2": lambda: normscope.GroupNorm(2, 8),
+    "gn1_ln": lambda: normscope.GroupNorm(1, 8),
+    "in1d": lambda: normscope.InstanceNorm1d(8, affine=True),
+}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("kind", sorted(_PER_SAMPLE))
+def test_masked_sample_has_the_same_bits_alone_and_in_a_batch(kind, layout):
+    # InstanceNorm and GroupNorm statistics are per sample: a sample's output and input gradient
+    # must not depend on how many samples share the call (torch.nn's unmasked layers hold this), on
+    # the automatic path (composite) as on the reference. Against the same sample run alone.
+    g = torch.Generator().manual_seed(0)
+    xs, dys = torch.randn(7, 8, 64, generator=g), torch.randn(7, 8, 64, generator=g)
+    masks = torch.rand(7, 64, generator=g) > 0.3
+    masks[:, 0] = True
+    layer = _PER_SAMPLE[kind]()
+
+    def run(b, at):
+        x = xs[:b].clone()
+        x[at] = xs[0]
+        m, dy = masks[:b].clone(), dys[:b].clone()
+        m[at], dy[at] = masks[0], dys[0]
+        if layout == "transposed":
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        x.requires_grad_()
+        y = layer(x, m)
+        y.backward(dy)
+        return y.detach()[at], x.grad[at], normscope.last_backend()
+
+    y1, g1, backend = run(1, 0)
+    assert backend == "composite"
+    for b in (2, 3, 7):
+        y, gx, _ = run(b, b // 2)
+        assert torch.equal(y, y1), f"output of the sample differs in a batch of {b}"
+        assert torch.equal(gx, g1), f"input gradient of the sample differs in a batch of {b}"
+
+
 class TestHostile:
     """Masked layers against hostile padding and hostile layouts.
 
@@ -480,6 +521,34 @@ class TestHostile:
         if layout == "channels_last" and not kind.startswith("in"):
             # torch's GroupNorm and BatchNorm keep channels_last (InstanceNorm: docs/differences.md)
             assert y.is_contiguous(memory_format=torch.channels_last)
+
+    @pytest.mark.parametrize("layout,kind", NON_CONTIGUOUS)
+    @pytest.mark.parametrize("padding", ["inf", "nan", "huge"])
+    def test_non_contiguous_padding_changes_no_bit(self, kind, layout, padding):
+        # the same transposed / channels_last input padded with finite values and with hostile ones:
+        # the valid outputs, every gradient and the running statistics are the same bits (the
+        # hostile padding must not move the sums into another memory order)
+        _, shape, channel_dim = LAYERS[kind]
+        torch.manual_seed(0)
+        base = LAYOUTS[layout](shape)
+        mask = _valid_mask(shape[0], *shape[2:])
+        valid = mask.unsqueeze(1).expand(base.shape)
+        g = torch.randn(base.shape, generator=torch.Generator().manual_seed(5))
+
+        def run(values):
+            x = _hostile(base, mask, channel_dim, values)
+            assert x.stride() == base.stride()
+            x.requires_grad_()
+            layer = _layer(kind)
+            y = layer(x, mask)
+            (torch.where(valid, y, 0) * g).sum().backward()
+            return y.detach()[valid], x.grad, layer.weight.grad, layer.bias.grad, [b.clone() for b in layer.buffers()]
+
+        want, got = run(PADDINGS["finite"]), run(PADDINGS[padding])
+        for name, a, b in zip(("valid output", "input gradient", "weight gradient", "bias gradient"), want, got):
+            assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} elements differ with {padding} padding"
+        assert torch.count_nonzero(got[1][~valid]) == 0
+        assert all(torch.equal(a, b) for a, b in zip(want[4], got[4])), "running statistics"
 
     def test_gradient_arriving_non_contiguous(self):
         x = torch.randn(3, C, 5, requires_grad=True)

@@ -326,8 +326,23 @@ def test_nan_weight_offset_is_refused_as_nan_eps_is():
         lambda: normscope.RMSNorm(8, weight_offset=float("nan")),
         lambda: normscope.LayerNorm(8, weight_offset=float("nan")),
         lambda: normscope.QKNorm(8, weight_offset=float("nan")),
+        lambda: normscope.functional.fused_add_rms_norm(x, x, w, weight_offset=float("nan")),
     ):
         with pytest.raises(ValueError, match="weight_offset"):
+            call()
+
+
+def test_fused_add_rms_norm_checks_its_scalars_as_rms_norm_does():
+    x, w = torch.randn(2, 8), torch.zeros(8)
+    fused = normscope.functional.fused_add_rms_norm
+    for call, exc, name in (
+        (lambda: fused(x, x, w, float("nan")), ValueError, "eps"),
+        (lambda: fused(x, x, w, "1e-6"), TypeError, "eps"),
+        (lambda: fused(x, x, w, weight_offset="1"), TypeError, "weight_offset"),
+        (lambda: fused(x, x, w, weight_offset=True), TypeError, "weight_offset"),
+        (lambda: fused(x, x, w, residual_fp32="yes"), TypeError, "residual_fp32"),
+    ):
+        with pytest.raises(exc, match=name):
             call()
 
 

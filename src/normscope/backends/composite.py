@@ -136,7 +136,14 @@ def _masked_sums(t: Tensor, mf: Tensor, per_outer: bool) -> Tensor:
         return torch.bmm(mf.view(b, 1, o // b), t.view(b, o // b, c)).sum(0)
     # mf as a transposed (O, I, 1) view: BLAS takes this layout as one batched GEMM, several times
     # faster than the contiguous (O, I, 1) column it treats as O separate matrix-vector products
-    sums = torch.bmm(t, mf.unsqueeze(1).transpose(1, 2)).view(o, c)
+    col = mf.unsqueeze(1).transpose(1, 2)
+    if o == 1 and per_outer:
+        # torch runs a bmm of one matrix as a plain mm, another BLAS kernel with other roundings than
+        # the batched GEMM of every larger batch: a sample alone would differ in its last bits from the
+        # same sample in a batch (scope isolation). A stride-0 batch of two takes the batched kernel
+        # without a copy; its first result is the sample's
+        return torch.bmm(t.expand(2, c, i), col.expand(2, i, 1))[:1].view(o, c)
+    sums = torch.bmm(t, col).view(o, c)
     return sums if per_outer else sums.sum(0, keepdim=True)
 
 
@@ -223,6 +230,8 @@ class _MaskedApply(torch.autograd.Function):
         ctx.save_for_backward(x3, weight, bias, d, shift, rstd, count, mf, bad)
         ctx.groups = groups
         ctx.call = call  # for the reference recomputation of a double backward
+        # per-sample scopes (InstanceNorm, GroupNorm) even for one sample, where rows == 1 as BatchNorm's
+        ctx.per_outer = _view(call).per_outer
         return _affine(d if d_out is None else d_out, scale, base).to(x3.dtype)
 
     @staticmethod
@@ -234,14 +243,16 @@ class _MaskedApply(torch.autograd.Function):
         rows = rstd.shape[0]  # O for per-sample scopes, 1 for BatchNorm
         g = dy.reshape(o, c, i).to(d.dtype)
         if bad is not None:  # non-finite padding: a constant, no gradient through it (reference.apply)
-            g = torch.where(bad, 0, g)
+            g = _laid_like(g, torch.where(bad, 0, g))
         # sum(dy * d) and sum(dy) per channel in one pass of ATen's BatchNorm backward kernel (with
         # mean 0 and invstd 1 its "xhat" is our d); per (sample, channel) for per-sample scopes
-        if rows > 1 and not d.is_contiguous():
-            # a transposed or channels_last input (``_affine``): no (1, O * C, I) view; plain sums
+        if ctx.per_outer and not d.is_contiguous():
+            # a transposed or channels_last input (``_affine``): no (1, O * C, I) view; plain sums --
+            # for one sample too: BatchNorm's kernel below sums in another order, and a sample alone
+            # would differ in its last bits from the same sample in a batch (scope isolation)
             sdd, sd = (g * d).sum(2), g.sum(2)
         else:
-            if rows > 1:
+            if ctx.per_outer:
                 gv, dv = g.reshape(1, o * c, i), d.view(1, o * c, i)  # reshape: dy may come in any layout
             else:
                 gv, dv = (g.view(o, c), d.view(o, c)) if i == 1 else (g, d)  # (O, C): channels-last loop
@@ -266,7 +277,7 @@ class _MaskedApply(torch.autograd.Function):
             k = rstd_c if wc is None else rstd_c * wc.view(1, c, 1)
             # padding too large to square in the sums (the only other way here): keep it out of the
             # masked term, which it would overflow before the mask multiplies it by 0
-            dm = d if bad is None else torch.where(mf.view(o, 1, i) != 0, d, 0)
+            dm = d if bad is None else _laid_like(d, torch.where(mf.view(o, 1, i) != 0, d, 0))
             # three passes and one allocation: -(alpha + beta * d), masked in place, + k * dy in place
             grad_x = _affine(dm, -_to_channels(beta, c).view(rows, c), -_to_channels(alpha, c).view(rows, c))
             grad_x.mul_(mf.view(o, 1, i))
@@ -298,6 +309,16 @@ def _reference_grads(ctx, dy, x3, weight, bias):
 # the backend
 
 
+def _laid_like(like: Tensor, t: Tensor) -> Tensor:
+    """``t``'s values in ``like``'s memory layout. ``torch.where`` lays its output out from all its
+    operands, so for a channels_last or transposed input its result may come back contiguous:
+    the sums and the backward then run in another order than for the same input padded with finite
+    values, and the valid gradients change in their last bits with the padding's values."""
+    if t.stride() == like.stride():
+        return t
+    return torch.empty_like(like).copy_(t)
+
+
 def prepare(call: Call, automatic: bool) -> Runner:
     v = _view(call)
 
@@ -322,13 +343,14 @@ def prepare(call: Call, automatic: bool) -> Runner:
                 # product into NaN. Statistics again with the padding set to 0 -- exact, as 0 has
                 # weight 0 -- then the padding's own values back, for the output only
                 valid = mf.view(o, 1, i) != 0
-                st = _stats(torch.where(valid, xa, 0), mf, v, c.eps)
+                st = _stats(_laid_like(xa, torch.where(valid, xa, 0)), mf, v, c.eps)
                 finite = bool(st.finite)
                 if finite:
                     # x - mean0 at the padding (mean0 to rounding: only padded outputs read it)
-                    d_out = torch.where(valid, st.d, xa - _to_channels(st.mean - st.shift, ch))
+                    d_out = _laid_like(st.d, torch.where(valid, st.d, xa - _to_channels(st.mean - st.shift, ch)))
                     bad = ~torch.isfinite(xa) & ~valid
-                    st = st._replace(d=torch.where(bad, 0, d_out))  # what the backward reads: finite
+                    # what the backward reads: finite
+                    st = st._replace(d=_laid_like(st.d, torch.where(bad, 0, d_out)))
         if not finite:  # a non-finite *valid* value: NaN statistics, as torch's layer gives
             return engine.recompute(c)  # outside no_grad: the output keeps its graph
         if c.running is not None:

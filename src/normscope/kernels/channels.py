@@ -152,7 +152,9 @@ def _bwd_sums_kernel(
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_MASK:  # a non-finite padded value is a constant: it enters neither sum (0 * inf = NaN)
             valid = tl.load(MASK + p, mask=p < end, other=0) != 0
-            mask = mask & (valid[:, None] | _finite(x))
+            # nor does a padded position without gradient: a finite padded value far from the mean
+            # (3e38, or 1e38 at rstd 100) overflows xhat to inf, and 0 * inf would be NaN
+            mask = mask & (valid[:, None] | (_finite(x) & (dy != 0.0)))
             dy = tl.where(mask, dy, 0.0)
         xhat = tl.where(mask, (x - mean[None, :]) * rstd[None, :], 0.0)
         sdy += tl.sum(dy, axis=0)
