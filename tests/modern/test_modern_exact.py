@@ -7,6 +7,8 @@ tiny and built from configs; nothing is downloaded.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -75,6 +77,26 @@ def test_gemma_order_on_half_input_through_the_layer_and_the_function(dtype, wei
             for y in (layer(xi), FM.rms_norm(xi, width, w, 1e-6, weight_offset=offset, casting="gemma")):
                 assert y.dtype == dtype and torch.equal(y, expected)
         assert normscope.last_backend() == "aten"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("casting", ["torch", "gemma"])
+def test_an_offset_on_half_input_runs_gemmas_order_without_a_warning(dtype, casting):
+    # "torch" with an offset is Gemma's order (reference.cast_affine): the fp32 scale w + offset on a
+    # half-precision input, computed in fp32 and rounded once -- not torch's rms_norm on mixed dtypes,
+    # which warns on every call
+    width = 64
+    w = torch.randn(width, generator=torch.Generator().manual_seed(4)).to(dtype)
+    x = _x((4, width), dtype)
+    x32 = x.float()
+    expected = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (w.float() + 0.5)).to(dtype)
+    layer = normscope.RMSNorm(width, eps=1e-6, weight_offset=0.5, casting=casting, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):  # the checked call, then the plan
+            assert torch.equal(layer(x), expected)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral"])

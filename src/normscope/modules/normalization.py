@@ -189,15 +189,18 @@ def offset_rms_norm(
     if scale is None:
         return None
     if x.dtype == scale.dtype:  # torch's rms_norm is that order: ``(x * r) * scale``, rounded once
-        op, settings = FM.last_axes(False, shape) if shape is not None else _BY_WEIGHT
-    else:
-        op, settings = FM.last_axes(False, shape, None, 0.0, casting) if shape is not None else _BY_WEIGHT_CAST[casting]
-    return hot.call(op, settings, x, scale, None, eps)
+        return hot.call(*(FM.last_axes(False, shape) if shape is not None else _BY_WEIGHT), x, scale, None, eps)
+    # an fp32 scale on half-precision input: Gemma's order by name ("torch" with an offset is that
+    # order too), which computes in fp32 and rounds once -- torch's rms_norm would take the mixed
+    # dtypes with a warning on every call
+    if shape is None:
+        return hot.call(*_BY_WEIGHT_GEMMA, x, scale, None, eps)
+    return hot.call(*FM.last_axes(False, shape, None, 0.0, "gemma"), x, scale, None, eps)
 
 
 #: :func:`offset_rms_norm`'s ops and settings where the normalized shape is the weight's: constants
 _BY_WEIGHT = FM.by_weight(False)
-_BY_WEIGHT_CAST = {c: FM.by_weight(False, None, 0.0, c) for c in FM.CASTINGS}
+_BY_WEIGHT_GEMMA = FM.by_weight(False, None, 0.0, "gemma")
 
 
 _is_compiling, _traces_here = _state.is_compiling, _state.traces_here
