@@ -572,3 +572,8 @@ def fused_add_rms_norm(
 __all__ += ["fused_add_rms_norm"]
 
 __all__ += ["modulated_norm", "qk_norm", "poly_norm", "derf", "CASTINGS"]
+
+for _name in __all__:  # torch.jit.script(F.layer_norm): normscope's TypeError, as for a layer
+    if callable(globals()[_name]) and not isinstance(globals()[_name], type):
+        hot.refuse_script_function(globals()[_name], f"normscope.functional.{_name}")
+del _name

@@ -62,7 +62,7 @@ from . import _state, engine
 from ._planning import stand_in, symbolic
 from .engine import Running
 
-__all__ = ["Op", "Plan", "call", "per_call", "tensors", "running", "refuse_script"]
+__all__ = ["Op", "Plan", "call", "per_call", "tensors", "running", "refuse_script", "refuse_script_function"]
 
 _MAX_PLANS = 4096  # per op; past it the table starts afresh (a bound, not a policy: real code has few)
 
@@ -232,6 +232,22 @@ def refuse_script(layer: torch.nn.Module) -> NoReturn:
         "instead -- both trace through normscope layers -- or convert the layers to torch.nn first with "
         "normscope.convert(model, 'torch')"
     )
+
+
+def refuse_script_function(fn: Callable, name: str) -> None:
+    """Give the function ``fn`` (``normscope.functional``'s, public as ``name``) a
+    ``__prepare_scriptable__`` that raises :func:`refuse_script`'s TypeError: ``torch.jit.script``
+    asks it of a function it is given, and of each function a scripted module's code calls, before
+    compiling it."""
+
+    def refuse() -> NoReturn:
+        raise TypeError(
+            f"torch.jit.script: {name} cannot be compiled by TorchScript (it runs normscope's planned "
+            "Python path); use torch.compile or torch.export, which trace through it, or the "
+            "torch.nn.functional function of the same name where there is one"
+        )
+
+    fn.__prepare_scriptable__ = refuse
 
 
 # ----------------------------------------------------------------------------------------------

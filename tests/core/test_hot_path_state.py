@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import normscope
+import normscope.functional as NF
 
 # (name, constructor arguments, input shape): torch.nn and normscope take the same arguments
 LAYERS = [
@@ -274,3 +275,28 @@ def test_torch_jit_script_of_any_layer_is_a_typeerror_naming_compile_and_export(
             torch.jit.script(model)
     scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))  # torch.nn's still script
     assert scripted(torch.randn(2, 4)).shape == (2, 4)
+
+
+class _CallsFunctionalLayerNorm(nn.Module):
+    """A user's module whose forward calls a normscope function (scripted from this file's source)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NF.layer_norm(x, (4,))
+
+
+def test_torch_jit_script_of_any_function_is_a_typeerror_naming_compile_and_export():
+    """torch.jit.script of a normscope.functional function -- given to it, or called by a scripted
+    module's forward -- raises a normscope TypeError naming the function and what works, not
+    TorchScript's NotSupportedError from inside the function; the functions still run eagerly."""
+    functions = [
+        getattr(NF, n) for n in NF.__all__ if callable(getattr(NF, n)) and not isinstance(getattr(NF, n), type)
+    ]
+    assert len(functions) >= 12
+    for fn in functions:
+        with pytest.raises(
+            TypeError, match=rf"torch\.jit\.script: normscope\.functional\.{fn.__name__} .*torch\.compile"
+        ):
+            torch.jit.script(fn)
+    with pytest.raises(TypeError, match=r"normscope\.functional\.layer_norm .*torch\.export"):
+        torch.jit.script(_CallsFunctionalLayerNorm())
+    assert NF.layer_norm(torch.randn(2, 4), (4,)).shape == (2, 4)
