@@ -7,8 +7,10 @@ they run on every call.
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -101,13 +103,17 @@ def eps(value: object, where: str) -> None:
 
 
 def weight_offset(value: object, where: str) -> float:
-    """``weight_offset`` of the ops that take one (the scale is ``weight + weight_offset``): a real
-    number, not NaN, which would make every output NaN as a NaN ``eps`` would."""
+    """``weight_offset`` of the ops that take one (the scale is ``weight + weight_offset``): a finite
+    real number -- NaN would make every output NaN (as a NaN ``eps`` would), and an infinite offset
+    every output infinite or NaN."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{where}: expected `weight_offset` to be a float, got {type(value).__name__} {value!r}")
-    if value != value:
-        raise ValueError(f"{where}: expected `weight_offset` to be a number, got {value!r}")
+    if not (abs(value) <= _FLOAT_MAX if isinstance(value, int) else math.isfinite(value)):
+        raise ValueError(f"{where}: expected `weight_offset` to be a finite number, got {value!r}")
     return float(value)
+
+
+_FLOAT_MAX = sys.float_info.max
 
 
 def positive_eps(eps: float, where: str) -> None:

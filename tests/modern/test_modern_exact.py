@@ -339,16 +339,18 @@ def test_family_options_take_a_plan(casting):
     assert normscope.last_backend() == "aten"
 
 
-def test_nan_weight_offset_is_refused_as_nan_eps_is():
+@pytest.mark.parametrize("offset", [float("nan"), float("inf"), -float("inf"), 10**400])
+def test_a_weight_offset_that_is_no_finite_number_is_refused_as_nan_eps_is(offset):
+    # every output would be NaN or infinite (10**400: an int past any float)
     x, w = torch.randn(2, 8), torch.zeros(8)
     for call in (
-        lambda: FM.rms_norm(x, 8, w, 1e-6, weight_offset=float("nan"), casting="gemma"),
-        lambda: FM.layer_norm(x, 8, w, None, weight_offset=float("nan")),
-        lambda: normscope.functional.rms_norm(x, (8,), w, weight_offset=float("nan")),
-        lambda: normscope.RMSNorm(8, weight_offset=float("nan")),
-        lambda: normscope.LayerNorm(8, weight_offset=float("nan")),
-        lambda: normscope.QKNorm(8, weight_offset=float("nan")),
-        lambda: normscope.functional.fused_add_rms_norm(x, x, w, weight_offset=float("nan")),
+        lambda: FM.rms_norm(x, 8, w, 1e-6, weight_offset=offset, casting="gemma"),
+        lambda: FM.layer_norm(x, 8, w, None, weight_offset=offset),
+        lambda: normscope.functional.rms_norm(x, (8,), w, weight_offset=offset),
+        lambda: normscope.RMSNorm(8, weight_offset=offset),
+        lambda: normscope.LayerNorm(8, weight_offset=offset),
+        lambda: normscope.QKNorm(8, weight_offset=offset),
+        lambda: normscope.functional.fused_add_rms_norm(x, x, w, weight_offset=offset),
     ):
         with pytest.raises(ValueError, match="weight_offset"):
             call()

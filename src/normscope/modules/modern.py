@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as TF
 
+from .. import _checks as check
 from .. import functional_modern as FM
 
 __all__ = ["AdaLayerNorm", "QKNorm", "PolyNorm", "Derf"]
@@ -254,11 +255,7 @@ class QKNorm(nn.Module):
                 raise ValueError(f"{where}: expected `{name}` to be one of {tuple(options)}, got {v!r}")
         self.num_heads, self.num_kv_heads, self.per_head = num_heads, num_kv_heads, bool(per_head)
         self.norm_type, self.eps, self.layout = norm, float(eps), layout
-        if isinstance(weight_offset, bool) or not isinstance(weight_offset, (int, float)):
-            raise TypeError(f"{where}: expected `weight_offset` to be a float, got {weight_offset!r}")
-        if weight_offset != weight_offset:  # NaN: every output NaN, refused as a NaN eps is
-            raise ValueError(f"{where}: expected `weight_offset` to be a number, got {weight_offset!r}")
-        self.weight_offset, self.casting = float(weight_offset), casting
+        self.weight_offset, self.casting = check.weight_offset(weight_offset, where), casting  # finite
         self.elementwise_affine = bool(elementwise_affine)
         kw = {"device": device, "dtype": dtype}
         q_n = head_dim if per_head else num_heads * head_dim

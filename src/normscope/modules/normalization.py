@@ -32,10 +32,7 @@ class _FamilyOptions:
 
     def _set_family(self, weight_offset: float, casting: str) -> None:
         name = type(self).__name__
-        if not isinstance(weight_offset, (int, float)) or isinstance(weight_offset, bool):
-            raise TypeError(f"{name}: expected `weight_offset` to be a float, got {weight_offset!r}")
-        if weight_offset != weight_offset:  # NaN: every output NaN, refused as a NaN eps is
-            raise ValueError(f"{name}: expected `weight_offset` to be a number, got {weight_offset!r}")
+        weight_offset = check.weight_offset(weight_offset, name)  # a finite number (the one rule)
         if casting not in FM.CASTINGS:
             raise ValueError(f"{name}: expected `casting` to be one of {list(FM.CASTINGS)}, got {casting!r}")
         if weight_offset != 0.0 or casting != "torch":
