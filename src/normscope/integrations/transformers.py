@@ -273,7 +273,7 @@ def _attr(m: nn.Module, name: str) -> object:
     return getattr(m, name, None) if hasattr(type(m), name) else None
 
 
-def _run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
+def _run(m: nn.Module, x: Tensor, how: Exact, by_weight: tuple | None = None) -> Tensor:
     """``m``'s normalization on normscope: one call of the hot path (:mod:`normscope.hot`) with the
     configuration ``how`` names, planned once per call signature as every layer's is. What it reads
     of ``m`` -- weight, bias, eps, normalized shape -- is read on every call (a model may replace
@@ -282,7 +282,8 @@ def _run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
     The families' RMS modules keep no normalized shape, only a 1-D weight: theirs is the weight's,
     and the op of :func:`normscope.functional_modern.by_weight` takes it from there (the hot path
     compares the weight's shape on every call), so that their settings are ``how``'s alone
-    (:data:`_BY_WEIGHT`) and the call reads no more of the module than the weight and eps."""
+    (``by_weight``, :data:`_BY_WEIGHT`) and the call reads no more of the module than the weight
+    and eps."""
     d = m.__dict__
     centered, casting, offset = how
     w = d["_parameters"].get("weight", _MISSING)
@@ -305,9 +306,8 @@ def _run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
         if offset and casting != "llama":
             y = offset_rms_norm(m, x, w, None, eps, offset, casting)  # the scale w + offset cached on m
         if y is None:
-            by_weight = _BY_WEIGHT.get(how)
             if by_weight is None:
-                by_weight = _BY_WEIGHT[how] = FM.by_weight(False, None, offset, casting)
+                by_weight = _by_weight(how)
             y = hot.call(by_weight[0], by_weight[1], x, w, None, eps)
         return y if dense is None else y.permute(dense[1])
     if w is _MISSING:
@@ -338,6 +338,15 @@ def _run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
             planned = _SETTINGS[key] = FM.last_axes(centered, shape, None, offset, casting)
         y = hot.call(planned[0], planned[1], x, w, b, eps)
     return y if dense is None else y.permute(dense[1])
+
+
+def _by_weight(how: Exact) -> tuple:
+    """:func:`normscope.functional_modern.by_weight`'s op and settings for ``how`` (an RMS
+    configuration), one per configuration."""
+    found = _BY_WEIGHT.get(how)
+    if found is None:
+        found = _BY_WEIGHT[how] = FM.by_weight(False, None, how.weight_offset, how.casting)
+    return found
 
 
 def _dense_order(x: Tensor, k: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -512,10 +521,12 @@ def _exact_subclass(original: type, how: Exact) -> type:
         original.__init__(self, *args, **kwargs)
         self._normscope_exact = _as_probed(signature, args, kwargs)
 
+    by_weight = None if how.centered else _by_weight(how)  # the settings of the call, built once
+
     def forward(self, hidden_states: Tensor) -> Tensor:
         if not self.__dict__.get("_normscope_exact", False):
             return original.forward(self, hidden_states)
-        return _run(self, hidden_states, how)
+        return _run(self, hidden_states, how, by_weight)
 
     key = f"_Exact_{original.__module__.replace('.', '_')}_{original.__qualname__.replace('.', '_')}"
     sub = type(
