@@ -235,15 +235,29 @@ _MEMORY_SCRIPT = """
 import json, resource, sys, torch
 torch.set_num_threads(1)
 import normscope
+
+def peak_kib():
+    # this process's own peak: /proc's VmHWM, of its address space alone. ru_maxrss is not that on
+    # Linux: exec keeps the larger of the parent's peak at the fork, so a child of a large benchmark
+    # process would start "above" its own allocations and report less growth than it had
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
 impl, layer, rows, n, dtype = sys.argv[1:]
 dt = getattr(torch, dtype)
 g = torch.Generator().manual_seed(0)
 x = torch.randn(int(rows), int(n), generator=g, dtype=dt).requires_grad_()  # no fp32 copy: the baseline
 dy = torch.randn(int(rows), int(n), generator=g, dtype=dt)  # peak must be the inputs' own
 m = getattr(torch.nn if impl == "torch" else normscope, layer)(int(n), dtype=dt)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_kib()
 m(x).backward(dy)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+after = peak_kib()
 print(json.dumps({"growth_mib": (after - before) / 1024}))
 """
 
