@@ -79,10 +79,6 @@ def _choice(value: object, name: str, options: Sequence[str], where: str) -> Non
         raise ValueError(f"{where}: expected `{name}` to be one of {tuple(options)}, got {value!r}")
 
 
-def _offset(value: object, where: str) -> float:
-    return check.weight_offset(value, where)  # the one rule (normscope._checks.weight_offset)
-
-
 def _prod(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:
@@ -165,7 +161,7 @@ def _last_axes(settings: LastAxesSettings | FamilySettings, input, weight, bias,
         return norm(input, scope, weight, bias, eps, backend=backend)
     # a family's parameters may be of any floating dtype (an fp32 weight on bf16 input: Llama's
     # casting then gives fp32), and flat over several normalized axes
-    offset, casting = _offset(settings.weight_offset, where), settings.casting
+    offset, casting = check.weight_offset(settings.weight_offset, where), settings.casting
     _choice(casting, "casting", CASTINGS, where)
     _optional(weight, "weight", shape, input, where)
     _optional(bias, "bias", shape, input, where)
@@ -460,7 +456,7 @@ def qk_norm(
     if not isinstance(per_head, bool):
         raise TypeError(f"{where}: expected `per_head` to be a bool, got {type(per_head).__name__} {per_head!r}")
     eps = _eps(eps, where)
-    offset = _offset(weight_offset, where)
+    offset = check.weight_offset(weight_offset, where)
     for name, t in (("q", q), ("k", k)):
         if t.dim() != 4:
             raise ValueError(f"{where}: expected `{name}` of 4 dims ({layout}), got shape {tuple(t.shape)}")

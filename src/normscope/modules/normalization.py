@@ -185,19 +185,17 @@ def offset_rms_norm(
     scale = _offset_scale(layer, w, x, offset)
     if scale is None:
         return None
-    if x.dtype == scale.dtype:  # torch's rms_norm is that order: ``(x * r) * scale``, rounded once
-        return hot.call(*(FM.last_axes(False, shape) if shape is not None else _BY_WEIGHT), x, scale, None, eps)
-    # an fp32 scale on half-precision input: Gemma's order by name ("torch" with an offset is that
-    # order too), which computes in fp32 and rounds once -- torch's rms_norm would take the mixed
-    # dtypes with a warning on every call
-    if shape is None:
-        return hot.call(*_BY_WEIGHT_GEMMA, x, scale, None, eps)
-    return hot.call(*FM.last_axes(False, shape, None, 0.0, "gemma"), x, scale, None, eps)
+    # the same dtypes: torch's rms_norm is that order, ``(x * r) * scale`` rounded once. An fp32 scale
+    # on half-precision input: Gemma's order by name ("torch" with an offset is that order too), which
+    # computes in fp32 and rounds once -- torch's rms_norm would take the mixed dtypes with a warning
+    # on every call
+    order = "torch" if x.dtype == scale.dtype else "gemma"
+    op, settings = _BY_WEIGHT[order] if shape is None else FM.last_axes(False, shape, None, 0.0, order)
+    return hot.call(op, settings, x, scale, None, eps)
 
 
-#: :func:`offset_rms_norm`'s ops and settings where the normalized shape is the weight's: constants
-_BY_WEIGHT = FM.by_weight(False)
-_BY_WEIGHT_GEMMA = FM.by_weight(False, None, 0.0, "gemma")
+#: :func:`offset_rms_norm`'s ops and settings where the normalized shape is the weight's, by order
+_BY_WEIGHT = {order: FM.by_weight(False, None, 0.0, order) for order in ("torch", "gemma")}
 
 
 _is_compiling, _traces_here = _state.is_compiling, _state.traces_here
