@@ -294,48 +294,38 @@ def _run(m: nn.Module, x: Tensor, how: Exact, by_weight: tuple | None = None) ->
             break
     if type(eps) is not float:  # an int, a property, a name of its own: read as the probe reads it
         eps = eps if isinstance(eps, int) and not isinstance(eps, bool) else _eps(m)
-    dense = None if x.is_contiguous() else _MISSING
-    if not centered and w is not None and w is not _MISSING and "normalized_shape" not in d:
-        # an RMS module whose normalized shape is its weight's (the checked call refuses a weight
-        # that is not a 1-D tensor)
-        if dense is not None:
-            dense = _dense_order(x, 1)
-            if dense is not None:  # a permuted view of a dense tensor: normalize that one, permute back
-                x = x.permute(dense[0])
-        y = None
-        if offset and casting != "llama":
-            y = offset_rms_norm(m, x, w, None, eps, offset, casting)  # the scale w + offset cached on m
-        if y is None:
-            if by_weight is None:
-                by_weight = _by_weight(how)
-            y = hot.call(by_weight[0], by_weight[1], x, w, None, eps)
-        return y if dense is None else y.permute(dense[1])
-    if w is _MISSING:
-        w = _attr(m, "weight")
-    w = w if isinstance(w, Tensor) else None
-    b = None
-    if centered:  # an RMS configuration has no bias (the probe matched the module without one)
-        b = _attr(m, "bias")
-        b = b if isinstance(b, Tensor) else None
-    ns = d.get("normalized_shape")
-    if isinstance(ns, (tuple, torch.Size)):
-        shape = tuple(ns)
-    else:
-        shape = tuple(w.shape) if w is not None and w.dim() == 1 else _shape(m)
-    if dense is not None:
-        dense = _dense_order(x, len(shape))
-        if dense is not None:
-            x = x.permute(dense[0])
+    # an RMS module whose normalized shape is its weight's: no shape read here (the checked call
+    # refuses a weight that is not a 1-D tensor)
+    by_weight_shape = not centered and w is not None and w is not _MISSING and "normalized_shape" not in d
+    b = shape = None
+    if not by_weight_shape:
+        if w is _MISSING:
+            w = _attr(m, "weight")
+        w = w if isinstance(w, Tensor) else None
+        if centered:  # an RMS configuration has no bias (the probe matched the module without one)
+            b = _attr(m, "bias")
+            b = b if isinstance(b, Tensor) else None
+        ns = d.get("normalized_shape")
+        if isinstance(ns, (tuple, torch.Size)):
+            shape = tuple(ns)
+        else:
+            shape = tuple(w.shape) if w is not None and w.dim() == 1 else _shape(m)
+    dense = None if x.is_contiguous() else _dense_order(x, 1 if by_weight_shape else len(shape))
+    if dense is not None:  # a permuted view of a dense tensor: normalize that one, permute back
+        x = x.permute(dense[0])
     y = None
     if offset and not centered and casting != "llama":
         y = offset_rms_norm(m, x, w, shape, eps, offset, casting)  # the scale w + offset cached on m
     if y is None:
-        key = (centered, shape, offset, type(offset), casting)
-        planned = _SETTINGS.get(key)
-        if planned is None:
-            if len(_SETTINGS) >= _MAX_SETTINGS:
-                _SETTINGS.clear()
-            planned = _SETTINGS[key] = FM.last_axes(centered, shape, None, offset, casting)
+        if by_weight_shape:
+            planned = by_weight if by_weight is not None else _by_weight(how)
+        else:
+            key = (centered, shape, offset, type(offset), casting)
+            planned = _SETTINGS.get(key)
+            if planned is None:
+                if len(_SETTINGS) >= _MAX_SETTINGS:
+                    _SETTINGS.clear()
+                planned = _SETTINGS[key] = FM.last_axes(centered, shape, None, offset, casting)
         y = hot.call(planned[0], planned[1], x, w, b, eps)
     return y if dense is None else y.permute(dense[1])
 
