@@ -318,6 +318,13 @@ def test_statistics_bound_matches_the_direct_comparison(eps):
                 t[i] = specials[trial % len(specials)]
             expected = bool((t.double().abs() <= bound).all())  # NaN compares False
             assert check(t, eps) is expected, (n, trial, t)
+        # one tensor rewritten in place (the same address, read again) and two tensors alternating
+        # (another address each call): every answer from the values read now
+        past = bound * 2 if bound * 2 < 3.4e38 else math.inf  # past the bound (inf past every finite one)
+        t, u = torch.zeros(n), torch.full((n,), past)
+        for trial in range(6):
+            assert check(t, eps) is (trial % 2 == 0) and check(u, eps) is False
+            t.fill_(past if trial % 2 == 0 else 0.0)
     assert aten._bounded(0) is None and aten._bounded(513) is None
     assert aten._bounded(4)(torch.zeros(4), 0.0) is False  # eps <= 0: rstd unbounded, never "within"
 

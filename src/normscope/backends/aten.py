@@ -317,10 +317,20 @@ def _bounded(n: int) -> Callable[[Tensor, float], bool] | None:
         addends[eps] = a = ones * (0x80000000 - (t + 1))
         return a
 
+    # the bytes at the last address read, as a ctypes array: a function of the address alone (it reads
+    # the memory when read), made again only for another address -- the allocator mostly hands a
+    # call's statistics the previous call's block; ~0.15 of ~0.8 us a call
+    last: tuple[int, object] = (0, None)
+
     def bounded(mean: Tensor, eps: float) -> bool:
+        nonlocal last
         if type(mean) is not Tensor or not eps > 0:  # a subclass is not host memory; eps <= 0: no bound
             return False
-        lanes = from_bytes(raw.from_address(mean.data_ptr()), order) & magnitude
+        address, view = last  # one read of the pair: another thread's store replaces it whole
+        if address != (p := mean.data_ptr()):
+            view = raw.from_address(p)
+            last = (p, view)
+        lanes = from_bytes(view, order) & magnitude
         return not (lanes + (addends.get(eps) or addend(eps))) & top
 
     return bounded
