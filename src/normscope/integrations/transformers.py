@@ -294,13 +294,6 @@ def _run(m: nn.Module, x: Tensor, how: Exact, by_weight: tuple | None = None) ->
             break
     if type(eps) is not float:  # an int, a property, a name of its own: read as the probe reads it
         eps = eps if isinstance(eps, int) and not isinstance(eps, bool) else _eps(m)
-    if by_weight is not None and w is not _MISSING and w is not None and "normalized_shape" not in d:
-        if x.is_contiguous() and (not offset or casting == "llama"):
-            # a family's RMS module as it comes (a 1-D weight, no normalized shape kept) on a dense
-            # input, in the fewest steps: inside a model each step runs with cold caches, where the
-            # general path below cost ~6 us a call over the hot path's and this ~3 (1 x 8 tokens,
-            # a Linear between calls; benchmarks/families.py measures the norms in the model)
-            return hot.call(by_weight[0], by_weight[1], x, w, None, eps)
     # an RMS module whose normalized shape is its weight's: no shape read here (the checked call
     # refuses a weight that is not a 1-D tensor)
     by_weight_shape = not centered and w is not None and w is not _MISSING and "normalized_shape" not in d
