@@ -107,9 +107,9 @@ class Backend(NamedTuple):
 
     ``why_not``, ``why_not_auto`` and ``prepare`` may look only at the call's *signature* -- the
     resolved scope (shape included), dtype, device, which of mask, running statistics, weight,
-    bias and residual are present, and which axes the mask broadcasts over -- because their
-    answers are cached per signature (:func:`signature`). Strides are not in it: a backend handles
-    any layout itself.
+    bias and residual are present and their shapes and dtypes, and which axes the mask broadcasts
+    over -- because their answers are cached per signature (:func:`signature`). Strides are not in
+    it: a backend handles any layout itself.
     """
 
     name: str

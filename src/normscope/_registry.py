@@ -105,6 +105,10 @@ def requested_backend(backend: str | None = None) -> str:
     return "auto"
 
 
+def _meta(t: Tensor | None) -> tuple | None:
+    return None if t is None else (t.shape, t.dtype, t.device)
+
+
 def signature(call: Call) -> tuple:
     """What a backend's choice may depend on (see :class:`~normscope.engine.Backend`)."""
     r, res = call.running, call.residual
@@ -115,11 +119,13 @@ def signature(call: Call) -> tuple:
         # which axes the mask broadcasts over (a per-position mask vs one that varies by channel)
         None if call.mask is None else tuple(n == 1 for n in call.mask.shape),
         None if r is None else (r.use_input_stats, r.mean is None, r.var is None),
-        # shapes, not just presence: a plan is validated once per signature (see validate)
-        None if call.weight is None else call.weight.shape,
-        None if call.bias is None else call.bias.shape,
-        None if r is None or r.mean is None else r.mean.shape,
-        None if r is None or r.var is None else r.var.shape,
+        # shapes, not just presence: a plan is validated once per signature (see validate); dtypes
+        # and devices too: the rows path takes only some weight dtypes, Llama's casting multiplies in
+        # the promoted dtype, and validate checks the devices
+        _meta(call.weight),
+        _meta(call.bias),
+        None if r is None else _meta(r.mean),
+        None if r is None else _meta(r.var),
         None if res is None else (res.dtype, res.shape, call.residual_fp32),
         call.weight_offset,
         call.op,

@@ -535,3 +535,28 @@ def test_backends_read_the_form_not_their_own_derivation():
     assert composite._view(call(Scope.instance())) == (1, True, 6)
     assert composite._view(call(Scope.batch(-1))) == (2, False, 5)
     assert composite._view(call(Scope.rms(1))) is None and rms.takes(call(Scope.layer(1))) is not None
+
+
+def test_a_plan_is_not_reused_for_parameters_of_another_dtype():
+    """The engine's plans are per signature, and the choice and the runner read the dtypes of weight
+    and bias (the rows path refuses a weight torch would promote; Llama's casting multiplies in the
+    promoted dtype): a call whose weight has another dtype than a planned call's is planned afresh.
+    Checked against the family's formula and the forced backend's refusal. (Shapes no other test uses:
+    a plan made elsewhere for the second dtype would hide a stale one.)"""
+    import normscope.functional as NF
+    import normscope.functional_modern as FM
+
+    x = torch.randn(3, 29)
+    w32 = torch.randn(29)
+    w64 = w32.double()
+    FM.rms_norm(x, 29, w32, 1e-6, casting="llama")
+    got = FM.rms_norm(x, 29, w64, 1e-6, casting="llama")
+    expected = w64 * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))  # Llama's order, promoted
+    assert got.dtype == expected.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+    x = torch.randn(3, 31)
+    with normscope.use_backend("rows"):
+        NF.rms_norm(x, (31,), torch.randn(31), 1e-6)
+        with pytest.raises(ValueError, match="cannot run"):  # torch's bits need the promoted product
+            NF.rms_norm(x, (31,), torch.randn(31, dtype=torch.bfloat16), 1e-6)
