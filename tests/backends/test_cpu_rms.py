@@ -7,6 +7,8 @@ about twice torch's own (the flash-attention criterion), plus a small floor.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as tF
@@ -256,21 +258,28 @@ def test_gradients_no_further_from_float64_than_torch(rows):
         assert err_o <= err_t, f"{name}: normscope {err_o:.3e} vs torch {err_t:.3e} from float64"
 
 
-def test_float64_weight_gets_a_float64_accurate_gradient():
-    # fp32 input, fp64 weight: the weight's gradient is summed in float64, not fp32 cast up
+def test_float64_weight_on_float32_input_runs_torchs_op_even_after_a_float32_weights_plan():
+    # torch multiplies by an fp64 weight in fp64 (then rounds to the input's fp32): the rows path,
+    # whose products are in the input's accumulation dtype, declines such a weight and the automatic
+    # choice runs torch's op -- also where a plan for an fp32 weight of the same shape exists (plans
+    # are keyed on the parameters' dtypes: that plan would multiply in fp32, other bits)
     g = torch.Generator().manual_seed(3)
-    n, rows = 1024, 1024
+    n, rows = 1024, 1024  # 1 M elements: the rows path's own size
     x, dy = torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g)
+    F.rms_norm(x, (n,), torch.randn(n, generator=g), 1e-6)
+    assert normscope.last_backend() == "rows"
     w = torch.randn(n, generator=g, dtype=torch.float64)
-    wo = w.clone().requires_grad_()
-    normscope.functional.rms_norm(x, (n,), wo, 1e-6).backward(dy)
-    assert normscope.last_backend() == "rows" and wo.grad.dtype == torch.float64
-    # float64 with r from the fp32 input's statistics: what an fp32-rounded r allows at best
-    xd = x.double()
-    r = torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6)
-    exact = (dy.double() * xd * r).sum(0)
-    err = float((wo.grad - exact).norm() / exact.norm())
-    assert err < 5e-8, err  # fp32 sums of the products were ~1.8e-7
+    ours, theirs = w.clone().requires_grad_(), w.clone().requires_grad_()
+    y = F.rms_norm(x, (n,), ours, 1e-6)
+    assert normscope.last_backend() == "aten"
+    y.backward(dy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: "Mismatch dtype between input and weight"
+        y_t = tF.rms_norm(x, (n,), theirs, 1e-6)
+    y_t.backward(dy)
+    assert torch.equal(y, y_t) and torch.equal(ours.grad, theirs.grad) and ours.grad.dtype == torch.float64
+    with normscope.use_backend("rows"), pytest.raises(ValueError, match="a weight of the input's dtype"):
+        F.rms_norm(x, (n,), w, 1e-6)
 
 
 def test_the_rows_backend_is_forced_by_its_name_and_refuses_what_it_does_not_run():

@@ -208,14 +208,15 @@ def _offset_scale(layer: nn.Module, w: Tensor | None, x: Tensor, offset: float) 
 
     The key is everything the value depends on, compared on every call: the weight object itself,
     its version counter (every in-place change through the tensor or its views: an optimizer step,
-    ``copy_``, ``load_state_dict``, ``nn.init``), its storage address, dtype and device (``.data``
-    reassigned by ``module.to()``/``.half()``), the accumulation dtype, and whether the call records
-    a graph for the weight's gradient and runs in inference mode. With a gradient the cached scale is
-    ``w + offset`` of the graph, reused: its backward (a cast and an add) saves no tensor, so every
-    backward through it is exact. A write through ``w.data`` bypasses the version counter (autograd
-    does not see it either) and is seen only once the weight changes otherwise: write through ``w``
-    under ``torch.no_grad()``, as torch's optimizers and ``nn.init`` do. None (no cache) while
-    tracing or under a torch.func transform, and for tensor subclasses."""
+    ``copy_``, ``load_state_dict``, ``nn.init``), its address, dtype, device, strides and shape
+    (``.data`` reassigned by ``module.to()``/``.half()``, or to another view of the same storage
+    starting at the same element, whose version counter is the storage's), the accumulation dtype,
+    and whether the call records a graph for the weight's gradient and runs in inference mode. With
+    a gradient the cached scale is ``w + offset`` of the graph, reused: its backward (a cast and an
+    add) saves no tensor, so every backward through it is exact. A write through ``w.data`` bypasses
+    the version counter (autograd does not see it either) and is seen only once the weight changes
+    otherwise: write through ``w`` under ``torch.no_grad()``, as torch's optimizers and ``nn.init``
+    do. None (no cache) while tracing or under a torch.func transform, and for tensor subclasses."""
     # traced (dynamo; the TorchScript tracer would bake a cached scale in as a constant) or transformed
     if w is None or (_is_compiling() and _traces_here()) or _is_tracing() or _peek() is not None:
         return None  # engine.compiling(), torch.jit.is_tracing(), engine.transformed(): inline, per call
@@ -235,8 +236,10 @@ def _offset_scale(layer: nn.Module, w: Tensor | None, x: Tensor, offset: float) 
         and e[6] == grad
         and e[7] == inference
         and e[8] == offset
+        and e[9] == w.stride()
+        and e[10] == w.shape
     ):
-        return e[9]
+        return e[11]
     if type(w) not in (nn.Parameter, Tensor):
         return None
     acc = ref.acc_dtype(x.dtype)
@@ -247,7 +250,7 @@ def _offset_scale(layer: nn.Module, w: Tensor | None, x: Tensor, offset: float) 
             scale = (w if w.dtype == acc else w.to(acc)) + offset
     if slot is None:
         slot = layer.__dict__["_scale_slot"] = _ScaleSlot()
-    slot.entry = (w, version, ptr, w.dtype, w.device, x.dtype, grad, inference, offset, scale)
+    slot.entry = (w, version, ptr, w.dtype, w.device, x.dtype, grad, inference, offset, w.stride(), w.shape, scale)
     return scale
 
 
