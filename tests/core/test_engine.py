@@ -363,6 +363,26 @@ def test_scope_validation():
         Scope(reduce=(2,), groups=2, group_dim=1).resolve((2, 4, 3))
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(reduce=(-1.0,), affine=(-1.0,)), dict(keep=(0.0,)), dict(reduce=(True,)), dict(keep=(0,), group_dim=1.0)],
+)
+def test_scope_axes_must_be_ints_and_a_refused_scope_leaves_the_cache_alone(kwargs):
+    """A float axis equals and hashes as the int one: were it accepted, its resolution (float axes, which
+    cannot index a shape) would be cached under the int scope's key and break every later LayerNorm."""
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match=r"Scope: expected .* an int axis, got"):
+        engine.norm(x, Scope(**kwargs), torch.ones(8) if "affine" in kwargs else None)
+    torch.testing.assert_close(normscope.LayerNorm(8)(x), torch.nn.functional.layer_norm(x, (8,)))
+
+
+def test_scope_axes_of_numpy_ints_resolve_to_python_ints():
+    np = pytest.importorskip("numpy")
+    s = Scope(reduce=(np.int64(-1),), affine=(np.int64(-1),))
+    assert s == Scope.layer(1) and type(s.reduce[0]) is int
+    assert type(s.resolve((4, 8)).reduce[0]) is int
+
+
 def test_choice_for_trace_matches_the_eager_choice():
     """While dynamo traces, the backend is chosen on a stand-in of the call's signature
     (engine._choice_for_trace); it must be the choice the real call gets, for every kind of call."""
