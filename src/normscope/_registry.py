@@ -115,9 +115,10 @@ def signature(call: Call) -> tuple:
     return (
         call.scope,
         call.x.dtype,
-        call.x.device.type,
+        # the device itself, index included, as every other tensor's: validate compares them
+        call.x.device,
         # which axes the mask broadcasts over (a per-position mask vs one that varies by channel)
-        None if call.mask is None else tuple(n == 1 for n in call.mask.shape),
+        None if call.mask is None else (tuple(n == 1 for n in call.mask.shape), call.mask.device),
         None if r is None else (r.use_input_stats, r.mean is None, r.var is None),
         # shapes, not just presence: a plan is validated once per signature (see validate); dtypes
         # and devices too: the rows path takes only some weight dtypes, Llama's casting multiplies in
@@ -126,7 +127,7 @@ def signature(call: Call) -> tuple:
         _meta(call.bias),
         None if r is None else _meta(r.mean),
         None if r is None else _meta(r.var),
-        None if res is None else (res.dtype, res.shape, call.residual_fp32),
+        None if res is None else (res.dtype, res.shape, res.device, call.residual_fp32),
         call.weight_offset,
         call.op,
         call.casting,

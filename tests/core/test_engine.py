@@ -383,6 +383,27 @@ def test_scope_axes_of_numpy_ints_resolve_to_python_ints():
     assert type(s.resolve((4, 8)).reduce[0]) is int
 
 
+@pytest.mark.parametrize("which", ["mask", "residual"])
+def test_a_plan_is_not_reused_for_a_mask_or_residual_on_another_device(which):
+    """validate() checks every tensor's device once per plan signature, so the signature holds each
+    device: a call whose mask or residual moved must be refused as the first such call is."""
+    x, w = torch.randn(2, 4, 6), torch.ones(6)
+    if which == "mask":
+        m = torch.rand(2, 1, 6) > 0.3
+
+        def call(mask):
+            return norm(x, Scope.group(2), mask=mask)
+    else:
+        m = torch.randn(2, 4, 6)
+
+        def call(residual):
+            return engine.add_norm(x, residual, Scope.rms(1), w)
+
+    call(m)  # the plan of the call on the input's device
+    with pytest.raises(ValueError, match=rf"expected `{which}` on cpu, got meta"):
+        call(m.to("meta"))
+
+
 def test_choice_for_trace_matches_the_eager_choice():
     """While dynamo traces, the backend is chosen on a stand-in of the call's signature
     (engine._choice_for_trace); it must be the choice the real call gets, for every kind of call."""
