@@ -58,7 +58,7 @@ from typing import NamedTuple, NoReturn
 import torch
 from torch import Tensor
 
-from . import _state, engine
+from . import _registry, _state, engine
 from ._planning import stand_in, symbolic
 from .engine import Running
 
@@ -340,6 +340,19 @@ _TRACE_PLANS = types.SimpleNamespace()
 _TRACE_TOKENS: dict[tuple, str] = {}
 _tokens = iter(range(1 << 62))
 _TRACE_LOCK = threading.Lock()
+
+
+def _clear_plans() -> None:
+    """Every op's plans and the traced ones start afresh (:func:`normscope.engine.register_backend`)."""
+    for op in list(_OPS.values()):
+        op.plans.clear()
+        op.last = ((), None)
+    with _TRACE_LOCK:
+        _TRACE_TOKENS.clear()
+        _TRACE_PLANS.__dict__.clear()
+
+
+_registry.PLAN_TABLES.append(_clear_plans)
 
 
 @_state.constant_when_compiled

@@ -404,6 +404,38 @@ def test_a_plan_is_not_reused_for_a_mask_or_residual_on_another_device(which):
         call(m.to("meta"))
 
 
+@pytest.fixture
+def registry_restored():
+    """The backends and their order as they were, and no plan made while they differed."""
+    from normscope import _registry
+
+    order, known = list(_registry.AUTO), dict(_registry.BACKENDS)
+    yield
+    _registry.AUTO[:] = order
+    _registry.BACKENDS.clear()
+    _registry.BACKENDS.update(known)
+    _registry.clear_plans()
+
+
+@pytest.mark.usefixtures("registry_restored")
+@pytest.mark.parametrize("registered", ["new", "replacing"])
+def test_a_registered_backend_runs_a_warm_layers_next_call(registered):
+    """Every plan reads the registry (the automatic order, the backend by name): registering a backend
+    must reach the plans a warm layer keeps (normscope.hot) and a warm functional call, not only the
+    engine's table."""
+    fill = 7.0
+
+    def prepare(call, automatic):
+        return lambda c: torch.full_like(c.x, fill)
+
+    ln, x = normscope.LayerNorm(8), torch.randn(2, 8)
+    torch.testing.assert_close(ln(x), torch.nn.functional.layer_norm(x, (8,)))  # planned on aten
+    name, before = ("sevens", "aten") if registered == "new" else ("aten", "composite")  # aten: in its place
+    engine.register_backend(engine.Backend(name, lambda c: None, prepare), before=before)
+    torch.testing.assert_close(ln(x), torch.full_like(x, fill))
+    assert engine.last_backend() == name
+
+
 def test_choice_for_trace_matches_the_eager_choice():
     """While dynamo traces, the backend is chosen on a stand-in of the call's signature
     (engine._choice_for_trace); it must be the choice the real call gets, for every kind of call."""
