@@ -96,8 +96,9 @@ class LastAxesSettings(NamedTuple):
     where: str
     centered: bool
     normalized_shape: object
-    #: its type: a list and a tuple check alike but are keys of their own
-    shape_type: type
+    #: its type (a list and a tuple check alike but are keys of their own), with its sizes' type
+    #: names where they are not all ints
+    shape_type: type | tuple
     backend: str | None
 
 
@@ -107,13 +108,24 @@ class FamilySettings(NamedTuple):
     where: str
     centered: bool
     normalized_shape: object
-    shape_type: type
+    shape_type: type | tuple
     backend: str | None
     weight_offset: float
     offset_type: type
     casting: str
 
 
+
+
+def _int_sizes(shape: tuple) -> bool:
+    """Whether every size of ``shape`` is an int: one and two sizes without a generator's frame (a
+    layer's settings are built on every call)."""
+    n = len(shape)
+    if n == 1:
+        return type(shape[0]) is int
+    if n == 2:
+        return type(shape[0]) is int and type(shape[1]) is int
+    return all(type(d) is int for d in shape)
 
 
 def last_axes(
@@ -131,12 +143,15 @@ def last_axes(
     if type(normalized_shape) is list:  # hashable, for the plan's key
         normalized_shape = tuple(normalized_shape)
     where = "layer_norm" if centered else "rms_norm"
+    shape_type = type(normalized_shape)
+    if shape_type is tuple and not _int_sizes(normalized_shape):
+        # (64.0,) == (64,) and hashes alike: the sizes' types are part of the key, or a plan made for
+        # ints would run a float size that the checks refuse (type names: constants for dynamo)
+        shape_type = ("tuple", *(type(n).__name__ for n in normalized_shape))
     if weight_offset == 0.0 and casting == "torch":
-        settings = (where, centered, normalized_shape, type(normalized_shape), backend)
+        settings = (where, centered, normalized_shape, shape_type, backend)
         return (LAYER_NORM if centered else RMS_NORM), settings
-    settings = (
-        where, centered, normalized_shape, type(normalized_shape), backend, weight_offset, type(weight_offset), casting
-    )
+    settings = (where, centered, normalized_shape, shape_type, backend, weight_offset, type(weight_offset), casting)
     return (LAYER_NORM_FAMILY if centered else RMS_NORM_FAMILY), settings
 
 

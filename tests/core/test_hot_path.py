@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import normscope
+import normscope.functional as NF
 
 LAYERS = [
     ("LayerNorm", lambda m: m.LayerNorm(16), (4, 16)),
@@ -92,6 +93,20 @@ def test_bad_input_after_a_good_call_still_raises():
         ln(x)
     with pytest.raises(TypeError, match="torch.Tensor"):
         ln([1.0] * 16)
+
+
+@pytest.mark.parametrize("fn", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("bad", [(16.0,), (4, 4.0)])
+def test_a_float_size_after_an_int_one_is_still_refused(fn, bad):
+    """(16.0,) == (16,) and hashes alike: a plan keyed on the value alone would let a float size
+    through the checks that refuse it cold (torch.nn.functional refuses it too)."""
+    good = tuple(int(n) for n in bad)
+    x = torch.randn(3, *good)
+    getattr(NF, fn)(x, good)
+    with pytest.raises(TypeError):
+        getattr(nn.functional, fn)(x, bad)
+    with pytest.raises(TypeError, match="`normalized_shape` to be an int or a sequence of ints"):
+        getattr(NF, fn)(x, bad)
 
 
 def test_dtype_change_replans():
