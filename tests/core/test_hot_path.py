@@ -109,6 +109,18 @@ def test_a_float_size_after_an_int_one_is_still_refused(fn, bad):
         getattr(NF, fn)(x, bad)
 
 
+@pytest.mark.parametrize("bad", [1.0, -1.0])
+def test_batch_norm_refuses_a_float_channel_dim_cold_and_warm(bad):
+    """``channel_dim=1.0`` equals 1 in a key: refused with a TypeError naming it, also after a call
+    with the int (the plan's key holds its type)."""
+    x = torch.randn(4, 3, 5)
+    for warm in (False, True):
+        if warm:
+            NF.batch_norm(x, None, None, training=True, channel_dim=int(bad))
+        with pytest.raises(TypeError, match=r"expected `channel_dim` to be an int \(1 or -1\), got 1.0|got -1.0"):
+            NF.batch_norm(x, None, None, training=True, channel_dim=bad)
+
+
 def test_dtype_change_replans():
     ln = normscope.LayerNorm(16)
     x = torch.randn(4, 16)
