@@ -117,17 +117,6 @@ class FamilySettings(NamedTuple):
 
 
 
-def _int_sizes(shape: tuple) -> bool:
-    """Whether every size of ``shape`` is an int: one and two sizes without a generator's frame (a
-    layer's settings are built on every call)."""
-    n = len(shape)
-    if n == 1:
-        return type(shape[0]) is int
-    if n == 2:
-        return type(shape[0]) is int and type(shape[1]) is int
-    return all(type(d) is int for d in shape)
-
-
 def last_axes(
     centered: bool,
     normalized_shape: object,
@@ -144,10 +133,13 @@ def last_axes(
         normalized_shape = tuple(normalized_shape)
     where = "layer_norm" if centered else "rms_norm"
     shape_type = type(normalized_shape)
-    if shape_type is tuple and not _int_sizes(normalized_shape):
-        # (64.0,) == (64,) and hashes alike: the sizes' types are part of the key, or a plan made for
-        # ints would run a float size that the checks refuse (type names: constants for dynamo)
-        shape_type = ("tuple", *(type(n).__name__ for n in normalized_shape))
+    if shape_type is tuple:
+        for d in normalized_shape:  # a loop, not a helper: dynamo would guard on a function
+            if type(d) is not int:
+                # (64.0,) == (64,) and hashes alike: the sizes' types are part of the key, or a plan
+                # made for ints would run a float size that the checks refuse (names: constants for dynamo)
+                shape_type = ("tuple", *(type(n).__name__ for n in normalized_shape))
+                break
     if weight_offset == 0.0 and casting == "torch":
         settings = (where, centered, normalized_shape, shape_type, backend)
         return (LAYER_NORM if centered else RMS_NORM), settings
