@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._contract import Call, Runner, Running
-from ._registry import MAX_PLANS, choose, prepare, validate
+from ._registry import MAX_PLANS, PLAN_TABLES, choose, prepare, validate
 from ._state import as_traced, compiling, constant_when_compiled
 from .scope import Resolved
 
@@ -88,6 +88,7 @@ def stand_in(shape: tuple, dtype: torch.dtype, device: torch.device | str) -> Te
 
 
 _TRACE_CHOICES: dict[tuple, str] = {}
+PLAN_TABLES.append(_TRACE_CHOICES.clear)
 
 
 @constant_when_compiled

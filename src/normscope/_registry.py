@@ -12,7 +12,7 @@ Depends on :mod:`normscope._contract` and :mod:`normscope._state`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -26,6 +26,8 @@ __all__ = [
     "AUTO",
     "PLANS",
     "MAX_PLANS",
+    "PLAN_TABLES",
+    "clear_plans",
     "register_backend",
     "backends",
     "use_backend",
@@ -46,6 +48,9 @@ AUTO: list[str] = []
 PLANS: dict[tuple, tuple[str, Runner]] = {}
 #: a bound on each plan table, not a policy: past it a table starts afresh (real code has few)
 MAX_PLANS = 4096
+#: how each other table of plans or choices starts afresh (:mod:`normscope.hot`, the traced choices):
+#: every plan reads the registry, so registering a backend empties them all
+PLAN_TABLES: list[Callable[[], None]] = []
 
 
 def register_backend(backend: Backend, *, before: str | None = None) -> None:
@@ -58,7 +63,14 @@ def register_backend(backend: Backend, *, before: str | None = None) -> None:
         AUTO.remove(backend.name)
     at = AUTO.index(before) if before is not None and before in AUTO else len(AUTO)
     AUTO.insert(at, backend.name)
+    clear_plans()
+
+
+def clear_plans() -> None:
+    """Empty every table of plans: what the registry was when they were made is no key of theirs."""
     PLANS.clear()
+    for clear in PLAN_TABLES:
+        clear()
 
 
 def backends() -> list[str]:
@@ -115,9 +127,10 @@ def signature(call: Call) -> tuple:
     return (
         call.scope,
         call.x.dtype,
-        call.x.device.type,
+        # the device itself, index included, as every other tensor's: validate compares them
+        call.x.device,
         # which axes the mask broadcasts over (a per-position mask vs one that varies by channel)
-        None if call.mask is None else tuple(n == 1 for n in call.mask.shape),
+        None if call.mask is None else (tuple(n == 1 for n in call.mask.shape), call.mask.device),
         None if r is None else (r.use_input_stats, r.mean is None, r.var is None),
         # shapes, not just presence: a plan is validated once per signature (see validate); dtypes
         # and devices too: the rows path takes only some weight dtypes, Llama's casting multiplies in
@@ -126,7 +139,7 @@ def signature(call: Call) -> tuple:
         _meta(call.bias),
         None if r is None else _meta(r.mean),
         None if r is None else _meta(r.var),
-        None if res is None else (res.dtype, res.shape, call.residual_fp32),
+        None if res is None else (res.dtype, res.shape, res.device, call.residual_fp32),
         call.weight_offset,
         call.op,
         call.casting,

@@ -56,6 +56,8 @@ class BatchNormSettings(NamedTuple):
     #: its type: the check refuses a bool, and ``True == 1`` in a key
     momentum_type: type
     channel_dim: int
+    #: its type: ``1.0 == 1`` in a key, and the check refuses a float
+    channel_dim_type: type
     backend: str | None
 
 
@@ -82,7 +84,7 @@ class GroupNormSettings(NamedTuple):
 
 def batch_norm_settings(training: bool, momentum: float, channel_dim: int = 1, backend: str | None = None) -> tuple:
     """The fields of :class:`BatchNormSettings`."""
-    return (training, momentum, type(momentum), channel_dim, backend)
+    return (training, momentum, type(momentum), channel_dim, type(channel_dim), backend)
 
 
 def instance_norm_settings(use_input_stats: bool, momentum: float, backend: str | None = None) -> tuple:
@@ -167,8 +169,8 @@ def batch_norm(
     running = None
     if running_mean is not None or running_var is not None or not training:
         running = hot.running((running_mean, running_var, momentum, training))
-    # training and channel_dim are read for their truth and value only (1 and True alike); momentum's
-    # type is checked (a bool is refused), so the key holds it
+    # training is read for its truth only (1 and True alike); momentum's and channel_dim's types are
+    # checked (a bool momentum, a float axis are refused), so the key holds them
     settings = batch_norm_settings(training, momentum, channel_dim, backend)
     return hot.call(BATCH_NORM, settings, input, weight, bias, eps, running, mask)
 
@@ -182,6 +184,8 @@ def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, ru
     check.tensor(input, "input", where)
     check.channels_first(input, 2, where)
     _check_momentum_eps(momentum, eps, training, where)
+    if not isinstance(channel_dim, int):  # True is 1, as torch's own int arguments take it
+        raise TypeError(f"{where}: expected `channel_dim` to be an int (1 or -1), got {channel_dim!r}")
     if channel_dim not in (1, -1, input.dim() - 1):
         raise ValueError(f"{where}: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
     c = input.shape[channel_dim]

@@ -96,8 +96,9 @@ class LastAxesSettings(NamedTuple):
     where: str
     centered: bool
     normalized_shape: object
-    #: its type: a list and a tuple check alike but are keys of their own
-    shape_type: type
+    #: its type (a list and a tuple check alike but are keys of their own), with its sizes' type
+    #: names where they are not all ints
+    shape_type: type | tuple
     backend: str | None
 
 
@@ -107,7 +108,7 @@ class FamilySettings(NamedTuple):
     where: str
     centered: bool
     normalized_shape: object
-    shape_type: type
+    shape_type: type | tuple
     backend: str | None
     weight_offset: float
     offset_type: type
@@ -131,12 +132,18 @@ def last_axes(
     if type(normalized_shape) is list:  # hashable, for the plan's key
         normalized_shape = tuple(normalized_shape)
     where = "layer_norm" if centered else "rms_norm"
+    shape_type = type(normalized_shape)
+    if shape_type is tuple:
+        for d in normalized_shape:  # a loop, not a helper: dynamo would guard on a function
+            if type(d) is not int:
+                # (64.0,) == (64,) and hashes alike: the sizes' types are part of the key, or a plan
+                # made for ints would run a float size that the checks refuse (names: constants for dynamo)
+                shape_type = ("tuple", *(type(n).__name__ for n in normalized_shape))
+                break
     if weight_offset == 0.0 and casting == "torch":
-        settings = (where, centered, normalized_shape, type(normalized_shape), backend)
+        settings = (where, centered, normalized_shape, shape_type, backend)
         return (LAYER_NORM if centered else RMS_NORM), settings
-    settings = (
-        where, centered, normalized_shape, type(normalized_shape), backend, weight_offset, type(weight_offset), casting
-    )
+    settings = (where, centered, normalized_shape, shape_type, backend, weight_offset, type(weight_offset), casting)
     return (LAYER_NORM_FAMILY if centered else RMS_NORM_FAMILY), settings
 
 

@@ -58,7 +58,7 @@ from typing import NamedTuple, NoReturn
 import torch
 from torch import Tensor
 
-from . import _state, engine
+from . import _registry, _state, engine
 from ._planning import stand_in, symbolic
 from .engine import Running
 
@@ -319,10 +319,12 @@ def _traced(op, settings, x, weight, bias, eps, running) -> Plan | None:
     # the settings as Python constants for dynamo: a type (the keys' ``type(eps)``-like slots, which
     # the checked calls never read) by its name
     constants = tuple(v.__name__ if isinstance(v, type) else v for v in settings)
+    # eps's type too, as the eager key holds it: True == 1.0, and the checks refuse a bool eps
+    eps_type = type(eps).__name__
     # engine.request_key() as dynamo reads it: the forced name from the thread's view (a guard per
     # thread), the environment as a constant
     request = _TRACED_VIEW.forced or _environ_constant()
-    return getattr(_TRACE_PLANS, _trace_token((op.name, constants, eps, flags), tuple(metas), request))
+    return getattr(_TRACE_PLANS, _trace_token((op.name, constants, eps, eps_type, flags), tuple(metas), request))
 
 
 # What _traced reads, as names of this module: a module object (engine, torch) or class (Tensor)
@@ -342,6 +344,19 @@ _tokens = iter(range(1 << 62))
 _TRACE_LOCK = threading.Lock()
 
 
+def _clear_plans() -> None:
+    """Every op's plans and the traced ones start afresh (:func:`normscope.engine.register_backend`)."""
+    for op in list(_OPS.values()):
+        op.plans.clear()
+        op.last = ((), None)
+    with _TRACE_LOCK:
+        _TRACE_TOKENS.clear()
+        _TRACE_PLANS.__dict__.clear()
+
+
+_registry.PLAN_TABLES.append(_clear_plans)
+
+
 @_state.constant_when_compiled
 def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
     """Run the op's checked call on stand-ins of the call's tensors with the engine capturing the
@@ -352,7 +367,7 @@ def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
     key = (config, metas, request)
     token = _TRACE_TOKENS.get(key)
     if token is None:
-        name, constants, eps, flags = config
+        name, constants, eps, _, flags = config
         op = _OPS[name]
         settings = tuple.__new__(op.settings_type, constants)  # the fields by name, as the checked call reads them
         stand = [None if m is None else stand_in(*m) for m in metas]

@@ -15,6 +15,7 @@ the degenerate groupings canonicalised so that equal scopes compare equal::
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -54,6 +55,14 @@ class Scope:
             raise ValueError(
                 f"Scope needs exactly one of `reduce` and `keep`, got reduce={self.reduce!r}, keep={self.keep!r}"
             )
+        # axes as Python ints: a float or bool axis compares and hashes equal to the int one, so the
+        # resolution cache (keyed on the scope) would hand its resolution to the int scope, and back
+        for name in ("reduce", "keep", "affine"):
+            value = getattr(self, name)
+            if value is not None and not all(type(a) is int for a in value):
+                object.__setattr__(self, name, tuple(_axis(a, name) for a in value))
+        if type(self.group_dim) is not int:
+            object.__setattr__(self, "group_dim", _axis(self.group_dim, "group_dim"))
         axes = self.reduce if self.reduce is not None else self.keep
         if len(set(axes)) != len(axes):
             raise ValueError(f"Scope axes must be distinct, got {axes!r}")
@@ -213,6 +222,13 @@ class Resolved:
         """Reduced axes in :meth:`grouped_shape` coordinates (the group index is kept)."""
         d = self.group_dim
         return tuple(a if a < d else a + 1 for a in self.reduce if a != d) + (d + 1,)
+
+
+def _axis(a: object, name: str) -> int:
+    """``a`` as a Python int (NumPy integers too), or a TypeError naming the field."""
+    if isinstance(a, bool) or not hasattr(type(a), "__index__"):
+        raise TypeError(f"Scope: expected `{name}` to hold an int axis, got {a!r} ({type(a).__name__})")
+    return operator.index(a)
 
 
 def _check_ndims(ndims: object, where: str) -> None:

@@ -189,6 +189,17 @@ def test_compiled_bad_input_raises_the_layers_error():
 
 
 @pytest.mark.slow
+def test_a_traced_plan_is_not_reused_for_an_eps_of_another_type():
+    """The traced plans' key holds eps's type, as the eager key does: ``True == 1.0``, and the check
+    that refuses a bool eps must run when a call with eps=True is traced after one with eps=1.0."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 8)
+    torch.compile(lambda t: normscope.functional.layer_norm(t, (8,), eps=1.0), backend="eager")(x)
+    with pytest.raises(TypeError, match="layer_norm: expected `eps` to be a float, got True"):
+        torch.compile(lambda t: normscope.functional.layer_norm(t, (8,), eps=True), backend="eager")(x)
+
+
+@pytest.mark.slow
 def test_compiled_layer_follows_use_backend():
     """The requested backend is part of the traced plan's key and guarded: entering use_backend
     recompiles, and the compiled call runs (and reports) the forced backend."""

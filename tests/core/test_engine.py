@@ -363,6 +363,79 @@ def test_scope_validation():
         Scope(reduce=(2,), groups=2, group_dim=1).resolve((2, 4, 3))
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(reduce=(-1.0,), affine=(-1.0,)), dict(keep=(0.0,)), dict(reduce=(True,)), dict(keep=(0,), group_dim=1.0)],
+)
+def test_scope_axes_must_be_ints_and_a_refused_scope_leaves_the_cache_alone(kwargs):
+    """A float axis equals and hashes as the int one: were it accepted, its resolution (float axes, which
+    cannot index a shape) would be cached under the int scope's key and break every later LayerNorm."""
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match=r"Scope: expected .* an int axis, got"):
+        engine.norm(x, Scope(**kwargs), torch.ones(8) if "affine" in kwargs else None)
+    torch.testing.assert_close(normscope.LayerNorm(8)(x), torch.nn.functional.layer_norm(x, (8,)))
+
+
+def test_scope_axes_of_numpy_ints_resolve_to_python_ints():
+    np = pytest.importorskip("numpy")
+    s = Scope(reduce=(np.int64(-1),), affine=(np.int64(-1),))
+    assert s == Scope.layer(1) and type(s.reduce[0]) is int
+    assert type(s.resolve((4, 8)).reduce[0]) is int
+
+
+@pytest.mark.parametrize("which", ["mask", "residual"])
+def test_a_plan_is_not_reused_for_a_mask_or_residual_on_another_device(which):
+    """validate() checks every tensor's device once per plan signature, so the signature holds each
+    device: a call whose mask or residual moved must be refused as the first such call is."""
+    x, w = torch.randn(2, 4, 6), torch.ones(6)
+    if which == "mask":
+        m = torch.rand(2, 1, 6) > 0.3
+
+        def call(mask):
+            return norm(x, Scope.group(2), mask=mask)
+    else:
+        m = torch.randn(2, 4, 6)
+
+        def call(residual):
+            return engine.add_norm(x, residual, Scope.rms(1), w)
+
+    call(m)  # the plan of the call on the input's device
+    with pytest.raises(ValueError, match=rf"expected `{which}` on cpu, got meta"):
+        call(m.to("meta"))
+
+
+@pytest.fixture
+def registry_restored():
+    """The backends and their order as they were, and no plan made while they differed."""
+    from normscope import _registry
+
+    order, known = list(_registry.AUTO), dict(_registry.BACKENDS)
+    yield
+    _registry.AUTO[:] = order
+    _registry.BACKENDS.clear()
+    _registry.BACKENDS.update(known)
+    _registry.clear_plans()
+
+
+@pytest.mark.usefixtures("registry_restored")
+@pytest.mark.parametrize("registered", ["new", "replacing"])
+def test_a_registered_backend_runs_a_warm_layers_next_call(registered):
+    """Every plan reads the registry (the automatic order, the backend by name): registering a backend
+    must reach the plans a warm layer keeps (normscope.hot) and a warm functional call, not only the
+    engine's table."""
+    fill = 7.0
+
+    def prepare(call, automatic):
+        return lambda c: torch.full_like(c.x, fill)
+
+    ln, x = normscope.LayerNorm(8), torch.randn(2, 8)
+    torch.testing.assert_close(ln(x), torch.nn.functional.layer_norm(x, (8,)))  # planned on aten
+    name, before = ("sevens", "aten") if registered == "new" else ("aten", "composite")  # aten: in its place
+    engine.register_backend(engine.Backend(name, lambda c: None, prepare), before=before)
+    torch.testing.assert_close(ln(x), torch.full_like(x, fill))
+    assert engine.last_backend() == name
+
+
 def test_choice_for_trace_matches_the_eager_choice():
     """While dynamo traces, the backend is chosen on a stand-in of the call's signature
     (engine._choice_for_trace); it must be the choice the real call gets, for every kind of call."""

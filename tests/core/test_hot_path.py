@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import normscope
+import normscope.functional as NF
 
 LAYERS = [
     ("LayerNorm", lambda m: m.LayerNorm(16), (4, 16)),
@@ -92,6 +93,32 @@ def test_bad_input_after_a_good_call_still_raises():
         ln(x)
     with pytest.raises(TypeError, match="torch.Tensor"):
         ln([1.0] * 16)
+
+
+@pytest.mark.parametrize("fn", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("bad", [(16.0,), (4, 4.0)])
+def test_a_float_size_after_an_int_one_is_still_refused(fn, bad):
+    """(16.0,) == (16,) and hashes alike: a plan keyed on the value alone would let a float size
+    through the checks that refuse it cold (torch.nn.functional refuses it too)."""
+    good = tuple(int(n) for n in bad)
+    x = torch.randn(3, *good)
+    getattr(NF, fn)(x, good)
+    with pytest.raises(TypeError):
+        getattr(nn.functional, fn)(x, bad)
+    with pytest.raises(TypeError, match="`normalized_shape` to be an int or a sequence of ints"):
+        getattr(NF, fn)(x, bad)
+
+
+@pytest.mark.parametrize("bad", [1.0, -1.0])
+def test_batch_norm_refuses_a_float_channel_dim_cold_and_warm(bad):
+    """``channel_dim=1.0`` equals 1 in a key: refused with a TypeError naming it, also after a call
+    with the int (the plan's key holds its type)."""
+    x = torch.randn(4, 3, 5)
+    for warm in (False, True):
+        if warm:
+            NF.batch_norm(x, None, None, training=True, channel_dim=int(bad))
+        with pytest.raises(TypeError, match=r"expected `channel_dim` to be an int \(1 or -1\), got 1.0|got -1.0"):
+            NF.batch_norm(x, None, None, training=True, channel_dim=bad)
 
 
 def test_dtype_change_replans():
