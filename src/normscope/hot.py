@@ -27,9 +27,10 @@ call may also decline to be remembered (:func:`per_call`: it warns on every call
 No exception of a running call is caught: the runner's errors reach the caller as they are, and so
 do the exceptions torch uses for control flow (activation checkpointing stops a recomputation early
 by raising one from a saved-tensor hook). The one handler is around building and looking up the key,
-where no op runs: an argument without a signature sends the call to its checks. A call's side effects
-happen once: the running statistics its runner updates, and the caller's own (``start``: BatchNorm's
-batch count), run once the call is checked and before it runs.
+where no op runs: an argument without a signature sends the call to its checks (a RuntimeError is
+not caught even there: the TorchScript tracer raises one from a size read, and cannot go on past
+it). A call's side effects happen once: the running statistics its runner updates, and the caller's
+own (``start``: BatchNorm's batch count), run once the call is checked and before it runs.
 
 **Threads.** The plan tables are shared by every thread. A plan depends only on its key and is
 never changed once stored; a thread reads ``op.last`` (one tuple) once per call and an entry of
@@ -141,8 +142,8 @@ def call(
         r = running
         key = (
             settings,
+            type(eps),  # before eps: a tensor given as eps (refused, never planned) stops the comparison here
             eps,
-            type(eps),
             _forced() or _ENV_GET(_ENV_KEY),  # engine.request_key(), inline
             _sig(x),
             None if weight is None else _sig(weight),
@@ -159,10 +160,12 @@ def call(
             found = op.plans.get(key)
             if found is not None:
                 op.last = (key, found)
-    except (AttributeError, TypeError, RuntimeError):
-        # an argument that is no tensor (no signature), a setting that cannot be hashed (a list,
-        # symbolic sizes) or compared (a tensor given as eps): the checked call, which says what is
-        # wrong or runs it unplanned. Nothing here runs an op: no exception of a running call is caught
+    except (AttributeError, TypeError):
+        # an argument that is no tensor (no signature) or a setting that cannot be hashed (a list,
+        # symbolic sizes): the checked call, which says what is wrong or runs it unplanned. Not a
+        # RuntimeError: nothing here runs an op, but the TorchScript tracer records even a size read
+        # and raises from it (a captured tensor that requires grad), after which it cannot go on --
+        # carrying on into the checked call ended the trace in a segfault
         return _checked(op, settings, x, weight, bias, eps, running, None, start)[0]
     if found is not None:
         if _last() is not found.backend:  # engine.report_backend(), inline: a set only on a change

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -418,3 +423,38 @@ def test_the_layer_and_functional_forms_build_one_settings_value():
     xg = torch.randn(2, 4, 3)
     assert NF.group_norm_settings(2, 4) == (2, int, 4, None) and NF.GROUP_NORM.settings_type is NF.GroupNormSettings
     torch.testing.assert_close(gn(xg), torch.nn.functional.group_norm(xg, 2, gn.weight, gn.bias))
+
+
+_TRACE_CAPTURED = """
+import torch, normscope
+import normscope.functional as NF
+torch.set_num_threads(1)
+w, x = torch.ones(64, requires_grad=True), torch.randn(8, 64)
+ours = {"function": lambda t: NF.layer_norm(t, (64,), w), "layer": normscope.LayerNorm(64),
+        "rms": lambda t: NF.rms_norm(t, (64,), w), "group": lambda t: NF.group_norm(t.view(8, 16, 4), 4, w[:16])}
+theirs = {"function": lambda t: torch.nn.functional.layer_norm(t, (64,), w), "layer": torch.nn.LayerNorm(64),
+          "rms": lambda t: torch.nn.functional.rms_norm(t, (64,), w),
+          "group": lambda t: torch.nn.functional.group_norm(t.view(8, 16, 4), 4, w[:16])}
+for name, table in (("ours", ours), ("theirs", theirs)):
+    f = table[WHAT]
+    try:
+        torch.jit.trace(f, x)  # a layer is traced as a function here, its parameters captured
+        print(name, "traced")
+    except RuntimeError as e:
+        print(name, "RuntimeError", "requires grad" in str(e))
+"""
+
+
+@pytest.mark.parametrize("what", ["function", "layer", "rms", "group"])
+def test_a_torchscript_trace_torch_refuses_raises_torchs_error_and_no_crash(what):
+    # torch.jit.trace of a function that captures a tensor requiring grad: the tracer raises from the
+    # first read of its size ("Cannot insert a Tensor that requires grad as a constant"), for torch.nn
+    # too. The hot path caught that RuntimeError while building its key and carried on into the
+    # checked call: the trace then ended in a segfault. In a subprocess, so that a crash fails the test
+    code = textwrap.dedent(_TRACE_CAPTURED).replace("WHAT", repr(what))
+    path = os.pathsep.join([str(Path(normscope.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines())
+    assert lines["ours"] == lines["theirs"], done.stdout
