@@ -147,7 +147,12 @@ def test_engine_and_aten_match_reference(case):
     if engine._BACKENDS["aten"].why_not(call) is None:
         ya = norm(x, case["scope"], w, b, case["eps"], mask=case["mask"], backend="aten")
         assert normscope.last_backend() == "aten"
-        torch.testing.assert_close(ya, expected, rtol=1e-4, atol=1e-4)
+        # forced, ATen runs without the automatic path's cancellation guard: its fused CPU kernels
+        # compute x * rstd - mean * rstd, each term rounded at |x| * rstd <= |x| / sqrt(eps) (a lone
+        # element of 9.5 at eps 1e-5: 1.1e-4 where the answer is 0; docs/differences.md)
+        spread = float(x.abs().max()) / math.sqrt(case["eps"]) if x.numel() else 0.0
+        atol = max(1e-4, 4 * spread * torch.finfo(torch.float32).eps)
+        torch.testing.assert_close(ya, expected, rtol=1e-4, atol=atol)
     else:
         with pytest.raises(ValueError, match="backend 'aten' cannot run"):
             norm(x, case["scope"], w, b, case["eps"], mask=case["mask"], backend="aten")
