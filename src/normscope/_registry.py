@@ -149,7 +149,8 @@ def signature(call: Call) -> tuple:
 def validate(call: Call) -> None:
     """What a backend may take for granted, checked once per signature (so never on the hot path):
     weight, bias and running statistics fit the scope's affine axes -- a kernel indexing a wrong-size
-    buffer would read or write out of bounds -- and live on the input's device."""
+    buffer would read or write out of bounds -- and live on the input's device (the running statistics
+    too: a kernel updates them in place)."""
     s = call.scope
     affine = tuple(s.shape[d] for d in s.affine)
     n_aff = 1
@@ -177,7 +178,9 @@ def validate(call: Call) -> None:
                 )
     if call.residual is not None and tuple(call.residual.shape) != tuple(s.shape):
         raise ValueError(f"norm: expected `residual` of shape {tuple(s.shape)}, got {tuple(call.residual.shape)}")
-    for name, t in (("weight", call.weight), ("bias", call.bias), ("residual", call.residual), ("mask", call.mask)):
+    r_mean, r_var = (None, None) if r is None else (r.mean, r.var)
+    tensors = (("weight", call.weight), ("bias", call.bias), ("residual", call.residual), ("mask", call.mask))
+    for name, t in (*tensors, ("running.mean", r_mean), ("running.var", r_var)):
         if t is not None and t.device != call.x.device:
             raise ValueError(f"norm: expected `{name}` on {call.x.device}, got {t.device}")
 

@@ -409,6 +409,18 @@ def test_a_plan_is_not_reused_for_a_mask_or_residual_on_another_device(which):
         call(m.to("meta"))
 
 
+@pytest.mark.parametrize("which", ["mean", "var"])
+def test_running_statistics_on_another_device_are_refused_by_name(which):
+    # a backend updates the running statistics in place: validate() checks their device as every
+    # other tensor's, once per signature -- after a warm call with both on the input's device too
+    x = torch.randn(4, 3, 5)
+    good = engine.Running(torch.zeros(3), torch.ones(3), 0.1, True)
+    norm(x, Scope.batch(1), running=good)
+    moved = good._replace(**{which: getattr(good, which).to("meta")})
+    with pytest.raises(ValueError, match=rf"expected `running.{which}` on cpu, got meta"):
+        norm(x, Scope.batch(1), running=moved)
+
+
 @pytest.fixture
 def registry_restored():
     """The backends and their order as they were, and no plan made while they differed."""

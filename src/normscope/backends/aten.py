@@ -377,15 +377,21 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
 
     elif k in ("batch_norm", "batch_norm_last"):
         last = k == "batch_norm_last"
+        # evaluation bounds the running means: from memory where they are fp32 (the plan's signature
+        # holds their dtype); engine.norm takes buffers of any dtype, which _bounded would read as fp32
+        # (past the end of an fp16 buffer)
+        r0 = call.running
+        fp32_running = r0 is not None and r0.mean is not None and r0.mean.dtype == torch.float32
+        running_bounded = bounded if fp32_running else _torch_bounded
 
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
             if _is_tracing() or _peek() is not None:
                 return plain(x, w, b, eps, r)
             if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
-                # the same bound, on the running means; the buffers are fp32 CPU tensors like the
-                # input (the plan's signature): contiguity is what remains to ask
+                # the same bound, on the running means (CPU tensors like the input, of the plan's
+                # dtype): contiguity is what remains to ask
                 rm, rv = r.mean, r.var
-                within = bounded(rm, eps) if rm.is_contiguous() else _torch_bounded(rm, eps)
+                within = running_bounded(rm, eps) if rm.is_contiguous() else _torch_bounded(rm, eps)
                 x2 = x.reshape(-1, x.shape[-1]) if last else x
                 # cudnn_enabled=False: this runner is the CPU one, where ATen never reads the flag
                 y = torch.batch_norm(x2, w, b, rm, rv, False, 0.0, eps, False)
