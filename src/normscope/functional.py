@@ -304,7 +304,9 @@ def _group_norm(settings: GroupNormSettings, input, weight, bias, eps, running, 
     where = "group_norm"
     check.tensor(input, "input", where)
     check.channels_first(input, 2, where)
-    if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
+    if not isinstance(num_groups, int) or isinstance(num_groups, bool):  # a wrong type, as torch: TypeError
+        raise TypeError(f"{where}: expected `num_groups` to be a positive int, got {num_groups!r}")
+    if num_groups < 1:
         raise ValueError(f"{where}: expected `num_groups` to be a positive int, got {num_groups!r}")
     c = input.shape[1]
     if num_channels is not None and c != num_channels:

@@ -26,6 +26,9 @@ CASES = [
     ("gn_ctor_not_divisible", lambda: normscope.GroupNorm(4, 6), ValueError,
      ["num_channels (6)", "divisible by num_groups (4)", "[1, 2, 3, 6]"]),
     ("gn_ctor_zero_groups", lambda: normscope.GroupNorm(0, 6), ValueError, ["num_groups", "positive int", "got 0"]),
+    # a wrong type is a TypeError, as torch's F.group_norm raises for a bool or float num_groups
+    ("gn_functional_bool_groups", lambda: F.group_norm(x3, True), TypeError, ["num_groups", "positive int", "True"]),
+    ("gn_functional_float_groups", lambda: F.group_norm(x3, 2.0), TypeError, ["num_groups", "positive int", "2.0"]),
     ("gn_ctor_float_channels", lambda: normscope.GroupNorm(2, 6.0), ValueError, ["num_channels", "got 6.0"]),
     ("gn_functional_not_divisible", lambda: F.group_norm(x3, 4), ValueError,
      ["group_norm", "input.shape[1] = 6", "num_groups=4"]),
