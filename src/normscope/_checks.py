@@ -68,6 +68,24 @@ def param(p: Tensor | None, name: str, shape: Sequence[int], x: Tensor, where: s
         raise TypeError(f"{where}: expected `{name}` of dtype {x.dtype}{also} like the input, got {p.dtype}")
 
 
+def one_dtype(x: Tensor, where: str, **params: Tensor | None) -> None:
+    """fp16/bf16 input: the given parameters (each checked by :func:`param`) all of one dtype -- the
+    input's or fp32, never both: torch's kernels refuse a mixture with a RuntimeError from inside."""
+    if x.dtype not in _HALF:
+        return  # :func:`param` holds every parameter to the input's own dtype
+    first = None
+    for name, p in params.items():
+        if p is None:
+            continue
+        if first is None:
+            first = name, p.dtype
+        elif p.dtype != first[1]:
+            raise TypeError(
+                f"{where}: expected `{name}` of dtype {first[1]} like `{first[0]}` (a {x.dtype} input takes "
+                f"parameters of one dtype, its own or torch.float32), got {p.dtype}"
+            )
+
+
 def mask(m: Tensor | None, x: Tensor, channel_dim: int | None, where: str) -> Tensor | None:
     """A bool mask with the input's shape minus the channel axis; returned broadcastable to x."""
     if m is None:

@@ -529,6 +529,15 @@ def _reverse_builder(make: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Mod
                 f"convert: to='torch': expected a {type(m).__name__} with channel_dim=1 (torch.nn has no other "
                 f"channel axis), got channel_dim={m.channel_dim}; leave this layer out with `where=`"
             )
+        # torch.nn's LayerNorm/RMSNorm scale by the weight alone and round as casting="torch": the
+        # namesake of a layer with another weight_offset or casting would compute another function
+        offset, casting = getattr(m, "weight_offset", 0.0), getattr(m, "casting", "torch")
+        if offset != 0.0 or casting != "torch":
+            raise ValueError(
+                f"convert: to='torch': expected a {type(m).__name__} with weight_offset=0.0 and casting='torch' "
+                f"(torch.nn has no other), got weight_offset={offset} and casting={casting!r}; leave this layer "
+                "out with `where=`"
+            )
         return make(m)
 
     return build
@@ -581,7 +590,8 @@ def convert(
             reproduces it, with the same configuration and state -- lossless (module docstring): the
             same tensor objects, hooks and mode; outputs are identical. ``"torch"``: the reverse, every
             normscope layer with a torch.nn namesake becomes it, and a layer converted from another
-            class becomes that layer again, as losslessly (a BatchNorm1d with ``channel_dim=-1`` is
+            class becomes that layer again, as losslessly (a BatchNorm1d with ``channel_dim=-1``, a
+            LayerNorm/RMSNorm with a ``weight_offset`` or a ``casting`` other than ``"torch"`` is
             refused: torch has no such layer). Otherwise a :func:`normscope.get_norm` spec
             (``"group:32"``, ``"layer2d"``, ``"frozen"``, a class, a partial), built with the old
             layer's channel count, its eps, momentum and affine setting where the new layer takes

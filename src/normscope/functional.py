@@ -192,6 +192,8 @@ def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, ru
     for name, p in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)):
         # an empty batch returns empty whatever the parameters' dtype, as torch's batch_norm does
         check.param(p, name, (c,), input, where, any_dtype=input.numel() == 0)
+    if input.numel():
+        check.one_dtype(input, where, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
     mask = check.mask(mask, input, channel_dim, where)
     if training and mask is not None:
         if check.all_masked(mask):  # not asked on meta tensors or while tracing (see its docstring)
@@ -264,6 +266,7 @@ def checked_instance_norm(
         check.param(p, name, (c,), input, where, any_dtype=True)
     for name, p in (("weight", weight), ("bias", bias)):
         check.param(p, name, (c,), input, where)
+    check.one_dtype(input, where, weight=weight, bias=bias)
     if use_input_stats and input.numel() // max(input.shape[0] * c, 1) <= 1 and input.numel() > 0:
         raise ValueError(
             f"{where}: expected more than 1 spatial element when training, got input of shape {tuple(input.shape)}"
@@ -322,6 +325,7 @@ def _group_norm(settings: GroupNormSettings, input, weight, bias, eps, running, 
     check.eps(eps, where)
     check.param(weight, "weight", (c,), input, where)
     check.param(bias, "bias", (c,), input, where)
+    check.one_dtype(input, where, weight=weight, bias=bias)
     mask = check.mask(mask, input, 1, where)
     if mask is None and input.numel() // max(input.shape[0] * num_groups, 1) == 1 and input.shape[0] == 1:
         # torch's group_norm: one value per group (batch of one) has no variance to estimate

@@ -165,6 +165,8 @@ def _last_axes(settings: LastAxesSettings | FamilySettings, input, weight, bias,
     if not family:
         check.param(weight, "weight", shape, input, where, any_dtype=not centered)  # torch's rms_norm: any
         check.param(bias, "bias", shape, input, where)
+        if centered:
+            check.one_dtype(input, where, weight=weight, bias=bias)
         return norm(input, scope, weight, bias, eps, backend=backend)
     # a family's parameters may be of any floating dtype (an fp32 weight on bf16 input: Llama's
     # casting then gives fp32), and flat over several normalized axes

@@ -172,3 +172,37 @@ def test_scope_layer_needs_positive_ndims(ctor, ndims):
     """Scope.layer(0)/layer(-1) gave an empty scope (all-zero output)."""
     with pytest.raises(ValueError, match=r"expected `ndims` to be a positive int"):
         getattr(normscope.Scope, ctor)(ndims)
+
+
+_HALF_X = torch.randn(3, 4, 5).to(torch.bfloat16)
+_ones = lambda d: [torch.ones(4, dtype=t) for t in d]  # noqa: E731
+_MIXED_CALLS = {  # name: call(functional module, dtypes of the parameters in order)
+    "layer_norm": lambda f, d: f.layer_norm(_HALF_X.transpose(1, 2).contiguous(), (4,), *_ones(d)),
+    "group_norm": lambda f, d: f.group_norm(_HALF_X, 2, *_ones(d)),
+    "instance_norm": lambda f, d: f.instance_norm(_HALF_X, None, None, *_ones(d)),
+    "batch_norm_train": lambda f, d: f.batch_norm(_HALF_X, *_ones(d), training=True),
+    "batch_norm_eval": lambda f, d: f.batch_norm(_HALF_X, *_ones(d), training=False),
+}
+_F32, _B16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize("name", list(_MIXED_CALLS))
+@pytest.mark.parametrize("which", range(4))
+def test_half_input_with_parameters_of_two_dtypes_is_a_type_error(name, which):
+    """fp16/bf16 input takes parameters of its own dtype or fp32, but all of one dtype: torch's kernels
+    raise a RuntimeError for a mixture (``mixed dtype (CPU): expect parameter to have scalar type of
+    Float``), normscope a TypeError naming the argument. Every mixture torch accepts is accepted."""
+    n = 4 if name.startswith("batch_norm") else 2
+    if which >= n:
+        pytest.skip("fewer parameters")
+    dtypes = [_F32] * n
+    dtypes[which] = _B16
+    for d in (dtypes, [_B16 if t == _F32 else _F32 for t in dtypes]):
+        call = _MIXED_CALLS[name]
+        try:
+            want = call(torch.nn.functional, d)
+        except RuntimeError:
+            with pytest.raises(TypeError, match=r"expected `\w+` of dtype torch\.\w+ like `\w+`"):
+                call(F, d)
+        else:
+            assert torch.equal(call(F, d), want)

@@ -414,7 +414,7 @@ def test_the_layer_and_functional_forms_build_one_settings_value():
         assert len(op.plans) == before + 1
         assert torch.equal(functional(layer), want)
         assert len(op.plans) == before + 1, f"{op}: the functional form keyed its call apart from the layer's"
-    # a Gemma-order layer runs the plain op with its cached scale w + 1 as weight (see
+    # a Gemma-order layer runs the plain op with its scale w + 1 as weight (see
     # tests/modern/test_family_scale_cache.py); its functional form plans the family op: the bits agree
     gemma = normscope.RMSNorm(23, eps=1e-6, weight_offset=1.0, casting="gemma")
     fam = FM.rms_norm(x, (23,), gemma.weight, 1e-6, weight_offset=1.0, casting="gemma")

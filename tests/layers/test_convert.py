@@ -327,6 +327,32 @@ def test_to_torch_refuses_a_layout_torch_does_not_have():
     assert type(model[1]) is nn.LayerNorm and type(model[0]) is normscope.BatchNorm1d
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: normscope.RMSNorm(4, weight_offset=1.0),
+        lambda: normscope.LayerNorm(4, weight_offset=1.0),
+        lambda: normscope.LayerNorm(4, casting="llama"),
+        lambda: normscope.RMSNorm(4, casting="gemma"),
+    ],
+    ids=["rms_offset", "ln_offset", "ln_llama", "rms_gemma"],
+)
+def test_to_torch_refuses_family_options_torch_does_not_have(make):
+    # torch.nn's LayerNorm/RMSNorm have no weight offset and round as casting="torch": the namesake
+    # would compute another function (a weight offset of 1.0 moves every output by ~x_hat)
+    layer = make()
+    with torch.no_grad():
+        layer.weight.normal_()
+    model = nn.Sequential(layer)
+    with pytest.raises(ValueError, match=r"weight_offset=0\.0 and casting='torch'"):
+        normscope.convert(model, to="torch")
+    assert model[0] is layer  # refused before the model is touched
+    x = torch.randn(3, 5, 4)
+    y = layer(x)
+    model, report = normscope.convert(model, to="torch", where=lambda m: False)
+    assert torch.equal(model[0](x), y) and not report
+
+
 class MyLN(nn.LayerNorm):
     pass
 

@@ -327,7 +327,7 @@ def test_family_options_take_a_plan(casting):
     from normscope import functional_modern as fm
 
     # (a layer with a weight offset on input of its scale's dtype plans as the plain op, the scale
-    # w + offset, formed once per weight state, as its weight: torch's rms_norm is Gemma's order)
+    # w + offset as its weight: torch's rms_norm is Gemma's order)
     layer = normscope.RMSNorm(64, weight_offset=1.0 if casting == "gemma" else 0.0, casting=casting)
     ops = (fm.RMS_NORM_FAMILY, fm.RMS_NORM)
     fm.RMS_NORM.plans.clear()

@@ -315,7 +315,7 @@ def _run(m: nn.Module, x: Tensor, how: Exact, by_weight: tuple | None = None) ->
         x = x.permute(dense[0])
     y = None
     if offset and not centered and casting != "llama":
-        y = offset_rms_norm(m, x, w, shape, eps, offset, casting)  # the scale w + offset cached on m
+        y = offset_rms_norm(m, x, w, shape, eps, offset, casting)  # the scale w + offset as the op's weight
     if y is None:
         if by_weight_shape:
             planned = by_weight if by_weight is not None else _by_weight(how)

@@ -157,9 +157,8 @@ class RMSNorm(_FamilyOptions, nn.RMSNorm):
 
 
 class _ScaleSlot:
-    """A layer's cached scale (:func:`_offset_scale`), in the layer's ``__dict__``: neither copied nor
-    pickled with it (a copy starts empty; the cached tensor may be part of an autograd graph, which
-    ``copy.deepcopy`` refuses)."""
+    """Kept so that layers pickled with a cached scale in their ``__dict__`` still load; nothing reads
+    it (:func:`_offset_scale` forms the scale on every call)."""
 
     __slots__ = ("entry",)
 
@@ -177,8 +176,8 @@ def offset_rms_norm(
     layer: nn.Module, x: Tensor, w: Tensor | None, shape: tuple | None, eps: float | None, offset: float, casting: str
 ) -> Tensor | None:
     """A layer's RMSNorm in Gemma's order with a weight offset, ``(x32 * r * (w32 + offset)).to(x.dtype)``,
-    run with the scale ``w32 + offset`` (:func:`_offset_scale`, cached on ``layer``) as its weight; None
-    where that does not apply (Llama's order, no offset or weight, no cache). ``shape`` None: the
+    run with the scale ``w32 + offset`` (:func:`_offset_scale`, formed on each call) as its weight; None
+    where that does not apply (Llama's order, no offset or weight, traced or transformed). ``shape`` None: the
     weight's (:func:`normscope.functional_modern.by_weight`)."""
     if not offset or casting == "llama":
         return None
@@ -203,55 +202,21 @@ _is_tracing, _peek = torch._C._is_tracing, torch._C._functorch.peek_interpreter_
 
 
 def _offset_scale(layer: nn.Module, w: Tensor | None, x: Tensor, offset: float) -> Tensor | None:
-    """``w.to(acc) + offset`` (acc: ``x``'s accumulation dtype), formed once per state of the weight
-    rather than on every call: forming it is ~20 % of a small layer's call.
+    """``w.to(acc) + offset`` (acc: ``x``'s accumulation dtype), formed on every call, as torch's layers
+    and transformers' Gemma RMSNorm read their weight on every call.
 
-    The key is everything the value depends on, compared on every call: the weight object itself,
-    its version counter (every in-place change through the tensor or its views: an optimizer step,
-    ``copy_``, ``load_state_dict``, ``nn.init``), its address, dtype, device, strides and shape
-    (``.data`` reassigned by ``module.to()``/``.half()``, or to another view of the same storage
-    starting at the same element, whose version counter is the storage's), the accumulation dtype,
-    and whether the call records a graph for the weight's gradient and runs in inference mode. With
-    a gradient the cached scale is ``w + offset`` of the graph, reused: its backward (a cast and an
-    add) saves no tensor, so every backward through it is exact. A write through ``w.data`` bypasses
-    the version counter (autograd does not see it either) and is seen only once the weight changes
-    otherwise: write through ``w`` under ``torch.no_grad()``, as torch's optimizers and ``nn.init``
-    do. None (no cache) while tracing or under a torch.func transform, and for tensor subclasses."""
-    # traced (dynamo; the TorchScript tracer would bake a cached scale in as a constant) or transformed
+    Not cached: no key that is cheaper than the weight's values sees every change of them. Writes
+    through ``w.data`` (old-style EMA, ``nn.init`` on ``.data``) bypass the version counter, and DeepSpeed
+    ZeRO-3 and FSDP (``use_orig_params``) point ``param.data`` at a freshly gathered buffer before each
+    forward -- the same object, version, dtype, shape and strides, and often a freed buffer's address.
+    None (the caller's functional op forms the scale) while tracing or under a torch.func transform,
+    and for tensor subclasses."""
     if w is None or (_is_compiling() and _traces_here()) or _is_tracing() or _peek() is not None:
-        return None  # engine.compiling(), torch.jit.is_tracing(), engine.transformed(): inline, per call
-    grad = w.requires_grad and torch.is_grad_enabled()
-    inference = torch.is_inference_mode_enabled()
-    slot = layer.__dict__.get("_scale_slot")
-    e = None if slot is None else slot.entry
-    version, ptr = w._version, w.data_ptr()
-    if (
-        e is not None
-        and e[0] is w
-        and e[1] == version
-        and e[2] == ptr
-        and e[3] == w.dtype
-        and e[4] == w.device
-        and e[5] == x.dtype
-        and e[6] == grad
-        and e[7] == inference
-        and e[8] == offset
-        and e[9] == w.stride()
-        and e[10] == w.shape
-    ):
-        return e[11]
+        return None  # engine.compiling(), torch.jit.is_tracing(), engine.transformed(): the functional op
     if type(w) not in (nn.Parameter, Tensor):
         return None
     acc = ref.acc_dtype(x.dtype)
-    if grad:
-        scale = (w if w.dtype == acc else w.to(acc)) + offset
-    else:
-        with torch.no_grad():
-            scale = (w if w.dtype == acc else w.to(acc)) + offset
-    if slot is None:
-        slot = layer.__dict__["_scale_slot"] = _ScaleSlot()
-    slot.entry = (w, version, ptr, w.dtype, w.device, x.dtype, grad, inference, offset, w.stride(), w.shape, scale)
-    return scale
+    return (w if w.dtype == acc else w.to(acc)) + offset
 
 
 class GroupNorm(nn.GroupNorm):
