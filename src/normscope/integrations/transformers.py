@@ -53,7 +53,6 @@ from torch import Tensor, nn
 from .. import _state, hot
 from .. import functional_modern as FM
 from ..modules import LayerNorm, RMSNorm
-from ..modules.normalization import offset_rms_norm
 from ._probe import EPS_NAMES as _EPS_NAMES
 from ._probe import eps_of as _eps
 from ._probe import probe_input as _probe_input
@@ -167,9 +166,6 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = offset_rms_norm(self, x, self.weight, self.normalized_shape, self.eps, 1.0, "gemma")
-        if y is not None:
-            return y
         return FM.rms_norm(x, self.normalized_shape, self.weight, self.eps, weight_offset=1.0, casting="gemma")
 
     def extra_repr(self) -> str:
@@ -313,20 +309,18 @@ def _run(m: nn.Module, x: Tensor, how: Exact, by_weight: tuple | None = None) ->
     dense = None if x.is_contiguous() else _dense_order(x, 1 if by_weight_shape else len(shape))
     if dense is not None:  # a permuted view of a dense tensor: normalize that one, permute back
         x = x.permute(dense[0])
-    y = None
-    if offset and not centered and casting != "llama":
-        y = offset_rms_norm(m, x, w, shape, eps, offset, casting)  # the scale w + offset as the op's weight
-    if y is None:
-        if by_weight_shape:
-            planned = by_weight if by_weight is not None else _by_weight(how)
-        else:
-            key = (centered, shape, offset, type(offset), casting)
-            planned = _SETTINGS.get(key)
-            if planned is None:
-                if len(_SETTINGS) >= _MAX_SETTINGS:
-                    _SETTINGS.clear()
-                planned = _SETTINGS[key] = FM.last_axes(centered, shape, None, offset, casting)
-        y = hot.call(planned[0], planned[1], x, w, b, eps)
+    # a weight offset's scale ``w + offset`` is formed by the plan's runner in every call, as the family's
+    # module forms it (see normscope.RMSNorm.forward)
+    if by_weight_shape:
+        planned = by_weight if by_weight is not None else _by_weight(how)
+    else:
+        key = (centered, shape, offset, type(offset), casting)
+        planned = _SETTINGS.get(key)
+        if planned is None:
+            if len(_SETTINGS) >= _MAX_SETTINGS:
+                _SETTINGS.clear()
+            planned = _SETTINGS[key] = FM.last_axes(centered, shape, None, offset, casting)
+    y = hot.call(planned[0], planned[1], x, w, b, eps)
     return y if dense is None else y.permute(dense[1])
 
 

@@ -8,10 +8,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks as check
-from .. import _state, hot
 from .. import functional as F
 from .. import functional_modern as FM
-from .. import reference as ref
+from .. import hot
 
 _WB = ("weight", "bias")
 _W = ("weight",)
@@ -147,18 +146,17 @@ class RMSNorm(_FamilyOptions, nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         (w,) = hot.tensors(self, _W)
-        shape = self.normalized_shape
-        if self.weight_offset or self.casting != "torch":
-            y = offset_rms_norm(self, x, w, shape, self.eps, self.weight_offset, self.casting)
-            if y is not None:
-                return y
-        op, settings = FM.last_axes(False, shape, None, self.weight_offset, self.casting)
+        # a weight offset's scale ``w + offset`` is formed by the plan's runner in every call, as
+        # torch's layers and the families' modules read their weight on every call: no key cheaper than
+        # the weight's values sees every change of them (writes through ``.data``; FSDP and ZeRO-3
+        # point ``param.data`` at a freshly gathered buffer before each forward)
+        op, settings = FM.last_axes(False, self.normalized_shape, None, self.weight_offset, self.casting)
         return hot.call(op, settings, x, w, None, self.eps)
 
 
 class _ScaleSlot:
-    """Kept so that layers pickled with a cached scale in their ``__dict__`` still load; nothing reads
-    it (:func:`_offset_scale` forms the scale on every call)."""
+    """What a whole-module pickle of a layer with a weight offset may hold in its ``__dict__`` (as
+    ``_scale_slot``), so that such a pickle loads; nothing reads it: the scale is formed in every call."""
 
     __slots__ = ("entry",)
 
@@ -170,53 +168,6 @@ class _ScaleSlot:
 
     def __reduce__(self) -> tuple:
         return (_ScaleSlot, ())
-
-
-def offset_rms_norm(
-    layer: nn.Module, x: Tensor, w: Tensor | None, shape: tuple | None, eps: float | None, offset: float, casting: str
-) -> Tensor | None:
-    """A layer's RMSNorm in Gemma's order with a weight offset, ``(x32 * r * (w32 + offset)).to(x.dtype)``,
-    run with the scale ``w32 + offset`` (:func:`_offset_scale`, formed on each call) as its weight; None
-    where that does not apply (Llama's order, no offset or weight, traced or transformed). ``shape`` None: the
-    weight's (:func:`normscope.functional_modern.by_weight`)."""
-    if not offset or casting == "llama":
-        return None
-    scale = _offset_scale(layer, w, x, offset)
-    if scale is None:
-        return None
-    # the same dtypes: torch's rms_norm is that order, ``(x * r) * scale`` rounded once. An fp32 scale
-    # on half-precision input: Gemma's order by name ("torch" with an offset is that order too), which
-    # computes in fp32 and rounds once -- torch's rms_norm would take the mixed dtypes with a warning
-    # on every call
-    order = "torch" if x.dtype == scale.dtype else "gemma"
-    op, settings = _BY_WEIGHT[order] if shape is None else FM.last_axes(False, shape, None, 0.0, order)
-    return hot.call(op, settings, x, scale, None, eps)
-
-
-#: :func:`offset_rms_norm`'s ops and settings where the normalized shape is the weight's, by order
-_BY_WEIGHT = {order: FM.by_weight(False, None, 0.0, order) for order in ("torch", "gemma")}
-
-
-_is_compiling, _traces_here = _state.is_compiling, _state.traces_here
-_is_tracing, _peek = torch._C._is_tracing, torch._C._functorch.peek_interpreter_stack
-
-
-def _offset_scale(layer: nn.Module, w: Tensor | None, x: Tensor, offset: float) -> Tensor | None:
-    """``w.to(acc) + offset`` (acc: ``x``'s accumulation dtype), formed on every call, as torch's layers
-    and transformers' Gemma RMSNorm read their weight on every call.
-
-    Not cached: no key that is cheaper than the weight's values sees every change of them. Writes
-    through ``w.data`` (old-style EMA, ``nn.init`` on ``.data``) bypass the version counter, and DeepSpeed
-    ZeRO-3 and FSDP (``use_orig_params``) point ``param.data`` at a freshly gathered buffer before each
-    forward -- the same object, version, dtype, shape and strides, and often a freed buffer's address.
-    None (the caller's functional op forms the scale) while tracing or under a torch.func transform,
-    and for tensor subclasses."""
-    if w is None or (_is_compiling() and _traces_here()) or _is_tracing() or _peek() is not None:
-        return None  # engine.compiling(), torch.jit.is_tracing(), engine.transformed(): the functional op
-    if type(w) not in (nn.Parameter, Tensor):
-        return None
-    acc = ref.acc_dtype(x.dtype)
-    return (w if w.dtype == acc else w.to(acc)) + offset
 
 
 class GroupNorm(nn.GroupNorm):
