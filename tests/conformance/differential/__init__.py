@@ -28,7 +28,8 @@ The properties, one module each:
                           their bits and their backend
 ``test_registry``         the table is whole and honest: every registered backend is a path, every
                           public name is an op (or in ``ops.NOT_OPS`` with its reason), each listed
-                          path runs its op, and every unlisted backend refuses it
+                          path runs its op, and every unlisted backend refuses it (at the drawn sizes
+                          and at ``ops.PAST_EVERY_THRESHOLD``, past the size of the automatic choice)
 ========================  ==========================================================================
 
 **Registering a path or an op.** A new backend registered with the engine fails

@@ -67,6 +67,11 @@ ROW_LENGTHS = (7, 1, 2, 31, 64, 127, 128, 255, 256, 257, 300, 1000, 1024)
 TINY_ROW_LENGTHS = (9, 1, 3, 8, 33)
 CAP = 20_000  # most elements of a drawn input: the whole suite stays within CI's minutes
 TINY_CAP = 1_500
+#: (B, C, L) -- or rows of 4096 -- past the size at which the code's automatic choice changes path
+#: (MIN_AUTO_ELEMENTS, 2^20 elements). The drawn inputs stop at CAP, so a backend that takes only large calls
+#: (as the rows path is chosen only past that size) is reached by none of them: every unlisted backend must
+#: refuse its ops here too
+PAST_EVERY_THRESHOLD = (33, 8, 4096)
 
 
 def seed_of(data) -> int:

@@ -3,6 +3,8 @@ each listed path runs the op (``last_backend()`` says so) and every other backen
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given
@@ -12,7 +14,18 @@ from normscope import engine
 
 from .conftest import examples
 from .harness import Case
-from .ops import NOT_OPS, OPS, PATHS, covered_names, draw_case, pairs, public_names, run
+from .ops import (
+    NOT_OPS,
+    OPS,
+    PAST_EVERY_THRESHOLD,
+    PATHS,
+    covered_names,
+    draw_case,
+    forcing_shape,
+    pairs,
+    public_names,
+    run,
+)
 
 
 def test_every_registered_backend_is_a_path():
@@ -60,10 +73,57 @@ def _unlisted():
 @examples(1)
 @given(data=st.data())
 def test_every_unlisted_backend_refuses_the_op(op, backend, data):
-    """A backend that starts taking an op fails here until the op lists it (and so is tested)."""
-    case: Case = op.draw(data, torch.float32, backend == "triton")
-    with engine.use_backend(backend), pytest.raises(ValueError):
-        op.run(case.tensors(), case.kw)
+    """A backend that starts taking an op fails here until the op lists it (and so is tested) -- at the
+    drawn sizes and past the automatic choice's size threshold, where a path measured faster only on
+    large calls takes them."""
+    assert _takes(op, backend, data) is None
+
+
+def _takes(op, backend: str, data) -> str | None:
+    """Where ``backend``, forced, runs ``op`` instead of refusing it: None when it refuses everywhere."""
+    sizes = [False] if backend == "triton" else [False, True]  # Triton's interpreter: small shapes only
+    for large in sizes:
+        with forcing_shape(PAST_EVERY_THRESHOLD, 1) if large else contextlib.nullcontext():
+            case: Case = op.draw(data, torch.float32, backend == "triton")
+        try:
+            with engine.use_backend(backend):
+                op.run(case.tensors(), case.kw)
+        except ValueError:
+            continue  # refused with a reason, as a backend must for a call it does not take
+        shapes = {name: tuple(a.values.shape) for name, a in case.args.items()}
+        return f"{backend} ran {op.name}, which does not list it, on {shapes}"
+    return None
+
+
+def test_a_backend_that_takes_only_large_calls_is_caught():
+    """The check above must see a backend gated by size: one that refuses every drawn call and takes
+    (1 % wrong) those of 2^20 elements or more, first in the automatic order, is run by no other test."""
+    from normscope import _registry
+
+    order, known = list(_registry.AUTO), dict(_registry.BACKENDS)
+    ref = known["reference"]
+
+    def why_not(call):
+        return "measured faster only from 2^20 elements" if call.x.numel() < 2**20 else ref.why_not(call)
+
+    def prepare(call, automatic):
+        inner = ref.prepare(call, automatic)
+        return lambda c: inner(c) * 1.01
+
+    engine.register_backend(engine.Backend("large_only", why_not, prepare), before=order[0])
+    try:
+
+        @examples(1)
+        @given(data=st.data())
+        def check(data):
+            assert _takes(OPS["batch_norm"], "large_only", data) is not None
+
+        check()
+    finally:
+        _registry.AUTO[:] = order
+        _registry.BACKENDS.clear()
+        _registry.BACKENDS.update(known)
+        _registry.clear_plans()
 
 
 @pytest.mark.parametrize("name", ["rms_norm_family", "qk_norm", "QKNorm"])
