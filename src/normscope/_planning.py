@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import _registry
 from ._contract import Call, Runner, Running
 from ._registry import MAX_PLANS, PLAN_TABLES, choose, prepare, validate
 from ._state import as_traced, compiling, constant_when_compiled
@@ -96,7 +97,7 @@ def choice_for_trace(sig: tuple, name: str) -> str:
     """:func:`normscope._registry.choose` on a stand-in of signature ``sig`` (stride-0 views of one
     element, of the call's shapes, dtypes and device), memoized: dynamo runs it once, eagerly, and
     bakes the name in."""
-    key = (sig, name)
+    key = (sig, name, _registry.GENERATION)
     found = _TRACE_CHOICES.get(key)
     if found is None:
         (shape, reduce, centered, groups, group_dim, affine), x_shape, dtype, device = sig[:4]

@@ -12,6 +12,7 @@ Depends on :mod:`normscope._contract` and :mod:`normscope._state`.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "PLANS",
     "MAX_PLANS",
     "PLAN_TABLES",
+    "GENERATION",
     "clear_plans",
     "register_backend",
     "backends",
@@ -51,6 +53,12 @@ MAX_PLANS = 4096
 #: how each other table of plans or choices starts afresh (:mod:`normscope.hot`, the traced choices):
 #: every plan reads the registry, so registering a backend empties them all
 PLAN_TABLES: list[Callable[[], None]] = []
+#: how many times the registry has changed. Every table of plans holds it in its keys, read before
+#: the plan is made: a plan made by a thread while another registers a backend is stored under the
+#: old generation, never found again -- emptying the tables alone leaves a window in which a call
+#: planned with the old order stores its plan after they were emptied
+GENERATION = 0
+_LOCK = threading.Lock()  # one registration at a time
 
 
 def register_backend(backend: Backend, *, before: str | None = None) -> None:
@@ -58,16 +66,21 @@ def register_backend(backend: Backend, *, before: str | None = None) -> None:
 
     :mod:`normscope.backends` registers the built-in ones in their order; use this for a backend
     of your own (it must keep the :class:`~normscope.engine.Backend` contract)."""
-    BACKENDS[backend.name] = backend
-    if backend.name in AUTO:
-        AUTO.remove(backend.name)
-    at = AUTO.index(before) if before is not None and before in AUTO else len(AUTO)
-    AUTO.insert(at, backend.name)
-    clear_plans()
+    with _LOCK:
+        order = [n for n in AUTO if n != backend.name]
+        at = order.index(before) if before is not None and before in order else len(order)
+        order.insert(at, backend.name)
+        BACKENDS[backend.name] = backend
+        AUTO[:] = order  # one list operation: a reader sees the old order or the new one
+        clear_plans()
 
 
 def clear_plans() -> None:
-    """Empty every table of plans: what the registry was when they were made is no key of theirs."""
+    """Start every table of plans afresh: a new :data:`GENERATION` (called after the registry
+    changed: a plan keyed by the new generation was made with the new registry), then the tables
+    emptied, their plans of older generations never to be found again."""
+    global GENERATION
+    GENERATION += 1
     PLANS.clear()
     for clear in PLAN_TABLES:
         clear()
@@ -205,7 +218,7 @@ def choose(call: Call, name: str) -> str:
     that takes it (``"auto"``), else ``name`` itself; ValueError saying why when none can."""
     if name == "auto":
         reasons = {}
-        for name in AUTO:
+        for name in tuple(AUTO):  # a snapshot: another thread may register a backend meanwhile
             reasons[name] = _why_not(BACKENDS[name], call, True)
             if reasons[name] is None:
                 return name

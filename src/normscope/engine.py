@@ -213,7 +213,7 @@ def plan(call: Call, backend: str | None = None) -> tuple[str, Runner]:
         # a side effect on a dict keyed by trace-time objects (Resolved) that dynamo cannot replay,
         # which breaks torch.compile(fullgraph=True)
         return _traced_plan(call, requested)
-    key = (signature(call), requested)
+    key = (signature(call), requested, _registry.GENERATION)  # the generation: see _registry.GENERATION
     try:
         found = _PLANS.get(key)
     except TypeError:

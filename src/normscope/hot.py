@@ -151,6 +151,7 @@ def call(
             None
             if r is None
             else (r[3], type(r[2]), None if r[0] is None else _sig(r[0]), None if r[1] is None else _sig(r[1])),
+            _GEN,  # the registry's generation: a plan made before a backend was registered is not found
         )
         # the last call's key first: an equal tuple needs no hash (the common case, one signature)
         last = op.last
@@ -270,7 +271,10 @@ def tensors(layer: torch.nn.Module, names: tuple[str, ...]) -> list:
     is a Python call per name (~0.4 us, a measurable share of a small layer's call). Not where a class
     of the layer defines one of the names itself (a property of a subclass shadows the dicts), nor for
     a name the dicts do not hold (moved out by ``parametrize``, pruning, ``weight_norm``, FSDP).
-    ``names``: among :data:`_NAMES` (whose shadowing is what is checked, once per class)."""
+    ``names``: among :data:`_NAMES` (whose shadowing is what is checked, once per class: a class
+    given an attribute of one of these names after a layer of it was first called -- a property set
+    on the class then -- is still read from the dicts; checking every class of the MRO on every
+    call costs more than the dicts save)."""
     if _is_compiling() and _traces_here():
         return [getattr(layer, n) for n in names]
     cls = type(layer)
@@ -347,8 +351,15 @@ _tokens = iter(range(1 << 62))
 _TRACE_LOCK = threading.Lock()
 
 
+_GEN = _registry.GENERATION  # the registry's generation, as the keys hold it
+
+
 def _clear_plans() -> None:
-    """Every op's plans and the traced ones start afresh (:func:`normscope.engine.register_backend`)."""
+    """Every op's plans and the traced ones start afresh (:func:`normscope.engine.register_backend`):
+    the keys take the registry's new generation (the plans of another thread's calls planned with
+    the old registry and stored after this are never found), then the tables are emptied."""
+    global _GEN
+    _GEN = _registry.GENERATION
     for op in list(_OPS.values()):
         op.plans.clear()
         op.last = ((), None)
@@ -367,7 +378,7 @@ def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
     ``_TRACE_PLANS``' attributes. A call its checks refuse has no plan: the checked call is then
     traced and raises as an eager call does (raised here, dynamo would wrap it in its own exception
     type). Memoized; dynamo calls it once per trace and bakes the token in."""
-    key = (config, metas, request)
+    key = (config, metas, request, _registry.GENERATION)
     token = _TRACE_TOKENS.get(key)
     if token is None:
         name, constants, eps, _, flags = config

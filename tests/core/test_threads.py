@@ -239,3 +239,45 @@ def test_threads_sharing_plans_while_the_tables_churn(monkeypatch):
             torch.testing.assert_close(y, expected[k])
 
     _join(*[_in_thread(lambda s=s: worker(s)) for s in range(4)])
+
+
+def test_a_backend_registered_while_another_thread_plans_is_chosen_after():
+    """Thread A plans a call with the automatic order as it was; thread B registers a backend ahead of
+    it meanwhile, and returns before A stores its plan. Once registered, a call of that signature runs
+    on the new backend: A's plan, made with the old order and stored after B emptied the tables, is
+    never found (the tables' keys hold the registry's generation)."""
+    from normscope import _registry
+
+    order, known = list(_registry.AUTO), dict(_registry.BACKENDS)
+    ref = known["reference"]
+    inside, release = threading.Event(), threading.Event()
+    planner = []  # the thread whose first choice waits in the gate
+
+    def gate_why_not(call):
+        if planner and threading.current_thread() is planner[0] and not release.is_set():
+            inside.set()
+            _wait(release)
+        return "the gate runs nothing"
+
+    x, w, b = torch.randn(3, 6), torch.randn(6), torch.randn(6)
+    engine.register_backend(engine.Backend("gate", gate_why_not, ref.prepare), before=order[0])
+    try:
+
+        def plan_with_the_old_order():
+            planner.append(threading.current_thread())
+            NF.layer_norm(x, (6,), w, b)
+            assert normscope.last_backend() == "aten"  # chosen from the order it started with
+
+        a = _in_thread(plan_with_the_old_order)
+        _wait(inside)
+        engine.register_backend(engine.Backend("newcomer", ref.why_not, ref.prepare), before="gate")
+        release.set()
+        _join(a)
+        y = NF.layer_norm(x, (6,), w, b)
+        assert normscope.last_backend() == "newcomer"
+        torch.testing.assert_close(y, F.layer_norm(x, (6,), w, b))
+    finally:
+        _registry.AUTO[:] = order
+        _registry.BACKENDS.clear()
+        _registry.BACKENDS.update(known)
+        _registry.clear_plans()
