@@ -18,13 +18,13 @@ from conftest import direct
 BACKENDS = ("auto", "aten", "rows", "composite", "reference", "triton")
 
 
-def _views(n: int, seed: int) -> dict[str, torch.Tensor]:
+def _views(n: int, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """``n``-element 1-d tensors of every layout, their values all distinct from one another."""
     g = torch.Generator().manual_seed(seed)
-    base = torch.randn(3 * n + 5, generator=g)
+    base = torch.randn(3 * n + 5, generator=g, dtype=dtype)
     return {
         "contiguous": base[:n].clone(),
-        "expanded": torch.full((1,), 1.5).expand(n),
+        "expanded": torch.full((1,), 1.5, dtype=dtype).expand(n),
         "strided": base[: 2 * n : 2],
         "offset": base[n + 3 : 2 * n + 3],
         "column": base[: 3 * n].view(n, 3)[:, 1],  # a column of a row-major matrix: stride 3, offset 1
@@ -217,3 +217,65 @@ def test_masked_norms_with_views_as_weight_bias_and_mask(layout, backend):
         torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     # aten and rows run no masked call (their refusals are the differential suite's)
     assert ran or backend in ("aten", "rows") or backend not in ("auto", *normscope.backends()), f"{backend} ran none"
+
+
+def _batch_norm_formula(x, w, b, rm, rv, training, eps, channel_dim):
+    """BatchNorm from its definition, in float64 (statistics over every axis but the channel's)."""
+    x = x.double().movedim(channel_dim, -1)
+    if training:
+        axes = tuple(range(x.dim() - 1))
+        mean, var = x.mean(axes), x.var(axes, unbiased=False)
+    else:
+        mean, var = rm.double(), rv.double()
+    y = (x - mean) * torch.rsqrt(var + eps) * w.double() + b.double()
+    return y.movedim(-1, channel_dim)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+@pytest.mark.parametrize("training", (True, False))
+@pytest.mark.parametrize(
+    "shape,channel_dim,memory_format",
+    [
+        ((5, 6), 1, None),
+        ((5, 6, 1), 1, None),
+        ((2, 3, 6), -1, None),
+        ((4, 6, 1, 1), 1, None),
+        ((4, 6, 2, 3), 1, torch.channels_last),
+        ((2, 6, 2, 1, 3), 1, torch.channels_last_3d),
+        ((4, 6, 2, 3), 1, None),
+    ],
+)
+@pytest.mark.parametrize("backend", ("auto", "aten"))
+def test_batch_norm_gradients_with_a_view_as_weight(
+    layout, dtype, training, shape, channel_dim, memory_format, backend
+):
+    """ATen's CPU backward of fp32/fp64 BatchNorm with one position per channel, or a channels_last
+    input, reads the weight -- and in evaluation the running statistics -- as contiguous memory
+    (torch.nn's layer too gives an input gradient off by up to ~1e38 for an expanded weight):
+    normscope's gradients of every argument are the definition's, on any view."""
+    torch.manual_seed(0)
+    c = 6
+    w = _views(c, 2, dtype)[layout].requires_grad_()
+    b = _views(c, 3, dtype)[layout].requires_grad_()
+    # running statistics as views too (read by an evaluation call's backward; a training call updates
+    # its own in place)
+    rm, rv = _views(c, 4, dtype)[layout], _views(c, 5, dtype)[layout]
+    if layout != "expanded":  # positive variances, still views (the expanded one is 1.5)
+        rv = rv.abs_().add_(0.5)
+    if training:
+        rm, rv = rm.clone(), rv.clone()
+    x = torch.randn(shape, dtype=dtype)
+    x = (x if memory_format is None else x.contiguous(memory_format=memory_format)).requires_grad_()
+    with _forced(backend):
+        y = NF.batch_norm(x, rm, rv, w, b, training, channel_dim=channel_dim)
+    dy = torch.randn(shape, dtype=dtype)
+    dy = dy if memory_format is None else dy.contiguous(memory_format=memory_format)  # as autograd's would be
+    got = torch.autograd.grad(y, (x, w, b), dy)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    want = torch.autograd.grad(
+        _batch_norm_formula(x64, w64, b64, rm, rv, training, 1e-5, channel_dim), (x64, w64, b64), dy.double()
+    )
+    tol = {torch.float32: 1e-4, torch.float64: 1e-10}[dtype]
+    for name, g, t in zip(("input", "weight", "bias"), got, want):
+        torch.testing.assert_close(g.double(), t, rtol=tol, atol=tol, msg=lambda m, n=name: f"grad of {n}: {m}")

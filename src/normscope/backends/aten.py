@@ -204,19 +204,65 @@ def _runner(entry: LayerEntry) -> Runner:
     return run
 
 
+def _densify_bn(call: Call) -> bool:
+    """Whether a BatchNorm call's weight and running statistics may need :func:`_bn_dense`: fp32/fp64
+    on a CPU (half types take other kernels, right with any strides). Decided at planning: dtype and
+    device are in the signature."""
+    x = call.x
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+
+
+def _misread(x: Tensor) -> bool:
+    """Whether ATen's CPU BatchNorm backward runs its channels-last kernel on ``x``, which reads the
+    weight -- and in evaluation the running statistics -- as contiguous memory: an input with one
+    position per channel ((N, C), (N, C, 1), every ``channel_dim=-1`` call, run as (rows, C)) or a
+    channels_last one. There an expanded or strided weight or statistic gives an input gradient off
+    by up to ~1e38 (read past the tensor; torch.nn's own layer gives the same)."""
+    d = x.dim()
+    return (
+        d <= 2
+        or math.prod(x.shape[2:]) == 1
+        or d == 4 and x.is_contiguous(memory_format=torch.channels_last)
+        or d == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
+    )
+
+
+def _bn_dense(x: Tensor, w: Tensor | None, r: Running | None) -> tuple[Tensor | None, Running | None]:
+    """``(w, r)`` made contiguous where :func:`_misread` says ATen would misread them: the weight,
+    and the running statistics of an evaluation call (read only: a training call updates its own in
+    place, and its backward reads the batch's statistics). Elsewhere as given: the kernels that read
+    strides round the forward differently (by an ulp) for a contiguous copy."""
+    stats = r is not None and not r.use_input_stats and r.mean is not None
+    w_ok = w is None or w.is_contiguous()
+    if w_ok and (not stats or r.mean.is_contiguous() and r.var.is_contiguous()):
+        return w, r  # the common case: nothing to copy, whatever the input
+    if not _misread(x):
+        return w, r
+    if not w_ok:
+        w = w.contiguous()
+    if stats:
+        r = r._replace(mean=r.mean.contiguous(), var=r.var.contiguous())
+    return w, r
+
+
 def _plain(call: Call) -> LayerEntry:
     k, s = kind(call), call.scope
+    dense = _densify_bn(call) if k in ("batch_norm", "batch_norm_last") else False
     if k == "batch_norm":
 
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+            if dense:
+                w, r = _bn_dense(x, w, r)
             rm, rv, training, mom = _running(r)
             return torch.batch_norm(x, w, b, rm, rv, training, mom, eps, _cudnn())
 
     elif k == "batch_norm_last":  # (..., C): channels last, e.g. (B, S, D)
 
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
-            rm, rv, training, mom = _running(r)
             x2 = x.reshape(-1, x.shape[-1])
+            if dense:
+                w, r = _bn_dense(x2, w, r)
+            rm, rv, training, mom = _running(r)
             return torch.batch_norm(x2, w, b, rm, rv, training, mom, eps, _cudnn()).reshape(x.shape)
 
     elif k == "instance_norm":
@@ -383,10 +429,13 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
         r0 = call.running
         fp32_running = r0 is not None and r0.mean is not None and r0.mean.dtype == torch.float32
         running_bounded = bounded if fp32_running else _torch_bounded
+        dense = _densify_bn(call)
 
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
             if _is_tracing() or _peek() is not None:
                 return plain(x, w, b, eps, r)
+            if dense:
+                w, r = _bn_dense(x.reshape(-1, x.shape[-1]) if last else x, w, r)
             if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
                 # the same bound, on the running means (CPU tensors like the input, of the plan's
                 # dtype): contiguity is what remains to ask

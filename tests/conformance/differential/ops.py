@@ -624,6 +624,28 @@ def _masked_batch_oracle(t, kw):
     return channel_affine(y, t.get("weight"), t.get("bias")).to(x.dtype)
 
 
+def _torch_batch_norm(x, running_mean, running_var, weight=None, bias=None, training=False, *args):
+    """torch's ``F.batch_norm`` with the weight -- and in evaluation the running statistics --
+    contiguous where ATen's CPU backward misreads them: fp32/fp64 input with one position per channel
+    ((N, C), (N, C, 1)) or channels_last, whose kernel reads them as contiguous memory (an expanded or
+    strided one gives an input gradient off by up to ~1e38). normscope makes them contiguous there
+    (``backends/aten.py``, ``_bn_dense``); elsewhere they are as given (those kernels round the
+    forward by an ulp differently for a contiguous copy)."""
+    if x.dtype in (torch.float32, torch.float64):
+        d = x.dim()
+        misread = (
+            d <= 2
+            or math.prod(x.shape[2:]) == 1
+            or d == 4 and x.is_contiguous(memory_format=torch.channels_last)
+            or d == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
+        )
+        if misread:
+            weight = None if weight is None else weight.contiguous()
+            if not training and running_mean is not None:
+                running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
+    return TF.batch_norm(x, running_mean, running_var, weight, bias, training, *args)
+
+
 _RUNNING = ("running_mean", "running_var")
 register(
     Op(
@@ -631,7 +653,7 @@ register(
         ("functional.batch_norm",),
         _draw_batch(True),
         _batch(NF.batch_norm),
-        _batch(TF.batch_norm),
+        _batch(_torch_batch_norm),
         ("auto", "aten", "reference", "triton"),
         per_sample=False,  # training: the batch is the scope, by design
         state=_RUNNING,
@@ -644,7 +666,7 @@ register(
         (),
         _draw_batch(False),
         _batch(NF.batch_norm),
-        _batch(TF.batch_norm),
+        _batch(_torch_batch_norm),
         ("auto", "aten", "reference", "triton"),
         state=_RUNNING,
         bitwise=("aten",),

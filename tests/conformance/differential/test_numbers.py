@@ -4,6 +4,7 @@ the running statistics a call updates."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -30,6 +31,36 @@ def _bf16_toward_zero(t: Tensor) -> Tensor:
     return bits.view(torch.float32).to(torch.bfloat16)
 
 
+#: Paths whose outputs and input gradient are torch's bits where forced ``aten`` is, except in a scope
+#: whose statistics cancel (|mean| * rstd past the limit: ``backends/aten.py``), which the automatic
+#: fp32 CPU path recomputes in float64: the automatic choice (ATen with that guard, or the CPU rows
+#: path, which takes torch's rounding steps row by row), and the rows path forced. Their weight and
+#: bias gradients are sums of their own (``backends/rms.py``): held to float64 like any other path.
+_TORCH_BUT_CANCELLING = ("auto", "rows")
+
+
+def _bitwise_or_closer(name: str, got: Tensor, want: Tensor, truth: Tensor) -> bool:
+    """``got`` is torch's ``want`` bit for bit, except elements no further from the float64 ``truth``
+    than torch's (a recomputed cancelling scope: correctly rounded, where torch's is not). Whether
+    every element was torch's."""
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{name}: {got.shape}/{got.dtype} vs torch's"
+    same = (got == want) | (got.isnan() & want.isnan())
+    if bool(same.all()):
+        return True
+    d = ~same
+    g, w, t = got[d].double(), want[d].double(), truth[d].double()
+    # a hair of slack: the engine's float64 recomputation and this float64 truth may differ in their
+    # last float64 bits, which can move a rounding to the dtype only at a tie
+    slack = 1e-6 * torch.finfo(got.dtype).eps * max(t.abs().max().item(), 1e-30)
+    worse = (g - t).abs() > (w - t).abs().nan_to_num(math.inf) + slack
+    assert not bool(worse.any()), (
+        f"{name}: {int(d.sum())} elements differ from torch's bits, {int(worse.sum())} of them further from "
+        f"float64 than torch's; first: {g[worse][0].item()!r} vs torch {w[worse][0].item()!r}, "
+        f"truth {t[worse][0].item()!r}"
+    )
+    return False
+
+
 def _check(op, path, case):
     cot = Cotangents()
     got = run(op, path, case, cot=cot)
@@ -42,16 +73,22 @@ def _check(op, path, case):
         execute(op.oracle, case, dtype=torch.float32, state=op.state, cot=cot) if case.dtype == torch.float64 else None
     )
     exact = path in op.bitwise
+    # torch's bits but where a scope's statistics cancel (see _TORCH_BUT_CANCELLING)
+    guarded = not exact and path in _TORCH_BUT_CANCELLING and "aten" in op.bitwise
+    all_torch = True  # every output torch's bits: then the input's gradient is too, on a guarded path
     for i, (g, w, t) in enumerate(zip(got.outputs, want.outputs, truth.outputs)):
         if i in op.exact_outputs and _interpreted_bf16(path, case.dtype):
             assert_bitwise(f"output {i} (the interpreter's bf16 rounding)", g, _bf16_toward_zero(t))
         elif exact or path in op.bitwise_forward or i in op.exact_outputs:
             assert_bitwise(f"output {i}", g, w)
+        elif guarded and g is not None and g.is_floating_point():
+            all_torch = _bitwise_or_closer(f"output {i}", g, w, t) and all_torch
         else:
+            all_torch = False
             assert_accurate(f"output {i}", g, w, t, 0.0 if probe is None else conditioning(probe.outputs[i], t))
     for name, g in got.grads.items():
         w, t = want.grads.get(name), truth.grads.get(name)
-        if exact:
+        if exact or guarded and all_torch and name == "x":
             assert_bitwise(f"grad of {name}", g, w)
         else:
             scale = grad_scale(truth, cot, case.args[name].values)
