@@ -497,13 +497,16 @@ def qk_norm(
         if per_head:
             out.append(_affine_norm(t, 1, norm == "layer", w, b, eps, offset, casting, backend))
             continue
-        # all heads of a token: the scope (H, D) of each (b, s). In (B, H, S, D) those axes are not
-        # adjacent; the transposed view puts them last, so both layouts are one scope and give the
-        # same bits as OLMo 2's norm of the (B, S, H*D) projection
+        # all heads of a token: the scope (H, D) of each (b, s), normalized as OLMo 2 normalizes its
+        # (B, S, H*D) projection -- one axis of H*D, in that order. A view where the heads lie so in
+        # memory (the projection's own output); else a copy in that order: a reduction over (H, D)
+        # of another layout (the (B, H, S, D) layout's, any strided one) takes the elements in
+        # another order, and rounds otherwise than the family
         tv = t if layout == "bshd" else t.transpose(1, 2)
-        w2 = None if w is None else w.reshape(heads, d)
-        b2 = None if b is None else b.reshape(heads, d)
-        y = _affine_norm(tv, 2, norm == "layer", w2, b2, eps, offset, casting, backend)
+        flat = tv.reshape(*tv.shape[:-2], heads * d)
+        w2 = None if w is None else w.reshape(heads * d)
+        b2 = None if b is None else b.reshape(heads * d)
+        y = _affine_norm(flat, 1, norm == "layer", w2, b2, eps, offset, casting, backend).view(tv.shape)
         out.append(y if layout == "bshd" else y.transpose(1, 2))
     return out[0], out[1]
 

@@ -385,3 +385,29 @@ def test_modulated_castings_agree_for_fp32_without_an_affine(norm):
     else:
         xn = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(a.double(), xn * (1 + s) + shift[:, None].double(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("memory", ["bshd", "bhsd_view", "bhsd_contiguous", "head_dim_strided"])
+def test_full_width_qk_norm_takes_the_projections_order_in_any_memory_layout(dtype, memory):
+    """``per_head=False`` is OLMo 2's norm of the (B, S, H*D) projection: one reduction over H*D in
+    that order. Given q in any memory layout -- (B, H, S, D) transposed or copied, head_dim strided --
+    the bits are the projection's (a reduction over the (H, D) axes as they lie in memory takes
+    the elements in another order: 1-ulp differences at H=4, D=128)."""
+    b, s, h, d, eps = 3, 5, 4, 128, 1e-6
+    g = torch.Generator().manual_seed(3)
+    proj = (torch.randn(b, s, h * d, generator=g, dtype=torch.float64) * 100 - 1).to(dtype)
+    w = torch.randn(h * d, generator=g, dtype=torch.float64).to(dtype)
+    # OLMo 2's order (casting="gemma"): (w32 * (x32 * rstd)) rounded once; fp32/fp64 in, nothing to round
+    expected = w * (proj * torch.rsqrt(proj.pow(2).mean(-1, keepdim=True) + eps))
+    q = proj.view(b, s, h, d)
+    layout = "bshd"
+    if memory == "bhsd_view":
+        q, layout = q.transpose(1, 2), "bhsd"
+    elif memory == "bhsd_contiguous":
+        q, layout = q.transpose(1, 2).contiguous(), "bhsd"
+    elif memory == "head_dim_strided":
+        q = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    qn, _ = FM.qk_norm(q, q, w, w, eps, layout=layout, per_head=False, casting="gemma")
+    qn = qn.transpose(1, 2) if layout == "bhsd" else qn
+    assert torch.equal(qn.reshape(b, s, h * d), expected)
