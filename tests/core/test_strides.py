@@ -279,3 +279,45 @@ def test_batch_norm_gradients_with_a_view_as_weight(
     tol = {torch.float32: 1e-4, torch.float64: 1e-10}[dtype]
     for name, g, t in zip(("input", "weight", "bias"), got, want):
         torch.testing.assert_close(g.double(), t, rtol=tol, atol=tol, msg=lambda m, n=name: f"grad of {n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize(
+    "shape,channels_last",
+    [((24, 1), False), ((24, 3), False), ((12, 3, 5), False), ((6, 4, 2, 3), False), ((6, 4, 2, 3), True)],
+)
+@pytest.mark.parametrize("backend", ("auto", "aten"))
+def test_batch_norm_evaluation_of_a_channel_slice_is_batch_invariant(dtype, shape, channels_last, backend):
+    """Evaluation BatchNorm of ``h[:, :C]`` (a channel slice, ``chunk``'s halves): each sample's output
+    and input gradient are the same bits alone as in its batch (torch.nn's own layer differs, taking
+    another kernel for the batch's strides), and no further from float64 than torch's (rms error)."""
+    torch.manual_seed(0)
+    c = shape[1]
+    big = torch.randn(shape[0], 2 * c, *shape[2:]) * 2 + 1
+    big = (big.contiguous(memory_format=torch.channels_last) if channels_last else big).to(dtype)
+    rm, rv = torch.randn(c).to(dtype), (torch.rand(c) + 0.5).to(dtype)
+    w, b = torch.randn(c).to(dtype), torch.randn(c).to(dtype)
+    dy = torch.randn(shape).to(dtype)
+
+    def run(rows):
+        x = big[rows, :c].requires_grad_()
+        with _forced(backend):
+            y = NF.batch_norm(x, rm, rv, w, b, False)
+        return y, torch.autograd.grad(y, (x,), dy[rows])[0]
+
+    y, g = run(slice(None))
+    for i in range(shape[0]):
+        yi, gi = run(slice(i, i + 1))
+        assert torch.equal(yi, y[i : i + 1]) and torch.equal(gi, g[i : i + 1]), f"sample {i}"
+    # and as accurate as torch's kernels are for it (torch's own, on the same strided input)
+    x = big[:, :c].requires_grad_()
+    yt = F.batch_norm(x, rm, rv, w, b, False)
+    gt = torch.autograd.grad(yt, (x,), dy)[0]
+    x64 = x.detach().double().requires_grad_()
+    y64 = F.batch_norm(x64, rm.double(), rv.double(), w.double(), b.double(), False)
+    g64 = torch.autograd.grad(y64, (x64,), dy.double())[0]
+
+    def rms(a, t):
+        return (a.double() - t).pow(2).mean().sqrt().item()
+
+    assert rms(y, y64) <= rms(yt, y64) * 1.0001 and rms(g, g64) <= rms(gt, g64) * 1.0001

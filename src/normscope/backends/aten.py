@@ -245,12 +245,34 @@ def _bn_dense(x: Tensor, w: Tensor | None, r: Running | None) -> tuple[Tensor | 
     return w, r
 
 
+def _eval_input(x: Tensor) -> Tensor:
+    """A BatchNorm evaluation's input for ATen's CPU kernels: as given where it is contiguous (or
+    channels_last), else a contiguous copy. On an input in neither layout -- a channel slice of a
+    larger batch, ``h.chunk(2, dim=1)``'s halves -- ATen takes another kernel, measured 1.3-2.4x
+    further from float64 (rms error of output and input gradient, fp32/fp16/bf16), and a sample alone
+    (contiguous: its one-sample batch stride is never read) would take the contiguous one, so its
+    result would depend on its batch; torch.nn's own layer gives such a sample other bits in and out
+    of its batch. Evaluation normalizes each element by its channel's running statistics: a
+    per-sample norm, held to batch invariance (training's scope is the batch itself)."""
+    if x.is_contiguous():
+        return x
+    d = x.dim()
+    if d == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    if d == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return x
+    return x.contiguous()
+
+
 def _plain(call: Call) -> LayerEntry:
     k, s = kind(call), call.scope
     dense = _densify_bn(call) if k in ("batch_norm", "batch_norm_last") else False
+    cpu = call.x.device.type == "cpu"
     if k == "batch_norm":
 
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
+            if cpu and r is not None and not r.use_input_stats:
+                x = _eval_input(x)
             if dense:
                 w, r = _bn_dense(x, w, r)
             rm, rv, training, mom = _running(r)
@@ -260,6 +282,8 @@ def _plain(call: Call) -> LayerEntry:
 
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
             x2 = x.reshape(-1, x.shape[-1])
+            if cpu and r is not None and not r.use_input_stats:
+                x2 = _eval_input(x2)
             if dense:
                 w, r = _bn_dense(x2, w, r)
             rm, rv, training, mom = _running(r)
@@ -434,14 +458,17 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
             if _is_tracing() or _peek() is not None:
                 return plain(x, w, b, eps, r)
+            evaluation = r is not None and not r.use_input_stats
+            if evaluation and not last:  # the guard runs on CPUs only (_guard_cancellation)
+                x = _eval_input(x)
             if dense:
                 w, r = _bn_dense(x.reshape(-1, x.shape[-1]) if last else x, w, r)
-            if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
+            if evaluation:  # the running statistics decide
                 # the same bound, on the running means (CPU tensors like the input, of the plan's
                 # dtype): contiguity is what remains to ask
                 rm, rv = r.mean, r.var
                 within = running_bounded(rm, eps) if rm.is_contiguous() else _torch_bounded(rm, eps)
-                x2 = x.reshape(-1, x.shape[-1]) if last else x
+                x2 = _eval_input(x.reshape(-1, x.shape[-1])) if last else x
                 # cudnn_enabled=False: this runner is the CPU one, where ATen never reads the flag
                 y = torch.batch_norm(x2, w, b, rm, rv, False, 0.0, eps, False)
                 y = y.reshape(x.shape) if last else y

@@ -630,7 +630,15 @@ def _torch_batch_norm(x, running_mean, running_var, weight=None, bias=None, trai
     ((N, C), (N, C, 1)) or channels_last, whose kernel reads them as contiguous memory (an expanded or
     strided one gives an input gradient off by up to ~1e38). normscope makes them contiguous there
     (``backends/aten.py``, ``_bn_dense``); elsewhere they are as given (those kernels round the
-    forward by an ulp differently for a contiguous copy)."""
+    forward by an ulp differently for a contiguous copy).
+
+    In evaluation, an input in neither contiguous layout is copied to a contiguous one first, as
+    normscope does (``_eval_input``): ATen's kernel for it is less accurate, and not batch-invariant."""
+    if not training and x.device.type == "cpu" and not x.is_contiguous():
+        d = x.dim()
+        cl = d == 4 and x.is_contiguous(memory_format=torch.channels_last)
+        cl = cl or d == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
+        x = x if cl else x.contiguous()
     if x.dtype in (torch.float32, torch.float64):
         d = x.dim()
         misread = (
