@@ -309,6 +309,17 @@ def _reference_grads(ctx, dy, x3, weight, bias):
 # the backend
 
 
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory without gaps or overlaps: some order of its axes is
+    contiguous (contiguous, channels_last, transposed), the layouts ``empty_like`` reproduces."""
+    expected = 1
+    for stride, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= n
+    return True
+
+
 def _laid_like(like: Tensor, t: Tensor) -> Tensor:
     """``t``'s values in ``like``'s memory layout. ``torch.where`` lays its output out from all its
     operands, so for a channels_last or transposed input its result may come back contiguous:
@@ -336,6 +347,12 @@ def prepare(call: Call, automatic: bool) -> Runner:
         d_out = bad = None
         with torch.no_grad():
             xa = x3.detach().to(acc)
+            if not _dense(xa):
+                # a view with gaps (a strided slice): a dense copy, as ``.to`` makes for half types.
+                # Its statistics are summed in the layout that the recomputation below, with the
+                # padding set to 0, sums them in (_laid_like cannot lay a tensor out with gaps):
+                # else the valid outputs would change in their last bits with the padding's values
+                xa = xa.contiguous()
             st = _stats(xa, mf, v, c.eps)
             finite = bool(st.finite)  # the one host sync of the call
             if not finite:
