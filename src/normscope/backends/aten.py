@@ -204,77 +204,65 @@ def _runner(entry: LayerEntry) -> Runner:
     return run
 
 
-def _densify_bn(call: Call) -> bool:
-    """Whether a BatchNorm call's weight and running statistics may need :func:`_bn_dense`: fp32/fp64
-    on a CPU (half types take other kernels, right with any strides). Decided at planning: dtype and
-    device are in the signature."""
-    x = call.x
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+def _bn_layout(call: Call) -> tuple[Callable[[Tensor, Tensor | None, Running | None], tuple] | None, bool]:
+    """How a CPU BatchNorm call's tensors are laid out for ATen's kernels: ``(fix, always)``, where
+    ``fix(x, w, r) -> (x, w, r)`` is called on every call (``always``) or on a non-contiguous input
+    only -- the common call asks one ``is_contiguous`` -- and is None where nothing needs it (another
+    device). Two of ATen's CPU kernels go wrong on some strides:
 
+    * **Views misread** (fp32/fp64): the backward's channels-last kernel -- an input with one
+      position per channel ((N, C), (N, C, 1), every ``channel_dim=-1`` call, run as (rows, C)) or a
+      channels_last one -- reads the weight, and in evaluation the running statistics, as contiguous
+      memory: an expanded or strided one gives an input gradient off by up to ~1e38 (read past the
+      tensor; torch.nn's own layer gives the same). They are made contiguous there (an evaluation
+      reads its running statistics only; a training call updates its own in place, and its backward
+      reads the batch's statistics). Elsewhere they are left as given: the kernels that read strides
+      round the forward differently (by an ulp) for a contiguous copy, and the half types' kernels
+      read them right.
+    * **Evaluation of an input in neither contiguous layout** (a channel slice of a larger batch,
+      ``h.chunk(2, dim=1)``'s halves; every dtype): ATen takes another kernel, measured 1.3-2.4x
+      further from float64 (rms error of output and input gradient, fp32/fp16/bf16), and a sample
+      alone -- contiguous: its one-sample batch stride is never read -- would take the contiguous
+      one, so its result would depend on its batch (torch.nn's own layer gives it other bits in and
+      out of its batch). Such an input runs as a contiguous copy: evaluation normalizes each element
+      by its channel's running statistics, a per-sample norm held to batch invariance.
 
-def _misread(x: Tensor) -> bool:
-    """Whether ATen's CPU BatchNorm backward runs its channels-last kernel on ``x``, which reads the
-    weight -- and in evaluation the running statistics -- as contiguous memory: an input with one
-    position per channel ((N, C), (N, C, 1), every ``channel_dim=-1`` call, run as (rows, C)) or a
-    channels_last one. There an expanded or strided weight or statistic gives an input gradient off
-    by up to ~1e38 (read past the tensor; torch.nn's own layer gives the same)."""
-    d = x.dim()
-    return (
-        d <= 2
-        or math.prod(x.shape[2:]) == 1
-        or d == 4 and x.is_contiguous(memory_format=torch.channels_last)
-        or d == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
-    )
+    Decided at planning what the signature fixes (device, dtype, shape); the layouts per call."""
+    x0 = call.x
+    if x0.device.type != "cpu":
+        return None, False
+    wide = x0.dtype in (torch.float32, torch.float64)
+    one_position = kind(call) == "batch_norm_last" or x0.dim() <= 2 or math.prod(x0.shape[2:]) == 1
+    d = x0.dim()
+    cl = torch.channels_last if d == 4 else torch.channels_last_3d if d == 5 else None
 
+    def fix(x: Tensor, w: Tensor | None, r: Running | None) -> tuple[Tensor, Tensor | None, Running | None]:
+        evaluation = r is not None and not r.use_input_stats and r.mean is not None
+        channels_last = False
+        if not x.is_contiguous():  # the common case asks this alone
+            channels_last = cl is not None and x.is_contiguous(memory_format=cl)
+            if evaluation and not channels_last:
+                x = x.contiguous()
+        if not wide or not (one_position or channels_last):
+            return x, w, r
+        # the channels-last kernel (fp32/fp64): its weight and an evaluation's statistics contiguous
+        if w is not None and not w.is_contiguous():
+            w = w.contiguous()
+        if evaluation and not (r.mean.is_contiguous() and r.var.is_contiguous()):
+            r = r._replace(mean=r.mean.contiguous(), var=r.var.contiguous())
+        return x, w, r
 
-def _bn_dense(x: Tensor, w: Tensor | None, r: Running | None) -> tuple[Tensor | None, Running | None]:
-    """``(w, r)`` made contiguous where :func:`_misread` says ATen would misread them: the weight,
-    and the running statistics of an evaluation call (read only: a training call updates its own in
-    place, and its backward reads the batch's statistics). Elsewhere as given: the kernels that read
-    strides round the forward differently (by an ulp) for a contiguous copy."""
-    stats = r is not None and not r.use_input_stats and r.mean is not None
-    w_ok = w is None or w.is_contiguous()
-    if w_ok and (not stats or r.mean.is_contiguous() and r.var.is_contiguous()):
-        return w, r  # the common case: nothing to copy, whatever the input
-    if not _misread(x):
-        return w, r
-    if not w_ok:
-        w = w.contiguous()
-    if stats:
-        r = r._replace(mean=r.mean.contiguous(), var=r.var.contiguous())
-    return w, r
-
-
-def _eval_input(x: Tensor) -> Tensor:
-    """A BatchNorm evaluation's input for ATen's CPU kernels: as given where it is contiguous (or
-    channels_last), else a contiguous copy. On an input in neither layout -- a channel slice of a
-    larger batch, ``h.chunk(2, dim=1)``'s halves -- ATen takes another kernel, measured 1.3-2.4x
-    further from float64 (rms error of output and input gradient, fp32/fp16/bf16), and a sample alone
-    (contiguous: its one-sample batch stride is never read) would take the contiguous one, so its
-    result would depend on its batch; torch.nn's own layer gives such a sample other bits in and out
-    of its batch. Evaluation normalizes each element by its channel's running statistics: a
-    per-sample norm, held to batch invariance (training's scope is the batch itself)."""
-    if x.is_contiguous():
-        return x
-    d = x.dim()
-    if d == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        return x
-    if d == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
-        return x
-    return x.contiguous()
+    return fix, wide and one_position
 
 
 def _plain(call: Call) -> LayerEntry:
     k, s = kind(call), call.scope
-    dense = _densify_bn(call) if k in ("batch_norm", "batch_norm_last") else False
-    cpu = call.x.device.type == "cpu"
+    layout, always = _bn_layout(call) if k in ("batch_norm", "batch_norm_last") else (None, False)
     if k == "batch_norm":
 
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
-            if cpu and r is not None and not r.use_input_stats:
-                x = _eval_input(x)
-            if dense:
-                w, r = _bn_dense(x, w, r)
+            if layout is not None and (always or not x.is_contiguous()):
+                x, w, r = layout(x, w, r)
             rm, rv, training, mom = _running(r)
             return torch.batch_norm(x, w, b, rm, rv, training, mom, eps, _cudnn())
 
@@ -282,10 +270,8 @@ def _plain(call: Call) -> LayerEntry:
 
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
             x2 = x.reshape(-1, x.shape[-1])
-            if cpu and r is not None and not r.use_input_stats:
-                x2 = _eval_input(x2)
-            if dense:
-                w, r = _bn_dense(x2, w, r)
+            if layout is not None:  # always: one position per channel
+                x2, w, r = layout(x2, w, r)
             rm, rv, training, mom = _running(r)
             return torch.batch_norm(x2, w, b, rm, rv, training, mom, eps, _cudnn()).reshape(x.shape)
 
@@ -453,22 +439,19 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
         r0 = call.running
         fp32_running = r0 is not None and r0.mean is not None and r0.mean.dtype == torch.float32
         running_bounded = bounded if fp32_running else _torch_bounded
-        dense = _densify_bn(call)
+        layout, always = _bn_layout(call)  # the guard runs on CPUs only (_guard_cancellation): not None
 
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
             if _is_tracing() or _peek() is not None:
                 return plain(x, w, b, eps, r)
-            evaluation = r is not None and not r.use_input_stats
-            if evaluation and not last:  # the guard runs on CPUs only (_guard_cancellation)
-                x = _eval_input(x)
-            if dense:
-                w, r = _bn_dense(x.reshape(-1, x.shape[-1]) if last else x, w, r)
-            if evaluation:  # the running statistics decide
+            x2 = x.reshape(-1, x.shape[-1]) if last else x
+            if always or not x2.is_contiguous():
+                x2, w, r = layout(x2, w, r)
+            if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
                 # the same bound, on the running means (CPU tensors like the input, of the plan's
                 # dtype): contiguity is what remains to ask
                 rm, rv = r.mean, r.var
                 within = running_bounded(rm, eps) if rm.is_contiguous() else _torch_bounded(rm, eps)
-                x2 = _eval_input(x.reshape(-1, x.shape[-1])) if last else x
                 # cudnn_enabled=False: this runner is the CPU one, where ATen never reads the flag
                 y = torch.batch_norm(x2, w, b, rm, rv, False, 0.0, eps, False)
                 y = y.reshape(x.shape) if last else y
@@ -477,7 +460,7 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
                     return _merge(y, cancel, lambda: engine.recompute(as_call(x, w, b, eps, r), wide=True))
                 return y
             rm, rv, mom = (None, None, 0.0) if r is None else (r.mean, r.var, r.momentum)
-            y, mean, invstd = native_batch_norm(x.reshape(-1, x.shape[-1]) if last else x, w, b, rm, rv, True, mom, eps)
+            y, mean, invstd = native_batch_norm(x2, w, b, rm, rv, True, mom, eps)
             y = y.reshape(x.shape) if last else y
             if not bounded(mean, eps) and (cancel := _cancelling(mean, invstd)).any():
                 # the kernel already updated the running statistics: the recomputation takes none

@@ -629,28 +629,23 @@ def _torch_batch_norm(x, running_mean, running_var, weight=None, bias=None, trai
     contiguous where ATen's CPU backward misreads them: fp32/fp64 input with one position per channel
     ((N, C), (N, C, 1)) or channels_last, whose kernel reads them as contiguous memory (an expanded or
     strided one gives an input gradient off by up to ~1e38). normscope makes them contiguous there
-    (``backends/aten.py``, ``_bn_dense``); elsewhere they are as given (those kernels round the
+    (``backends/aten.py``, ``_bn_layout``); elsewhere they are as given (those kernels round the
     forward by an ulp differently for a contiguous copy).
 
     In evaluation, an input in neither contiguous layout is copied to a contiguous one first, as
-    normscope does (``_eval_input``): ATen's kernel for it is less accurate, and not batch-invariant."""
-    if not training and x.device.type == "cpu" and not x.is_contiguous():
-        d = x.dim()
-        cl = d == 4 and x.is_contiguous(memory_format=torch.channels_last)
-        cl = cl or d == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
-        x = x if cl else x.contiguous()
-    if x.dtype in (torch.float32, torch.float64):
-        d = x.dim()
-        misread = (
-            d <= 2
-            or math.prod(x.shape[2:]) == 1
-            or d == 4 and x.is_contiguous(memory_format=torch.channels_last)
-            or d == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
-        )
-        if misread:
-            weight = None if weight is None else weight.contiguous()
-            if not training and running_mean is not None:
-                running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
+    normscope does (``_bn_layout``): ATen's kernel for it is less accurate, and not batch-invariant."""
+    d = x.dim()
+    cl = torch.channels_last if d == 4 else torch.channels_last_3d if d == 5 else None
+    channels_last = False
+    if x.device.type == "cpu" and not x.is_contiguous():
+        channels_last = cl is not None and x.is_contiguous(memory_format=cl)
+        if not training and not channels_last:
+            x = x.contiguous()
+    one_position = d <= 2 or math.prod(x.shape[2:]) == 1
+    if x.dtype in (torch.float32, torch.float64) and (one_position or channels_last):
+        weight = None if weight is None else weight.contiguous()
+        if not training and running_mean is not None:
+            running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
     return TF.batch_norm(x, running_mean, running_var, weight, bias, training, *args)
 
 
