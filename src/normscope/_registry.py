@@ -12,6 +12,7 @@ Depends on :mod:`normscope._contract` and :mod:`normscope._state`.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Iterator
 
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from . import reference as ref
 from ._contract import ENV_VAR, Backend, Call, Runner
-from ._state import FORCED, TRACED_VIEW, compiling, environ_get
+from ._state import FORCED, TRACED_VIEW, compiling, environ_get, tracing
 
 __all__ = [
     "BACKENDS",
@@ -232,11 +233,89 @@ def choose(call: Call, name: str) -> str:
 
 def prepare(name: str, call: Call, automatic: bool) -> tuple[str, Runner]:
     """``(name, runner)`` of backend ``name`` for ``call`` (an add_norm call on a backend that does
-    not fuse the add: the add, then the backend's plain call)."""
+    not fuse the add: the add, then the backend's plain call). A CPU call of one large scope runs
+    as a batch of two (:func:`_pairs`)."""
+    if _pairs(call):
+        return name, _paired(_prepare(name, _pair(call), automatic))
+    return name, _prepare(name, call, automatic)
+
+
+def _prepare(name: str, call: Call, automatic: bool) -> Runner:
     b = BACKENDS[name]
     if call.residual is None or b.fuses_residual:
-        return name, b.prepare(call, automatic)
-    return name, _adding(b.prepare(_plain(call), automatic))
+        return b.prepare(call, automatic)
+    return _adding(b.prepare(_plain(call), automatic))
+
+
+#: ``at::internal::GRAIN_SIZE``. ATen's CPU reductions (TensorIterator) reduce a tensor into *one*
+#: value from this many elements up in two passes split across the intra-op threads, where a
+#: reduction into several values gives each value to one thread, whole (torch's fused BatchNorm and
+#: GroupNorm kernels split a lone channel or group alike). So with two threads or more a scope alone
+#: was summed in another order than the same scope among others, and got other bits -- in torch's
+#: own rms_norm too (observed: RMSNorm(40000) fp32, ``torch.set_num_threads(2)``,
+#: tests/backends/test_probe8.py).
+SPLIT_ELEMENTS = 32768
+
+
+def _pairs(call: Call) -> bool:
+    """Whether ``call`` is a CPU call of a single scope of :data:`SPLIT_ELEMENTS` elements or more
+    whose first axis is a kept axis of size 1 (a batch of one), without running statistics (the
+    buffers' update reads the batch). Not while tracing: sizes may be symbolic, and the bits of a
+    compiled graph are the compiler's."""
+    s = call.scope
+    if call.x.device.type != "cpu" or call.running is not None or not s.shape or s.shape[0] != 1:
+        return False
+    if 0 in s.reduce or 0 in s.affine or tracing():
+        return False
+    n = math.prod(s.shape)
+    return n >= SPLIT_ELEMENTS and s.count == n
+
+
+def _pair(call: Call) -> Call:
+    """``call`` on a stride-0 batch of two copies of its sample (no copy is made): every reduction
+    then has two values, each reduced by one thread whole, as the scope is among other samples. The
+    scope keeps its axes (the batch axis grows from 1 to 2), so every backend sees the same form."""
+    s = call.scope
+    shape = (2, *s.shape[1:])
+
+    def two(t: Tensor | None) -> Tensor | None:
+        # a tensor broadcast against x keeps its own shape (a mask one flag per position stays so):
+        # only its batch axis, where it has one (of size 1, as x's), grows to 2
+        if t is None or t.dim() < len(shape):
+            return t
+        return t.expand(2, *t.shape[1:])
+
+    scope = type(s)(shape, s.reduce, s.centered, s.groups, s.group_dim, s.affine)
+    return call._replace(x=two(call.x), scope=scope, mask=two(call.mask), residual=two(call.residual))
+
+
+def _paired(inner: Runner) -> Runner:
+    """The runner of a call of one sample, on its pair (:func:`_pair`): the first of the pair's
+    results, in the input's memory format (the stride-0 pair has none); its gradient reaches the
+    sample through the expand as ``g + 0``, the same bits."""
+
+    def run(c: Call):
+        out = inner(_pair(c))
+        fmt = _memory_format(c.x)
+        if isinstance(out, tuple):  # add_norm: (y, h)
+            return tuple(_first(t, fmt) for t in out)
+        return _first(out, fmt)
+
+    return run
+
+
+def _first(t: Tensor, fmt: torch.memory_format | None) -> Tensor:
+    t = t[:1]
+    return t if fmt is None else t.contiguous(memory_format=fmt)
+
+
+def _memory_format(x: Tensor) -> torch.memory_format | None:
+    if x.is_contiguous():
+        return None
+    for fmt, nd in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if x.dim() == nd and x.is_contiguous(memory_format=fmt):
+            return fmt
+    return None
 
 
 def plan_call(call: Call, name: str) -> tuple[str, Runner]:

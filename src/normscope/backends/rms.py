@@ -62,6 +62,7 @@ from torch import Tensor
 
 from .. import engine
 from .. import reference as ref
+from .._registry import SPLIT_ELEMENTS
 from ..engine import Call, Runner
 from ..scope import Scope
 from . import reference as reference_backend
@@ -184,8 +185,25 @@ def _rstd(xc: Tensor, eps: float, out: Tensor, sq: Tensor) -> None:
     does, and the automatic choice between torch's op and this path, made on the input's size,
     changes no bit of any row (see the module docstring). ``sq``: a buffer of ``xc``'s shape and dtype
     for the squares (the block of the output, overwritten next, where it has that dtype)."""
-    torch.mean(torch.pow(xc, 2, out=sq), -1, keepdim=True, out=out)
+    sq = torch.pow(xc, 2, out=sq)
+    if _lone(sq):
+        out.copy_(torch.mean(sq.expand(2, -1), -1, keepdim=True)[:1])
+    else:
+        torch.mean(sq, -1, keepdim=True, out=out)
     out.add_(eps).rsqrt_()
+
+
+def _lone(t: Tensor) -> bool:
+    """Whether ``t`` is a block of one row long enough for ATen to split its reduction across the
+    threads (:data:`normscope._registry.SPLIT_ELEMENTS`): in a block of several rows each row is
+    reduced whole by one thread, so a lone row -- a batch's last block, or every block of rows longer
+    than half a block -- is reduced as a stride-0 pair of itself instead, and gets the same bits."""
+    return t.shape[0] == 1 and t.shape[1] >= SPLIT_ELEMENTS
+
+
+def _row_sums(t: Tensor) -> Tensor:
+    """``t.sum(-1, keepdim=True)`` of a (R, N) block, a lone row as a stride-0 pair (:func:`_lone`)."""
+    return t.expand(2, -1).sum(-1, keepdim=True)[:1] if _lone(t) else t.sum(-1, keepdim=True)
 
 
 #: ``dw`` sums dy * x * r over the rows in groups of this many (one batched product), then adds the
@@ -305,7 +323,7 @@ def _backward(
             elif not low:
                 out.copy_(gc)
             tmp = grad_pow[s:e] if scratch is None else scratch[: e - s]
-            dr = torch.mul(out, xc, out=tmp).sum(-1, keepdim=True)
+            dr = _row_sums(torch.mul(out, xc, out=tmp))
             # torch: (-0.5 * dr) * r^3, its mean's backward / N, its square's * (2 * x); x * (2 * g)
             # rounds as g * (2 * x) does: doubling is exact
             g = dr.mul_(-0.5).mul_(rc.pow(3)).div_(n).mul_(2.0)
