@@ -236,7 +236,7 @@ def prepare(name: str, call: Call, automatic: bool) -> tuple[str, Runner]:
     not fuse the add: the add, then the backend's plain call). A CPU call of one large scope runs
     as a batch of two (:func:`_pairs`)."""
     if _pairs(call):
-        return name, _paired(_prepare(name, _pair(call), automatic))
+        return name, _paired(_prepare(name, _pair(call), automatic), _prepare(name, call, automatic))
     return name, _prepare(name, call, automatic)
 
 
@@ -255,6 +255,7 @@ def _prepare(name: str, call: Call, automatic: bool) -> Runner:
 #: own rms_norm too (observed: RMSNorm(40000) fp32, ``torch.set_num_threads(2)``,
 #: tests/backends/test_probe8.py).
 SPLIT_ELEMENTS = 32768
+_threads = torch.get_num_threads
 
 
 def _pairs(call: Call) -> bool:
@@ -289,12 +290,15 @@ def _pair(call: Call) -> Call:
     return call._replace(x=two(call.x), scope=scope, mask=two(call.mask), residual=two(call.residual))
 
 
-def _paired(inner: Runner) -> Runner:
+def _paired(inner: Runner, alone: Runner) -> Runner:
     """The runner of a call of one sample, on its pair (:func:`_pair`): the first of the pair's
     results, in the input's memory format (the stride-0 pair has none); its gradient reaches the
-    sample through the expand as ``g + 0``, the same bits."""
+    sample through the expand as ``g + 0``, the same bits. With one intra-op thread every reduction
+    is one pass, whatever it reduces into: the sample alone (``alone``), half the work."""
 
     def run(c: Call):
+        if _threads() == 1:
+            return alone(c)
         out = inner(_pair(c))
         fmt = _memory_format(c.x)
         if isinstance(out, tuple):  # add_norm: (y, h)

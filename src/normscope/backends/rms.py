@@ -197,8 +197,9 @@ def _lone(t: Tensor) -> bool:
     """Whether ``t`` is a block of one row long enough for ATen to split its reduction across the
     threads (:data:`normscope._registry.SPLIT_ELEMENTS`): in a block of several rows each row is
     reduced whole by one thread, so a lone row -- a batch's last block, or every block of rows longer
-    than half a block -- is reduced as a stride-0 pair of itself instead, and gets the same bits."""
-    return t.shape[0] == 1 and t.shape[1] >= SPLIT_ELEMENTS
+    than half a block -- is reduced as a stride-0 pair of itself instead, and gets the same bits.
+    With one thread every reduction is one pass: the row alone."""
+    return t.shape[0] == 1 and t.shape[1] >= SPLIT_ELEMENTS and torch.get_num_threads() > 1
 
 
 def _row_sums(t: Tensor) -> Tensor:
