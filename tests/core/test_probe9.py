@@ -1,0 +1,99 @@
+"""Adversarial findings (probe 9): each test failed before its fix.
+
+Training steps of the layers that update their own state outside the hot path (BatchRenorm,
+PowerNorm) must refuse a bad call before any state moves, with a ValueError/TypeError that names the
+argument -- as BatchNorm's training call does (``functional.checked_batch_norm``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import normscope
+
+
+def _state(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def _swap(name: str, value: object):
+    def mutate(m: nn.Module) -> None:
+        if isinstance(value, torch.Tensor):
+            setattr(m, name, nn.Parameter(value))
+        else:
+            setattr(m, name, value)
+
+    return mutate
+
+
+# (id, mutation of a warm layer, the input, exception type, fragments of the message)
+_RENORM_CASES = [
+    ("weight_size", _swap("weight", torch.ones(5)), None, ValueError, ["weight", "(6,)", "(5,)"]),
+    ("weight_device", _swap("weight", torch.ones(6, device="meta")), None, ValueError, ["weight", "meta"]),
+    ("weight_dtype", _swap("weight", torch.ones(6, dtype=torch.float64)), None, TypeError, ["weight", "float64"]),
+    ("bias_size", _swap("bias", torch.zeros(7)), None, ValueError, ["bias", "(7,)"]),
+    ("eps_negative", _swap("eps", -1.0), None, ValueError, ["eps", "-1.0"]),
+    ("eps_zero", _swap("eps", 0.0), None, ValueError, ["eps", "0.0"]),
+    ("eps_nan", _swap("eps", math.nan), None, ValueError, ["eps", "nan"]),
+    # float64 input, float32 buffers: refused in evaluation (BatchNorm's path), so in training too
+    ("input_dtype", lambda m: None, torch.randn(4, 6, 5, dtype=torch.float64), TypeError, ["running_mean", "float64"]),
+    ("input_device", lambda m: None, torch.randn(4, 6, 5, device="meta"), ValueError, ["meta"]),
+]
+
+
+@pytest.mark.parametrize(
+    "mutate, x, exc, fragments", [c[1:] for c in _RENORM_CASES], ids=[c[0] for c in _RENORM_CASES]
+)
+def test_batch_renorm_training_refuses_before_its_state_moves(mutate, x, exc, fragments):
+    torch.manual_seed(0)
+    m = normscope.BatchRenorm1d(6)
+    good = torch.randn(4, 6, 5)
+    m(good)  # warm, state moved once
+    mutate(m)
+    before = _state(m)
+    with pytest.raises(exc) as info:
+        m(good if x is None else x)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+    after = _state(m)
+    for k, v in before.items():
+        if v.device.type != "meta" and after[k].device == v.device:
+            assert torch.equal(v, after[k]), f"{k} changed by a refused call"
+
+
+def test_batch_renorm_training_takes_half_input_with_float_parameters_as_batchnorm():
+    # the mixed-precision case BatchNorm takes (fp16 input, fp32 parameters and buffers) stays accepted
+    m = normscope.BatchRenorm1d(6)
+    y = m(torch.randn(4, 6, 5).half())
+    assert y.dtype == torch.float16
+
+
+_POWER_CASES = [
+    ("weight_size", _swap("weight", torch.ones(5)), None, ValueError, ["weight", "(6,)", "(5,)"]),
+    ("weight_device", _swap("weight", torch.ones(6, device="meta")), None, ValueError, ["weight", "meta"]),
+    ("eps_negative", _swap("eps", -1.0), None, ValueError, ["eps", "-1.0"]),
+    ("eps_nan", _swap("eps", math.nan), None, ValueError, ["eps", "nan"]),
+    ("input_device", lambda m: None, torch.randn(4, 5, 6, device="meta"), ValueError, ["meta"]),
+    ("running_phi_size", lambda m: setattr(m, "running_phi", torch.ones(5)), None, ValueError, ["running_phi", "(5,)"]),
+]
+
+
+@pytest.mark.parametrize("mutate, x, exc, fragments", [c[1:] for c in _POWER_CASES], ids=[c[0] for c in _POWER_CASES])
+def test_power_norm_training_refuses_before_its_state_moves(mutate, x, exc, fragments):
+    torch.manual_seed(0)
+    m = normscope.PowerNorm(6, warmup_iters=2)
+    good = torch.randn(4, 5, 6)
+    m(good)
+    mutate(m)
+    before = _state(m)
+    with pytest.raises(exc) as info:
+        m(good if x is None else x)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+    after = _state(m)
+    for k, v in before.items():
+        if v.device.type != "meta" and after[k].device == v.device:
+            assert torch.equal(v, after[k]), f"{k} changed by a refused call"
