@@ -97,3 +97,27 @@ def test_power_norm_training_refuses_before_its_state_moves(mutate, x, exc, frag
     for k, v in before.items():
         if v.device.type != "meta" and after[k].device == v.device:
             assert torch.equal(v, after[k]), f"{k} changed by a refused call"
+
+
+def test_sync_batch_norm_outside_a_group_refuses_an_all_false_mask_in_training_as_batchnorm():
+    # one process is the whole group: its all-False mask has no valid value to take statistics from,
+    # which BatchNorm (and every rank of a group, together) refuses -- the running variance must not
+    # be pulled towards 0 by an empty batch
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 6, 5), torch.zeros(4, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match="at least one valid"):
+        normscope.BatchNorm1d(6)(x, mask)
+    sbn = normscope.SyncBatchNorm(6)
+    before = _state(sbn)
+    with pytest.raises(ValueError, match="at least one valid"):
+        sbn(x, mask)
+    for k, v in _state(sbn).items():
+        assert torch.equal(v, before[k]), f"{k} changed by a refused call"
+
+
+def test_sync_batch_norm_outside_a_group_checks_a_masked_calls_parameter_dtypes():
+    sbn = normscope.SyncBatchNorm(6)
+    sbn.weight = nn.Parameter(torch.ones(6, dtype=torch.float64))
+    x, mask = torch.randn(4, 6, 5), torch.rand(4, 5) > 0.3
+    with pytest.raises(TypeError, match="weight"):
+        sbn(x, mask)
