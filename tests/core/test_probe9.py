@@ -121,3 +121,38 @@ def test_sync_batch_norm_outside_a_group_checks_a_masked_calls_parameter_dtypes(
     x, mask = torch.randn(4, 6, 5), torch.rand(4, 5) > 0.3
     with pytest.raises(TypeError, match="weight"):
         sbn(x, mask)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: normscope.functional.normalize(torch.randn(2, 3, 8), 2, eps=math.nan),
+        lambda: normscope.functional.adain(torch.randn(2, 3, 8), torch.randn(2, 3, 8), eps=math.nan),
+        lambda: normscope.AdaIN(eps=math.nan)(torch.randn(2, 3, 8), torch.randn(2, 3, 8)),
+    ],
+    ids=["normalize", "adain", "AdaIN"],
+)
+def test_a_nan_eps_is_refused_by_normalize_and_adain_as_by_every_other_op(call):
+    # layer_norm, group_norm, instance_norm... refuse eps=NaN (every output would be NaN); these two
+    # checked eps < 0 only, which NaN passes
+    with pytest.raises(ValueError, match="eps"):
+        normscope.functional.layer_norm(torch.randn(2, 8), (8,), eps=math.nan)
+    with pytest.raises(ValueError, match="eps"):
+        call()
+
+
+def test_dyt_refuses_integer_input_as_derf_and_poly_norm_do():
+    x = torch.arange(16).reshape(2, 8)
+    with pytest.raises(TypeError, match="floating-point"):
+        normscope.Derf(8)(x)
+    with pytest.raises(TypeError, match=r"DyT.*floating-point.*int64"):
+        normscope.DyT(8)(x)
+
+
+def test_folded_frozen_batch_norm_refuses_an_input_on_another_device_with_a_value_error():
+    # the unfolded path (F.batch_norm) says so; the folded one raised torch's RuntimeError from an op
+    x = torch.randn(2, 3, 4, 4, device="meta")
+    with pytest.raises(ValueError, match="meta"):
+        normscope.FrozenBatchNorm2d(3)(x)
+    with pytest.raises(ValueError, match="meta"):
+        normscope.FrozenBatchNorm2d(3, fold=True)(x)
