@@ -295,3 +295,25 @@ def test_a_compiled_call_in_an_asyncio_task_ignores_another_tasks_forced_backend
         return (await asyncio.gather(forcing(entered, done), automatic(entered, done)))[1]
 
     assert asyncio.run(main()) == "aten"
+
+
+@pytest.mark.parametrize("name", ["BatchNorm1d", "InstanceNorm1d", "SyncBatchNorm", "BatchRenorm1d"])
+def test_a_layer_momentum_torch_refuses_is_refused_before_the_state_moves(name):
+    # torch.nn's layers pass momentum to batch_norm/instance_norm, which raise TypeError for a str; ours
+    # took float("0.1") silently. What torch takes (a bool, a 0-dim tensor) stays accepted
+    x = torch.randn(4, 6, 5)
+    kw = {"track_running_stats": True} if name.startswith("Instance") else {}
+    if hasattr(nn, name):
+        theirs = getattr(nn, name)(6, **kw)
+        theirs.momentum = "0.1"
+        with pytest.raises(TypeError):
+            theirs(x)
+    ours = getattr(normscope, name)(6, **kw)
+    ours.momentum = "0.1"
+    before = _state(ours)
+    with pytest.raises(TypeError, match="momentum"):
+        ours(x)
+    for k, v in _state(ours).items():
+        assert torch.equal(v, before[k]), f"{k} changed by a refused call"
+    ours.momentum = torch.tensor(0.5)
+    ours(x)

@@ -371,7 +371,8 @@ class SyncBatchNorm(_BatchNorm):
         else:  # exactly normscope.BatchNorm*d, masked or not: F.batch_norm's checks too (an all-False mask
             # in training, the parameters' dtypes), before the running statistics move -- the one process
             # is the whole group, so its mask decides alone, as every rank's masks do together above
-            y = F.batch_norm(input, rm, rv, self.weight, self.bias, use_batch_stats, factor, self.eps, mask=mask)
+            # float(): as the BatchNorm layers pass it (a 0-dim tensor momentum, which torch takes, included)
+            y = F.batch_norm(input, rm, rv, self.weight, self.bias, use_batch_stats, float(factor), self.eps, mask=mask)
         count_batch(self)  # after the step (and its collective) succeeded
         return y
 
