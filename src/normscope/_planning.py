@@ -31,7 +31,11 @@ def traced_plan(call: Call, name: str) -> tuple[str, Runner]:
     the call's signature (:func:`choice_for_trace`), or traced for symbolic sizes."""
     validate(call)
     sig = static_signature(call)
-    chosen = choose(call, name) if sig is None else choice_for_trace(sig, name)
+    chosen = None if sig is None else choice_for_trace(sig, name)
+    if chosen is None:  # symbolic sizes, or no backend runs the call: choose() traced, raising its ValueError
+        # as an eager call does -- raised inside choice_for_trace, which dynamo runs as a constant, it
+        # reached the caller wrapped in dynamo's InternalTorchDynamoError
+        chosen = choose(call, name)
     return prepare(chosen, call, name == "auto")
 
 
@@ -93,7 +97,7 @@ PLAN_TABLES.append(_TRACE_CHOICES.clear)
 
 
 @constant_when_compiled
-def choice_for_trace(sig: tuple, name: str) -> str:
+def choice_for_trace(sig: tuple, name: str) -> str | None:
     """:func:`normscope._registry.choose` on a stand-in of signature ``sig`` (stride-0 views of one
     element, of the call's shapes, dtypes and device), memoized: dynamo runs it once, eagerly, and
     bakes the name in."""
@@ -124,7 +128,10 @@ def choice_for_trace(sig: tuple, name: str) -> str:
             casting,
         )
         with as_traced():
-            found = choose(call, name)
+            try:
+                found = choose(call, name)
+            except ValueError:  # no backend takes it: traced_plan traces choose(), which raises it
+                return None
         if len(_TRACE_CHOICES) >= MAX_PLANS:
             _TRACE_CHOICES.clear()
         _TRACE_CHOICES[key] = found

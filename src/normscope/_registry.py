@@ -12,6 +12,7 @@ Depends on :mod:`normscope._contract` and :mod:`normscope._state`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -103,7 +104,13 @@ def use_backend(name: str | None) -> Iterator[None]:
         yield
     finally:
         # back to what this thread (or task) had on entry: another thread's blocks are its own
-        FORCED.reset(token)
+        try:
+            FORCED.reset(token)
+        except ValueError:
+            # left in another context than it was entered in (a generator holding the block, resumed
+            # in another thread or asyncio task), where reset() refuses the token: set back there the
+            # value the block found on entry, as torch's grad-mode blocks do -- not raise from the exit
+            FORCED.set(None if token.old_value is contextvars.Token.MISSING else token.old_value)
         TRACED_VIEW.forced = FORCED.get()
 
 

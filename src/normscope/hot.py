@@ -388,11 +388,19 @@ def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
         x, weight, bias = stand[:3]
         run = None if flags is None else running((stand[3], stand[4], 0.0, flags[1]))
         found = None
-        with engine.capture() as captured:
-            try:
-                op.checked(settings, x, weight, bias, eps, run, None)
-            except (ValueError, TypeError):  # the checks' errors: raised again by the traced checked call
-                captured.clear()
+        # planned for the request the token is keyed by -- the thread's view, which the graph guards on --
+        # not for this context's FORCED, which the planning reads here (capture() plans as for a traced
+        # call, where compiling() is False) and which the view does not follow across a context switch
+        # (an asyncio task, contextvars.copy_context().run): a graph guarded on 'rows' ran another backend
+        forced = _state.FORCED.set(request)
+        try:
+            with engine.capture() as captured:
+                try:
+                    op.checked(settings, x, weight, bias, eps, run, None)
+                except (ValueError, TypeError):  # the checks' errors: raised again by the traced checked call
+                    captured.clear()
+        finally:
+            _state.FORCED.reset(forced)
         if len(captured) == 1 and _consumed(captured[0][0], x, weight, bias, run, traced=True):
             c, planned = captured[0]
             found = Plan(planned[0], engine.layer_entry(c, planned), c.eps)

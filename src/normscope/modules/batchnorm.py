@@ -7,6 +7,7 @@ Internal Covariate Shift". Scope: :meth:`normscope.Scope.batch`.
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import NamedTuple
 
 from torch import Tensor, nn
@@ -26,8 +27,12 @@ def momentum_factor(bn: nn.Module, num_batches_tracked: object = _UNREAD) -> flo
     before it runs -- a refused call changes nothing, and a call that raises while it runs, such as
     the recomputation that activation checkpointing stops early, has counted, as in torch).
     """
-    if bn.momentum is not None:
-        return bn.momentum
+    m = bn.momentum
+    if m is not None:
+        if type(m) is not float and not isinstance(m, (numbers.Real, Tensor)):
+            # torch's batch_norm refuses it (TypeError); float() below would take "0.1" silently
+            raise TypeError(f"{type(bn).__name__}: expected `momentum` to be a float or None, got {m!r}")
+        return m
     nbt = bn.num_batches_tracked if num_batches_tracked is _UNREAD else num_batches_tracked
     if bn.training and bn.track_running_stats and nbt is not None:
         return 1.0 / (float(nbt) + 1.0)

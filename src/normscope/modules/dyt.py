@@ -73,6 +73,8 @@ class DyT(nn.Module):
         cd = self.channel_dim
         if not isinstance(input, Tensor):
             raise TypeError(f"DyT: expected input to be a torch.Tensor, got {type(input).__name__}")
+        if not input.is_floating_point():  # tanh would return an int input as float, silently
+            raise TypeError(f"DyT: expected input to be a floating-point tensor, got dtype {input.dtype}")
         if not -input.dim() <= cd < input.dim() or input.shape[cd] != self.num_features:
             raise ValueError(
                 f"DyT({self.num_features}): expected input with {self.num_features} features at dim {cd}, "

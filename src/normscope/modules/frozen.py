@@ -97,6 +97,10 @@ class FrozenBatchNorm2d(nn.Module):
             )
         rm, rv, w, b = self.running_mean, self.running_var, self.weight, self.bias
         if self.fold:  # torchvision's order of operations, op for op (type promotion included)
+            if rm.device != input.device:  # as F.batch_norm's check (the unfolded path), before any op
+                raise ValueError(
+                    f"{name}: expected `running_mean` on the input's device {input.device}, got {rm.device}"
+                )
             scale = w * (rv + self.eps).rsqrt()
             shape = [1] * input.dim()
             shape[cd] = c

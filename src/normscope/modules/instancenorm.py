@@ -6,6 +6,7 @@ Scope: :meth:`normscope.Scope.instance`.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from typing import NamedTuple
 
@@ -82,7 +83,13 @@ class _InstanceNormMixin:
         axis, True = valid) restricts each instance's statistics to its valid positions."""
         w, b, rm, rv = hot.tensors(self, _NAMES)
         use_input_stats = self.training or not self.track_running_stats
-        momentum = float(self.momentum) if self.momentum is not None else 0.0
+        momentum = self.momentum
+        if momentum is None:
+            momentum = 0.0
+        elif type(momentum) is not float and not isinstance(momentum, (numbers.Real, Tensor)):
+            # torch's instance_norm refuses it (TypeError); float() would take "0.1" silently
+            raise TypeError(f"{type(self).__name__}: expected `momentum` to be a float or None, got {momentum!r}")
+        momentum = float(momentum)
         running = None
         if rm is not None or rv is not None:  # as functional.instance_norm
             running = hot.running((rm, rv, momentum, use_input_stats))

@@ -221,6 +221,20 @@ class PowerNorm(nn.Module):
                 f"got shape {tuple(input.shape)}"
             )
         mask = check.mask(mask, input, cd, name)
+        # before any state moves (the batch count, running_phi): parameters and buffers of the feature
+        # count and on the input's device -- else the tensor ops below raise a RuntimeError after the
+        # state has changed -- and an eps that keeps an all-zero feature finite (as the constructor's)
+        for pname in ("weight", "bias"):
+            check.param(getattr(self, pname), pname, (c,), input, name, any_dtype=True)
+        for pname in ("running_phi", "ema_gz"):  # any shape of c values: the reference keeps ema_gz (1, 1, C)
+            buf = getattr(self, pname)
+            if buf.numel() != c or buf.device != input.device:
+                raise ValueError(
+                    f"{name}: expected `{pname}` of {c} values on the input's device {input.device}, got shape "
+                    f"{tuple(buf.shape)} on {buf.device}"
+                )
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps > 0:
+            raise ValueError(f"{name}: expected `eps` to be a positive number, got {self.eps!r}")
         x = input
         if self.group_scaling is not None:  # the reference's GroupScaling1D, eps fixed at 1e-5 as there
             x = engine.norm(x, self._gs_scope, eps=1e-5)

@@ -117,6 +117,18 @@ class _BatchRenormMixin(BatchNormMixin):
                 f"{name}: expected more than 1 value per channel when training, got input of shape "
                 f"{tuple(input.shape)} (1 value per channel)"
             )
+        # the checks BatchNorm's training call makes (functional.checked_batch_norm), before the running
+        # statistics move: a parameter or buffer of another size, device or dtype, or an eps that divides
+        # a constant channel by 0 (or NaN), is refused here -- not found by the update's or the affine's
+        # tensor ops after the state has changed, as a RuntimeError
+        tensors = {"running_mean": self.running_mean, "running_var": self.running_var}
+        tensors.update(weight=self.weight, bias=self.bias)
+        for pname, p in tensors.items():
+            check.param(p, pname, (self.num_features,), input, name)
+        check.one_dtype(input, name, **tensors)
+        check.eps(self.eps, name)
+        if not self.eps > 0:
+            raise ValueError(f"{name}: expected `eps` > 0 when training (batch statistics normalize), got {self.eps!r}")
         requested = engine.requested_backend()
         if requested not in ("auto", "reference"):
             raise ValueError(

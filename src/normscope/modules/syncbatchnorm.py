@@ -42,7 +42,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .. import _checks as check
 from .. import functional as F
 from .. import reference as ref
-from ..engine import Call, Running, norm, update_running
+from ..engine import Call, Running, update_running
 from ..scope import Resolved, Scope
 from .batchnorm import count_batch, momentum_factor
 
@@ -368,13 +368,11 @@ class SyncBatchNorm(_BatchNorm):
                 self._peers_checked = True
             running = Running(rm, rv, float(factor), True) if rm is not None and rv is not None else None
             y = _SyncBatchNormFn.apply(input, m, self.weight, self.bias, self.eps, group, world, running, name)
-        elif m is None:  # exactly normscope.BatchNorm*d
-            y = F.batch_norm(input, rm, rv, self.weight, self.bias, use_batch_stats, factor, self.eps)
-        else:
-            running = None
-            if rm is not None or rv is not None or not use_batch_stats:
-                running = Running(rm, rv, float(factor), use_batch_stats)
-            y = norm(input, _BATCH, self.weight, self.bias, self.eps, mask=m, running=running)
+        else:  # exactly normscope.BatchNorm*d, masked or not: F.batch_norm's checks too (an all-False mask
+            # in training, the parameters' dtypes), before the running statistics move -- the one process
+            # is the whole group, so its mask decides alone, as every rank's masks do together above
+            # float(): as the BatchNorm layers pass it (a 0-dim tensor momentum, which torch takes, included)
+            y = F.batch_norm(input, rm, rv, self.weight, self.bias, use_batch_stats, float(factor), self.eps, mask=mask)
         count_batch(self)  # after the step (and its collective) succeeded
         return y
 
