@@ -151,8 +151,9 @@ def normalized_shape(shape: int | Sequence[int] | torch.Size, where: str) -> tup
     except TypeError:
         expected = "an int or a sequence of ints"
         raise TypeError(f"{where}: expected `normalized_shape` to be {expected}, got {shape!r}") from None
-    if not out or any(s < 1 for s in out):
-        raise ValueError(f"{where}: expected `normalized_shape` to be non-empty with positive sizes, got {out}")
+    if not out or any(s < 0 for s in out):
+        # a size of 0 is torch's too (an empty scope: an empty output, as torch.nn.LayerNorm(0) gives)
+        raise ValueError(f"{where}: expected `normalized_shape` to be non-empty with non-negative sizes, got {out}")
     return out
 
 

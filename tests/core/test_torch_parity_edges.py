@@ -209,3 +209,37 @@ def test_local_response_norm_on_transposed_input_matches_torch(shape, perm):
     gy = torch.randn(want.shape)
     y.backward(gy), want.backward(gy)
     assert torch.equal(x.grad, xc.grad)
+
+
+_EMPTY_SCOPES = [
+    ("LayerNorm(0)", lambda m: m.LayerNorm(0), (2, 0)),
+    ("LayerNorm((3, 0))", lambda m: m.LayerNorm((3, 0)), (2, 3, 0)),
+    ("RMSNorm(0)", lambda m: m.RMSNorm(0), (2, 0)),
+    ("GroupNorm(2, 0)", lambda m: m.GroupNorm(2, 0), (2, 0, 3)),
+    ("InstanceNorm1d(0)", lambda m: m.InstanceNorm1d(0), (2, 0, 3)),
+]
+
+
+@pytest.mark.parametrize("name,make,shape", _EMPTY_SCOPES, ids=[c[0] for c in _EMPTY_SCOPES])
+@pytest.mark.parametrize("backend", [None, "aten", "reference"])
+def test_a_normalized_size_of_zero_is_taken_as_torch_takes_it(name, make, shape, backend):
+    """torch.nn builds these layers and returns an empty output (and an empty input gradient) for
+    an input of their shape; normscope's do the same on every backend that takes the call."""
+    x = torch.randn(shape)
+    xs, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with normscope.use_backend(backend):
+        ys = make(normscope)(xs)
+    yt = make(nn)(xt)
+    ys.sum().backward()
+    yt.sum().backward()
+    assert ys.shape == yt.shape and ys.dtype == yt.dtype
+    assert xs.grad.shape == xt.grad.shape
+
+
+@pytest.mark.parametrize("backend", ["rows", "triton"])
+def test_a_normalized_size_of_zero_is_refused_with_a_reason_by_the_row_paths(backend):
+    """The row paths have no rows to run: forced, they say so (the automatic choice takes torch's op)."""
+    if backend not in normscope.backends():
+        pytest.skip(f"{backend} is not registered (Triton is not installed)")
+    with pytest.raises(ValueError, match="zero|empty"), normscope.use_backend(backend):
+        normscope.RMSNorm(0)(torch.randn(2, 0))

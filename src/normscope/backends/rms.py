@@ -90,6 +90,8 @@ def takes(call: Call) -> str | None:
         return "not an unmasked RMS scope without bias or running statistics"
     if not s.form.rows:
         return "an RMS scope over grouped axes or with an affine over other axes"
+    if any(s.shape[d] == 0 for d in s.reduce):
+        return "an empty scope (a normalized size of 0), which has no rows to run"
     if call.x.dtype not in _FLOATS:
         return f"floating-point input only, got {call.x.dtype}"
     w, acc = call.weight, ref.acc_dtype(call.x.dtype)
