@@ -142,7 +142,8 @@ def positive_eps(eps: float, where: str) -> None:
 
 
 def normalized_shape(shape: int | Sequence[int] | torch.Size, where: str) -> tuple[int, ...]:
-    """LayerNorm/RMSNorm's ``normalized_shape``: an int or a sequence of positive ints."""
+    """LayerNorm/RMSNorm's ``normalized_shape``: an int or a non-empty sequence of non-negative ints (a
+    size of 0, an empty scope, is torch's too: ``torch.nn.LayerNorm(0)`` returns an empty output)."""
     if isinstance(shape, int) and not isinstance(shape, bool):
         shape = (shape,)
     try:
