@@ -307,7 +307,7 @@ def _paired(inner: Runner, alone: Runner) -> Runner:
         if _threads() == 1:
             return alone(c)
         out = inner(_pair(c))
-        fmt = _memory_format(c.x)
+        fmt = ref.channels_last(c.x)
         if isinstance(out, tuple):  # add_norm: (y, h)
             return tuple(_first(t, fmt) for t in out)
         return _first(out, fmt)
@@ -318,15 +318,6 @@ def _paired(inner: Runner, alone: Runner) -> Runner:
 def _first(t: Tensor, fmt: torch.memory_format | None) -> Tensor:
     t = t[:1]
     return t if fmt is None else t.contiguous(memory_format=fmt)
-
-
-def _memory_format(x: Tensor) -> torch.memory_format | None:
-    if x.is_contiguous():
-        return None
-    for fmt, nd in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
-        if x.dim() == nd and x.is_contiguous(memory_format=fmt):
-            return fmt
-    return None
 
 
 def plan_call(call: Call, name: str) -> tuple[str, Runner]:

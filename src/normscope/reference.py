@@ -46,6 +46,17 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def channels_last(x: Tensor) -> torch.memory_format | None:
+    """channels_last / channels_last_3d when ``x`` is laid out so (and not also contiguous), else None:
+    the layout torch's norms keep for their output."""
+    if x.is_contiguous():
+        return None
+    for fmt, nd in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if x.dim() == nd and x.is_contiguous(memory_format=fmt):
+            return fmt
+    return None
+
+
 def _grouped(t: Tensor, scope: Resolved) -> Tensor:
     return t.reshape(scope.grouped_shape()) if scope.groups > 1 else t
 

@@ -2,18 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
-
-
-def channels_last(x: Tensor) -> torch.memory_format | None:
-    """channels_last / channels_last_3d when ``x`` is laid out so (and not also contiguous), else None."""
-    if x.is_contiguous():
-        return None
-    for fmt, nd in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
-        if x.dim() == nd and x.is_contiguous(memory_format=fmt):
-            return fmt
-    return None
+from ..reference import channels_last  # noqa: F401  (the backends' layouts, in one place)
 
 
 def reduced_last(scope) -> tuple[tuple[int, ...], bool]:

@@ -233,17 +233,13 @@ def _bn_layout(call: Call) -> tuple[Callable[[Tensor, Tensor | None, Running | N
         return None, False
     wide = x0.dtype in (torch.float32, torch.float64)
     one_position = kind(call) == "batch_norm_last" or x0.dim() <= 2 or math.prod(x0.shape[2:]) == 1
-    d = x0.dim()
-    cl = torch.channels_last if d == 4 else torch.channels_last_3d if d == 5 else None
 
     def fix(x: Tensor, w: Tensor | None, r: Running | None) -> tuple[Tensor, Tensor | None, Running | None]:
         evaluation = r is not None and not r.use_input_stats and r.mean is not None
-        channels_last = False
-        if not x.is_contiguous():  # the common case asks this alone
-            channels_last = cl is not None and x.is_contiguous(memory_format=cl)
-            if evaluation and not channels_last:
-                x = x.contiguous()
-        if not wide or not (one_position or channels_last):
+        fmt = channels_last(x)  # None for a contiguous input, and for one in neither layout
+        if fmt is None and evaluation and not x.is_contiguous():
+            x = x.contiguous()
+        if not wide or not (one_position or fmt is not None):
             return x, w, r
         # the channels-last kernel (fp32/fp64): its weight and an evaluation's statistics contiguous
         if w is not None and not w.is_contiguous():
