@@ -44,6 +44,21 @@ _RENORM_CASES = [
 ]
 
 
+def _refused_with_state_kept(m, mutate, x, exc, fragments) -> None:
+    """``mutate(m)``, then ``m(x)`` raises ``exc`` naming every fragment, and no tensor of ``m``'s state
+    moved (a meta tensor, or one moved to another device by ``mutate``, has no values to compare)."""
+    mutate(m)
+    before = _state(m)
+    with pytest.raises(exc) as info:
+        m(x)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+    after = _state(m)
+    for k, v in before.items():
+        if v.device.type != "meta" and after[k].device == v.device:
+            assert torch.equal(v, after[k]), f"{k} changed by a refused call"
+
+
 @pytest.mark.parametrize(
     "mutate, x, exc, fragments", [c[1:] for c in _RENORM_CASES], ids=[c[0] for c in _RENORM_CASES]
 )
@@ -52,16 +67,7 @@ def test_batch_renorm_training_refuses_before_its_state_moves(mutate, x, exc, fr
     m = normscope.BatchRenorm1d(6)
     good = torch.randn(4, 6, 5)
     m(good)  # warm, state moved once
-    mutate(m)
-    before = _state(m)
-    with pytest.raises(exc) as info:
-        m(good if x is None else x)
-    for fragment in fragments:
-        assert fragment in str(info.value), (fragment, str(info.value))
-    after = _state(m)
-    for k, v in before.items():
-        if v.device.type != "meta" and after[k].device == v.device:
-            assert torch.equal(v, after[k]), f"{k} changed by a refused call"
+    _refused_with_state_kept(m, mutate, good if x is None else x, exc, fragments)
 
 
 def test_batch_renorm_training_takes_half_input_with_float_parameters_as_batchnorm():
@@ -87,16 +93,7 @@ def test_power_norm_training_refuses_before_its_state_moves(mutate, x, exc, frag
     m = normscope.PowerNorm(6, warmup_iters=2)
     good = torch.randn(4, 5, 6)
     m(good)
-    mutate(m)
-    before = _state(m)
-    with pytest.raises(exc) as info:
-        m(good if x is None else x)
-    for fragment in fragments:
-        assert fragment in str(info.value), (fragment, str(info.value))
-    after = _state(m)
-    for k, v in before.items():
-        if v.device.type != "meta" and after[k].device == v.device:
-            assert torch.equal(v, after[k]), f"{k} changed by a refused call"
+    _refused_with_state_kept(m, mutate, good if x is None else x, exc, fragments)
 
 
 def test_sync_batch_norm_outside_a_group_refuses_an_all_false_mask_in_training_as_batchnorm():
