@@ -109,6 +109,14 @@ def mask(m: Tensor | None, x: Tensor, channel_dim: int | None, where: str) -> Te
     return m if channel_dim is None else m.unsqueeze(channel_dim % x.dim())
 
 
+def layer_momentum(value: object, where: str) -> None:
+    """A BatchNorm/InstanceNorm layer's ``momentum`` attribute (not None): a real number or a tensor,
+    as torch's ops take it. ``float()`` would take ``"0.1"`` silently, where torch raises a TypeError.
+    The layers call it for a value that is not exactly a float (their hot path asks that alone)."""
+    if not isinstance(value, (numbers.Real, Tensor)):
+        raise TypeError(f"{where}: expected `momentum` to be a float or None, got {value!r}")
+
+
 def eps(value: object, where: str) -> None:
     """``eps`` of every op but BatchNorm's: a number, as torch accepts it -- a negative one too (torch's
     own test samples call ``layer_norm`` with ``eps=-0.5``) -- but not NaN, which would silently make

@@ -7,11 +7,11 @@ Internal Covariate Shift". Scope: :meth:`normscope.Scope.batch`.
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import NamedTuple
 
 from torch import Tensor, nn
 
+from .. import _checks as check
 from .. import functional as F
 from .. import hot
 
@@ -29,9 +29,8 @@ def momentum_factor(bn: nn.Module, num_batches_tracked: object = _UNREAD) -> flo
     """
     m = bn.momentum
     if m is not None:
-        if type(m) is not float and not isinstance(m, (numbers.Real, Tensor)):
-            # torch's batch_norm refuses it (TypeError); float() below would take "0.1" silently
-            raise TypeError(f"{type(bn).__name__}: expected `momentum` to be a float or None, got {m!r}")
+        if type(m) is not float:  # the common case asks no more (a call a layer call)
+            check.layer_momentum(m, type(bn).__name__)
         return m
     nbt = bn.num_batches_tracked if num_batches_tracked is _UNREAD else num_batches_tracked
     if bn.training and bn.track_running_stats and nbt is not None:

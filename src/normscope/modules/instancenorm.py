@@ -6,12 +6,12 @@ Scope: :meth:`normscope.Scope.instance`.
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from typing import NamedTuple
 
 from torch import Tensor, nn
 
+from .. import _checks as check
 from .. import functional as F
 from .. import hot
 
@@ -86,10 +86,9 @@ class _InstanceNormMixin:
         momentum = self.momentum
         if momentum is None:
             momentum = 0.0
-        elif type(momentum) is not float and not isinstance(momentum, (numbers.Real, Tensor)):
-            # torch's instance_norm refuses it (TypeError); float() would take "0.1" silently
-            raise TypeError(f"{type(self).__name__}: expected `momentum` to be a float or None, got {momentum!r}")
-        momentum = float(momentum)
+        elif type(momentum) is not float:  # the common case asks no more (a call a layer call)
+            check.layer_momentum(momentum, type(self).__name__)
+            momentum = float(momentum)
         running = None
         if rm is not None or rv is not None:  # as functional.instance_norm
             running = hot.running((rm, rv, momentum, use_input_stats))
