@@ -263,3 +263,32 @@ def module_imports(path: Path) -> set[str]:
             if len(real) < len(subs):
                 found.add(target)
     return {m for m in found if m.startswith("normscope")} - {me}
+
+
+def state_of(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``m``'s state dict: what a refused call must leave as it found it."""
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def swap(name: str, value: object):
+    """A mutation of a warm layer: its attribute ``name`` set to ``value`` (a tensor as a Parameter)."""
+
+    def mutate(m: torch.nn.Module) -> None:
+        setattr(m, name, torch.nn.Parameter(value) if isinstance(value, torch.Tensor) else value)
+
+    return mutate
+
+
+def refused_with_state_kept(m, mutate, x, exc, fragments) -> None:
+    """``mutate(m)``, then ``m(x)`` raises ``exc`` naming every fragment, and no tensor of ``m``'s state
+    moved (a meta tensor, or one moved to another device by ``mutate``, has no values to compare)."""
+    mutate(m)
+    before = state_of(m)
+    with pytest.raises(exc) as info:
+        m(x)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+    after = state_of(m)
+    for k, v in before.items():
+        if v.device.type != "meta" and after[k].device == v.device:
+            assert torch.equal(v, after[k]), f"{k} changed by a refused call"

@@ -260,7 +260,7 @@ def _prepare(name: str, call: Call, automatic: bool) -> Runner:
 #: GroupNorm kernels split a lone channel or group alike). So with two threads or more a scope alone
 #: was summed in another order than the same scope among others, and got other bits -- in torch's
 #: own rms_norm too (observed: RMSNorm(40000) fp32, ``torch.set_num_threads(2)``,
-#: tests/backends/test_probe8.py).
+#: tests/backends/test_batch_invariance.py, "several intra-op threads").
 SPLIT_ELEMENTS = 32768
 _threads = torch.get_num_threads
 

@@ -214,3 +214,47 @@ def test_compiled_layer_follows_use_backend():
         torch.testing.assert_close(compiled(x), direct(x, (1,)) * ln.weight + ln.bias)
         assert normscope.last_backend() == "reference"
     assert len(frames) == 2
+
+
+def test_a_forced_backend_that_cannot_run_a_compiled_call_raises_its_value_error():
+    # eagerly use_backend("rows") on a LayerNorm raises ValueError ("cannot run"); compiled, the choice
+    # made on stand-ins raised it from inside a function dynamo runs as a constant, and the caller got
+    # dynamo's InternalTorchDynamoError -- as the checks' errors, the refusal is now traced and raised
+    torch._dynamo.reset()
+    x = torch.randn(4, 8)
+    with normscope.use_backend("rows"), pytest.raises(ValueError, match="cannot run"):
+        normscope.LayerNorm(8)(x)
+    compiled = torch.compile(normscope.LayerNorm(8), backend="eager")
+    torch.testing.assert_close(compiled(x), torch.nn.functional.layer_norm(x, (8,)))
+    with normscope.use_backend("rows"), pytest.raises(ValueError, match="backend 'rows' cannot run"):
+        compiled(x)
+    fresh = torch.compile(normscope.LayerNorm(8), backend="eager")
+    with normscope.use_backend("rows"), pytest.raises(ValueError, match="backend 'rows' cannot run"):
+        fresh(x)
+    torch.testing.assert_close(compiled(x), torch.nn.functional.layer_norm(x, (8,)))  # the automatic graph still runs
+
+
+def test_a_traced_plan_is_made_for_the_request_its_memo_is_keyed_by():
+    # The traced plans are memoized by the request as the graph reads it (the thread's view of the forced
+    # backend), but the plan was made for this context's FORCED: traced in a copied context (FORCED
+    # 'reference', the thread's view unset), the memo for "nothing forced" held a 'reference' plan, which
+    # every later trace of the same signature, in any thread, then took
+    import contextvars
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    x = torch.randn(5, 13)  # a signature no other test compiles: the memo is shared by the process
+    with normscope.use_backend("reference"):
+        ctx = contextvars.copy_context()
+    torch._dynamo.reset()
+    ctx.run(torch.compile(normscope.LayerNorm(13), fullgraph=True, backend=keep), x)
+    torch._dynamo.reset()  # a fresh trace in this context, where nothing is forced
+    plain = torch.compile(normscope.LayerNorm(13), fullgraph=True, backend=keep)
+    torch.testing.assert_close(plain(x), torch.nn.functional.layer_norm(x, (13,)))
+    normscope.LayerNorm(13)(x)
+    assert normscope.last_backend() == "aten"  # what an eager call with nothing forced runs: ATen's op
+    assert "layer_norm" in graphs[-1], graphs[-1]

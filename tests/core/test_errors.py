@@ -10,9 +10,11 @@ import re
 
 import pytest
 import torch
+from torch import nn
 
 import normscope
 import normscope.functional as F
+from conftest import state_of
 from normscope import Scope
 from normscope.engine import Running, norm
 
@@ -207,3 +209,25 @@ def test_half_input_with_parameters_of_two_dtypes_is_a_type_error(name, which):
                 call(F, d)
         else:
             assert torch.equal(call(F, d), want)
+
+
+@pytest.mark.parametrize("name", ["BatchNorm1d", "InstanceNorm1d", "SyncBatchNorm", "BatchRenorm1d"])
+def test_a_layer_momentum_torch_refuses_is_refused_before_the_state_moves(name):
+    # torch.nn's layers pass momentum to batch_norm/instance_norm, which raise TypeError for a str; ours
+    # took float("0.1") silently. What torch takes (a bool, a 0-dim tensor) stays accepted
+    x = torch.randn(4, 6, 5)
+    kw = {"track_running_stats": True} if name.startswith("Instance") else {}
+    if hasattr(nn, name):
+        theirs = getattr(nn, name)(6, **kw)
+        theirs.momentum = "0.1"
+        with pytest.raises(TypeError):
+            theirs(x)
+    ours = getattr(normscope, name)(6, **kw)
+    ours.momentum = "0.1"
+    before = state_of(ours)
+    with pytest.raises(TypeError, match="momentum"):
+        ours(x)
+    for k, v in state_of(ours).items():
+        assert torch.equal(v, before[k]), f"{k} changed by a refused call"
+    ours.momentum = torch.tensor(0.5)
+    ours(x)

@@ -3,6 +3,8 @@ in both call styles."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -32,3 +34,21 @@ def test_adain_direct_formula_and_tuple_style():
     torch.testing.assert_close(y3[0], want[0])
     with pytest.raises(ValueError, match="style"):
         F.adain(content, torch.randn(2, 4, 3, 3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: normscope.functional.normalize(torch.randn(2, 3, 8), 2, eps=math.nan),
+        lambda: normscope.functional.adain(torch.randn(2, 3, 8), torch.randn(2, 3, 8), eps=math.nan),
+        lambda: normscope.AdaIN(eps=math.nan)(torch.randn(2, 3, 8), torch.randn(2, 3, 8)),
+    ],
+    ids=["normalize", "adain", "AdaIN"],
+)
+def test_a_nan_eps_is_refused_by_normalize_and_adain_as_by_every_other_op(call):
+    # layer_norm, group_norm, instance_norm... refuse eps=NaN (every output would be NaN); these two
+    # checked eps < 0 only, which NaN passes
+    with pytest.raises(ValueError, match="eps"):
+        normscope.functional.layer_norm(torch.randn(2, 8), (8,), eps=math.nan)
+    with pytest.raises(ValueError, match="eps"):
+        call()

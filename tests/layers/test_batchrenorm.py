@@ -18,6 +18,7 @@ from torch import nn
 
 import normscope
 import normscope.functional as nf
+from conftest import refused_with_state_kept, swap
 
 TOL = dict(atol=2e-5, rtol=1e-5)
 
@@ -190,3 +191,35 @@ def _compile_batchrenorm(momentum, warmup, steps):
         (eager(xe) * dy).sum().backward()
         (fn(xc) * dy).sum().backward()
         torch.testing.assert_close(xc.grad, xe.grad)
+
+
+_RENORM_CASES = [
+    ("weight_size", swap("weight", torch.ones(5)), None, ValueError, ["weight", "(6,)", "(5,)"]),
+    ("weight_device", swap("weight", torch.ones(6, device="meta")), None, ValueError, ["weight", "meta"]),
+    ("weight_dtype", swap("weight", torch.ones(6, dtype=torch.float64)), None, TypeError, ["weight", "float64"]),
+    ("bias_size", swap("bias", torch.zeros(7)), None, ValueError, ["bias", "(7,)"]),
+    ("eps_negative", swap("eps", -1.0), None, ValueError, ["eps", "-1.0"]),
+    ("eps_zero", swap("eps", 0.0), None, ValueError, ["eps", "0.0"]),
+    ("eps_nan", swap("eps", math.nan), None, ValueError, ["eps", "nan"]),
+    # float64 input, float32 buffers: refused in evaluation (BatchNorm's path), so in training too
+    ("input_dtype", lambda m: None, torch.randn(4, 6, 5, dtype=torch.float64), TypeError, ["running_mean", "float64"]),
+    ("input_device", lambda m: None, torch.randn(4, 6, 5, device="meta"), ValueError, ["meta"]),
+]
+
+
+@pytest.mark.parametrize(
+    "mutate, x, exc, fragments", [c[1:] for c in _RENORM_CASES], ids=[c[0] for c in _RENORM_CASES]
+)
+def test_batch_renorm_training_refuses_before_its_state_moves(mutate, x, exc, fragments):
+    torch.manual_seed(0)
+    m = normscope.BatchRenorm1d(6)
+    good = torch.randn(4, 6, 5)
+    m(good)  # warm, state moved once
+    refused_with_state_kept(m, mutate, good if x is None else x, exc, fragments)
+
+
+def test_batch_renorm_training_takes_half_input_with_float_parameters_as_batchnorm():
+    # the mixed-precision case BatchNorm takes (fp16 input, fp32 parameters and buffers) stays accepted
+    m = normscope.BatchRenorm1d(6)
+    y = m(torch.randn(4, 6, 5).half())
+    assert y.dtype == torch.float16

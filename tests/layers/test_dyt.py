@@ -32,3 +32,11 @@ def test_dyt_formula():
     assert normscope.DyT(4).alpha.item() == 0.5
     with pytest.raises(ValueError, match="4 features at dim -1"):
         dyt(torch.randn(2, 4, 3))
+
+
+def test_dyt_refuses_integer_input_as_derf_and_poly_norm_do():
+    x = torch.arange(16).reshape(2, 8)
+    with pytest.raises(TypeError, match="floating-point"):
+        normscope.Derf(8)(x)
+    with pytest.raises(TypeError, match=r"DyT.*floating-point.*int64"):
+        normscope.DyT(8)(x)

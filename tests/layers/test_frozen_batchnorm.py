@@ -132,3 +132,12 @@ def test_tied_modules_stay_tied(surgery):
     assert not isinstance(m.a, nn.BatchNorm2d) or type(m.a) is not nn.BatchNorm2d
     assert m.a is m.b is m.block[0]
     assert len(list(m.parameters())) == len({id(p) for p in m.parameters()})
+
+
+def test_folded_frozen_batch_norm_refuses_an_input_on_another_device_with_a_value_error():
+    # the unfolded path (F.batch_norm) says so; the folded one raised torch's RuntimeError from an op
+    x = torch.randn(2, 3, 4, 4, device="meta")
+    with pytest.raises(ValueError, match="meta"):
+        normscope.FrozenBatchNorm2d(3)(x)
+    with pytest.raises(ValueError, match="meta"):
+        normscope.FrozenBatchNorm2d(3, fold=True)(x)

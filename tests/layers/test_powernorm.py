@@ -19,11 +19,14 @@ that leaves the state alone, and errors that name the argument."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 import normscope
+from conftest import refused_with_state_kept, swap
 
 F64 = {"atol": 1e-12, "rtol": 1e-12}
 
@@ -407,3 +410,22 @@ def test_powernorm_errors_name_the_argument(kwargs, match):
     fell through to the engine's 'Scope `groups`' message."""
     with pytest.raises(ValueError, match=match):
         normscope.PowerNorm(6, **kwargs)
+
+
+_POWER_CASES = [
+    ("weight_size", swap("weight", torch.ones(5)), None, ValueError, ["weight", "(6,)", "(5,)"]),
+    ("weight_device", swap("weight", torch.ones(6, device="meta")), None, ValueError, ["weight", "meta"]),
+    ("eps_negative", swap("eps", -1.0), None, ValueError, ["eps", "-1.0"]),
+    ("eps_nan", swap("eps", math.nan), None, ValueError, ["eps", "nan"]),
+    ("input_device", lambda m: None, torch.randn(4, 5, 6, device="meta"), ValueError, ["meta"]),
+    ("running_phi_size", lambda m: setattr(m, "running_phi", torch.ones(5)), None, ValueError, ["running_phi", "(5,)"]),
+]
+
+
+@pytest.mark.parametrize("mutate, x, exc, fragments", [c[1:] for c in _POWER_CASES], ids=[c[0] for c in _POWER_CASES])
+def test_power_norm_training_refuses_before_its_state_moves(mutate, x, exc, fragments):
+    torch.manual_seed(0)
+    m = normscope.PowerNorm(6, warmup_iters=2)
+    good = torch.randn(4, 5, 6)
+    m(good)
+    refused_with_state_kept(m, mutate, good if x is None else x, exc, fragments)

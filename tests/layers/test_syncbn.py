@@ -18,8 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 import normscope
+from conftest import state_of
 
 if not dist.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available in this torch build", allow_module_level=True)
@@ -416,3 +418,27 @@ def test_ddp_on_cpu_training_step_mismatch_and_mask_rule(tmp_path):
     x1 = data["masked"]["one_value"][0][1]
     torch.testing.assert_close(got[0]["one_value"]["rm"], 0.1 * x1.reshape(C))
     torch.testing.assert_close(got[1]["one_value"]["rm"], 0.1 * x1.reshape(C))
+
+
+def test_sync_batch_norm_outside_a_group_refuses_an_all_false_mask_in_training_as_batchnorm():
+    # one process is the whole group: its all-False mask has no valid value to take statistics from,
+    # which BatchNorm (and every rank of a group, together) refuses -- the running variance must not
+    # be pulled towards 0 by an empty batch
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 6, 5), torch.zeros(4, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match="at least one valid"):
+        normscope.BatchNorm1d(6)(x, mask)
+    sbn = normscope.SyncBatchNorm(6)
+    before = state_of(sbn)
+    with pytest.raises(ValueError, match="at least one valid"):
+        sbn(x, mask)
+    for k, v in state_of(sbn).items():
+        assert torch.equal(v, before[k]), f"{k} changed by a refused call"
+
+
+def test_sync_batch_norm_outside_a_group_checks_a_masked_calls_parameter_dtypes():
+    sbn = normscope.SyncBatchNorm(6)
+    sbn.weight = nn.Parameter(torch.ones(6, dtype=torch.float64))
+    x, mask = torch.randn(4, 6, 5), torch.rand(4, 5) > 0.3
+    with pytest.raises(TypeError, match="weight"):
+        sbn(x, mask)
