@@ -238,6 +238,10 @@ def families() -> dict[str, tuple[tuple[str, str], ...]]:
 _PROBE_DIM = 64
 # (weight dtype, input dtype): a model in fp32, in bf16, and a norm kept in fp32 in a bf16 model
 _PROBE_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16))
+# the other floating dtypes a model may be cast to after patching: probed once per class, and an input in one
+# the configuration does not reproduce runs the original forward. The families' RMS norms upcast with
+# ``.to(torch.float32)``, which rounds fp64 input *down*, while normscope computes fp64 in fp64
+_OTHER_DTYPES = (torch.float16, torch.float64)
 
 
 def _shape(m: nn.Module) -> tuple[int, ...] | None:
@@ -456,9 +460,10 @@ def probe_class(cls: type) -> tuple[Exact | None, str | None]:
     return None, "no normscope configuration reproduces it bit for bit (" + "; ".join(misses[:3]) + ")"
 
 
-def _instance_matches(m: nn.Module, original: type, how: Exact) -> str | None:
+def _instance_matches(m: nn.Module, original: type, how: Exact, unreproduced: frozenset = frozenset()) -> str | None:
     """Probe ``m`` itself, with its own weights: in their dtype, and on bf16 input (a constructor
-    option the class probe did not see changes the bits here)."""
+    option the class probe did not see changes the bits here). A dtype in ``unreproduced`` is not
+    probed: the patched layer runs the original forward on it."""
     w = getattr(m, "weight", None)
     if isinstance(w, Tensor) and w.is_meta:
         return None  # nothing to run on; the class probe stands
@@ -468,6 +473,8 @@ def _instance_matches(m: nn.Module, original: type, how: Exact) -> str | None:
     device = w.device if isinstance(w, Tensor) else torch.device("cpu")
     dtype = w.dtype if isinstance(w, Tensor) and w.is_floating_point() else torch.float32
     for xdtype in dict.fromkeys((dtype, torch.bfloat16)):
+        if xdtype in unreproduced:
+            continue
         miss = _agree(original.forward, m, _probe_input(_shape(m), xdtype, device), how)
         if miss is not None:
             return f"this layer {miss} on {xdtype} input"
@@ -496,10 +503,27 @@ def _as_probed(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:
     return True
 
 
+def _unreproduced(cls: type, how: Exact) -> frozenset[torch.dtype]:
+    """The dtypes of :data:`_OTHER_DTYPES` on which ``how`` does not give ``cls``'s bits (probed as
+    :func:`probe_class` probes, with weights and input in that dtype)."""
+    missed = set()
+    for dtype in _OTHER_DTYPES:
+        m = _randomized(_construct(cls), dtype)
+        try:
+            miss = _agree(cls.forward, m, _probe_input(_shape(m), dtype, torch.device("cpu")), how)
+        except Exception as e:  # noqa: BLE001 -- a probe that raises is a mismatch: the original runs there
+            miss = f"raised {type(e).__name__}"
+        if miss is not None:
+            missed.add(dtype)
+    return frozenset(missed)
+
+
 def _exact_subclass(original: type, how: Exact) -> type:
     """A subclass of ``original`` whose ``forward`` is normscope's ``how``, for instances that are
-    as probed (``_normscope_exact``); any other instance runs ``original.forward``."""
+    as probed (``_normscope_exact``) and input in a dtype ``how`` reproduces; anything else runs
+    ``original.forward``."""
     signature = inspect.signature(original.__init__)
+    unreproduced = _unreproduced(original, how)
 
     def __init__(self, *args, **kwargs):
         original.__init__(self, *args, **kwargs)
@@ -508,7 +532,7 @@ def _exact_subclass(original: type, how: Exact) -> type:
     by_weight = None if how.centered else _by_weight(how)  # the settings of the call, built once
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        if not self.__dict__.get("_normscope_exact", False):
+        if not self.__dict__.get("_normscope_exact", False) or hidden_states.dtype in unreproduced:
             return original.forward(self, hidden_states)
         return _run(self, hidden_states, how, by_weight)
 
@@ -525,6 +549,7 @@ def _exact_subclass(original: type, how: Exact) -> type:
             f"normscope.integrations.transformers).\n\n{original.__doc__ or ''}",
             "_normscope_original": original,
             "_normscope_how": how,
+            "_normscope_unreproduced": unreproduced,
         },
     )
     setattr(sys.modules[__name__], key, sub)
@@ -599,7 +624,8 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
                 if sub is None:
                     report.skipped[name] = why
                     continue
-                why = _instance_matches(child, original, sub._normscope_how) if verify else None
+                how, unreproduced = sub._normscope_how, sub._normscope_unreproduced
+                why = _instance_matches(child, original, how, unreproduced) if verify else None
                 if why is not None:
                     report.skipped[name] = why
                     continue
