@@ -580,7 +580,8 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
     Every layer of a class that a normscope configuration reproduces bit for bit (see the module
     docstring) keeps its identity -- same object, same Parameters, still an instance of its class --
     with its class switched to the exact subclass; ``torch.nn.LayerNorm``/``RMSNorm`` layers are
-    replaced by normscope's subclasses sharing their Parameters.
+    replaced by normscope's subclasses sharing their Parameters, with their hooks moved over
+    (:func:`normscope.convert`).
 
     Args:
         model: any ``torch.nn.Module`` (a ``PreTrainedModel`` or a part of one).
@@ -603,21 +604,24 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch: expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+    from torch.nn.utils import parametrize
+
+    from ..convert import convert
+
     report = PatchReport()
     checked: dict[type, str | None] = {}
     for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
+        for child in list(parent.children()):
             cls = type(child)
             name = cls.__name__
             if cls in (nn.LayerNorm, nn.RMSNorm):
-                new = _torch_replacement(child)
-                if verify:
-                    if cls not in checked:
-                        checked[cls] = _torch_agree(child, new)
-                    if checked[cls] is not None:
-                        report.skipped[name] = checked[cls]
-                        continue
-                setattr(parent, child_name, new)
+                if verify and cls not in checked:
+                    checked[cls] = _torch_agree(child, _torch_replacement(child))
+                if checked.get(cls) is not None:
+                    report.skipped[name] = checked[cls]
+                elif parametrize.is_parametrized(child):
+                    report.skipped[name] = "parametrized weight or bias (weight_norm, spectral_norm): not carried over"
+                continue  # replaced below, by convert
             elif _candidate(cls) or "_normscope_original" in cls.__dict__:
                 original = getattr(cls, "_normscope_original", cls)
                 sub, why = _subclass_for(original)
@@ -635,6 +639,22 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
             else:
                 continue
             report.replaced[name] = report.replaced.get(name, 0) + 1
+
+    # torch.nn's own layers become normscope's namesakes through convert, which moves their hooks, mode and
+    # attributes with their Parameters and replaces a layer registered at several paths at every one of them
+    # (a new layer object in place of the old, as the model itself is kept: not the root)
+    def chosen(path: str, m: nn.Module) -> bool:
+        cls = type(m)
+        return (
+            bool(path)
+            and cls in (nn.LayerNorm, nn.RMSNorm)
+            and checked.get(cls) is None
+            and (not parametrize.is_parametrized(m))
+        )
+
+    for r in convert(model, where=chosen)[1]:
+        name = r.source.split("(")[0].split(".")[-1]
+        report.replaced[name] = report.replaced.get(name, 0) + 1
     return report
 
 
