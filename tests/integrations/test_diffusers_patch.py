@@ -201,6 +201,8 @@ def test_unreproduced_layers_are_reported():
     original, _ = _build("pixart", torch.float32)
     report = ND.patch(original)
     assert "AdaLayerNormSingle" in report.skipped and "call signature" in report.skipped["AdaLayerNormSingle"]
+    with pytest.raises(TypeError, match="probe: expected `m` to be a torch.nn.Module"):
+        ND.probe(DN.RMSNorm)  # the class, not a layer: named, not an AttributeError from inside
 
 
 # -- AdaLayerNorm as diffusers' layers -------------------------------------------------------------------------

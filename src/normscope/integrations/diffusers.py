@@ -332,6 +332,8 @@ def _structure(m: nn.Module) -> tuple:
 def probe(m: nn.Module) -> tuple[object | None, str | None]:
     """The normscope configuration that reproduces the diffusers layer ``m`` bit for bit (probed on
     a copy with random weights, fp32 and bf16; cached per class and structure), or ``(None, why)``."""
+    if not isinstance(m, nn.Module):
+        raise TypeError(f"probe: expected `m` to be a torch.nn.Module (a diffusers layer), got {type(m).__name__}")
     original = getattr(type(m), "_normscope_original", type(m))
     key = _structure(m)
     if key not in _PROBED:

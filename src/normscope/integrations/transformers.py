@@ -432,6 +432,8 @@ def probe_class(cls: type) -> tuple[Exact | None, str | None]:
     """The configuration of :data:`CONFIGURATIONS` that reproduces ``cls`` bit for bit, or
     ``(None, why not)``. ``cls`` is built as ``cls(64, eps=1e-6)`` (or ``cls(64)``) with random
     weights and run on random input in fp32, in bf16, and with fp32 weights on bf16 input."""
+    if not isinstance(cls, type):
+        raise TypeError(f"probe_class: expected `cls` to be a class, got {type(cls).__name__}")
     cls = getattr(cls, "_normscope_original", cls)
     try:
         base = _construct(cls)
@@ -686,6 +688,9 @@ def patch_classes(*model_types: str) -> PatchReport:
         >>> unpatch_classes()
         ['LlamaRMSNorm']
     """
+    not_names = [t for t in model_types if not isinstance(t, str)]
+    if not_names:
+        raise TypeError(f"patch_classes: expected model type names (strings, as separate arguments), got {not_names!r}")
     found = families()
     unknown = [t for t in model_types if t not in found]
     if unknown:
