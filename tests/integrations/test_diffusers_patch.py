@@ -116,6 +116,26 @@ def test_patched_transformer_is_bitwise_the_original(name, dtype):
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+def test_patched_transformer_cast_to_float64_is_bitwise_the_original():
+    """Patched in fp32, then cast to fp64 (a dtype the fp32/bf16 class probe does not cover), the
+    model gives the bits of the original cast the same way: diffusers' RMSNorm takes its variance of
+    ``x.to(torch.float32)``, so on fp64 input the patched layer runs diffusers' forward. Patched in
+    fp64, its RMSNorms are patched (not refused) and keep the output too."""
+    original, inputs = _build("sd3", torch.float32)
+    model = copy.deepcopy(original)
+    ND.patch(model)
+    inputs = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    original, model = original.double(), model.double()
+    with torch.no_grad():
+        want = original(**inputs).sample
+        assert torch.equal(model(**inputs).sample, want)
+    again = copy.deepcopy(original)
+    report = ND.patch(again)
+    assert report.replaced.get("RMSNorm") == EXPECTED["sd3"]["RMSNorm"], str(report)
+    with torch.no_grad():
+        assert torch.equal(again(**inputs).sample, want)
+
+
 @pytest.mark.parametrize("name", ["dit", "sd3", "flux"])
 def test_patched_transformer_gradients_are_bitwise(name):
     original, inputs = _build(name, torch.float32)
@@ -181,6 +201,8 @@ def test_unreproduced_layers_are_reported():
     original, _ = _build("pixart", torch.float32)
     report = ND.patch(original)
     assert "AdaLayerNormSingle" in report.skipped and "call signature" in report.skipped["AdaLayerNormSingle"]
+    with pytest.raises(TypeError, match="probe: expected `m` to be a torch.nn.Module"):
+        ND.probe(DN.RMSNorm)  # the class, not a layer: named, not an AttributeError from inside
 
 
 # -- AdaLayerNorm as diffusers' layers -------------------------------------------------------------------------

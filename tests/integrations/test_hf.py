@@ -130,6 +130,28 @@ def test_unknown_rmsnorm_is_reported_not_patched():
         hf.patch("not a model")
 
 
+def test_torch_norms_keep_their_hooks_and_ties_when_patched():
+    """BERT's nn.LayerNorm layers become normscope's with the user's hooks still on them (and a hook does
+    not run on patch's probe input), and a LayerNorm registered at two paths is replaced at both: the
+    outputs are the unpatched model's, and the hooks see one call per forward as on the original."""
+    model = _build("bert")
+    original = copy.deepcopy(model)
+    calls = []
+    norm = model.bert.embeddings.LayerNorm
+    norm.register_forward_pre_hook(lambda m, args: calls.append("pre"))
+    norm.register_forward_hook(lambda m, args, out: calls.append("post"))
+    model.bert.embeddings.tied = norm  # the same layer object at a second path
+    report = hf.patch(model)
+    assert calls == [], "a user's hook ran on the probe input"
+    assert report.replaced == {"LayerNorm": 6}, str(report)
+    ids = torch.randint(0, 100, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits)
+    assert calls == ["pre", "post"]
+    embeddings = model.bert.embeddings
+    assert type(embeddings.LayerNorm) is normscope.LayerNorm and embeddings.tied is embeddings.LayerNorm
+
+
 def test_patched_llama_is_as_batch_invariant_as_the_original():
     # sample 0's logits alone and inside a batch of 8: 8 x 130 tokens of hidden 1024 cross the CPU's
     # size threshold between torch's rms_norm and the rows path (rms.MIN_AUTO_ELEMENTS), one sample not

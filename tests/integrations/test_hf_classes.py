@@ -102,6 +102,11 @@ def test_patch_classes_all_families_and_bad_names():
     assert "normscope patched 3 normalization class(es)" in str(report)
     with pytest.raises(ValueError, match="unknown model type"):
         hf.patch_classes("llama3000")
+    # a list passed as one argument: a TypeError saying what is expected, not "unhashable type: 'list'"
+    with pytest.raises(TypeError, match="patch_classes: expected model type names"):
+        hf.patch_classes(["llama", "qwen2"])
+    with pytest.raises(TypeError, match="probe_class: expected `cls` to be a class, got str"):
+        hf.probe_class("LlamaRMSNorm")
 
 
 def test_patch_classes_takes_no_verify_keyword():

@@ -94,6 +94,26 @@ def test_patch_keeps_class_and_logits_bitwise(model_type, dtype):
     assert after.dtype == before.dtype and torch.equal(after, before)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma3", "olmo2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_patched_model_cast_to_another_dtype_keeps_the_logits(model_type, dtype):
+    """A model patched in fp32, then cast to fp16 or fp64 (dtypes the class probe's fp32/bf16 runs do
+    not cover), gives the bits of the unpatched model cast the same way: the families round fp64 input
+    down to fp32 (``.to(torch.float32)``), so there the patched layer runs the original forward. A model
+    patched in fp64 is patched (not refused) and keeps its logits too."""
+    _, _, name, count, _ = FAMILIES[model_type]
+    model = _build(model_type, torch.float32)
+    patched = copy.deepcopy(model)
+    hf.patch(patched)
+    with torch.no_grad():
+        assert torch.equal(patched.to(dtype)(IDS).logits, model.to(dtype)(IDS).logits)
+    again = copy.deepcopy(_build(model_type, dtype))
+    report = hf.patch(again)
+    assert report.replaced == {name: count} and not report.skipped, str(report)
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "gemma3", "olmo2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_patch_classes_keeps_isinstance_and_logits_bitwise(model_type, dtype):

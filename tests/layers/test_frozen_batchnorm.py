@@ -66,6 +66,11 @@ def test_freeze_and_unfreeze_batchnorm():
     assert isinstance(normscope.freeze_batchnorm(nn.BatchNorm2d(3)), normscope.FrozenBatchNorm2d)
     untracked = nn.Sequential(nn.BatchNorm2d(3, track_running_stats=False))
     assert isinstance(normscope.freeze_batchnorm(untracked)[0], nn.BatchNorm2d)  # nothing to freeze
+    for bad in (None, "resnet"):  # a TypeError naming the argument, not an AttributeError from inside
+        with pytest.raises(TypeError, match="freeze_batchnorm: expected `model` to be a torch.nn.Module"):
+            normscope.freeze_batchnorm(bad)
+        with pytest.raises(TypeError, match="unfreeze_batchnorm: expected `model` to be a torch.nn.Module"):
+            normscope.unfreeze_batchnorm(bad)
 
 
 def _bn64(x, mean, var, w, b, eps, cd):

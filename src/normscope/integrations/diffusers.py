@@ -61,6 +61,12 @@ _ORIGINAL_CLASSES: dict[tuple[str, str], type] = {}
 _PROBED: dict[tuple, tuple[object | None, str | None]] = {}
 _SUBCLASSES: dict[tuple[type, object], type] = {}
 _PROBE_DTYPES = (torch.float32, torch.bfloat16)
+# the other dtypes a model may be cast to after patching: a plain norm's configuration is probed on them too,
+# and an input in one it does not reproduce runs diffusers' forward (diffusers' RMSNorm takes its variance
+# of ``x.to(torch.float32)``, rounding fp64 input down; normscope computes fp64 in fp64)
+_OTHER_DTYPES = (torch.float16, torch.float64)
+# (original class, configuration) -> the dtypes of _OTHER_DTYPES it does not reproduce, over every structure probed
+_UNREPRODUCED: dict[tuple[type, object], set[torch.dtype]] = {}
 
 
 # -- the adaptive norms as AdaLayerNorm configurations -------------------------------------------------
@@ -192,10 +198,13 @@ def _plain_run(m: nn.Module, x: Tensor, how: Exact) -> Tensor:
 
 
 def _plain_forward(how: Exact, original: type) -> Callable:
+    unreproduced = _UNREPRODUCED.setdefault((original, how), set())
+
     def forward(self, hidden_states: Tensor) -> Tensor:
         w = self.weight
-        if w is not None and w.dtype != hidden_states.dtype:
-            # a norm kept in another dtype than its input: diffusers promotes there, no configuration does
+        if (w is not None and w.dtype != hidden_states.dtype) or hidden_states.dtype in unreproduced:
+            # a norm kept in another dtype than its input: diffusers promotes there, no configuration does;
+            # or an input dtype the configuration does not give diffusers' bits on
             return original.forward(self, hidden_states)
         return _plain_run(self, hidden_states, how)
 
@@ -273,6 +282,8 @@ def _plain_probe(m: nn.Module, original: type, own_weights: bool) -> tuple[Exact
             continue
         miss = None
         for dtype in (m.weight.dtype,) if own_weights and m.weight is not None else _PROBE_DTYPES:
+            if own_weights and dtype in _UNREPRODUCED.get((original, how), ()):
+                continue  # the patched layer runs diffusers' forward on this dtype
             layer = m if own_weights else randomized(copy.deepcopy(m), dtype)
             device = torch.device("cpu") if layer.weight is None else layer.weight.device
             x = probe_input(_plain_shape(layer), dtype, device)
@@ -285,8 +296,27 @@ def _plain_probe(m: nn.Module, original: type, own_weights: bool) -> tuple[Exact
                 misses.append(f"{how} {miss} on {dtype}")
                 break
         if miss is None:
+            if not own_weights:
+                _probe_other_dtypes(m, original, how)
             return how, None
     return None, "no normscope configuration reproduces it bit for bit (" + "; ".join(misses[:3]) + ")"
+
+
+def _probe_other_dtypes(m: nn.Module, original: type, how: Exact) -> None:
+    """Record in :data:`_UNREPRODUCED` the dtypes of :data:`_OTHER_DTYPES` on which ``how`` does not
+    give ``original``'s bits for a random copy of ``m``: the patched layer runs diffusers' forward there."""
+    missed = _UNREPRODUCED.setdefault((original, how), set())
+    for dtype in _OTHER_DTYPES:
+        layer = randomized(copy.deepcopy(m), dtype)
+        device = torch.device("cpu") if layer.weight is None else layer.weight.device
+        x = probe_input(_plain_shape(layer), dtype, device)
+        with torch.no_grad():
+            try:
+                miss = _outputs_agree(original.forward(layer, x), _plain_run(layer, x, how))
+            except (TypeError, ValueError, RuntimeError) as e:
+                miss = f"raised {type(e).__name__}"
+        if miss is not None:
+            missed.add(dtype)
 
 
 def _structure(m: nn.Module) -> tuple:
@@ -302,6 +332,8 @@ def _structure(m: nn.Module) -> tuple:
 def probe(m: nn.Module) -> tuple[object | None, str | None]:
     """The normscope configuration that reproduces the diffusers layer ``m`` bit for bit (probed on
     a copy with random weights, fp32 and bf16; cached per class and structure), or ``(None, why)``."""
+    if not isinstance(m, nn.Module):
+        raise TypeError(f"probe: expected `m` to be a torch.nn.Module (a diffusers layer), got {type(m).__name__}")
     original = getattr(type(m), "_normscope_original", type(m))
     key = _structure(m)
     if key not in _PROBED:

@@ -238,6 +238,10 @@ def families() -> dict[str, tuple[tuple[str, str], ...]]:
 _PROBE_DIM = 64
 # (weight dtype, input dtype): a model in fp32, in bf16, and a norm kept in fp32 in a bf16 model
 _PROBE_DTYPES = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16))
+# the other floating dtypes a model may be cast to after patching: probed once per class, and an input in one
+# the configuration does not reproduce runs the original forward. The families' RMS norms upcast with
+# ``.to(torch.float32)``, which rounds fp64 input *down*, while normscope computes fp64 in fp64
+_OTHER_DTYPES = (torch.float16, torch.float64)
 
 
 def _shape(m: nn.Module) -> tuple[int, ...] | None:
@@ -428,6 +432,8 @@ def probe_class(cls: type) -> tuple[Exact | None, str | None]:
     """The configuration of :data:`CONFIGURATIONS` that reproduces ``cls`` bit for bit, or
     ``(None, why not)``. ``cls`` is built as ``cls(64, eps=1e-6)`` (or ``cls(64)``) with random
     weights and run on random input in fp32, in bf16, and with fp32 weights on bf16 input."""
+    if not isinstance(cls, type):
+        raise TypeError(f"probe_class: expected `cls` to be a class, got {type(cls).__name__}")
     cls = getattr(cls, "_normscope_original", cls)
     try:
         base = _construct(cls)
@@ -456,9 +462,10 @@ def probe_class(cls: type) -> tuple[Exact | None, str | None]:
     return None, "no normscope configuration reproduces it bit for bit (" + "; ".join(misses[:3]) + ")"
 
 
-def _instance_matches(m: nn.Module, original: type, how: Exact) -> str | None:
+def _instance_matches(m: nn.Module, original: type, how: Exact, unreproduced: frozenset = frozenset()) -> str | None:
     """Probe ``m`` itself, with its own weights: in their dtype, and on bf16 input (a constructor
-    option the class probe did not see changes the bits here)."""
+    option the class probe did not see changes the bits here). A dtype in ``unreproduced`` is not
+    probed: the patched layer runs the original forward on it."""
     w = getattr(m, "weight", None)
     if isinstance(w, Tensor) and w.is_meta:
         return None  # nothing to run on; the class probe stands
@@ -468,6 +475,8 @@ def _instance_matches(m: nn.Module, original: type, how: Exact) -> str | None:
     device = w.device if isinstance(w, Tensor) else torch.device("cpu")
     dtype = w.dtype if isinstance(w, Tensor) and w.is_floating_point() else torch.float32
     for xdtype in dict.fromkeys((dtype, torch.bfloat16)):
+        if xdtype in unreproduced:
+            continue
         miss = _agree(original.forward, m, _probe_input(_shape(m), xdtype, device), how)
         if miss is not None:
             return f"this layer {miss} on {xdtype} input"
@@ -496,10 +505,27 @@ def _as_probed(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:
     return True
 
 
+def _unreproduced(cls: type, how: Exact) -> frozenset[torch.dtype]:
+    """The dtypes of :data:`_OTHER_DTYPES` on which ``how`` does not give ``cls``'s bits (probed as
+    :func:`probe_class` probes, with weights and input in that dtype)."""
+    missed = set()
+    for dtype in _OTHER_DTYPES:
+        m = _randomized(_construct(cls), dtype)
+        try:
+            miss = _agree(cls.forward, m, _probe_input(_shape(m), dtype, torch.device("cpu")), how)
+        except Exception as e:  # noqa: BLE001 -- a probe that raises is a mismatch: the original runs there
+            miss = f"raised {type(e).__name__}"
+        if miss is not None:
+            missed.add(dtype)
+    return frozenset(missed)
+
+
 def _exact_subclass(original: type, how: Exact) -> type:
     """A subclass of ``original`` whose ``forward`` is normscope's ``how``, for instances that are
-    as probed (``_normscope_exact``); any other instance runs ``original.forward``."""
+    as probed (``_normscope_exact``) and input in a dtype ``how`` reproduces; anything else runs
+    ``original.forward``."""
     signature = inspect.signature(original.__init__)
+    unreproduced = _unreproduced(original, how)
 
     def __init__(self, *args, **kwargs):
         original.__init__(self, *args, **kwargs)
@@ -508,7 +534,7 @@ def _exact_subclass(original: type, how: Exact) -> type:
     by_weight = None if how.centered else _by_weight(how)  # the settings of the call, built once
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        if not self.__dict__.get("_normscope_exact", False):
+        if not self.__dict__.get("_normscope_exact", False) or hidden_states.dtype in unreproduced:
             return original.forward(self, hidden_states)
         return _run(self, hidden_states, how, by_weight)
 
@@ -525,6 +551,7 @@ def _exact_subclass(original: type, how: Exact) -> type:
             f"normscope.integrations.transformers).\n\n{original.__doc__ or ''}",
             "_normscope_original": original,
             "_normscope_how": how,
+            "_normscope_unreproduced": unreproduced,
         },
     )
     setattr(sys.modules[__name__], key, sub)
@@ -555,7 +582,8 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
     Every layer of a class that a normscope configuration reproduces bit for bit (see the module
     docstring) keeps its identity -- same object, same Parameters, still an instance of its class --
     with its class switched to the exact subclass; ``torch.nn.LayerNorm``/``RMSNorm`` layers are
-    replaced by normscope's subclasses sharing their Parameters.
+    replaced by normscope's subclasses sharing their Parameters, with their hooks moved over
+    (:func:`normscope.convert`).
 
     Args:
         model: any ``torch.nn.Module`` (a ``PreTrainedModel`` or a part of one).
@@ -578,28 +606,32 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch: expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+    from torch.nn.utils import parametrize
+
+    from ..convert import convert
+
     report = PatchReport()
     checked: dict[type, str | None] = {}
     for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
+        for child in list(parent.children()):
             cls = type(child)
             name = cls.__name__
             if cls in (nn.LayerNorm, nn.RMSNorm):
-                new = _torch_replacement(child)
-                if verify:
-                    if cls not in checked:
-                        checked[cls] = _torch_agree(child, new)
-                    if checked[cls] is not None:
-                        report.skipped[name] = checked[cls]
-                        continue
-                setattr(parent, child_name, new)
+                if verify and cls not in checked:
+                    checked[cls] = _torch_agree(child, _torch_replacement(child))
+                if checked.get(cls) is not None:
+                    report.skipped[name] = checked[cls]
+                elif parametrize.is_parametrized(child):
+                    report.skipped[name] = "parametrized weight or bias (weight_norm, spectral_norm): not carried over"
+                continue  # replaced below, by convert
             elif _candidate(cls) or "_normscope_original" in cls.__dict__:
                 original = getattr(cls, "_normscope_original", cls)
                 sub, why = _subclass_for(original)
                 if sub is None:
                     report.skipped[name] = why
                     continue
-                why = _instance_matches(child, original, sub._normscope_how) if verify else None
+                how, unreproduced = sub._normscope_how, sub._normscope_unreproduced
+                why = _instance_matches(child, original, how, unreproduced) if verify else None
                 if why is not None:
                     report.skipped[name] = why
                     continue
@@ -609,6 +641,22 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
             else:
                 continue
             report.replaced[name] = report.replaced.get(name, 0) + 1
+
+    # torch.nn's own layers become normscope's namesakes through convert, which moves their hooks, mode and
+    # attributes with their Parameters and replaces a layer registered at several paths at every one of them
+    # (a new layer object in place of the old, as the model itself is kept: not the root)
+    def chosen(path: str, m: nn.Module) -> bool:
+        cls = type(m)
+        return (
+            bool(path)
+            and cls in (nn.LayerNorm, nn.RMSNorm)
+            and checked.get(cls) is None
+            and (not parametrize.is_parametrized(m))
+        )
+
+    for r in convert(model, where=chosen)[1]:
+        name = r.source.split("(")[0].split(".")[-1]
+        report.replaced[name] = report.replaced.get(name, 0) + 1
     return report
 
 
@@ -640,6 +688,9 @@ def patch_classes(*model_types: str) -> PatchReport:
         >>> unpatch_classes()
         ['LlamaRMSNorm']
     """
+    not_names = [t for t in model_types if not isinstance(t, str)]
+    if not_names:
+        raise TypeError(f"patch_classes: expected model type names (strings, as separate arguments), got {not_names!r}")
     found = families()
     unknown = [t for t in model_types if t not in found]
     if unknown:

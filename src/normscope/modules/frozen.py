@@ -203,6 +203,8 @@ def freeze_batchnorm(model: nn.Module) -> nn.Module:
         >>> type(backbone[1]).__name__
         'FrozenBatchNorm2d'
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"freeze_batchnorm: expected `model` to be a torch.nn.Module, got {type(model).__name__}")
     match = lambda m: isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None  # noqa: E731
     left: dict[int, str] = {}
 
@@ -278,4 +280,6 @@ def unfreeze_batchnorm(model: nn.Module) -> nn.Module:
     carrying all four values and the options it was frozen with (``momentum``, ``channel_dim``,
     BatchRenorm's ``rmax``/``dmax``/``warmup_iters``). A layer shared by several paths stays
     one layer. In place; returns the model."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"unfreeze_batchnorm: expected `model` to be a torch.nn.Module, got {type(model).__name__}")
     return _replace(model, lambda m: isinstance(m, FrozenBatchNorm2d), _unfrozen_from)
