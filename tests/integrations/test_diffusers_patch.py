@@ -203,6 +203,8 @@ def test_unreproduced_layers_are_reported():
     assert "AdaLayerNormSingle" in report.skipped and "call signature" in report.skipped["AdaLayerNormSingle"]
     with pytest.raises(TypeError, match="probe: expected `m` to be a torch.nn.Module"):
         ND.probe(DN.RMSNorm)  # the class, not a layer: named, not an AttributeError from inside
+    with pytest.raises(TypeError, match="patch: expected `verify` to be a bool, got 'no'"):
+        ND.patch(original, verify="no")
 
 
 # -- AdaLayerNorm as diffusers' layers -------------------------------------------------------------------------

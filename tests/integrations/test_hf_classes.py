@@ -107,6 +107,9 @@ def test_patch_classes_all_families_and_bad_names():
         hf.patch_classes(["llama", "qwen2"])
     with pytest.raises(TypeError, match="probe_class: expected `cls` to be a class, got str"):
         hf.probe_class("LlamaRMSNorm")
+    # `verify` is a flag: a string ("no" is truthy) would verify while the caller meant not to
+    with pytest.raises(TypeError, match="patch: expected `verify` to be a bool, got 'no'"):
+        hf.patch(torch.nn.Linear(2, 2), verify="no")
 
 
 def test_patch_classes_takes_no_verify_keyword():

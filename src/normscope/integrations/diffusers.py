@@ -436,6 +436,8 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch: expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(verify, bool):  # "no" is truthy: a string here would verify, silently
+        raise TypeError(f"patch: expected `verify` to be a bool, got {verify!r}")
     from ..convert import convert
 
     report = PatchReport()
