@@ -184,6 +184,23 @@ def test_vmap_and_jacrev_match_torch(make):
     torch.testing.assert_close(jac, jac_t, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("cls, shape", [("BatchNorm2d", (3, 2, 4, 4, 4)), ("BatchNorm3d", (2, 2, 4, 3, 3, 3))])
+def test_vmap_over_a_non_batch_axis_matches_torch(cls, shape, training):
+    # vmap over axis 1 hands the layer a batched tensor that is not contiguous, whose layout in
+    # another memory format functorch cannot ask ("NYI: querying is_contiguous inside of vmap"):
+    # BatchNorm2d/3d's layout fix asked it, and raised where torch.nn's layer runs
+    layer = getattr(normscope, cls)(4, track_running_stats=False).train(training)
+    torch_layer = getattr(torch.nn, cls)(4, track_running_stats=False).train(training)
+    with torch.no_grad():
+        torch_layer.weight.uniform_(0.5, 1.5)
+        torch_layer.bias.uniform_(-0.5, 0.5)
+    layer.load_state_dict(torch_layer.state_dict())
+    x = torch.randn(shape)
+    got, want = vmap(layer, in_dims=1)(x), vmap(torch_layer, in_dims=1)(x)
+    assert torch.equal(got, want)
+
+
 def _ctor_args_any(layer):
     if isinstance(layer, torch.nn.RMSNorm):
         return (layer.normalized_shape,)
