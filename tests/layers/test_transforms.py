@@ -201,6 +201,30 @@ def test_vmap_over_a_non_batch_axis_matches_torch(cls, shape, training):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize(
+    "cls, args, shape",
+    [
+        ("LayerNorm", (16,), (4, 8, 16)),
+        ("GroupNorm", (2, 8), (2, 8, 5, 5)),
+        ("BatchNorm2d", (8,), (3, 8, 4, 4)),
+        ("InstanceNorm2d", (8,), (3, 8, 4, 4)),
+    ],
+)
+def test_fake_tensor_mode_after_an_eager_call_matches_torch(cls, args, shape):
+    # the fp32 CPU plan's cancellation check read the statistics' values, which a FakeTensor has not
+    # (DataDependentOutputException) -- torch.nn's layer gives the fake output. The plan is made by
+    # a real call first: a FakeTensor's device is the CPU, so the fake call finds it
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer, torch_layer = getattr(normscope, cls)(*args), getattr(torch.nn, cls)(*args)
+    x = torch.randn(shape)
+    assert torch.equal(layer(x), torch_layer(x))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        xf = torch.randn(shape)
+        got, want = layer(xf), torch_layer(xf)
+        assert (type(got), got.shape, got.dtype, got.stride()) == (type(want), want.shape, want.dtype, want.stride())
+
+
 def _ctor_args_any(layer):
     if isinstance(layer, torch.nn.RMSNorm):
         return (layer.normalized_shape,)
