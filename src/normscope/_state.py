@@ -186,9 +186,17 @@ def tracing() -> bool:
 def transformed() -> bool:
     """Whether this call runs inside a torch.func transform (vmap, grad, jacrev, ...): there a Python
     bool of a tensor (``.item()``) cannot run under vmap, nor an autograd.Function without
-    ``setup_context``. Asked at run time, never in ``why_not``: plans are cached per signature, and
+    ``setup_context``. Or inside forward-mode AD's dual level (``torch.autograd.forward_ad``, which
+    torch.func.jvp does not use): there an autograd.Function without ``jvp`` and the ``out=`` ops
+    raise NotImplementedError on a dual tensor, where torch's own norms give its tangent (RMSNorm on
+    the rows path did). Asked at run time, never in ``why_not``: plans are cached per signature, and
     one signature is called both inside and outside transforms."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    return torch._C._functorch.peek_interpreter_stack() is not None or _forward_ad._current_level >= 0
+
+
+#: the module whose ``_current_level`` is the innermost dual level (-1 outside any); read per call,
+#: as ``dual_level`` rebinds it on entry and exit
+_forward_ad = torch.autograd.forward_ad
 
 
 @contextlib.contextmanager

@@ -46,10 +46,19 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_is_batched = torch._C._functorch.is_batchedtensor
+
+
 def channels_last(x: Tensor) -> torch.memory_format | None:
     """channels_last / channels_last_3d when ``x`` is laid out so (and not also contiguous), else None:
     the layout torch's norms keep for their output."""
     if x.is_contiguous():
+        return None
+    if _is_batched(x):
+        # inside torch.func.vmap a batched tensor's layout in any other format cannot be asked
+        # (functorch raises "NYI: querying is_contiguous inside of vmap"): vmap over a non-batch
+        # axis gives one that is not contiguous, which a BatchNorm(2d/3d) call asked it of. Its
+        # logical layout is none: torch.nn's batching rules keep none either
         return None
     for fmt, nd in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
         if x.dim() == nd and x.is_contiguous(memory_format=fmt):

@@ -137,6 +137,28 @@ def test_vmap_runs_the_reference():
     torch.testing.assert_close(y, tF.rms_norm(x, (16,), None, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("no_grad", [False, True])
+def test_forward_mode_ad_matches_torch(dtype, no_grad):
+    # a dual tensor (torch.autograd.forward_ad) reached the rows' autograd.Function, which has no jvp,
+    # or under no_grad their out= ops: NotImplementedError where torch's rms_norm gives the tangent.
+    # Forced here; automatically the rows take RMSNorm from rms.MIN_AUTO_ELEMENTS elements
+    import torch.autograd.forward_ad as fwAD
+
+    g = torch.Generator().manual_seed(6)
+    x, v, w = (torch.randn(s, generator=g).to(dtype) for s in ((6, 33), (6, 33), (33,)))
+    w.requires_grad_()
+    got, want = [], []
+    for out, fn in (
+        (got, lambda t: F.rms_norm(t, (33,), w, 1e-6, backend="rows")),
+        (want, lambda t: tF.rms_norm(t, (33,), w, 1e-6)),
+    ):
+        with fwAD.dual_level(), torch.set_grad_enabled(not no_grad):
+            out.extend(fwAD.unpack_dual(fn(fwAD.make_dual(x, v)))[:2])
+    assert got[1] is not None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_torch_compile_fullgraph():
     g = torch.Generator().manual_seed(6)
     x = torch.randn(8, 32, generator=g)

@@ -294,6 +294,64 @@ def test_outside_a_process_group_is_batchnorm():
     torch.testing.assert_close(y, ref)
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_outside_a_process_group_counts_a_checkpointed_recomputation_as_torch(use_reentrant):
+    # non-reentrant checkpointing stops the recomputation early by raising from a saved-tensor hook,
+    # after the running statistics moved: counted after its call, the batch was then not counted,
+    # and momentum=None's next factor (1 / count) was not torch's
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    ours, theirs = normscope.SyncBatchNorm(C, momentum=None), torch.nn.SyncBatchNorm(C, momentum=None)
+    for _ in range(2):
+        x = torch.randn(4, C, H, W) * 2 + 1
+        for layer in (ours, theirs):
+            checkpoint(layer, x.clone().requires_grad_(), use_reentrant=use_reentrant).square().sum().backward()
+    assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 4
+    torch.testing.assert_close(ours.running_mean, theirs.running_mean, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.running_var, theirs.running_var, rtol=0, atol=1e-6)
+
+
+def _checkpoint_worker(rank: int, world: int, store: str, xs: list, out_dir: str) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=15)
+    )
+    try:
+        bn = normscope.SyncBatchNorm(C, momentum=None, dtype=torch.float64)
+        for x in xs:
+            checkpoint(bn, x[rank].clone().requires_grad_(), use_reentrant=False).square().sum().backward()
+        out = {"nbt": int(bn.num_batches_tracked), "rm": bn.running_mean.clone(), "rv": bn.running_var.clone()}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_count_a_checkpointed_recomputation_as_torch(tmp_path):
+    # the synchronized step counted its batch after the step: a recomputation that non-reentrant
+    # checkpointing stops early (raising from a saved-tensor hook, after the running statistics
+    # moved) was not counted, and momentum=None's next factor was not torch's. The reference:
+    # torch.nn.BatchNorm2d on the concatenated batch, checkpointed the same way
+    from torch.utils.checkpoint import checkpoint
+
+    g = torch.Generator().manual_seed(3)
+    xs = [[torch.randn(2, C, H, W, generator=g, dtype=torch.float64) * 2 + 1 for _ in range(2)] for _ in range(2)]
+    got = _spawn(_checkpoint_worker, tmp_path, 2, (xs, str(tmp_path)), None, 90.0)
+    ref = torch.nn.BatchNorm2d(C, momentum=None, dtype=torch.float64)
+    for x in xs:
+        checkpoint(ref, torch.cat(x).requires_grad_(), use_reentrant=False).square().sum().backward()
+    for r in got:
+        assert r["nbt"] == int(ref.num_batches_tracked) == 4
+        torch.testing.assert_close(r["rm"], ref.running_mean)
+        torch.testing.assert_close(r["rv"], ref.running_var)
+
+
 def test_convert_sync_batchnorm_carries_state():
     torch.manual_seed(0)
     inner = torch.nn.Sequential(normscope.BatchNorm1d(5))

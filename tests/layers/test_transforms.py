@@ -184,6 +184,47 @@ def test_vmap_and_jacrev_match_torch(make):
     torch.testing.assert_close(jac, jac_t, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("cls, shape", [("BatchNorm2d", (3, 2, 4, 4, 4)), ("BatchNorm3d", (2, 2, 4, 3, 3, 3))])
+def test_vmap_over_a_non_batch_axis_matches_torch(cls, shape, training):
+    # vmap over axis 1 hands the layer a batched tensor that is not contiguous, whose layout in
+    # another memory format functorch cannot ask ("NYI: querying is_contiguous inside of vmap"):
+    # BatchNorm2d/3d's layout fix asked it, and raised where torch.nn's layer runs
+    layer = getattr(normscope, cls)(4, track_running_stats=False).train(training)
+    torch_layer = getattr(torch.nn, cls)(4, track_running_stats=False).train(training)
+    with torch.no_grad():
+        torch_layer.weight.uniform_(0.5, 1.5)
+        torch_layer.bias.uniform_(-0.5, 0.5)
+    layer.load_state_dict(torch_layer.state_dict())
+    x = torch.randn(shape)
+    got, want = vmap(layer, in_dims=1)(x), vmap(torch_layer, in_dims=1)(x)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "cls, args, shape",
+    [
+        ("LayerNorm", (16,), (4, 8, 16)),
+        ("GroupNorm", (2, 8), (2, 8, 5, 5)),
+        ("BatchNorm2d", (8,), (3, 8, 4, 4)),
+        ("InstanceNorm2d", (8,), (3, 8, 4, 4)),
+    ],
+)
+def test_fake_tensor_mode_after_an_eager_call_matches_torch(cls, args, shape):
+    # the fp32 CPU plan's cancellation check read the statistics' values, which a FakeTensor has not
+    # (DataDependentOutputException) -- torch.nn's layer gives the fake output. The plan is made by
+    # a real call first: a FakeTensor's device is the CPU, so the fake call finds it
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer, torch_layer = getattr(normscope, cls)(*args), getattr(torch.nn, cls)(*args)
+    x = torch.randn(shape)
+    assert torch.equal(layer(x), torch_layer(x))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        xf = torch.randn(shape)
+        got, want = layer(xf), torch_layer(xf)
+        assert (type(got), got.shape, got.dtype, got.stride()) == (type(want), want.shape, want.dtype, want.stride())
+
+
 def _ctor_args_any(layer):
     if isinstance(layer, torch.nn.RMSNorm):
         return (layer.normalized_shape,)

@@ -83,7 +83,8 @@ def _batch_norm(settings: BatchNormLayerSettings, x, w, b, eps, running, mask) -
     return F.checked_batch_norm(settings, x, w, b, eps, running, mask)
 
 
-_BATCH_NORM = hot.Op("BatchNorm", _batch_norm, BatchNormLayerSettings)
+#: the BatchNorm layers' op on the hot path (SyncBatchNorm's too, outside a process group)
+LAYER_OP = hot.Op("BatchNorm", _batch_norm, BatchNormLayerSettings)
 _NAMES = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 
 
@@ -111,7 +112,7 @@ class BatchNormMixin:
         counts = self.training and self.track_running_stats and nbt is not None
         start = functools.partial(nbt.add_, 1) if counts else None
         settings = (self.channel_dim,)  # BatchNormLayerSettings' fields
-        return hot.call(_BATCH_NORM, settings, input, w, b, self.eps, running, mask, start)
+        return hot.call(LAYER_OP, settings, input, w, b, self.eps, running, mask, start)
 
 
 class BatchNorm1d(BatchNormMixin, nn.BatchNorm1d):

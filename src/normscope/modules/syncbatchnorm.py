@@ -32,6 +32,7 @@ which layer failed.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -40,11 +41,11 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import _checks as check
-from .. import functional as F
+from .. import hot
 from .. import reference as ref
 from ..engine import Call, Running, update_running
 from ..scope import Resolved, Scope
-from .batchnorm import count_batch, momentum_factor
+from .batchnorm import LAYER_OP, momentum_factor
 
 __all__ = ["SyncBatchNorm"]
 
@@ -183,7 +184,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, mask, weight, bias, eps, group, world, running, name):
+    def forward(ctx, x, mask, weight, bias, eps, group, world, running, name, start):
         s = _BATCH.resolve(tuple(x.shape))
         c, shape = x.shape[1], s.stat_shape
         fast = _fast(x, mask, weight)
@@ -193,6 +194,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         else:
             local = torch.stack(_local_moments(x, s, mask))  # (3, C): the one payload of the forward
         n, gmean, gvar = _gather_combine(local, world, group, name, x, mask is not None)
+        if start is not None:  # the layer's batch count: once the collective succeeded, before the state moves
+            start()
 
         acc = x.dtype if fast else ref.acc_dtype(x.dtype)
         n_b, mean_b, var_b = (t.to(acc).reshape(shape) for t in (n, gmean, gvar))
@@ -237,7 +240,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         valid = 1.0 if mask is None else mask.to(acc)
         scale = rstd if weight is None else rstd * weight.to(acc).reshape(shape)
         dx = scale * (dyf - valid / n.clamp_min(1) * (g_dy + xhat * g_dyx))
-        return dx.to(x.dtype), None, grad_weight, grad_bias, None, None, None, None, None
+        return dx.to(x.dtype), None, grad_weight, grad_bias, None, None, None, None, None, None
 
     @staticmethod
     def _backward_fast(ctx, dy):
@@ -258,7 +261,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         _all_reduce(sums, ctx.group, ctx.name)
         sums = sums.to(x.dtype)
         if not x.numel():
-            return torch.zeros_like(x), None, grad_weight, grad_bias, None, None, None, None, None
+            return torch.zeros_like(x), None, grad_weight, grad_bias, None, None, None, None, None, None
         # dx = w * rstd * dy + c1 * x_hat + c2 with the global sums: the x_hat part is an
         # evaluation-mode BatchNorm (it centres x before scaling), then dy is added in place
         w_rstd = torch.rsqrt(var + eps) if weight is None else weight * torch.rsqrt(var + eps)
@@ -266,7 +269,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         dx = torch.batch_norm(x, c1, c2, mean, var, False, 0.0, eps, _cudnn())
         view = [1] * x.dim()
         view[1] = c
-        return dx.addcmul_(dy, w_rstd.view(view)), None, grad_weight, grad_bias, None, None, None, None, None
+        return dx.addcmul_(dy, w_rstd.view(view)), None, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _cudnn() -> bool:
@@ -367,14 +370,27 @@ class SyncBatchNorm(_BatchNorm):
                 _check_peers(self.num_features, group, world, name, input.device)
                 self._peers_checked = True
             running = Running(rm, rv, float(factor), True) if rm is not None and rv is not None else None
-            y = _SyncBatchNormFn.apply(input, m, self.weight, self.bias, self.eps, group, world, running, name)
-        else:  # exactly normscope.BatchNorm*d, masked or not: F.batch_norm's checks too (an all-False mask
-            # in training, the parameters' dtypes), before the running statistics move -- the one process
-            # is the whole group, so its mask decides alone, as every rank's masks do together above
-            # float(): as the BatchNorm layers pass it (a 0-dim tensor momentum, which torch takes, included)
-            y = F.batch_norm(input, rm, rv, self.weight, self.bias, use_batch_stats, float(factor), self.eps, mask=mask)
-        count_batch(self)  # after the step (and its collective) succeeded
-        return y
+            # counted inside the step, once its collective succeeded: counted after the step, a recomputation
+            # that activation checkpointing stops early (see below) was not counted
+            nbt = self.num_batches_tracked
+            start = functools.partial(nbt.add_, 1) if self.track_running_stats and nbt is not None else None
+            w, b = self.weight, self.bias
+            return _SyncBatchNormFn.apply(input, m, w, b, self.eps, group, world, running, name, start)
+        # exactly normscope.BatchNorm*d, masked or not: F.batch_norm's checks too (an all-False mask in
+        # training, the parameters' dtypes), before the running statistics move -- the one process is the
+        # whole group, so its mask decides alone, as every rank's masks do together above. float(): as the
+        # BatchNorm layers pass it (a 0-dim tensor momentum, which torch takes, included)
+        running = None
+        if rm is not None or rv is not None or not use_batch_stats:  # as F.batch_norm
+            running = hot.running((rm, rv, float(factor), use_batch_stats))
+        # the batch counts once the call is checked, before it runs, as BatchNorm's (see hot.call): counted
+        # after it, a recomputation that activation checkpointing stops early (it raises from a saved-tensor
+        # hook, after the running statistics moved) left the count one short of torch's -- and momentum=None's
+        # next factor wrong
+        nbt = self.num_batches_tracked
+        counts = self.training and self.track_running_stats and nbt is not None
+        start = functools.partial(nbt.add_, 1) if counts else None
+        return hot.call(LAYER_OP, (1,), input, self.weight, self.bias, self.eps, running, mask, start)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: nn.Module, process_group=None) -> nn.Module:
