@@ -223,3 +223,24 @@ def test_batch_renorm_training_takes_half_input_with_float_parameters_as_batchno
     m = normscope.BatchRenorm1d(6)
     y = m(torch.randn(4, 6, 5).half())
     assert y.dtype == torch.float16
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_checkpointed_recomputation_counts_as_batchnorm_counts_it(use_reentrant):
+    # activation checkpointing runs the forward again in the backward; non-reentrant checkpointing stops
+    # that recomputation early, raising from a saved-tensor hook once the last tensor it needs is saved --
+    # after the running statistics moved. torch.nn's BatchNorm counts the batch first (4 over two steps);
+    # counted after the step, BatchRenorm's count stayed at 2 and momentum=None's factor 1 / count was off.
+    # With rmax = 1 and dmax = 0 (no correction yet) its running statistics are BatchNorm's.
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    ours = normscope.BatchRenorm1d(6, momentum=None, rmax=1.0, dmax=0.0)
+    theirs = nn.BatchNorm1d(6, momentum=None)
+    for _ in range(2):
+        x = torch.randn(4, 6, 5) * 2 + 1
+        for layer in (ours, theirs):
+            checkpoint(layer, x.clone().requires_grad_(), use_reentrant=use_reentrant).square().sum().backward()
+    assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 4
+    torch.testing.assert_close(ours.running_mean, theirs.running_mean, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.running_var, theirs.running_var, rtol=0, atol=1e-6)

@@ -138,6 +138,11 @@ class _BatchRenormMixin(BatchNormMixin):
             )
         rmax, dmax = self._limits(ref.acc_dtype(input.dtype))
         factor = momentum_factor(self)
+        # counted once checked, before the state moves, as BatchNorm's hot path counts (and torch.nn's layer):
+        # counted after the step, a recomputation that non-reentrant activation checkpointing stops early (it
+        # raises from a saved-tensor hook, after the running statistics moved) was not counted -- and
+        # momentum=None's next factor, 1 / count, was not torch's
+        count_batch(self)
         scope = Scope.batch(self.channel_dim).resolve(tuple(input.shape))
         m = ref.moments(input, scope, mask)
         sigma_b = (m.var + self.eps).sqrt()
@@ -160,7 +165,6 @@ class _BatchRenormMixin(BatchNormMixin):
         running = engine.Running(self.running_mean, self.running_var, factor, True)
         engine.update_running(engine.Call(input, scope, None, None, self.eps, mask, running), m)
         y = engine.apply(input, m.mean - d * sigma_b / r, r / sigma_b, scope, self.weight, self.bias, mask)
-        count_batch(self)
         engine.report_backend("reference")
         return y
 
