@@ -22,9 +22,20 @@ from . import engine
 def tensor(x: object, name: str, where: str) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{where}: expected `{name}` to be a torch.Tensor, got {type(x).__name__}")
+    dense(x, name, where)
     if not x.is_floating_point():  # complex too: no normalization here is defined for it
         raise TypeError(f"{where}: expected `{name}` to be a floating-point tensor, got dtype {x.dtype}")
     return x
+
+
+def dense(x: Tensor, name: str, where: str) -> None:
+    """Refuse a nested tensor: its ragged sizes resolve no scope (reading them raises torch's internal
+    "NestedTensorImpl doesn't support sizes"); normscope's way to ragged input is padding and a mask."""
+    if x.is_nested:
+        raise TypeError(
+            f"{where}: expected `{name}` to be a dense tensor, got a nested tensor; pad it "
+            f"(`nt.to_padded_tensor(0.0)`) and pass a mask of its valid positions, or use torch.nn's layer"
+        )
 
 
 def ndim(x: Tensor, allowed: Sequence[int], name: str, where: str) -> None:

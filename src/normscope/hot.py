@@ -168,6 +168,12 @@ def call(
         # and raises from it (a captured tensor that requires grad), after which it cannot go on --
         # carrying on into the checked call ended the trace in a segfault
         return _checked(op, settings, x, weight, bias, eps, running, None, start)[0]
+    except RuntimeError:
+        # a nested tensor has no sizes to read (torch raises an internal RuntimeError): to the checks,
+        # which refuse it by name. Any other RuntimeError is the TorchScript tracer's (see above): raised
+        if not getattr(x, "is_nested", False):
+            raise
+        return _checked(op, settings, x, weight, bias, eps, running, None, start)[0]
     if found is not None:
         if _last() is not found.backend:  # engine.report_backend(), inline: a set only on a change
             _set_last(found.backend)

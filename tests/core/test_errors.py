@@ -231,3 +231,38 @@ def test_a_layer_momentum_torch_refuses_is_refused_before_the_state_moves(name):
         assert torch.equal(v, before[k]), f"{k} changed by a refused call"
     ours.momentum = torch.tensor(0.5)
     ours(x)
+
+
+_NESTED_CALLS = {
+    "LayerNorm": lambda nt: normscope.LayerNorm(16)(nt),
+    "RMSNorm": lambda nt: normscope.RMSNorm(16)(nt),
+    "RMSNorm-gemma": lambda nt: normscope.RMSNorm(16, casting="gemma", weight_offset=1.0)(nt),
+    "GroupNorm": lambda nt: normscope.GroupNorm(2, 16)(nt),
+    "BatchNorm1d": lambda nt: normscope.BatchNorm1d(16)(nt),
+    "BatchNorm1d-eval": lambda nt: normscope.BatchNorm1d(16).eval()(nt),
+    "InstanceNorm1d": lambda nt: normscope.InstanceNorm1d(16)(nt),
+    "SyncBatchNorm": lambda nt: normscope.SyncBatchNorm(16)(nt),
+    "BatchRenorm1d": lambda nt: normscope.BatchRenorm1d(16)(nt),
+    "PowerNorm": lambda nt: normscope.PowerNorm(16)(nt),
+    "LayerNorm2d": lambda nt: normscope.LayerNorm2d(16)(nt),
+    "DyT": lambda nt: normscope.DyT(16)(nt),
+    "Derf": lambda nt: normscope.Derf(16)(nt),
+    "PolyNorm": lambda nt: normscope.PolyNorm()(nt),
+    "QKNorm": lambda nt: normscope.QKNorm(16)(nt, nt),
+    "AdaLayerNorm": lambda nt: normscope.AdaLayerNorm(16, 8)(nt, torch.randn(2, 8)),
+    "AdaIN": lambda nt: normscope.AdaIN()(nt, nt),
+    "F.layer_norm": lambda nt: F.layer_norm(nt, (16,)),
+    "F.fused_add_rms_norm": lambda nt: F.fused_add_rms_norm(nt, nt, torch.ones(16)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+@pytest.mark.parametrize("call", list(_NESTED_CALLS.values()), ids=list(_NESTED_CALLS))
+def test_a_nested_tensor_is_refused_by_name(call, layout):
+    # ragged sizes resolve no scope: a strided nested tensor raised torch's internal "NestedTensorImpl
+    # doesn't support sizes" from the plan's key, a jagged one AttributeError/ValueError from the
+    # scope's resolution on its symbolic length. The way to ragged input here is padding and a mask
+    nt = torch.nested.nested_tensor([torch.randn(3, 16), torch.randn(5, 16)], layout=layout)
+    with pytest.raises(TypeError, match=r"expected `(input|x|q|content)` to be a dense tensor, got a nested tensor"):
+        call(nt)

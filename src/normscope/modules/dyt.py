@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .. import _checks as check
+
 
 class DyT(nn.Module):
     r"""Dynamic Tanh: :math:`y = \gamma \odot \tanh(\alpha x) + \beta`.
@@ -73,6 +75,7 @@ class DyT(nn.Module):
         cd = self.channel_dim
         if not isinstance(input, Tensor):
             raise TypeError(f"DyT: expected input to be a torch.Tensor, got {type(input).__name__}")
+        check.dense(input, "input", "DyT")
         if not input.is_floating_point():  # tanh would return an int input as float, silently
             raise TypeError(f"DyT: expected input to be a floating-point tensor, got dtype {input.dtype}")
         if not -input.dim() <= cd < input.dim() or input.shape[cd] != self.num_features:

@@ -45,6 +45,7 @@ def _instance_norm(settings: tuple, input, w, b, eps, running, mask) -> Tensor:
     use_input_stats, momentum = settings.use_input_stats, settings.momentum
     if not isinstance(input, Tensor):
         raise TypeError(f"{name}: expected input to be a torch.Tensor, got {type(input).__name__}")
+    check.dense(input, "input", name)
     unbatched = spatial + 1
     if input.dim() not in (unbatched, unbatched + 1):
         raise ValueError(

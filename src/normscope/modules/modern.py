@@ -178,6 +178,7 @@ def _condition(layer: AdaLayerNorm, x: Tensor, cond: Tensor | None, emb: Tensor 
     arg, cond = ("cond", cond) if cond is not None else ("emb", emb)
     if not isinstance(x, Tensor):
         raise TypeError(f"{where}: expected `x` to be a Tensor, got {type(x).__name__}")
+    check.dense(x, "x", where)
     if x.dim() < 2 or x.shape[-1] != d:
         raise ValueError(f"{where}({d}, cond_dim={c}): expected `x` of shape (B, *, {d}), got {tuple(x.shape)}")
     if not isinstance(cond, Tensor):
