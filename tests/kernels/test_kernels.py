@@ -191,6 +191,28 @@ def test_strided_inputs():
     torch.testing.assert_close(y, F.rms_norm(xt, (33,), eps=1e-5), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("centered", [True, False])
+def test_rows_over_several_axes_whose_flat_row_is_strided(centered):
+    # x's last stride is 1, but the row over (4, 1) flattens to a view of stride 2: the kernel
+    # must see unit-stride rows (it once read x[0], x[1], ... as if contiguous)
+    x = torch.randn(3, 8, device=DEV)[:, ::2].unsqueeze(-1).requires_grad_()
+    w = torch.randn(4, 1, device=DEV, requires_grad=True)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    if centered:
+        y = nf.layer_norm(x, (4, 1), w, None, 1e-5, backend="triton")
+        want = F.layer_norm(x64, (4, 1), w64, None, 1e-5)
+    else:
+        y = nf.rms_norm(x, (4, 1), w, 1e-5, backend="triton")
+        want = F.rms_norm(x64, (4, 1), w64, 1e-5)
+    assert normscope.last_backend() == "triton"
+    torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+    dy = torch.randn(3, 4, 1, device=DEV)
+    y.backward(dy)
+    want.backward(dy.double())
+    for got, ref in ((x, x64), (w, w64)):
+        torch.testing.assert_close(got.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
+
+
 def test_engine_runs_the_triton_backend_when_forced():
     x = torch.randn(2, 3, 5, 7, device=DEV, requires_grad=True)
     w, b = torch.randn(5, 7, device=DEV, requires_grad=True), torch.randn(5, 7, device=DEV, requires_grad=True)

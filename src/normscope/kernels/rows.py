@@ -464,6 +464,12 @@ _RowsEager = _eager.function(_rows_fwd_impl, _setup_context, _backward)
 # the entry point
 
 
+def _unit_rows(t: Tensor, n: int) -> Tensor:
+    """``t`` as rows of its last ``n`` elements with unit stride along a row (a copy only if they are not)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 def rows_norm(
     x: Tensor,
     weight: Optional[Tensor] = None,
@@ -485,13 +491,12 @@ def rows_norm(
         n = weight.numel() if weight is not None else x.shape[-1]
     shape = x.shape
     # the kernels need unit-stride rows; any row stride is fine, so only a non-unit last stride
-    # (or leading axes that cannot be flattened into one row stride) costs a copy
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    x2 = x.reshape(-1, n)
-    r2 = None
+    # (or leading axes that cannot be flattened into one row stride) costs a copy. The stride is
+    # read on the (rows, n) view, not on x: a row over several axes can be a view of stride != 1
+    # although x's last stride is 1 -- x[..., ::2].unsqueeze(-1) over (k, 1) flattens to stride 2
+    x2, r2 = _unit_rows(x, n), None
     if residual is not None:
-        r2 = (residual if residual.stride(-1) == 1 else residual.contiguous()).reshape(-1, n)
+        r2 = _unit_rows(residual, n)
     w, b = dense(weight), dense(bias)
     args = (x2, w, b, r2, float(eps), bool(centered), float(weight_offset), bool(residual_fp32))
     y, s, _, _ = _eager.call(rows_fwd, _RowsEager, _rows_fwd_impl, *args)
