@@ -58,6 +58,7 @@ from ._common import bwd_grid, dense, use_kernel
 from ._common import chan_combine as _chan_combine
 from ._common import next_pow2 as _next_pow2
 from ._common import programs as _programs
+from ._common import rows2d as _rows2d
 from ._common import rows_config as _config
 from ._ref import res_dtype as _res_dtype
 from ._ref import rows_bwd_ref as _ref_bwd
@@ -466,7 +467,7 @@ _RowsEager = _eager.function(_rows_fwd_impl, _setup_context, _backward)
 
 def _unit_rows(t: Tensor, n: int) -> Tensor:
     """``t`` as rows of its last ``n`` elements with unit stride along a row (a copy only if they are not)."""
-    t2 = t.reshape(-1, n)
+    t2 = _rows2d(t, n)  # rows of zero elements: no rows (a zero-width scope has no kernel work)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
