@@ -163,6 +163,22 @@ def test_large_offset_small_spread_normalizes_to_unit_variance(path):
     torch.testing.assert_close(var, torch.ones_like(var), atol=1e-3, rtol=0)  # torch CPU: ~4e-2
 
 
+def test_outlier_first_element_keeps_torchs_accuracy(path):
+    """A row whose first element is an outlier (a massive activation, 1e4 among values ~1): the
+    kernels once shifted a row by its first element, which rounded every other deviation to the
+    outlier's spacing -- 20-40x torch's error against float64. The rule of this file: at most twice
+    torch's error, plus a small atol."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 64, generator=g)
+    x[:, 0] = 1e4
+    x = x.to(DEV)
+    want = F.layer_norm(x.double(), (64,))[:, 1:]  # the other elements (the outlier's own ulp is larger)
+    got, _ = R.rows_norm(x, None, None, 1e-5, True)
+    torch_err = (F.layer_norm(x, (64,)).double()[:, 1:] - want).abs().max().item()
+    err = (got.double()[:, 1:] - want).abs().max().item()
+    assert err <= 2 * torch_err + 1e-7, f"kernel {err:.3g} vs torch {torch_err:.3g} against float64"
+
+
 def test_weight_gradient_is_deterministic(path, monkeypatch):
     monkeypatch.setattr(KC, "ROWS_TILE", 64)  # one row per block, so that several programs share the rows
     g = torch.Generator().manual_seed(4)

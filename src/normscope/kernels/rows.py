@@ -103,11 +103,13 @@ def _rows_fwd_kernel(
             R += row * stride_r
             RES += row * stride_res
         n_a = 0.0
-        mean_a = 0.0  # of x - k, k the row's first element (see the single-block path)
+        mean_a = 0.0  # of x - k, k the mean of the row's first chunk (see the single-block path)
         m2_a = 0.0
-        k = tl.load(X).to(tl.float32)
+        c0 = offs < N
+        k = tl.load(X + offs, mask=c0, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            k = (k + tl.load(R).to(tl.float32)).to(RES.dtype.element_ty).to(tl.float32)
+            k = (k + tl.load(R + offs, mask=c0, other=0.0).to(tl.float32)).to(RES.dtype.element_ty).to(tl.float32)
+        k = tl.sum(k, axis=0) / tl.minimum(N, BLOCK_N)
         for start in range(0, N, BLOCK_N):
             cols = start + offs
             cmask = cols < N
