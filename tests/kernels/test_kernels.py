@@ -177,6 +177,13 @@ def test_outlier_first_element_keeps_torchs_accuracy(path):
     torch_err = (F.layer_norm(x, (64,)).double()[:, 1:] - want).abs().max().item()
     err = (got.double()[:, 1:] - want).abs().max().item()
     assert err <= 2 * torch_err + 1e-7, f"kernel {err:.3g} vs torch {torch_err:.3g} against float64"
+    # the shift (a mean) must not overflow where the row's values sum past fp32's max: a constant
+    # row gives the bias, as DESIGN.md asks (torch's CPU layer_norm gives NaN there)
+    c = torch.full((2, 64), 3e38, device=DEV)
+    c[1] = -2e38
+    b = torch.randn(64, generator=g).to(DEV)
+    y, _ = R.rows_norm(c, None, b, 1e-5, True)
+    torch.testing.assert_close(y, b.expand(2, 64), rtol=0, atol=0)
 
 
 def test_weight_gradient_is_deterministic(path, monkeypatch):

@@ -50,7 +50,7 @@ def row_stats(x, cols, mask, N, eps, CENTERED: tl.constexpr, BLOCK_M: tl.constex
     is exact there and its mean gives them back. Not by the row's first element: an outlier there (a
     massive activation) rounded every other deviation to the outlier's spacing, ~25x torch's error."""
     if CENTERED:
-        k = tl.sum(x, axis=1) / N  # masked lanes hold 0
+        k = tl.sum(x * (1.0 / N), axis=1)  # masked lanes hold 0; scaled first: no overflow near fp32's max
         xk = tl.where(mask, x - k[:, None], 0.0)
         mk = tl.sum(xk, axis=1) / N
         mean = k + mk

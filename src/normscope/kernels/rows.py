@@ -109,7 +109,7 @@ def _rows_fwd_kernel(
         k = tl.load(X + offs, mask=c0, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             k = (k + tl.load(R + offs, mask=c0, other=0.0).to(tl.float32)).to(RES.dtype.element_ty).to(tl.float32)
-        k = tl.sum(k, axis=0) / tl.minimum(N, BLOCK_N)
+        k = tl.sum(k * (1.0 / tl.minimum(N, BLOCK_N)), axis=0)  # scaled first: no overflow near fp32's max
         for start in range(0, N, BLOCK_N):
             cols = start + offs
             cmask = cols < N
