@@ -426,6 +426,30 @@ def test_groups_channels_last_and_determinism():
     assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_groups_outlier_first_element_keeps_torchs_accuracy(layout, monkeypatch):
+    """As the rows kernels' test: a group whose first element is an outlier (1e4 among values ~1) once
+    had 8-30x torch's error against float64 (every value shifted by that element); and a constant
+    group near fp32's max gives the bias. Small tiles and splits, so that the shift is one tile's."""
+    small = {"GROUPS_TILE": 16, "GROUPS_CL_TILE": 16, "GROUPS_CL_WIDTH": 4, "GROUPS_CL_MIN_SPLIT": 8}
+    for name, value in small.items():
+        monkeypatch.setattr(KC, name, value)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(2, 4, 4, 4, generator=g)
+    x[:, 0, 0, 0] = x[:, 2, 0, 0] = 1e4  # the first element of each of the two groups
+    x = x.to(DEV).contiguous(memory_format=fmt)
+    want = F.group_norm(x.double(), 2)
+    others = torch.ones_like(want, dtype=torch.bool)
+    others[:, 0, 0, 0] = others[:, 2, 0, 0] = False
+    torch_err = (F.group_norm(x, 2).double() - want)[others].abs().max().item()
+    err = (G.group_norm(x, 2).double() - want)[others].abs().max().item()
+    assert err <= 2 * torch_err + 1e-7, f"kernel {err:.3g} vs torch {torch_err:.3g} against float64"
+    c = torch.full((2, 4, 4, 4), 3e38, device=DEV).contiguous(memory_format=fmt)
+    b = torch.randn(4, generator=g).to(DEV)
+    torch.testing.assert_close(G.group_norm(c, 2, None, b), b[:, None, None].expand(2, 4, 4, 4), rtol=0, atol=0)
+
+
 def test_engine_runs_group_and_instance_norm_on_the_triton_backend():
     g = torch.Generator().manual_seed(9)
     x = torch.randn(2, 6, 4, 3, generator=g).to(DEV).requires_grad_()
