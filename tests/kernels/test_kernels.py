@@ -163,6 +163,29 @@ def test_large_offset_small_spread_normalizes_to_unit_variance(path):
     torch.testing.assert_close(var, torch.ones_like(var), atol=1e-3, rtol=0)  # torch CPU: ~4e-2
 
 
+def test_outlier_first_element_keeps_torchs_accuracy(path):
+    """A row whose first element is an outlier (a massive activation, 1e4 among values ~1): the
+    kernels once shifted a row by its first element, which rounded every other deviation to the
+    outlier's spacing -- 20-40x torch's error against float64. The rule of this file: at most twice
+    torch's error, plus a small atol."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 64, generator=g)
+    x[:, 0] = 1e4
+    x = x.to(DEV)
+    want = F.layer_norm(x.double(), (64,))[:, 1:]  # the other elements (the outlier's own ulp is larger)
+    got, _ = R.rows_norm(x, None, None, 1e-5, True)
+    torch_err = (F.layer_norm(x, (64,)).double()[:, 1:] - want).abs().max().item()
+    err = (got.double()[:, 1:] - want).abs().max().item()
+    assert err <= 2 * torch_err + 1e-7, f"kernel {err:.3g} vs torch {torch_err:.3g} against float64"
+    # the shift (a mean) must not overflow where the row's values sum past fp32's max: a constant
+    # row gives the bias, as DESIGN.md asks (torch's CPU layer_norm gives NaN there)
+    c = torch.full((2, 64), 3e38, device=DEV)
+    c[1] = -2e38
+    b = torch.randn(64, generator=g).to(DEV)
+    y, _ = R.rows_norm(c, None, b, 1e-5, True)
+    torch.testing.assert_close(y, b.expand(2, 64), rtol=0, atol=0)
+
+
 def test_weight_gradient_is_deterministic(path, monkeypatch):
     monkeypatch.setattr(KC, "ROWS_TILE", 64)  # one row per block, so that several programs share the rows
     g = torch.Generator().manual_seed(4)
@@ -189,6 +212,28 @@ def test_strided_inputs():
     xt = torch.randn(33, 6, device=DEV).t()  # last axis not unit-stride: copied once
     y, _ = R.rows_norm(xt, None, None, 1e-5, False)
     torch.testing.assert_close(y, F.rms_norm(xt, (33,), eps=1e-5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("centered", [True, False])
+def test_rows_over_several_axes_whose_flat_row_is_strided(centered):
+    # x's last stride is 1, but the row over (4, 1) flattens to a view of stride 2: the kernel
+    # must see unit-stride rows (it once read x[0], x[1], ... as if contiguous)
+    x = torch.randn(3, 8, device=DEV)[:, ::2].unsqueeze(-1).requires_grad_()
+    w = torch.randn(4, 1, device=DEV, requires_grad=True)
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    if centered:
+        y = nf.layer_norm(x, (4, 1), w, None, 1e-5, backend="triton")
+        want = F.layer_norm(x64, (4, 1), w64, None, 1e-5)
+    else:
+        y = nf.rms_norm(x, (4, 1), w, 1e-5, backend="triton")
+        want = F.rms_norm(x64, (4, 1), w64, 1e-5)
+    assert normscope.last_backend() == "triton"
+    torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+    dy = torch.randn(3, 4, 1, device=DEV)
+    y.backward(dy)
+    want.backward(dy.double())
+    for got, ref in ((x, x64), (w, w64)):
+        torch.testing.assert_close(got.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
 
 
 def test_engine_runs_the_triton_backend_when_forced():
@@ -381,6 +426,30 @@ def test_groups_channels_last_and_determinism():
     assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_groups_outlier_first_element_keeps_torchs_accuracy(layout, monkeypatch):
+    """As the rows kernels' test: a group whose first element is an outlier (1e4 among values ~1) once
+    had 8-30x torch's error against float64 (every value shifted by that element); and a constant
+    group near fp32's max gives the bias. Small tiles and splits, so that the shift is one tile's."""
+    small = {"GROUPS_TILE": 16, "GROUPS_CL_TILE": 16, "GROUPS_CL_WIDTH": 4, "GROUPS_CL_MIN_SPLIT": 8}
+    for name, value in small.items():
+        monkeypatch.setattr(KC, name, value)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(2, 4, 4, 4, generator=g)
+    x[:, 0, 0, 0] = x[:, 2, 0, 0] = 1e4  # the first element of each of the two groups
+    x = x.to(DEV).contiguous(memory_format=fmt)
+    want = F.group_norm(x.double(), 2)
+    others = torch.ones_like(want, dtype=torch.bool)
+    others[:, 0, 0, 0] = others[:, 2, 0, 0] = False
+    torch_err = (F.group_norm(x, 2).double() - want)[others].abs().max().item()
+    err = (G.group_norm(x, 2).double() - want)[others].abs().max().item()
+    assert err <= 2 * torch_err + 1e-7, f"kernel {err:.3g} vs torch {torch_err:.3g} against float64"
+    c = torch.full((2, 4, 4, 4), 3e38, device=DEV).contiguous(memory_format=fmt)
+    b = torch.randn(4, generator=g).to(DEV)
+    torch.testing.assert_close(G.group_norm(c, 2, None, b), b[:, None, None].expand(2, 4, 4, 4), rtol=0, atol=0)
+
+
 def test_engine_runs_group_and_instance_norm_on_the_triton_backend():
     g = torch.Generator().manual_seed(9)
     x = torch.randn(2, 6, 4, 3, generator=g).to(DEV).requires_grad_()
@@ -456,6 +525,32 @@ def test_batch_norm_training_eval_and_running_stats_match_torch(shape, monkeypat
     torch.testing.assert_close(ye, ye_t, atol=1e-4, rtol=1e-5)
     for a, e in zip(_grads(ye, (x, w, b), dy), _grads(ye_t, (x, w, b), dy)):
         torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_batch_norm_outlier_first_element_keeps_torchs_accuracy(masked, monkeypatch):
+    """As the rows kernels' test: a channel whose first (valid) value is an outlier (1e4 among values
+    ~1) once had ~40x torch's error against float64 (every value shifted by that one); several
+    position chunks, so that the shift is shared by programs. Padding holds NaN."""
+    monkeypatch.setattr(KC, "CHANNELS_BLOCK_P", 4)
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(8, 3, 5, generator=g)
+    mask = torch.ones(8, 5, dtype=torch.bool)
+    if masked:
+        mask[0, :2] = False  # the first valid position is (0, 2)
+        x[~mask.unsqueeze(1).expand_as(x)] = float("nan")
+    x[0, :, 2] = 1e4
+    valid = mask.unsqueeze(1).expand_as(x).clone()
+    xv = x.transpose(0, 1)[valid.transpose(0, 1)].view(3, -1)  # (C, valid values)
+    want = F.layer_norm(xv.double(), (xv.shape[1],))  # a channel's statistics over its valid values
+    torch_err = F.layer_norm(xv, (xv.shape[1],)).double() - want  # torch in fp32 on the same values
+    others = xv != 1e4
+    y = nf.batch_norm(x.to(DEV), None, None, None, None, True, mask=mask.to(DEV) if masked else None, backend="triton")
+    assert normscope.last_backend() == "triton"
+    got = y.cpu().transpose(0, 1)[valid.transpose(0, 1)].view(3, -1)
+    err = (got.double() - want)[others].abs().max().item()
+    bound = torch_err[others].abs().max().item()
+    assert err <= 2 * bound + 1e-7, f"kernel {err:.3g} vs torch {bound:.3g} against float64"
 
 
 def test_batch_norm_channels_last_layouts():

@@ -65,7 +65,7 @@ def test_qk_norm_with_one_side_affine(given):
 
 
 def _modern_ops():
-    """(name, fn(x, w, b) on the forced backend, the shapes of x, w, b) for the five modern kernel ops."""
+    """(name, fn(x, w, b) on the forced backend, the shapes of x, w, b) for the modern kernel ops."""
     return [
         ("modulated_norm", lambda x, w, b, be: FM.modulated_norm(x, b, w, backend=be), (0, 4, 8), (0, 8), (0, 8)),
         (
@@ -82,6 +82,13 @@ def _modern_ops():
             (8,),
             None,
         ),
+        (
+            "zero-centred layer_norm over rows of zero elements",  # was a RuntimeError from reshape(-1, 0)
+            lambda x, w, b, be: FM.layer_norm(x, 0, w, b, weight_offset=1.0, casting="gemma", backend=be),
+            (3, 0),
+            (0,),
+            (0,),
+        ),
         ("poly_norm", lambda x, w, b, be: FM.poly_norm(x, w, b, backend=be), (0, 3, 8), (3,), (1,)),
         (
             "derf",
@@ -93,7 +100,7 @@ def _modern_ops():
     ]
 
 
-@pytest.mark.parametrize("i", range(5))
+@pytest.mark.parametrize("i", range(len(_modern_ops())))
 def test_modern_ops_on_empty_input_keep_autograd(i):
     """An empty input gives an empty output that autograd reaches, on the kernels as on the default
     backend: the input's gradient is empty, the weights' are zeros."""

@@ -218,6 +218,15 @@ def test_qk_norm_kernel_double_backward_and_empty():
     assert qn.shape == e.shape and kn.shape == e.shape
 
 
+def test_qk_norm_kernel_refusal_names_the_weights_dtypes():
+    """Weights of two dtypes are declined before any launch, and the reason names them: it said only
+    "got q torch.float32, k torch.float32" -- the two dtypes that agree."""
+    q, k = torch.randn(1, 2, 2, 8, device=DEV), torch.randn(1, 2, 2, 8, device=DEV)
+    wq, wk = torch.ones(8, device=DEV, dtype=torch.bfloat16), torch.ones(8, device=DEV)
+    with pytest.raises(ValueError, match=r"q_weight torch\.bfloat16, k_weight torch\.float32"):
+        FM.qk_norm(q, k, wq, wk, casting="gemma", backend="triton")
+
+
 def _poly64(x, w, b, eps=1e-6):
     x = x.double()
 

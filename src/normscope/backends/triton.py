@@ -260,7 +260,10 @@ def qk_norm(
 
     why = why_not_rows_op(q, n, k, *weights, max_n=config.ROWS_MAX_FUSED_N)
     if why is None and (q.dtype != k.dtype or len({w.dtype for w in weights if w is not None}) > 1):
-        why = f"q and k of one dtype and weights of one dtype, got q {q.dtype}, k {k.dtype}"
+        # name every dtype that takes part: the weights' are the ones that differ when q's and k's agree
+        names = ("q_weight", "k_weight", "q_bias", "k_bias")
+        got = "".join(f", {name} {w.dtype}" for name, w in zip(names, weights) if w is not None)
+        why = f"q and k of one dtype and weights of one dtype, got q {q.dtype}, k {k.dtype}{got}"
     if why is not None:
         raise _refuse("qk_norm", why)
     engine.report_backend(NAME)

@@ -112,6 +112,13 @@ def bwd_grid(x: Tensor, M: int, block_m: int, per_sm: int) -> tuple[int, int]:
     return triton.cdiv(M, rows_per_prog), rows_per_prog
 
 
+def rows2d(t: Tensor, n: int) -> Tensor:
+    """``t`` as rows of ``n`` elements; the row count spelled out, so that empty input (rows of zero
+    elements included, which ``reshape(-1, 0)`` cannot size) has a shape. Every rows entry point
+    views its input through this."""
+    return t.reshape(t.numel() // n if n else 0, n)
+
+
 def dense(t: Tensor | None) -> Tensor | None:
     """A weight, bias or running buffer as the dense 1-d memory the kernels index: a view such as
     ``base[::2]``, ``g.expand(n)`` or an offset slice is copied (C elements, not the activation).

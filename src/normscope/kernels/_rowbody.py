@@ -45,10 +45,12 @@ def row_stats(x, cols, mask, N, eps, CENTERED: tl.constexpr, BLOCK_M: tl.constex
     """``(mean, d, rstd)`` of a block of whole rows held in registers (fp32, masked lanes 0): ``d`` is
     ``x - mean`` (``x`` itself, mean 0, for RMS), zero in masked lanes, and ``rstd = rsqrt(mean(d^2) +
     eps)`` -- divided by N, not BLOCK_N, so the masked lanes count as nothing (Liger #518). Centred,
-    the row is first shifted by its first element: with |mean| >> std the fp32 sum of raw values
-    loses the digits the deviations live in."""
+    the row is first shifted by its fp32 mean ``k`` and re-centred by the mean of ``x - k``: with
+    |mean| >> std the fp32 sum of raw values loses the digits the deviations live in, but ``x - k``
+    is exact there and its mean gives them back. Not by the row's first element: an outlier there (a
+    massive activation) rounded every other deviation to the outlier's spacing, ~25x torch's error."""
     if CENTERED:
-        k = tl.sum(tl.where(cols[None, :] == 0, x, 0.0), axis=1)
+        k = tl.sum(x * (1.0 / N), axis=1)  # masked lanes hold 0; scaled first: no overflow near fp32's max
         xk = tl.where(mask, x - k[:, None], 0.0)
         mk = tl.sum(xk, axis=1) / N
         mean = k + mk

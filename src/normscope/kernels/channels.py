@@ -9,7 +9,7 @@ the masked-BatchNorm1d layout without the mask) is ``(B*S, D, 1)``. A channel's 
 inner`` positions are reduced in two stages, deterministically (no atomics):
 
 1. a grid of (position chunk, channel block) programs writes each chunk's per-channel mean and
-   M2 (deviations about the chunk's own mean, on values shifted by the channel's first valid element,
+   M2 (deviations about the chunk's own mean, on values shifted by the mean of the channel's first valid tile,
    combined tile by tile with Chan's formula) to a ``(chunks, C)`` fp32 buffer;
 2. a few torch ops combine the chunks (Chan again), in a fixed order.
 
@@ -71,15 +71,22 @@ def _stats_kernel(
     pid_p = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
-    # the shift: each channel's value at its first *valid* position (FIRST; position 0 unmasked).
-    # A padded value as the shift would leave its rounding in the mean: with one valid value v the
-    # mean came out as k + (v - k) != v, and xhat, which must be 0, as that error times rstd
+    # the shift, the same in every program: per channel, the mean of the valid values among the
+    # BLOCK_P positions from the first *valid* one (FIRST; position 0 unmasked). Not a padded value:
+    # it would leave its rounding in the mean (with one valid value v the mean came out as
+    # k + (v - k) != v, and xhat, which must be 0, as that error times rstd); one valid value is its
+    # own shift here. Not the first value alone: an outlier there rounded every other deviation to
+    # its spacing (40x torch's error). Each value scaled before the sum: no overflow near fp32's max
     if HAS_MASK:
         first = tl.load(FIRST).to(tl.int64)
     else:
         first = tl.zeros([], dtype=tl.int64)
-    k_offs = (first // inner) * (C * inner) + first % inner + c.to(tl.int64) * inner
-    k = tl.load(X + k_offs, mask=cmask, other=0.0).to(tl.float32)
+    pk = first + tl.arange(0, BLOCK_P)
+    kmask = pk < P
+    if HAS_MASK:
+        kmask = kmask & (tl.load(MASK + pk, mask=kmask, other=0) != 0)
+    xk = tl.load(X + _offsets(pk, c, C, inner), mask=kmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    k = tl.sum(xk * (1.0 / tl.maximum(tl.sum(kmask.to(tl.float32), axis=0), 1.0)), axis=0)
     start = pid_p * chunk
     end = tl.minimum(start + chunk, P)
     n_a = 0.0

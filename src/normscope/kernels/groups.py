@@ -9,7 +9,7 @@ per-channel affine -- is ``G = 1``. Two memory layouts are read and written in p
 
 **Contiguous (NCHW)**: each group is a contiguous ``(Cg, HW)`` block. One program normalizes one
 group, walking it in ``(BLOCK_C, BLOCK_S)`` tiles: a statistics pass (Chan's combination of
-per-tile mean and M2, on values shifted by the group's first element), then a normalize pass with
+per-tile mean and M2, on values shifted by the mean of the group's first tile), then a normalize pass with
 the per-channel affine. Backward: a pass for the two row sums, then a pass writing dx and, per
 channel of the group, the partial sums ``sum_s dy * xhat`` and ``sum_s dy`` into an ``(N * G, Cg)``
 fp32 buffer; one ``.sum(0)`` over the batch finishes dW/dB (deterministic, no atomics).
@@ -33,8 +33,8 @@ the batch size: they fix a group's reduction order, and a sample's bits must not
 samples share its call (scope isolation, :mod:`normscope.engine`). The second stage is deterministic
 and costs no extra pass over x:
 
-* forward: stage 1 writes each split's per-group (mean, M2) -- on values shifted by the group's
-  first element, the same shift in every split -- to an ``(N * G, splits)`` fp32 buffer; in the
+* forward: stage 1 writes each split's per-group (mean, M2) -- on values shifted by the mean of the group's
+  first tile, the same shift in every split -- to an ``(N * G, splits)`` fp32 buffer; in the
   normalize pass every program Chan-combines all splits of its groups in one fixed order (so every
   program of a group computes the same bits), split 0 stores the fp32 mean/rstd per (n, g);
 * backward: stage 1 writes per split ``sum(gy * xhat)``, ``sum(gy)`` per group and the per-channel
@@ -92,7 +92,12 @@ def _groups_fwd_kernel(
     Y += row * L
     oc = tl.arange(0, BLOCK_C)
     os_ = tl.arange(0, BLOCK_S)
-    k = tl.load(X).to(tl.float32)
+    # the shift: the mean of the group's first tile, not its first element -- an outlier there would
+    # round every other deviation to its spacing (as in the rows kernels, _rowbody.row_stats); each
+    # value scaled before the sum, so that it cannot overflow near fp32's max
+    first = (oc < Cg)[:, None] & (os_ < HW)[None, :]
+    k = tl.load(X + oc[:, None] * HW + os_[None, :], mask=first, other=0.0).to(tl.float32)
+    k = tl.sum(tl.sum(k * (1.0 / (tl.minimum(Cg, BLOCK_C) * tl.minimum(HW, BLOCK_S))), axis=1), axis=0)
     n_a = 0.0
     mean_a = 0.0
     m2_a = 0.0
@@ -254,6 +259,19 @@ def _cl_program(G, C, HW, chunk, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
+def _cl_shift(X, g, G, C, Cg, HW, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The shift of each group of the block: the mean of its first tile (positions ``[0, BLOCK_S)``, the
+    first ``BLOCK_C`` channels) -- a function of the group alone, so every split and the apply kernel
+    compute the same bits. Not the group's first element: an outlier there would round every other
+    deviation to its spacing. Each value is scaled before the sum, so that it cannot overflow."""
+    ch, cmask = _cl_offsets(g, 0, Cg, G, BLOCK_G, BLOCK_C)
+    offs, mask = _cl_tile(tl.arange(0, BLOCK_S), HW, C, ch, cmask)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    n0 = tl.minimum(HW, BLOCK_S) * tl.minimum(Cg, BLOCK_C)
+    return tl.sum(tl.sum(x * (1.0 / n0), axis=2), axis=0)
+
+
+@triton.jit
 def _groups_cl_stats_kernel(
     X, PMEAN, PM2,
     G, C, Cg, HW, chunk, splits,
@@ -263,10 +281,10 @@ def _groups_cl_stats_kernel(
     n, sp, g, gmask, base, s_lo, s_hi = _cl_program(G, C, HW, chunk, BLOCK_G)
     X += base
     os_ = tl.arange(0, BLOCK_S)
-    # every split of a group shifts by the same value, the group's first element: the partial means
-    # are then small, and combining them (in the apply kernel) keeps the digits of the deviations
+    # every split of a group shifts by the same value (_cl_shift): the partial means are then small,
+    # and combining them (in the apply kernel) keeps the digits of the deviations
     if CENTERED:
-        k = tl.load(X + g * Cg, mask=gmask, other=0.0).to(tl.float32)
+        k = _cl_shift(X, g, G, C, Cg, HW, BLOCK_S, BLOCK_G, BLOCK_C)
     n_a = 0.0
     mean_a = tl.zeros([BLOCK_G], dtype=tl.float32)
     m2_a = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -293,8 +311,9 @@ def _groups_cl_stats_kernel(
 
 @triton.jit
 def _cl_group_stats(
-    X, PMEAN, PM2, n, g, gmask, G, Cg, HW, chunk, splits, eps,
-    BLOCK_P: tl.constexpr, CENTERED: tl.constexpr,
+    X, PMEAN, PM2, n, g, gmask, G, C, Cg, HW, chunk, splits, eps,
+    BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+    CENTERED: tl.constexpr,
 ):  # fmt: skip
     """(mean, rstd) per group of the block from the splits' partials, combined in a fixed order (every
     program of a group computes the same bits). X points at the sample."""
@@ -308,7 +327,7 @@ def _cl_group_stats(
         mean_s = tl.sum(cnt * means, axis=1) / L
         d = means - mean_s[:, None]
         m2 = m2 + tl.sum(cnt * d * d, axis=1)
-        mean = tl.load(X + g * Cg, mask=gmask, other=0.0).to(tl.float32) + mean_s
+        mean = _cl_shift(X, g, G, C, Cg, HW, BLOCK_S, BLOCK_G, BLOCK_C) + mean_s
     else:
         mean = tl.zeros_like(m2)
     return mean, tl.rsqrt(m2 / L + eps)
@@ -324,7 +343,8 @@ def _groups_cl_apply_kernel(
     n, sp, g, gmask, base, s_lo, s_hi = _cl_program(G, C, HW, chunk, BLOCK_G)
     X += base
     Y += base
-    mean, rstd = _cl_group_stats(X, PMEAN, PM2, n, g, gmask, G, Cg, HW, chunk, splits, eps, BLOCK_P, CENTERED)
+    mean, rstd = _cl_group_stats(X, PMEAN, PM2, n, g, gmask, G, C, Cg, HW, chunk, splits, eps,
+                                 BLOCK_S, BLOCK_G, BLOCK_C, BLOCK_P, CENTERED)  # fmt: skip
     rows = n * G + g
     # split 0 stores the statistics. A branch, not `mask=gmask & (sp == 0)`: a block mask ANDed with a
     # scalar predicate holds int32 in Triton's interpreter, which 3.9's tl.store rejects

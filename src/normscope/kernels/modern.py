@@ -54,18 +54,13 @@ from torch import Tensor
 
 from . import _eager, config
 from ._common import bwd_grid, dense, use_kernel
+from ._common import rows2d as _rows2d
 from ._common import rows_config as _config
 from ._ref import derf_ref, modulated_ref, poly_ref, rows_ref
 from ._rowbody import load_cols, load_rows, normalize_rows, row_block, row_dx, row_xhat
 from .rows import _rows_bwd_impl, rows_bwd
 
 __all__ = ["modulated_rows", "modulated_ref", "qk_rows", "poly_rows", "derf_rows"]
-
-
-def _rows2d(t: Tensor, n: int) -> Tensor:
-    """``t`` as rows of ``n`` elements; the row count spelled out, so that empty input (rows of zero
-    elements included, which ``reshape(-1, 0)`` cannot size) has a shape."""
-    return t.reshape(t.numel() // n if n else 0, n)
 
 
 @triton.jit

@@ -58,6 +58,7 @@ from ._common import bwd_grid, dense, use_kernel
 from ._common import chan_combine as _chan_combine
 from ._common import next_pow2 as _next_pow2
 from ._common import programs as _programs
+from ._common import rows2d as _rows2d
 from ._common import rows_config as _config
 from ._ref import res_dtype as _res_dtype
 from ._ref import rows_bwd_ref as _ref_bwd
@@ -102,11 +103,13 @@ def _rows_fwd_kernel(
             R += row * stride_r
             RES += row * stride_res
         n_a = 0.0
-        mean_a = 0.0  # of x - k, k the row's first element (see the single-block path)
+        mean_a = 0.0  # of x - k, k the mean of the row's first chunk (see the single-block path)
         m2_a = 0.0
-        k = tl.load(X).to(tl.float32)
+        c0 = offs < N
+        k = tl.load(X + offs, mask=c0, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            k = (k + tl.load(R).to(tl.float32)).to(RES.dtype.element_ty).to(tl.float32)
+            k = (k + tl.load(R + offs, mask=c0, other=0.0).to(tl.float32)).to(RES.dtype.element_ty).to(tl.float32)
+        k = tl.sum(k * (1.0 / tl.minimum(N, BLOCK_N)), axis=0)  # scaled first: no overflow near fp32's max
         for start in range(0, N, BLOCK_N):
             cols = start + offs
             cmask = cols < N
@@ -464,6 +467,12 @@ _RowsEager = _eager.function(_rows_fwd_impl, _setup_context, _backward)
 # the entry point
 
 
+def _unit_rows(t: Tensor, n: int) -> Tensor:
+    """``t`` as rows of its last ``n`` elements with unit stride along a row (a copy only if they are not)."""
+    t2 = _rows2d(t, n)  # rows of zero elements: no rows (a zero-width scope has no kernel work)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 def rows_norm(
     x: Tensor,
     weight: Optional[Tensor] = None,
@@ -485,13 +494,12 @@ def rows_norm(
         n = weight.numel() if weight is not None else x.shape[-1]
     shape = x.shape
     # the kernels need unit-stride rows; any row stride is fine, so only a non-unit last stride
-    # (or leading axes that cannot be flattened into one row stride) costs a copy
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    x2 = x.reshape(-1, n)
-    r2 = None
+    # (or leading axes that cannot be flattened into one row stride) costs a copy. The stride is
+    # read on the (rows, n) view, not on x: a row over several axes can be a view of stride != 1
+    # although x's last stride is 1 -- x[..., ::2].unsqueeze(-1) over (k, 1) flattens to stride 2
+    x2, r2 = _unit_rows(x, n), None
     if residual is not None:
-        r2 = (residual if residual.stride(-1) == 1 else residual.contiguous()).reshape(-1, n)
+        r2 = _unit_rows(residual, n)
     w, b = dense(weight), dense(bias)
     args = (x2, w, b, r2, float(eps), bool(centered), float(weight_offset), bool(residual_fp32))
     y, s, _, _ = _eager.call(rows_fwd, _RowsEager, _rows_fwd_impl, *args)
