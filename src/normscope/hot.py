@@ -29,8 +29,9 @@ do the exceptions torch uses for control flow (activation checkpointing stops a 
 by raising one from a saved-tensor hook). The one handler is around building and looking up the key,
 where no op runs: an argument without a signature sends the call to its checks (a RuntimeError is
 caught there only from a nested tensor, which has no sizes to read: the TorchScript tracer raises one
-from a size read, and cannot go on past it). A call's side effects happen once: the running statistics its runner updates, and the caller's
-own (``start``: BatchNorm's batch count), run once the call is checked and before it runs.
+from a size read, and cannot go on past it). A call's side effects happen once: the running
+statistics its runner updates, and the caller's own (``start``: BatchNorm's batch count), run once
+the call is checked and before it runs.
 
 **Threads.** The plan tables are shared by every thread. A plan depends only on its key and is
 never changed once stored; a thread reads ``op.last`` (one tuple) once per call and an entry of
