@@ -304,3 +304,32 @@ def test_channels_cpu_fallback_with_inf_padding(monkeypatch):
     got = run(lambda x, w, b: chn.batch_norm_channels(x, 1, w, b, 1e-5, mask=mask)[0])
     for name, g, e in zip(("y", "x", "weight", "bias"), got, want):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}")
+
+
+_LAYOUT_OPS = {
+    "rms_norm": lambda x, r, w, b: nf.rms_norm(x, (8,), w, backend=b),
+    "layer_norm": lambda x, r, w, b: nf.layer_norm(x, (8,), w, backend=b),
+    "gemma": lambda x, r, w, b: nf.rms_norm(x, (8,), w, 1e-6, weight_offset=1.0, casting="gemma", backend=b),
+    "fused_add_rms_norm": lambda x, r, w, b: nf.fused_add_rms_norm(x, r, w, backend=b),
+    "poly_norm": lambda x, r, w, b: FM.poly_norm(x, torch.ones(3, device=DEV), torch.zeros(1, device=DEV), backend=b),
+    "derf": lambda x, r, w, b: FM.derf(
+        x, torch.tensor(0.5, device=DEV), torch.tensor(0.0, device=DEV), w, torch.zeros(8, device=DEV), backend=b
+    ),
+    "qk_norm": lambda x, r, w, b: FM.qk_norm(x, r, w, w, backend=b),
+}
+
+
+@pytest.mark.parametrize("op", list(_LAYOUT_OPS.values()), ids=list(_LAYOUT_OPS))
+def test_a_channels_last_input_keeps_its_layout_on_the_kernels_as_on_the_reference(op):
+    # the kernels write contiguous outputs; the reference keeps a channels_last input's layout (torch's
+    # rms_norm does too), and the fused add, Gemma's order and the modern ops returned theirs contiguous:
+    # the path showed in the strides of the result
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, 8, generator=g).to(DEV).contiguous(memory_format=torch.channels_last)
+    r = torch.randn(2, 3, 4, 8, generator=g).to(DEV).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, generator=g).to(DEV)
+    want, got = op(x, r, w, "reference"), op(x, r, w, "triton")
+    want, got = (want if isinstance(want, tuple) else (want,)), (got if isinstance(got, tuple) else (got,))
+    for a, b in zip(want, got):
+        assert b.stride() == a.stride(), (b.stride(), a.stride())
+        torch.testing.assert_close(b, a)

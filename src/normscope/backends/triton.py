@@ -10,7 +10,8 @@ contract so that a call either gives torch's numbers or is declined with its rea
   expanded (stride 0), offset storage -- are copied once by the kernel entry points, which also
   pass weights, biases and running buffers through :func:`normscope.kernels._common.dense` (a view
   such as ``base[::2]`` or ``g.expand(n)`` is materialised: C elements, not the activation); masks
-  are made contiguous here. Outputs keep a channels_last input's layout, as torch's do.
+  are made contiguous here. Outputs keep a channels_last input's layout, as torch's do and as the
+  reference's do (:func:`_in_layout`: every op here, the modern ones included).
 * **dtypes**: float32/float16/bfloat16 input (statistics in fp32); anything else is declined.
 * **scopes**: the last axes with a per-element affine (rows), (N, C, *) groups with a per-channel
   affine, per-channel statistics over every other axis (BatchNorm, masked too). Empty scopes, masks
@@ -158,7 +159,7 @@ def prepare(call: Call, automatic: bool) -> Runner:
     if call.residual is not None:
 
         def run_fused(c: Call) -> tuple[Tensor, Tensor]:
-            return rows.rows_norm(
+            y, s = rows.rows_norm(
                 c.x,
                 c.weight,
                 None,
@@ -169,13 +170,12 @@ def prepare(call: Call, automatic: bool) -> Runner:
                 residual_fp32=c.residual_fp32,
                 n=n,
             )
+            return _in_layout(c.x, y), _in_layout(c.x, s)
 
         return run_fused
 
     def run_rows(c: Call) -> Tensor:
-        y = rows.rows_norm(c.x, c.weight, c.bias, c.eps, centered, n=n)[0]
-        fmt = channels_last(c.x)
-        return y if fmt is None else y.contiguous(memory_format=fmt)  # torch keeps the input's layout
+        return _in_layout(c.x, rows.rows_norm(c.x, c.weight, c.bias, c.eps, centered, n=n)[0])
 
     return run_rows
 
@@ -207,6 +207,13 @@ def why_not_rows_op(x: Tensor, n: int, *others: Tensor | None, max_n: int | None
     return None
 
 
+def _in_layout(x: Tensor, y: Tensor) -> Tensor:
+    """``y`` (a kernel's output, contiguous) in ``x``'s channels_last layout where ``x`` has one: the
+    output layout of every backend, so a path never shows in the strides of what it returns."""
+    fmt = channels_last(x)
+    return y if fmt is None else y.contiguous(memory_format=fmt)
+
+
 def _refuse(op: str, why: str) -> ValueError:
     return ValueError(f"backend {NAME!r} cannot run {op}: {why}")
 
@@ -228,7 +235,7 @@ def modulated_norm(
     if why is not None:
         raise _refuse("modulated_norm", why)
     engine.report_backend(NAME)  # last_backend(): this op ran on the kernels (or, empty, their reference)
-    return mk.modulated_rows(x, shift, scale, weight, bias, eps, centered)
+    return _in_layout(x, mk.modulated_rows(x, shift, scale, weight, bias, eps, centered))
 
 
 def offset_rows_norm(
@@ -242,7 +249,7 @@ def offset_rows_norm(
     if why is not None:
         raise _refuse("a zero-centred-weight norm", why)
     engine.report_backend(NAME)
-    return rows.rows_norm(x, weight, bias, eps, centered, weight_offset=weight_offset, n=n)[0]
+    return _in_layout(x, rows.rows_norm(x, weight, bias, eps, centered, weight_offset=weight_offset, n=n)[0])
 
 
 def qk_norm(
@@ -267,7 +274,8 @@ def qk_norm(
     if why is not None:
         raise _refuse("qk_norm", why)
     engine.report_backend(NAME)
-    return mk.qk_rows(q, k, n, *weights, eps, centered, weight_offset)
+    qn, kn = mk.qk_rows(q, k, n, *weights, eps, centered, weight_offset)
+    return _in_layout(q, qn), _in_layout(k, kn)
 
 
 def poly_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
@@ -279,7 +287,7 @@ def poly_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     if why is not None:
         raise _refuse("poly_norm", why)
     engine.report_backend(NAME)
-    return mk.poly_rows(x, weight, bias, eps)
+    return _in_layout(x, mk.poly_rows(x, weight, bias, eps))
 
 
 def derf(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
@@ -293,4 +301,4 @@ def derf(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: T
     if why is not None:
         raise _refuse("derf", why)
     engine.report_backend(NAME)
-    return mk.derf_rows(x, alpha, shift, weight, bias)
+    return _in_layout(x, mk.derf_rows(x, alpha, shift, weight, bias))
