@@ -24,7 +24,17 @@ from torch import Tensor
 
 from .scope import Resolved
 
-__all__ = ["Moments", "acc_dtype", "moments", "rstd", "apply", "normalize", "CASTINGS", "cast_affine"]
+__all__ = [
+    "Moments",
+    "acc_dtype",
+    "moments",
+    "rstd",
+    "constant_gives_bias",
+    "apply",
+    "normalize",
+    "CASTINGS",
+    "cast_affine",
+]
 
 
 class Moments(NamedTuple):
@@ -141,14 +151,32 @@ def _trailing_scope(scope: Resolved) -> Resolved:
     return Resolved(scope.shape + (1,), (n,), scope.centered, 1, -1, scope.affine)
 
 
-def rstd(var: Tensor, eps: float, count: int | Tensor | None = None) -> Tensor:
-    """``1 / sqrt(var + eps)``; 0 where a scope has no valid element, so its output is the bias."""
-    r = torch.rsqrt(var + eps)
+def rstd(var: Tensor, eps: float, count: int | Tensor | None = None, constant_bias: bool = False) -> Tensor:
+    """``1 / sqrt(var + eps)``; 0 where a scope has no valid element, so its output is the bias.
+
+    ``constant_bias`` (see :func:`constant_gives_bias`): with ``eps == 0`` a scope of zero variance
+    gets 0 too -- its output the bias, its gradients 0 -- where ``1 / sqrt(0)`` would give NaN."""
+    if constant_bias and eps == 0:
+        # rsqrt of 1 there, not of 0: the where passes the scope a zero gradient, and 0 times rsqrt's
+        # infinite derivative at 0 would be NaN
+        zero = var == 0
+        r = torch.where(zero, 0, torch.rsqrt(torch.where(zero, 1, var)))
+    else:
+        r = torch.rsqrt(var + eps)
     if isinstance(count, int) and count == 0:
         return torch.zeros_like(r)
     if isinstance(count, Tensor):
         r = torch.where(count > 0, r, torch.zeros_like(r))
     return r
+
+
+def constant_gives_bias(scope: Resolved, op: str | None) -> bool:
+    """Whether torch computes this scope's statistics with its batch_norm kernel (BatchNorm,
+    InstanceNorm; not a GroupNorm layer's call, ``op="group_norm"``), whose inverse standard
+    deviation is 0 for a zero variance with ``eps == 0``: ``instance_norm`` of a constant channel
+    with ``eps=0`` gives the bias there, where ``layer_norm`` and ``group_norm`` give NaN."""
+    f = scope.form
+    return scope.centered and op != "group_norm" and (f.instance or f.channel is not None)
 
 
 def _affine_view(p: Tensor, scope: Resolved) -> Tensor:
