@@ -199,21 +199,22 @@ def apply(
     ``mean`` and ``rstd`` are shaped ``scope.stat_shape`` (one value per group on a grouped axis).
 
     ``mask`` (the one :func:`moments` took, True = valid): padding may hold anything. A padded
-    position is normalized like any other, but a *non-finite* padded value (inf, NaN) is a constant:
-    its output is the formula's (+-inf or NaN) and it passes no gradient to anything -- itself, the
-    weight, the bias or the statistics. Without this every product it enters would turn a zero
-    gradient into ``0 * inf = NaN`` in the backward (the weight's ``sum(dy * xhat)`` first), and the
-    gradient of every valid input with it. Finite padding is untouched: its outputs' gradients flow
-    as they do for valid positions.
+    position is normalized like any other, but one whose output is not finite -- a non-finite padded
+    value (inf, NaN), or a finite one too large to normalize (``torch.finfo(dtype).max`` as a fill,
+    whose ``(x - mean) * rstd`` overflows) -- is a constant: its output is the formula's (+-inf or
+    NaN) and it passes no gradient to anything -- itself, the weight, the bias or the statistics.
+    Without this every product it enters would turn a zero gradient into ``0 * inf = NaN`` in the
+    backward (the weight's ``sum(dy * xhat)`` first), and the gradient of every valid input with it.
+    Other padding is untouched: its outputs' gradients flow as they do for valid positions.
     """
     if mask is not None:
         xf = x.to(mean.dtype)
-        bad = ~torch.isfinite(xf) & ~mask  # broadcasts: the mask may be (N, 1, L) for (N, C, L)
+        with torch.no_grad():
+            raw = apply(xf, mean, rstd, scope, weight, bias)
+        bad = ~torch.isfinite(raw) & ~mask  # broadcasts: the mask may be (N, 1, L) for (N, C, L)
         # every output from finite values (0 at the bad positions: their cotangent is zeroed by the
         # where below, so 0 * finite = 0 exactly), then the bad positions' own values put back
         y = apply(torch.where(bad, 0, xf), mean, rstd, scope, weight, bias)
-        with torch.no_grad():
-            raw = apply(xf, mean, rstd, scope, weight, bias)
         return torch.where(bad, raw, y).to(x.dtype)
     xf = x.to(mean.dtype)
     if scope.groups == 1 and weight is not None and not set(scope.affine) & set(scope.reduce):
