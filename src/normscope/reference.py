@@ -24,7 +24,17 @@ from torch import Tensor
 
 from .scope import Resolved
 
-__all__ = ["Moments", "acc_dtype", "moments", "rstd", "apply", "normalize", "CASTINGS", "cast_affine"]
+__all__ = [
+    "Moments",
+    "acc_dtype",
+    "moments",
+    "rstd",
+    "constant_gives_bias",
+    "apply",
+    "normalize",
+    "CASTINGS",
+    "cast_affine",
+]
 
 
 class Moments(NamedTuple):
@@ -141,14 +151,32 @@ def _trailing_scope(scope: Resolved) -> Resolved:
     return Resolved(scope.shape + (1,), (n,), scope.centered, 1, -1, scope.affine)
 
 
-def rstd(var: Tensor, eps: float, count: int | Tensor | None = None) -> Tensor:
-    """``1 / sqrt(var + eps)``; 0 where a scope has no valid element, so its output is the bias."""
-    r = torch.rsqrt(var + eps)
+def rstd(var: Tensor, eps: float, count: int | Tensor | None = None, constant_bias: bool = False) -> Tensor:
+    """``1 / sqrt(var + eps)``; 0 where a scope has no valid element, so its output is the bias.
+
+    ``constant_bias`` (see :func:`constant_gives_bias`): with ``eps == 0`` a scope of zero variance
+    gets 0 too -- its output the bias, its gradients 0 -- where ``1 / sqrt(0)`` would give NaN."""
+    if constant_bias and eps == 0:
+        # rsqrt of 1 there, not of 0: the where passes the scope a zero gradient, and 0 times rsqrt's
+        # infinite derivative at 0 would be NaN
+        zero = var == 0
+        r = torch.where(zero, 0, torch.rsqrt(torch.where(zero, 1, var)))
+    else:
+        r = torch.rsqrt(var + eps)
     if isinstance(count, int) and count == 0:
         return torch.zeros_like(r)
     if isinstance(count, Tensor):
         r = torch.where(count > 0, r, torch.zeros_like(r))
     return r
+
+
+def constant_gives_bias(scope: Resolved, op: str | None) -> bool:
+    """Whether torch computes this scope's statistics with its batch_norm kernel (BatchNorm,
+    InstanceNorm; not a GroupNorm layer's call, ``op="group_norm"``), whose inverse standard
+    deviation is 0 for a zero variance with ``eps == 0``: ``instance_norm`` of a constant channel
+    with ``eps=0`` gives the bias there, where ``layer_norm`` and ``group_norm`` give NaN."""
+    f = scope.form
+    return scope.centered and op != "group_norm" and (f.instance or f.channel is not None)
 
 
 def _affine_view(p: Tensor, scope: Resolved) -> Tensor:
@@ -171,21 +199,22 @@ def apply(
     ``mean`` and ``rstd`` are shaped ``scope.stat_shape`` (one value per group on a grouped axis).
 
     ``mask`` (the one :func:`moments` took, True = valid): padding may hold anything. A padded
-    position is normalized like any other, but a *non-finite* padded value (inf, NaN) is a constant:
-    its output is the formula's (+-inf or NaN) and it passes no gradient to anything -- itself, the
-    weight, the bias or the statistics. Without this every product it enters would turn a zero
-    gradient into ``0 * inf = NaN`` in the backward (the weight's ``sum(dy * xhat)`` first), and the
-    gradient of every valid input with it. Finite padding is untouched: its outputs' gradients flow
-    as they do for valid positions.
+    position is normalized like any other, but one whose output is not finite -- a non-finite padded
+    value (inf, NaN), or a finite one too large to normalize (``torch.finfo(dtype).max`` as a fill,
+    whose ``(x - mean) * rstd`` overflows) -- is a constant: its output is the formula's (+-inf or
+    NaN) and it passes no gradient to anything -- itself, the weight, the bias or the statistics.
+    Without this every product it enters would turn a zero gradient into ``0 * inf = NaN`` in the
+    backward (the weight's ``sum(dy * xhat)`` first), and the gradient of every valid input with it.
+    Other padding is untouched: its outputs' gradients flow as they do for valid positions.
     """
     if mask is not None:
         xf = x.to(mean.dtype)
-        bad = ~torch.isfinite(xf) & ~mask  # broadcasts: the mask may be (N, 1, L) for (N, C, L)
+        with torch.no_grad():
+            raw = apply(xf, mean, rstd, scope, weight, bias)
+        bad = ~torch.isfinite(raw) & ~mask  # broadcasts: the mask may be (N, 1, L) for (N, C, L)
         # every output from finite values (0 at the bad positions: their cotangent is zeroed by the
         # where below, so 0 * finite = 0 exactly), then the bad positions' own values put back
         y = apply(torch.where(bad, 0, xf), mean, rstd, scope, weight, bias)
-        with torch.no_grad():
-            raw = apply(xf, mean, rstd, scope, weight, bias)
         return torch.where(bad, raw, y).to(x.dtype)
     xf = x.to(mean.dtype)
     if scope.groups == 1 and weight is not None and not set(scope.affine) & set(scope.reduce):

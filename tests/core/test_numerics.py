@@ -179,6 +179,31 @@ def test_all_masked_scope_returns_bias():
     torch.testing.assert_close(y[0, 1], b)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "masked"])
+@pytest.mark.parametrize("backend", ["aten", "reference", "composite"])
+def test_instance_norm_constant_channel_with_eps_zero_is_torch_bias(backend, masked):
+    # torch's instance_norm (its batch_norm kernel) takes rstd = 0 for a zero variance with eps = 0: a
+    # constant channel gives the bias and zero gradients, not 1 / sqrt(0)'s NaN (layer_norm and
+    # group_norm do give NaN there, and so does normscope's). An all-True mask is the same function
+    if masked if backend == "aten" else not masked and backend == "composite":
+        pytest.skip("aten runs unmasked calls, composite masked ones")
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    x[0, 1] = 7.25  # one constant channel of one sample
+    x.requires_grad_()
+    w = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, 5, dtype=torch.float64)
+    mask = torch.ones(2, 5, dtype=torch.bool) if masked else None
+    y = normscope.functional.instance_norm(x, weight=w, bias=b, eps=0.0, mask=mask, backend=backend)
+    expected = torch.nn.functional.instance_norm(x, weight=w, bias=b, eps=0.0)
+    torch.testing.assert_close(y, expected)
+    assert torch.equal(y[0, 1], b[1].detach().expand(5))
+    grads = torch.autograd.grad(y, (x, w, b), g)
+    for got, want in zip(grads, torch.autograd.grad(expected, (x, w, b), g)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want)
+
+
 HALF_LAYERS = [
     ("BatchNorm2d", lambda: normscope.BatchNorm2d(3), (2, 3, 4, 4)),
     ("LayerNorm", lambda: normscope.LayerNorm(8), (2, 3, 8)),

@@ -631,6 +631,19 @@ class TestHostile:
         with normscope.use_backend("reference"):
             _check(kind, _layer(kind), x, mask, PADDINGS["mixed"])
 
+    @pytest.mark.parametrize("kind", ["bn1d_bsd", "in1d", "gn3"])
+    def test_padding_too_large_to_normalize_on_the_forced_reference(self, kind):
+        # finite padding whose normalized value overflows fp32 (+-finfo.max as a fill, rstd ~2): its output
+        # is +-inf, and a zero cotangent times it made the weight gradient NaN (0 * inf) where the
+        # reference forms (x - mean) * rstd before the weight (GroupNorm; BatchNorm and InstanceNorm fold
+        # the weight into rstd, and their finite x - mean kept the gradient finite)
+        _, shape, channel_dim = LAYERS[kind]
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.5
+        mask = _valid_mask(shape[0], *(shape[1:-1] if channel_dim == -1 else shape[2:]))
+        big = torch.finfo(torch.float32).max
+        with normscope.use_backend("reference"):
+            _check(kind, _layer(kind), x, mask, [big, -big])
+
     def test_hostile_padding_under_torch_func(self):
         # inside torch.func transforms the composite runner recomputes on the reference
         x = torch.randn(4, C, 7, generator=torch.Generator().manual_seed(0))

@@ -181,7 +181,9 @@ def _to_channels(t: Tensor, c: int) -> Tensor:
     return (t if g == c else t.repeat_interleave(c // g, dim=1)).view(r, c, 1)
 
 
-def _stats(x3: Tensor, mf: Tensor, v: _View, eps: float) -> _Stats:
+def _stats(x3: Tensor, mf: Tensor, v: _View, eps: float, constant_bias: bool = False) -> _Stats:
+    """The statistics of every scope; ``constant_bias``: the call's
+    :func:`normscope.reference.constant_gives_bias` (a zero variance with eps 0 gives rstd 0)."""
     c = x3.shape[1]
     # valid elements per scope: per outer index (times the channels a group holds), or all of them
     per = mf.sum(1, keepdim=True) if v.per_outer else mf.sum().view(1, 1)
@@ -197,7 +199,10 @@ def _stats(x3: Tensor, mf: Tensor, v: _View, eps: float) -> _Stats:
     s2 = _to_scopes(_masked_sums(sq, mf, v.per_outer), v.groups)
     del sq  # freed before apply allocates the output
     var = (s2 / denom - shift * shift).clamp_min(0)
-    rstd = torch.where(count > 0, torch.rsqrt(var + eps), torch.zeros_like(var))
+    valid = count > 0
+    if eps == 0 and constant_bias:  # torch's batch_norm kernel (InstanceNorm's): rstd 0, not 1 / sqrt(0)
+        valid = valid & (var != 0)
+    rstd = torch.where(valid, torch.rsqrt(var + eps), torch.zeros_like(var))
     finite = torch.isfinite(s).all() & torch.isfinite(s2).all()
     return _Stats(d, shift, rstd, mean0 + shift, var, count, finite)
 
@@ -298,7 +303,8 @@ def _reference_grads(ctx, dy, x3, weight, bias):
     x = x3.reshape(call.x.shape)
     xf = x.to(ref.acc_dtype(x.dtype))
     m = ref.moments(xf, call.scope, call.mask)
-    y = ref.apply(xf, m.mean, ref.rstd(m.var, call.eps, m.count), call.scope, weight, bias, call.mask).to(x.dtype)
+    r = ref.rstd(m.var, call.eps, m.count, ref.constant_gives_bias(call.scope, call.op))
+    y = ref.apply(xf, m.mean, r, call.scope, weight, bias, call.mask).to(x.dtype)
     wanted = [t for t, n in zip(inputs, need) if n]
     grads = iter(torch.autograd.grad(y, wanted, dy.reshape(call.x.shape), create_graph=True, allow_unused=True))
     out = [next(grads) if n else None for n in need]
@@ -332,6 +338,7 @@ def _laid_like(like: Tensor, t: Tensor) -> Tensor:
 
 def prepare(call: Call, automatic: bool) -> Runner:
     v = _view(call)
+    constant_bias = ref.constant_gives_bias(call.scope, call.op)
 
     def run(c: Call) -> Tensor:
         if engine.transformed():
@@ -353,14 +360,14 @@ def prepare(call: Call, automatic: bool) -> Runner:
                 # padding set to 0, sums them in (_laid_like cannot lay a tensor out with gaps):
                 # else the valid outputs would change in their last bits with the padding's values
                 xa = xa.contiguous()
-            st = _stats(xa, mf, v, c.eps)
+            st = _stats(xa, mf, v, c.eps, constant_bias)
             finite = bool(st.finite)  # the one host sync of the call
             if not finite:
                 # padding may hold anything: a non-finite (or unsquarable) padded value turns a 0/1
                 # product into NaN. Statistics again with the padding set to 0 -- exact, as 0 has
                 # weight 0 -- then the padding's own values back, for the output only
                 valid = mf.view(o, 1, i) != 0
-                st = _stats(_laid_like(xa, torch.where(valid, xa, 0)), mf, v, c.eps)
+                st = _stats(_laid_like(xa, torch.where(valid, xa, 0)), mf, v, c.eps, constant_bias)
                 finite = bool(st.finite)
                 if finite:
                     # x - mean0 at the padding (mean0 to rounding: only padded outputs read it)

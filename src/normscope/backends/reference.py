@@ -27,7 +27,8 @@ def run(call: Call) -> Tensor:
         m = ref.moments(xf, call.scope, call.mask)
         if r is not None:
             engine.update_running(call, m)
-        mean, rstd = m.mean, ref.rstd(m.var, call.eps, m.count)
+        constant_bias = call.eps == 0 and ref.constant_gives_bias(call.scope, call.op)
+        mean, rstd = m.mean, ref.rstd(m.var, call.eps, m.count, constant_bias)
     if call.casting != "torch" or call.weight_offset != 0.0:  # a model family's affine and rounding
         y = ref.apply(xf, mean, rstd, call.scope, None, None, call.mask)
         return ref.cast_affine(y, call.scope, call.weight, call.bias, call.weight_offset, call.casting, x.dtype)
