@@ -126,9 +126,31 @@ class _Stats(NamedTuple):
     finite: Tensor  # 0-d bool: every masked sum came out finite
 
 
+#: masked sums over more positions than this are taken by blocks of this many, the blocks' sums added in
+#: float64: one batched GEMM accumulates its positions one after another, an error growing with their
+#: count -- masked InstanceNorm over 2^20 fp32 positions was rms 4.2e-6 off float64, torch's 9e-8; a
+#: block's sum is as accurate as torch's. The blocks depend on the scope's own length only (isolation)
+SUM_BLOCK = 16384
+
+
 def _masked_sums(t: Tensor, mf: Tensor, per_outer: bool) -> Tensor:
     """``sum_i t[o, c, i] * mf[o, i]``, shaped (O, C) -- or (1, C) summed over O when not per_outer."""
     o, c, i = t.shape
+    long = i if per_outer or i > 1 else o // math.gcd(o, 16)  # the positions one product accumulates
+    if long > SUM_BLOCK:
+        wide = torch.float64 if t.dtype != torch.float64 else t.dtype
+        if per_outer or i > 1:
+            parts = (
+                _masked_sums(t[:, :, s : s + SUM_BLOCK], mf[:, s : s + SUM_BLOCK], per_outer)
+                for s in range(0, i, SUM_BLOCK)
+            )
+        else:  # (B*S, D) rows: blocks of rows, each one batch of 16 products as below
+            step = 16 * SUM_BLOCK
+            parts = (_masked_sums(t[s : s + step], mf[s : s + step], False) for s in range(0, o, step))
+        total = None
+        for part in parts:
+            total = part.to(wide) if total is None else total.add_(part)
+        return total.to(t.dtype)
     if not per_outer and i == 1:
         # (B*S, D) rows: one matrix-vector product, split into a batch of them -- BLAS runs a
         # batch of 16 several times faster than the single long product
