@@ -135,7 +135,10 @@ def moments(x: Tensor, scope: Resolved, mask: Tensor | None = None) -> Moments:
             # correction carries no gradient of any order: detach it and save autograd the work
             shift = (dev.sum(dim=dims, keepdim=True) / denom).detach()
             mean = mean + shift
-            var = ((dev * dev).sum(dim=dims, keepdim=True) / denom - shift * shift).clamp_min(0)
+            # shift^2 <= mean(dev^2); clamped to the largest finite value, an overflowing scope (a huge
+            # valid value: mean(dev^2) = inf) has variance inf, where inf - inf was NaN
+            sq = (shift * shift).clamp_max(torch.finfo(shift.dtype).max)
+            var = ((dev * dev).sum(dim=dims, keepdim=True) / denom - sq).clamp_min(0)
         else:
             xm = torch.where(valid, xf, 0)
             var = (xm * xm).sum(dim=dims, keepdim=True) / denom

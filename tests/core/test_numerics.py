@@ -298,3 +298,23 @@ def test_empty_input_gives_defined_statistics_without_warnings(shape, scope):
     assert y.shape == x.shape
     # an empty scope has mean 0 and rstd 0 (its output, were there any, would be the bias)
     assert torch.equal(mean, torch.zeros_like(mean)) and torch.equal(rstd, torch.zeros_like(rstd))
+
+
+@pytest.mark.parametrize("backend", ["reference", "composite"])
+def test_a_masked_scope_whose_squares_overflow_is_finite_as_unmasked(backend):
+    # one huge valid value (1e30: its deviation's square overflows fp32) made the masked moments
+    # inf - inf = NaN for its scope, output and every gradient, where torch's instance_norm (and the
+    # unmasked reference) give a finite output: the variance is inf, the scope's output its bias
+    import normscope.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, generator=g)
+    x[0, 1, 3] = 1e30
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    xx = x.clone().requires_grad_()
+    y = F.instance_norm(xx, mask=mask, backend=backend)
+    y.sum().backward()
+    want = torch.nn.functional.instance_norm(x)
+    assert torch.isfinite(y).all() and torch.isfinite(xx.grad).all()
+    torch.testing.assert_close(y[0, 1], want[0, 1])  # torch's finite answer for the overflowing scope
+    torch.testing.assert_close(y[1], want[1])  # the other scopes as torch's

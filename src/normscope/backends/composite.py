@@ -220,7 +220,8 @@ def _stats(x3: Tensor, mf: Tensor, v: _View, eps: float, constant_bias: bool = F
     sq = d * d
     s2 = _to_scopes(_masked_sums(sq, mf, v.per_outer), v.groups)
     del sq  # freed before apply allocates the output
-    var = (s2 / denom - shift * shift).clamp_min(0)
+    # as reference.moments: shift^2 clamped finite, so a scope whose squares overflow has variance inf, not NaN
+    var = (s2 / denom - (shift * shift).clamp_max(torch.finfo(shift.dtype).max)).clamp_min(0)
     valid = count > 0
     if eps == 0 and constant_bias:  # torch's batch_norm kernel (InstanceNorm's): rstd 0, not 1 / sqrt(0)
         valid = valid & (var != 0)
