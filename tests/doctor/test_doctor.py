@@ -389,6 +389,52 @@ def test_bias_before_norm_silent_where_the_norm_does_not_remove_it(healthy):
     assert doctor(healthy(), x).by_check("bias-before-norm") == []
 
 
+class _ConvBnResidual(nn.Module):
+    """The conv's output goes into the BatchNorm and, with its bias, around it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn(y) + y
+
+
+class _ConvCalledTwice(nn.Module):
+    """The conv feeds the BatchNorm in one call and the output directly in another."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) + self.conv(2 * x)
+
+
+@pytest.mark.parametrize("build", [_ConvBnResidual, _ConvCalledTwice])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_bias_before_norm_silent_where_the_bias_also_reaches_the_output_another_way(build, mode):
+    # the norm removes the bias from its own input only; removing the bias (the fix) changes this model's
+    # output by the bias itself, so it is no finding and apply_fixes leaves the model as it is
+    torch.manual_seed(0)
+    model = getattr(build(), mode)()
+    x = torch.randn(8, model.conv.in_channels, 6, 6)
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        before = model(x)
+        without = copy.deepcopy(model)
+        without.bn.running_mean.sub_(without.conv.bias)
+        without.conv.bias.zero_()
+        assert (without(x) - before).abs().max() > 0.05  # the bias matters here
+    report = doctor(model, x, checks=["bias-before-norm"])
+    assert report.by_check("bias-before-norm") == []
+    fixed, _ = apply_fixes(model, report)
+    assert fixed.conv.bias is not None
+    with torch.no_grad():
+        torch.testing.assert_close(fixed(x), before, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------ post-ln
 
 
