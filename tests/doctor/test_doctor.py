@@ -157,10 +157,27 @@ def test_padding_fraction_and_shift_against_the_valid_only_statistics():
 
 
 @pytest.mark.parametrize("healthy", [TokenLN, MaskedTokenBN])
-def test_padding_silent_for_per_token_norms_and_masked_batchnorm(healthy):
-    x, mask = _padded()
-    report = doctor(healthy(16), x, attention_mask=mask.long())
+@pytest.mark.parametrize("d", [16, 10], ids=["d16", "d_equals_s"])
+def test_padding_silent_for_per_token_norms_and_masked_batchnorm(healthy, d):
+    x, mask = _padded(d=d)
+    report = doctor(healthy(d), x, attention_mask=mask.long())
     assert report.by_check("padding") == [] and report.checks["padding"]["ran"]
+
+
+def test_padding_on_channels_as_many_as_positions_is_read_on_the_positions():
+    # (B, D, S) with D == S: the mask's (B, S) fits axes (0, 1) and (0, 2); BatchNorm1d's axis 1 is its
+    # channels, so the positions are axis 2 -- every channel holds the same 25 valid of 40 positions
+    x, mask = _padded(d=10)
+    model = TokenBN(10)
+    f = _only(doctor(model, x, attention_mask=mask.long()), "padding", "bn")
+    assert f.measured["pad_fraction_max"] == pytest.approx(1 - 25 / 40)
+    assert f.measured["pad_fraction_mean"] == pytest.approx(1 - 25 / 40)
+    with torch.no_grad():
+        h = model.proj(x).double()
+    valid = h[mask]
+    mu_all, mu_v, var_v = h.reshape(-1, 10).mean(0), valid.mean(0), valid.var(0, unbiased=False)
+    shift = float(((mu_all - mu_v).abs() / (var_v + 1e-5).sqrt()).max())
+    assert f.measured["mean_shift_in_std"] == pytest.approx(shift, rel=1e-9)
 
 
 def test_padding_reads_torch_key_padding_masks_and_says_when_there_is_none():

@@ -227,13 +227,18 @@ _PADDING_SOURCE = (
 )
 
 
-def _mask_axes(shape: torch.Size, mask: Tensor) -> tuple[int, ...] | None:
+def _mask_axes(shape: torch.Size, mask: Tensor, channel: int | None = None) -> tuple[int, ...] | None:
     """The axes of a tensor of ``shape`` that a (B, S) mask indexes: (0, 1) for (B, S, D), (0, 2)
-    for (B, D, S), (1, 0) for (S, B, D); (0,) after flattening to (B*S, D); None if none fits."""
+    for (B, D, S), (1, 0) for (S, B, D); (0,) after flattening to (B*S, D); None if none fits.
+    Where D == S, a per-channel norm's ``channel`` axis is not the positions' (BatchNorm1d on (B, D, S))."""
     b, s = mask.shape
-    for a0, a1 in ((0, 1), (0, 2), (1, 0)):
-        if len(shape) > max(a0, a1) and shape[a0] == b and shape[a1] == s:
-            return (a0, a1)
+    fits = [
+        (a0, a1)
+        for a0, a1 in ((0, 1), (0, 2), (1, 0))
+        if len(shape) > max(a0, a1) and shape[a0] == b and shape[a1] == s
+    ]
+    if fits:
+        return next((a for a in fits if a[1] != channel), fits[0])
     if len(shape) >= 2 and shape[0] == b * s:
         return (0,)
     return None
@@ -268,7 +273,7 @@ def padding(ctx: Context) -> list[Finding]:
         if s.kind == "frozen" or _masked_arg(call):
             continue
         x = call.args[0]
-        axes = _mask_axes(x.shape, ctx.mask)
+        axes = _mask_axes(x.shape, ctx.mask, s.channel)
         if axes is None or not set(axes) & set(s.reduce):
             continue  # the pads are not inside any statistic (LayerNorm per token, ...)
         valid = _broadcast_mask(x, ctx.mask.to(x.device), axes).expand_as(x)
