@@ -672,8 +672,11 @@ def convert(
                 skip(path, old, f"it holds modules {list(old._modules)} besides the norm, and {why}")
                 return None
             then = True
-        built = type(get_norm(to, c, **kwargs))  # which class the spec builds, to learn what it takes
-        new = get_norm(to, c, **{**_options(old, built), **kwargs})
+        try:
+            built = type(get_norm(to, c, **kwargs))  # which class the spec builds, to learn what it takes
+            new = get_norm(to, c, **{**_options(old, built), **kwargs})
+        except ValueError as e:  # e.g. group:32 on 6 channels: say which layer of the model it was
+            raise ValueError(f"convert: at {_at(path)} ({_describe(old)}): {e}") from None
         if then:
             new.__class__ = _then(type(new))
             for name, child in old._modules.items():

@@ -38,16 +38,21 @@ def _rms_norm_symbolic(g, x, normalized_shape, weight, eps):
     k = len(sh._unpack_list(normalized_shape)) if sh._is_packed_list(normalized_shape) else len(
         sh._get_const(normalized_shape, "is", "normalized_shape")
     )
+    # torch computes in the input's "opmath" type: float64 for float64 input, float32 for the rest
+    # (half and bfloat16 included); its default eps is that type's machine epsilon
+    typed = x.type()
+    double = isinstance(typed, torch._C.TensorType) and typed.scalarType() == "Double"
+    opmath = torch.float64 if double else torch.float32
     eps_v = sh._maybe_get_const(eps, "f")
     if sh._is_none(eps) or eps_v is None:
-        eps_v = torch.finfo(torch.float32).eps  # torch's default: the fp32 machine epsilon
+        eps_v = torch.finfo(opmath).eps
     axes = list(range(-k, 0))
     sq = g.op("Mul", x, x)
     if g.opset >= 18:
         ms = g.op("ReduceMean", sq, g.op("Constant", value_t=torch.tensor(axes, dtype=torch.long)), keepdims_i=1)
     else:
         ms = g.op("ReduceMean", sq, axes_i=axes, keepdims_i=1)
-    eps_c = g.op("Constant", value_t=torch.tensor(float(eps_v), dtype=torch.float32))
+    eps_c = g.op("Constant", value_t=torch.tensor(float(eps_v), dtype=opmath))
     if g.opset >= 15:
         eps_c = g.op("CastLike", eps_c, x)
     y = g.op("Mul", x, g.op("Reciprocal", g.op("Sqrt", g.op("Add", ms, eps_c))))

@@ -157,10 +157,27 @@ def test_padding_fraction_and_shift_against_the_valid_only_statistics():
 
 
 @pytest.mark.parametrize("healthy", [TokenLN, MaskedTokenBN])
-def test_padding_silent_for_per_token_norms_and_masked_batchnorm(healthy):
-    x, mask = _padded()
-    report = doctor(healthy(16), x, attention_mask=mask.long())
+@pytest.mark.parametrize("d", [16, 10], ids=["d16", "d_equals_s"])
+def test_padding_silent_for_per_token_norms_and_masked_batchnorm(healthy, d):
+    x, mask = _padded(d=d)
+    report = doctor(healthy(d), x, attention_mask=mask.long())
     assert report.by_check("padding") == [] and report.checks["padding"]["ran"]
+
+
+def test_padding_on_channels_as_many_as_positions_is_read_on_the_positions():
+    # (B, D, S) with D == S: the mask's (B, S) fits axes (0, 1) and (0, 2); BatchNorm1d's axis 1 is its
+    # channels, so the positions are axis 2 -- every channel holds the same 25 valid of 40 positions
+    x, mask = _padded(d=10)
+    model = TokenBN(10)
+    f = _only(doctor(model, x, attention_mask=mask.long()), "padding", "bn")
+    assert f.measured["pad_fraction_max"] == pytest.approx(1 - 25 / 40)
+    assert f.measured["pad_fraction_mean"] == pytest.approx(1 - 25 / 40)
+    with torch.no_grad():
+        h = model.proj(x).double()
+    valid = h[mask]
+    mu_all, mu_v, var_v = h.reshape(-1, 10).mean(0), valid.mean(0), valid.var(0, unbiased=False)
+    shift = float(((mu_all - mu_v).abs() / (var_v + 1e-5).sqrt()).max())
+    assert f.measured["mean_shift_in_std"] == pytest.approx(shift, rel=1e-9)
 
 
 def test_padding_reads_torch_key_padding_masks_and_says_when_there_is_none():
@@ -387,6 +404,52 @@ def test_bias_before_batchnorm_found_and_the_fix_keeps_eval_outputs():
 def test_bias_before_norm_silent_where_the_norm_does_not_remove_it(healthy):
     x = torch.randn(8, 3, 10, 10) if not isinstance(healthy()[0], nn.Linear) else torch.randn(8, 3)
     assert doctor(healthy(), x).by_check("bias-before-norm") == []
+
+
+class _ConvBnResidual(nn.Module):
+    """The conv's output goes into the BatchNorm and, with its bias, around it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn(y) + y
+
+
+class _ConvCalledTwice(nn.Module):
+    """The conv feeds the BatchNorm in one call and the output directly in another."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) + self.conv(2 * x)
+
+
+@pytest.mark.parametrize("build", [_ConvBnResidual, _ConvCalledTwice])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_bias_before_norm_silent_where_the_bias_also_reaches_the_output_another_way(build, mode):
+    # the norm removes the bias from its own input only; removing the bias (the fix) changes this model's
+    # output by the bias itself, so it is no finding and apply_fixes leaves the model as it is
+    torch.manual_seed(0)
+    model = getattr(build(), mode)()
+    x = torch.randn(8, model.conv.in_channels, 6, 6)
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        before = model(x)
+        without = copy.deepcopy(model)
+        without.bn.running_mean.sub_(without.conv.bias)
+        without.conv.bias.zero_()
+        assert (without(x) - before).abs().max() > 0.05  # the bias matters here
+    report = doctor(model, x, checks=["bias-before-norm"])
+    assert report.by_check("bias-before-norm") == []
+    fixed, _ = apply_fixes(model, report)
+    assert fixed.conv.bias is not None
+    with torch.no_grad():
+        torch.testing.assert_close(fixed(x), before, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ post-ln

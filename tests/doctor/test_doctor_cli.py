@@ -188,3 +188,11 @@ def test_bad_options_exit_2(models, capsys):
         main(["doctor", "doctor_cli_models:small", "--html", "/no/such/dir/r.html"])
     assert e.value.code == 2
     assert "--html" in capsys.readouterr().err
+
+
+def test_html_naming_a_directory_exits_2_before_the_diagnosis(models, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "doctor_cli_models:small", "--html", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and "Traceback" not in err
+    assert f"argument --html: expected a file to write, got the directory {str(tmp_path)!r}" in err

@@ -96,6 +96,24 @@ def test_register_is_idempotent_and_export_helper(tmp_path):
     torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (8,)), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("layer", [normscope.RMSNorm, torch.nn.RMSNorm])
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_torchscript_rms_norm_in_float64_uses_torch_s_float64_epsilon(tmp_path, layer, eps):
+    # torch's default eps is the machine epsilon of the type it computes in: float64's for float64 input
+    # (the conversion wrote float32's, 1.2e-7: a tenth of the mean square of this input)
+    model = torch.nn.Sequential(layer(8, eps=eps)).double().eval()
+    x = torch.randn(3, 8, dtype=torch.float64) * 1e-3
+    path = tmp_path / "rms64.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normscope.onnx.export(model, (x,), str(path), dynamo=False)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0])
+    want = x / torch.sqrt(x.square().mean(-1, keepdim=True) + (torch.finfo(torch.float64).eps if eps is None else eps))
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
 def test_torchscript_export_prints_no_tracer_warning_from_normscope(tmp_path):
     # the checks' Python bools of traced sizes are constants by design (the export above runs other
     # batch sizes): the TorchScript exporter must not flood the user with TracerWarnings about them.

@@ -318,6 +318,16 @@ def test_parametrized_layers_are_refused_and_the_model_is_untouched():
     assert [r.path for r in report] == ["0"]
 
 
+def test_a_target_that_cannot_be_built_names_the_layer_and_leaves_the_model():
+    # group:32 fits the 64-channel layer, not the 6-channel one: the error says which layer of the model
+    model = nn.Sequential(nn.BatchNorm2d(64), nn.Conv2d(64, 6, 1), nn.Sequential(nn.BatchNorm2d(6)))
+    with pytest.raises(
+        ValueError, match=r"^convert: at '2\.0' \(torch\.BatchNorm2d\(6, .*divisible by num_groups \(32\)"
+    ):
+        normscope.convert(model, to="group:32")
+    assert type(model[0]) is nn.BatchNorm2d and type(model[2][0]) is nn.BatchNorm2d
+
+
 def test_to_torch_refuses_a_layout_torch_does_not_have():
     model = nn.Sequential(normscope.BatchNorm1d(4, channel_dim=-1), normscope.LayerNorm(4))
     with pytest.raises(ValueError, match="channel_dim=1"):

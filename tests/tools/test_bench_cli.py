@@ -69,3 +69,46 @@ def test_help_gives_measured_durations_and_no_stale_promise(capsys):
     assert "13-21 s" in text  # measured: see the report of the change that wrote it
     assert "normscope time / peer time (below 1: normscope is faster)" in text
     assert "default: the current directory" in text
+
+
+class TestHostile:
+    """Bad arguments exit 2 with one line naming the argument, before any measurement or file."""
+
+    @pytest.mark.parametrize(
+        ("args", "says"),
+        [
+            (["--device", "tpu"], "argument --device: expected cuda or cpu, got 'tpu'"),
+            (["--device", "meta"], "argument --device: expected cuda or cpu, got 'meta'"),
+            (["--device", "cuda"], "argument --device: 'cuda' asked for, but this torch sees no CUDA device"),
+            (["--cases", ","], "expected at least one case"),
+            (["--dtypes", ","], "expected at least one dtype"),
+            (["--budget-s", "-5"], "argument --budget-s: expected a non-negative number of seconds, got '-5'"),
+            (["--budget-s", "nan"], "argument --budget-s: expected a non-negative number of seconds, got 'nan'"),
+        ],
+    )
+    def test_bad_argument(self, args, says, tmp_path, no_cuda, capsys):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--cases", "layer_norm", "--out", str(tmp_path), *args])
+        assert e.value.code == 2
+        captured = capsys.readouterr()
+        assert says in captured.err and "Traceback" not in captured.err
+        assert captured.out == "" and list(tmp_path.iterdir()) == []  # nothing measured, nothing written
+
+    def test_out_that_cannot_be_a_directory(self, tmp_path, no_cuda, capsys):
+        (tmp_path / "file").write_text("")
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--cases", "layer_norm", "--out", str(tmp_path / "file" / "d")])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --out: cannot create the directory" in err and "Not a directory" in err
+
+    @pytest.mark.parametrize("text", ["{not json", '{"results": 3}', "[]"])
+    @pytest.mark.parametrize("mode", ["--plot-only", "--resume"])
+    def test_a_json_in_out_that_is_no_bench_report(self, text, mode, tmp_path, no_cuda, capsys):
+        (tmp_path / "bench-quick-cpu.json").write_text(text)
+        with pytest.raises(SystemExit) as e:
+            bench.main([mode, "--cases", "layer_norm", "--out", str(tmp_path)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --out:" in err and "bench JSON" in err and "Traceback" not in err
+        assert (tmp_path / "bench-quick-cpu.json").read_text() == text  # left as it was

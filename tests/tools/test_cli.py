@@ -240,6 +240,52 @@ def test_explain_prints_statistics_of_given_values(capsys):
     assert "mean and variance over D" in out
 
 
+@pytest.mark.parametrize(
+    ("argv", "values", "build"),
+    [
+        # torch's fp32 LayerNorm loses digits on 1e4 + a small spread; its BatchNorm gives a constant channel -3e-5
+        (["layer", "--shape", "3"], [1e4, 1e4, 1.0001e4], lambda: torch.nn.LayerNorm(3, elementwise_affine=False)),
+        (["batch", "--shape", "2,1"], [5.0, 5.0], lambda: torch.nn.BatchNorm1d(1, affine=False)),
+    ],
+)
+def test_explain_passes_where_normscope_is_closer_to_float64_than_torch(capsys, argv, values, build):
+    # torch is the floor, not the bar: where the outputs part, the float64 formula decides
+    text = ",".join(map(str, values))
+    rc, out, _ = run(capsys, "explain", *argv, "--values", text, "--json")
+    result = json.loads(out)
+    x = torch.tensor(values, dtype=torch.float64).reshape(result["shape"])
+    dims = tuple(range(1, x.dim())) if argv[0] == "layer" else (0,)
+    y64 = (x - x.mean(dims, keepdim=True)) / torch.sqrt(x.var(dims, unbiased=False, keepdim=True) + 1e-5)
+    y_torch = build().train()(x.float()).detach().double()
+    assert (y_torch - y64).abs().max() > 1e-5  # torch is off here
+    y = torch.tensor(result["output"], dtype=torch.float64)
+    assert (y - y64).abs().max() <= (y_torch - y64).abs().max()
+    t = result["torch"]
+    assert not t["allclose"] and t["closer_to_float64"] and rc == 0
+    assert t["float64_max_abs_diff"]["torch"] == pytest.approx((y_torch - y64).abs().max().item(), rel=1e-6)
+    rc, out, _ = run(capsys, "explain", *argv, "--values", text, "--plain")
+    assert rc == 0 and "normscope is the closer one  [ok]" in out and "FAIL" not in out
+
+
+def test_explain_a_nan_input_gives_torch_s_nan(capsys):
+    rc, out, _ = run(capsys, "explain", "layer", "--shape", "4", "--values", "1,2,nan,4", "--json")
+    result = json.loads(out)
+    want = torch.nn.LayerNorm(4)(torch.tensor([1.0, 2.0, float("nan"), 4.0]))
+    assert want.isnan().all() and all(math.isnan(v) for v in result["output"])
+    assert rc == 0 and result["torch"]["allclose"] and result["torch"]["max_abs_diff"] == 0.0
+
+
+def test_explain_batchnorm1d_takes_n_c_as_torch_does(capsys):
+    values = [0.5, -1.0, 2.0, 0.25, -0.75, 1.5]
+    rc, out, _ = run(
+        capsys, "explain", "BatchNorm1d", "--shape", "3,2", "--values", ",".join(map(str, values)), "--json"
+    )
+    result = json.loads(out)
+    want = torch.nn.BatchNorm1d(2)(torch.tensor(values).reshape(3, 2))
+    assert rc == 0 and result["torch_layer"] == "BatchNorm1d"
+    assert torch.allclose(torch.tensor(result["output"]), want, atol=1e-6)
+
+
 def test_explain_rms_labels_its_statistics_honestly(capsys):
     """RMSNorm subtracts no mean: the table shows the mean square and 1/rms, not "mean 0" and a
     "variance" that is really the mean square."""

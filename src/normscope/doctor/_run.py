@@ -121,11 +121,12 @@ def doctor(
     One forward in the model's own mode, with forward hooks on every module, records what each norm
     sees; the checks (:data:`normscope.doctor.CHECKS`) measure it. Some checks run more: the model
     with its BatchNorms in train and then eval mode (two forwards, ``train-eval-drift``), each leaf
-    module once more on the first sample alone (``batch-invariance``), and copies of norm layers on
-    probe inputs (``cancellation``). The model's parameters and buffers (the same tensor objects,
-    bit for bit), gradients, ``requires_grad`` and ``training`` flags, its other plain attributes,
-    and the random number generators (torch, CUDA, ``random``, NumPy) are put back afterwards,
-    also when the forward raises.
+    module once more on the first sample alone (``batch-invariance``), copies of norm layers on
+    probe inputs (``cancellation``), and the model once more without the biases a norm would remove
+    (``bias-before-norm``: the output must not change, so the bias feeds nothing else). The model's
+    parameters and buffers (the same tensor objects, bit for bit), gradients, ``requires_grad`` and
+    ``training`` flags, its other plain attributes, and the random number generators (torch, CUDA,
+    ``random``, NumPy) are put back afterwards, also when the forward raises.
 
     Run it in the mode you train in: the batch-size and frozen-statistics checks look at the layers
     that use batch statistics in this forward.
@@ -218,9 +219,25 @@ def doctor(
             finally:
                 snapshot.restore()
 
+        def output_with(tensors: dict[str, Tensor]) -> tuple[Tensor, Tensor] | None:
+            # (the diagnosed forward's output, the output with these parameters/buffers replaced), same
+            # seed and modes; the model's own tensors are not touched (functional_call) and the state a
+            # forward moves is put back
+            y = _first_output(main)
+            if y is None or not y.is_floating_point():
+                return None
+            torch.manual_seed(_SEED)
+            try:
+                with torch.no_grad():
+                    other = _first_output(torch.func.functional_call(model, tensors, inputs, kwargs))
+            finally:
+                snapshot.restore()
+            return (y.detach(), other) if other is not None and other.shape == y.shape else None
+
         ctx = Context(
             model, batch, norms, leaves, before, after, mask, mask_source, world_size, mode_outputs, grad_graph, probes
         )
+        ctx.output_with = output_with
         findings = []
         for name in names:
             say(f"check {name}")

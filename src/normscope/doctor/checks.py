@@ -42,6 +42,9 @@ class Context:
     mode_outputs: Callable[[], tuple[Tensor, Tensor] | None]
     grad_graph: bool  # whether the forward recorded autograd's graph (post-ln reads it)
     probes: dict = field(default_factory=dict)  # class -> its probed configuration (see _observe.probe)
+    # (the forward's output, the output with the named parameters/buffers replaced); None where the
+    # model's output is not one floating tensor
+    output_with: Callable[[dict[str, Tensor]], tuple[Tensor, Tensor] | None] = lambda tensors: None
     notes: dict[str, str] = field(default_factory=dict)
 
     def note(self, check: str, text: str) -> None:
@@ -224,13 +227,18 @@ _PADDING_SOURCE = (
 )
 
 
-def _mask_axes(shape: torch.Size, mask: Tensor) -> tuple[int, ...] | None:
+def _mask_axes(shape: torch.Size, mask: Tensor, channel: int | None = None) -> tuple[int, ...] | None:
     """The axes of a tensor of ``shape`` that a (B, S) mask indexes: (0, 1) for (B, S, D), (0, 2)
-    for (B, D, S), (1, 0) for (S, B, D); (0,) after flattening to (B*S, D); None if none fits."""
+    for (B, D, S), (1, 0) for (S, B, D); (0,) after flattening to (B*S, D); None if none fits.
+    Where D == S, a per-channel norm's ``channel`` axis is not the positions' (BatchNorm1d on (B, D, S))."""
     b, s = mask.shape
-    for a0, a1 in ((0, 1), (0, 2), (1, 0)):
-        if len(shape) > max(a0, a1) and shape[a0] == b and shape[a1] == s:
-            return (a0, a1)
+    fits = [
+        (a0, a1)
+        for a0, a1 in ((0, 1), (0, 2), (1, 0))
+        if len(shape) > max(a0, a1) and shape[a0] == b and shape[a1] == s
+    ]
+    if fits:
+        return next((a for a in fits if a[1] != channel), fits[0])
     if len(shape) >= 2 and shape[0] == b * s:
         return (0,)
     return None
@@ -265,7 +273,7 @@ def padding(ctx: Context) -> list[Finding]:
         if s.kind == "frozen" or _masked_arg(call):
             continue
         x = call.args[0]
-        axes = _mask_axes(x.shape, ctx.mask)
+        axes = _mask_axes(x.shape, ctx.mask, s.channel)
         if axes is None or not set(axes) & set(s.reduce):
             continue  # the pads are not inside any statistic (LayerNorm per token, ...)
         valid = _broadcast_mask(x, ctx.mask.to(x.device), axes).expand_as(x)
@@ -717,7 +725,7 @@ _BIAS_SOURCE = "AllenNLP NormalizationBiasVerification: a bias directly before a
 def bias_before_norm(ctx: Context) -> list[Finding]:
     """A Linear/Conv bias feeding a norm that subtracts a per-channel mean over every axis the bias
     is constant along (BatchNorm, InstanceNorm on the bias's channel axis): the norm removes it."""
-    out = []
+    found = []
     for call in ctx.norms:
         s: NormScope = call.extra["scope"]
         if call.producer is None or not s.centered or s.channel is None or s.kind not in ("batch", "instance"):
@@ -728,8 +736,15 @@ def bias_before_norm(ctx: Context) -> list[Finding]:
             continue
         x = call.args[0]
         bias_axis = 1 if isinstance(prod, nn.modules.conv._ConvNd) else x.dim() - 1
-        if s.channel != bias_axis:
-            continue
+        if s.channel == bias_axis:
+            found.append((call, bias))
+    # the norm removes the bias from its own input only: where the producer's output also goes elsewhere
+    # (a residual `bn(y) + y`, the producer called again) the bias counts. Measured: the model's output
+    # without these biases (the fix, running_mean shifted) must be the diagnosed one, to rounding
+    if found and not _bias_removable(ctx, found):
+        found = [f for f in found if _bias_removable(ctx, [f])]
+    out = []
+    for call, bias in found:
         fix = (
             f"conv, norm = model.get_submodule({call.producer!r}), model.get_submodule({call.path!r}); "
             "norm.running_mean.sub_(conv.bias.detach()) if norm.running_mean is not None else None; conv.bias = None"
@@ -751,6 +766,24 @@ def bias_before_norm(ctx: Context) -> list[Finding]:
             )
         )
     return out
+
+
+def _bias_removable(ctx: Context, found: list[tuple[Call, Tensor]]) -> bool:
+    """Whether the model's output stays the diagnosed one, to its dtype's rounding, with each found bias
+    zeroed and its norm's running mean shifted by it (what the fix does)."""
+    tensors = {}
+    for call, bias in found:
+        tensors[f"{call.producer}.bias".lstrip(".")] = torch.zeros_like(bias)
+        mean = getattr(call.module, "running_mean", None)
+        if isinstance(mean, Tensor):
+            tensors[f"{call.path}.running_mean".lstrip(".")] = mean.detach() - bias.detach().to(mean.dtype)
+    outputs = ctx.output_with(tensors)
+    if outputs is None:
+        return True  # nothing to compare: the structure alone (the producer feeds the norm) speaks
+    y, other = outputs
+    scale = y.detach().abs().max().double().item()
+    tol = 64 * torch.finfo(y.dtype).eps * max(scale, 1.0)
+    return bool((other.double() - y.double()).abs().max().item() <= tol)
 
 
 # -------------------------------------------------------------------------------------- post-ln

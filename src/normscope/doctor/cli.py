@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         parent = Path(args.html).resolve().parent
         if not parent.is_dir():
             parser.error(f"argument --html: the directory {str(parent)!r} does not exist")
+        if Path(args.html).is_dir():
+            parser.error(f"argument --html: expected a file to write, got the directory {args.html!r}")
     progress = (lambda line: None) if args.quiet else (lambda line: print(f"doctor: {line}", file=sys.stderr))
     progress(f"building {args.target}")
     try:
@@ -168,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
             print()
             render(fixed[1], plain=args.plain, title="after the fixes")
     if args.html:
-        Path(args.html).write_text(to_html(report, fixed))
+        try:
+            Path(args.html).write_text(to_html(report, fixed))
+        except OSError as e:  # e.g. no permission: said in one line, after the report it could not save
+            print(f"normscope doctor: argument --html: cannot write {args.html!r}: {e.strerror or e}", file=sys.stderr)
+            return 1
         progress(f"HTML report written to {args.html}")
     final = fixed[1] if fixed is not None else report
     if args.fail_on:

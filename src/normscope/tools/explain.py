@@ -208,6 +208,8 @@ def _setup(
         lo, hi = (3 if kind == "instance" else 2), (5 if kind in ("batch", "instance") else 8)
         if spatial is not None:
             lo = hi = spatial + 2
+            if kind == "batch" and spatial == 1:
+                lo = 2  # torch's BatchNorm1d takes (N, C) as well as (N, C, L)
         if not lo <= rank <= hi:
             want = f"{lo} axes" if lo == hi else f"{lo} to {hi} axes"
             raise UsageError(
@@ -446,7 +448,17 @@ def explain(
 
     with torch.no_grad():
         y, y_torch, compared, torch_call = _outputs(setup, x)
-    diff = (y - y_torch)[compared].abs().max().item()
+    diff = _max_abs_diff(y[compared], y_torch[compared])
+    agree = bool(torch.allclose(y[compared], y_torch[compared], atol=1e-6, rtol=1e-5, equal_nan=True))
+    verdict = {"max_abs_diff": diff, "allclose": agree}
+    if not agree:
+        # torch is the floor, not the bar (DESIGN.md): where the two part, float64 says which is right; a
+        # normscope output no further from it than torch's passes (torch's one-pass fp32 statistics lose
+        # digits on an input such as 1e4 + small noise, or give a constant channel a nonzero output)
+        y64 = _float64_output(x, ids, resolved.centered, setup.eps)[compared]
+        ours, theirs = _max_abs_diff(y[compared], y64), _max_abs_diff(y_torch[compared], y64)
+        verdict["float64_max_abs_diff"] = {"normscope": ours, "torch": theirs}
+        verdict["closer_to_float64"] = bool(ours <= theirs)
     words = describe(resolved, names)
     if kind == "qknorm":
         words = words.replace("channels of one group", "features of one head").replace("and group", "and head")
@@ -486,11 +498,34 @@ def explain(
         "scope_ids": ids.tolist(),
         "output": y.tolist(),
         "mask_lengths": None if setup.lengths is None else list(setup.lengths),
-        "torch": {
-            "max_abs_diff": diff,
-            "allclose": bool(torch.allclose(y[compared], y_torch[compared], atol=1e-6, rtol=1e-5)),
-        },
+        "torch": verdict,
     }
+
+
+def passed(result: dict) -> bool:
+    """Whether :func:`explain`'s output is right: torch's within 1e-5, or no further than torch's from float64."""
+    return bool(result["torch"]["allclose"] or result["torch"].get("closer_to_float64", False))
+
+
+def _max_abs_diff(a: Tensor, b: Tensor) -> float:
+    """max |a - b| in float64, where a NaN or infinity in both at one place counts as equal (torch's too)."""
+    a, b = a.double(), b.double()
+    same = (a == b) | (a.isnan() & b.isnan())
+    d = torch.where(same, torch.zeros_like(a), (a - b).abs())
+    return d.max().item() if d.numel() else 0.0
+
+
+def _float64_output(x: Tensor, ids: Tensor, centered: bool, eps: float) -> Tensor:
+    """Each scope's normalized values, computed in float64 from its own elements (the affine at identity)."""
+    x64, y = x.double(), torch.full(x.shape, float("nan"), dtype=torch.float64)
+    for sid in ids.unique().tolist():
+        if sid < 0:
+            continue
+        members = ids == sid
+        v = x64[members]
+        mean = v.mean() if centered else v.new_zeros(())
+        y[members] = (v - mean) / torch.sqrt((v - mean).square().mean() + eps)
+    return y
 
 
 def _indices(shape: Sequence[int]) -> list[tuple[int, ...]]:
@@ -564,9 +599,20 @@ def render(result: dict, out: Out) -> None:
     if len(rows) > MAX_ROWS:
         out.line(f"  ... {len(rows) - MAX_ROWS} more rows (use --json for all)")
     t = result["torch"]
-    out.line(
-        f"{result.get('torch_call') or 'torch.nn.' + result['torch_layer']} gives the same output: "
-        f"max |normscope - torch| = {t['max_abs_diff']:.2e}  "
-        f"[{out.mark(t['allclose'])}]",
-        style="green" if t["allclose"] else "bold red",
-    )
+    ok = passed(result)
+    who = result.get("torch_call") or "torch.nn." + result["torch_layer"]
+    if t["allclose"]:
+        out.line(
+            f"{who} gives the same output: max |normscope - torch| = {t['max_abs_diff']:.2e}  [{out.mark(True)}]",
+            style="green",
+        )
+    else:
+        out.line(f"{who} gives another output: max |normscope - torch| = {t['max_abs_diff']:.2e}")
+        f64 = t["float64_max_abs_diff"]
+        out.line(
+            f"against float64 (each scope's mean and variance): max |normscope - float64| = {f64['normscope']:.2e}, "
+            f"max |torch - float64| = {f64['torch']:.2e}: "
+            + ("normscope is the closer one" if ok else "normscope is further off than torch")
+            + f"  [{out.mark(ok)}]",
+            style="green" if ok else "bold red",
+        )

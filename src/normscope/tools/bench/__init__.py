@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -216,6 +217,27 @@ def _threads(text: str) -> int:
     return n
 
 
+def _budget(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        s = -1.0
+    if not (s >= 0 and math.isfinite(s)):  # nan compares false
+        raise argparse.ArgumentTypeError(f"expected a non-negative number of seconds, got {text!r}")
+    return s
+
+
+def _read_report(path: Path, p: argparse.ArgumentParser) -> dict:
+    """A bench JSON from ``--out`` for --resume / --plot-only, or exit 2 saying what is wrong with it."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        p.error(f"argument --out: cannot read {path} as a bench JSON: {e}")
+    if not isinstance(report, dict) or not isinstance(report.get("results"), list):
+        p.error(f'argument --out: {path} is not a bench JSON (no list of "results")')
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``normscope bench`` with ``argv``; returns the exit status. torch's thread count is restored
     afterwards (``--threads`` changes it for the run only)."""
@@ -261,7 +283,7 @@ def _main(argv: list[str]) -> int:
     )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available; cpu with --interpret)")
     p.add_argument("--resume", action="store_true", help="keep the rows of the JSON already in --out, run the rest")
-    p.add_argument("--budget-s", type=float, default=None, help="start no new configuration after this many seconds")
+    p.add_argument("--budget-s", type=_budget, default=None, help="start no new configuration after this many seconds")
     p.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON in --out, measure nothing")
     p.add_argument(
         "--threads",
@@ -288,6 +310,9 @@ def _main(argv: list[str]) -> int:
     peers = [q.strip() for q in (a.peers or ",".join(PEERS)).split(",") if q.strip()]
     known = CASE_GROUPS["all"]
     bad = [c for c in cases if c not in known] + [d for d in dtypes if d not in DTYPES]
+    if not cases or not dtypes:
+        what = "case" if not cases else "dtype"
+        p.error(f"expected at least one {what}, got --cases {a.cases!r} --dtypes {a.dtypes!r}")
     if bad:
         p.error(
             f"unknown case/dtype {bad}; cases: {', '.join(known)}; groups: {', '.join(CASE_GROUPS)}; "
@@ -299,7 +324,14 @@ def _main(argv: list[str]) -> int:
         p.error(f"--interpret runs on the CPU; got --device {a.device}")
     if a.interpret:
         _use_interpreter(p)
-    device = torch.device(a.device or ("cpu" if a.interpret else "cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(a.device or ("cpu" if a.interpret else "cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:  # torch's "Expected one of cpu, cuda, ... device type at start of device string"
+        p.error(f"argument --device: expected cuda or cpu, got {a.device!r}")
+    if device.type not in ("cuda", "cpu"):
+        p.error(f"argument --device: expected cuda or cpu, got {a.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available() and not a.plot_only:  # redrawing measures nothing
+        p.error(f"argument --device: {a.device!r} asked for, but this torch sees no CUDA device")
     level = "interpret" if a.interpret else "quick" if a.quick or device.type == "cpu" else "full"
     if a.peers is None and device.type == "cpu" and not a.interpret:
         peers = ["torch"]
@@ -311,12 +343,19 @@ def _main(argv: list[str]) -> int:
     previous = None
     if a.plot_only or a.resume:
         if path.exists():
-            previous = json.loads(path.read_text())
+            previous = _read_report(path, p)
         elif a.plot_only:
             p.error(f"--plot-only: no {path} to plot")
     if a.write_choice and not a.plot_only and (device.type != "cuda" or a.interpret):
         where = "cpu (interpreted)" if a.interpret else device.type
         p.error(f"--write-choice: the table is measured on CUDA; got device {where}")
+    if not a.plot_only:
+        try:  # before any measurement: a run that cannot write its results is not started
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"argument --out: cannot create the directory {a.out!r}: {e.strerror or e}")
+        if not os.access(out, os.W_OK | os.X_OK):
+            p.error(f"argument --out: cannot write into {a.out!r}: permission denied")
     command = shlex.join(["normscope", "bench", *argv])
     if not a.plot_only:
         print(scope_line(device, level, peers))
@@ -341,7 +380,6 @@ def _main(argv: list[str]) -> int:
             f"{load['cpus']} CPUs): other work shares the cores and memory bandwidth, so times and GB/s will be "
             "low and noisy. Measure on an idle machine, or with --threads 1 beside other jobs."
         )
-    out.mkdir(parents=True, exist_ok=True)
     report = run(
         cases, dtypes, level, device, peers=peers, previous=previous, budget_s=a.budget_s,
         on_config=lambda rep: write_json(path, dict(rep, load=load)),
