@@ -244,3 +244,26 @@ def test_a_checkpointed_recomputation_counts_as_batchnorm_counts_it(use_reentran
     assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 4
     torch.testing.assert_close(ours.running_mean, theirs.running_mean, rtol=0, atol=1e-6)
     torch.testing.assert_close(ours.running_var, theirs.running_var, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "dtype, mean, std", [(torch.float16, 1e4, 0.0), (torch.float32, 1e4, 1e-3), (torch.float32, 5.0, 0.0)]
+)
+def test_batchrenorm_correction_d_is_not_rounded_at_the_batch_mean_magnitude(dtype, mean, std):
+    # d joined the mean (mu_B - d sigma_B / r), rounded at mu_B's magnitude, then multiplied by r / sigma_B:
+    # a constant fp16 channel at 1e4 (fresh running statistics: r = 1/3, d = 5) gave 5 +- 0.04 where the
+    # paper's formula gives d exactly. Oracle: the formula in float64 on the same input values; bound: the
+    # formula's own error run in fp32 (the input's dtype for fp16 is rounded once at the end)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(16, 4, 8, generator=g, dtype=torch.float64) * std + mean).to(dtype)
+    brn = normscope.BatchRenorm1d(4).to(dtype)
+    y = brn(x).double()
+
+    def formula(t):
+        mu, sb = t.mean((0, 2), keepdim=True), (t.var((0, 2), unbiased=False, keepdim=True) + 1e-5).sqrt()
+        s = math.sqrt(1 + 1e-5)  # fresh running statistics: mean 0, variance 1
+        return (t - mu) / sb * (sb / s).clamp(1 / 3, 3) + (mu / s).clamp(-5, 5)
+
+    want = formula(x.double())
+    own = (formula(x.float()).to(dtype).double() - want).abs().max().item()
+    assert (y - want).abs().max().item() <= own + 1e-6

@@ -48,8 +48,8 @@ class _BatchRenormMixin(BatchNormMixin):
         d = \mathrm{clip}_{[-d_{max}, d_{max}]}\left(\frac{\mu_B - \mu}{\sigma}\right), \quad
         y = \left(\frac{x - \mu_B}{\sigma_B} r + d\right)\gamma + \beta
 
-    which is ``apply(x, mean', rstd')`` with :math:`\text{mean}' = \mu_B - d\,\sigma_B / r` and
-    :math:`\text{rstd}' = r / \sigma_B` (:math:`\sigma = \sqrt{\text{var} + \epsilon}`).
+    which is ``apply(x, mu_B, rstd', weight, bias')`` with :math:`\text{rstd}' = r / \sigma_B` and
+    :math:`\text{bias}' = \beta + \gamma d` (:math:`\sigma = \sqrt{\text{var} + \epsilon}`).
     """
 
     def __init__(
@@ -164,7 +164,12 @@ class _BatchRenormMixin(BatchNormMixin):
             )
         running = engine.Running(self.running_mean, self.running_var, factor, True)
         engine.update_running(engine.Call(input, scope, None, None, self.eps, mask, running), m)
-        y = engine.apply(input, m.mean - d * sigma_b / r, r / sigma_b, scope, self.weight, self.bias, mask)
+        # d joins the bias (beta + gamma d, per channel), not the mean: folded into the mean as
+        # mu_B - d sigma_B / r, the offset is rounded at mu_B's magnitude and then multiplied by r / sigma_B
+        # -- a constant channel at 1e4 in fp16 gave d +- 0.04 where the formula gives d exactly
+        shift = d.reshape(-1) if self.weight is None else d.reshape(-1) * self.weight.to(d.dtype)
+        bias = shift if self.bias is None else shift + self.bias.to(d.dtype)
+        y = engine.apply(input, m.mean, r / sigma_b, scope, self.weight, bias, mask)
         engine.report_backend("reference")
         return y
 
