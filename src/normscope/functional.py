@@ -504,8 +504,10 @@ def adain(content: Tensor, style: Tensor | tuple[Tensor, Tensor], eps: float = 1
         s_mean, s_std = s_mean.reshape(-1, c, *spatial), s_std.reshape(-1, c, *spatial)
     mean, rstd = stats(content, _INSTANCE, eps=eps)
     dt = mean.dtype
-    y = _apply(content, mean, rstd * s_std.to(dt), _INSTANCE)
-    return (y.to(dt) + s_mean.to(dt)).to(content.dtype)
+    # normalized and scaled in the statistics' dtype, rounded once after the style's mean is added:
+    # apply on the content itself returns its dtype, and half input was rounded twice (2x the error)
+    y = _apply(content.to(dt), mean, rstd * s_std.to(dt), _INSTANCE)
+    return (y + s_mean.to(dt)).to(content.dtype)
 
 
 _RMS_LAST = Scope.rms()
