@@ -223,6 +223,29 @@ def test_powernorm_inf_padding_stays_out_with_valid_average():
         assert torch.equal(x.grad[~mask], torch.zeros(2, 3))
 
 
+
+@pytest.mark.parametrize("fill", [float("inf"), float("nan"), torch.finfo(torch.float32).max])
+def test_powernorm_group_scaling_keeps_non_finite_padding_out_of_the_gradient(fill):
+    # with group scaling the padded token's own RMS (GroupScaling1D) was differentiated: its backward turned
+    # the zero gradient PowerNorm sends to padding into NaN there (a finite finfo.max fill included), and
+    # from there into whatever produced the padding. Independent computation: the same valid tokens with
+    # zeros as padding, whose gradient there is exactly 0 (as the test above without group scaling)
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[True, True, True, False]] * 2)
+    layers = [normscope.PowerNorm(4, warmup_iters=2, group_scaling=2) for _ in range(2)]
+    for _ in range(3):
+        x = torch.randn(2, 4, 4, generator=gen)
+        grads = []
+        for layer, pad in zip(layers, (0.0, fill)):
+            xp = x.clone()
+            xp[~mask] = pad
+            xp.requires_grad_()
+            layer(xp, mask)[mask].sum().backward()
+            grads.append(xp.grad)
+        assert torch.equal(grads[1][~mask], torch.zeros(2, 4))
+        torch.testing.assert_close(grads[1], grads[0])
+
+
 def test_powernorm_ema_gz_over_is_checked():
     with pytest.raises(ValueError, match="ema_gz_over"):
         normscope.PowerNorm(4, ema_gz_over="pads")

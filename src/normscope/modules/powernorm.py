@@ -237,6 +237,10 @@ class PowerNorm(nn.Module):
             raise ValueError(f"{name}: expected `eps` to be a positive number, got {self.eps!r}")
         x = input
         if self.group_scaling is not None:  # the reference's GroupScaling1D, eps fixed at 1e-5 as there
+            if mask is not None:
+                # a padded token passes no gradient (see _PowerFunction), and none through its own RMS: the
+                # backward of a non-finite or overflowing one (inf, NaN, finfo.max) turns that zero into NaN
+                x = torch.where(mask, x, x.detach())
             x = engine.norm(x, self._gs_scope, eps=1e-5)
         scope = self._scope.resolve(tuple(x.shape))
         if not self.training:
