@@ -318,3 +318,30 @@ def test_a_masked_scope_whose_squares_overflow_is_finite_as_unmasked(backend):
     assert torch.isfinite(y).all() and torch.isfinite(xx.grad).all()
     torch.testing.assert_close(y[0, 1], want[0, 1])  # torch's finite answer for the overflowing scope
     torch.testing.assert_close(y[1], want[1])  # the other scopes as torch's
+
+
+HALF_CONSTANT = [
+    ("LayerNorm", lambda: normscope.LayerNorm(16), (4, 16)),
+    ("LayerNorm2d", lambda: normscope.LayerNorm2d(16), (2, 16, 3, 3)),
+    ("GroupNorm1", lambda: normscope.GroupNorm(1, 16), (4, 16, 3)),
+    ("InstanceNorm1d", lambda: normscope.InstanceNorm1d(16, affine=True), (4, 16, 8)),
+    ("BatchNorm1d", lambda: normscope.BatchNorm1d(16), (8, 16, 3)),
+]
+
+
+@pytest.mark.parametrize("dtype, offset", [(torch.bfloat16, 3e4), (torch.float16, 1e4)])
+@pytest.mark.parametrize("case", HALF_CONSTANT, ids=[c[0] for c in HALF_CONSTANT])
+def test_half_constant_scope_at_a_large_offset_returns_bias(case, dtype, offset):
+    # torch's half CPU kernels cancel as its fp32 ones do (x * rstd * w - mean * rstd * w, ~offset / sqrt(eps)
+    # each): a constant fp16 row at 1e4 came out 0.08 off its bias, bf16 at 3e4 0.06-0.4 (LayerNorm2d's
+    # (N, C, H, W) and the modern norms' layer scopes run the same op), and the cancellation check guarded
+    # fp32 input only. Independent computation: x - mean is exactly 0, so the output is the bias
+    _, make, shape = case
+    layer = make().to(dtype)
+    with torch.no_grad():
+        layer.bias.copy_(torch.linspace(-1, 1, layer.bias.numel()))
+        layer.weight.fill_(3.0)
+    y = layer(torch.full(shape, offset, dtype=dtype))
+    bshape = [1] * len(shape)
+    bshape[1 if case[0] != "LayerNorm" else -1] = 16
+    torch.testing.assert_close(y, layer.bias.detach().reshape(bshape).expand(shape), atol=0, rtol=0)
