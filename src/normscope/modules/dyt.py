@@ -84,8 +84,16 @@ class DyT(nn.Module):
                 f"got shape {tuple(input.shape)}"
             )
         y = torch.tanh(self.alpha * input)
-        if self.weight is None:
+        w, b, n = self.weight, self.bias, self.num_features
+        if w is None:
             return y
+        # a weight or bias replaced after construction (another size, None): refused by name, not a
+        # RuntimeError from view() nor an AttributeError of None
+        if w.shape != (n,) or b is None or b.shape != (n,):
+            raise ValueError(
+                f"DyT({n}): expected `weight` and `bias` of shape ({n},), got "
+                f"{tuple(w.shape)} and {None if b is None else tuple(b.shape)}"
+            )
         view = [1] * input.dim()
-        view[cd] = self.num_features
-        return y * self.weight.view(view) + self.bias.view(view)
+        view[cd] = n
+        return y * w.view(view) + b.view(view)
