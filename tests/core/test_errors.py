@@ -303,3 +303,30 @@ def test_instancenorm_running_buffers_replaced_after_a_call(training, replace, e
         m.running_mean, m.running_var = torch.zeros(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
     torch.testing.assert_close(ours(x3), theirs(x3))
     torch.testing.assert_close(ours.running_var, theirs.running_var)
+
+
+@pytest.mark.parametrize(
+    "name, args, shape, what",
+    [("LayerNorm", (5,), (2, 6, 5), "weight"), ("RMSNorm", (5,), (2, 6, 5), "weight"),
+     ("GroupNorm", (2, 6), (2, 6, 5), "bias"), ("BatchNorm1d", (6,), (2, 6, 5), "running_mean"),
+     ("InstanceNorm1d", (6,), (2, 6, 5), "input")],
+)  # fmt: skip
+def test_a_sparse_parameter_buffer_or_input_after_a_call_is_refused_by_name(name, args, shape, what):
+    """A layer's weight, bias or buffer replaced by a sparse tensor after a call (or a sparse input):
+    torch.nn's layer raises from inside its kernel (RuntimeError "unsupported memory format option
+    Contiguous", or NotImplementedError); ours a TypeError naming it, with the state as it was."""
+    ours, theirs = getattr(normscope, name)(*args), getattr(nn, name)(*args)
+    x = torch.randn(shape)
+    for m in (ours, theirs):
+        m(x)  # planned: the sparse tensor must not run on the strided call's plan
+        if what in m._buffers:
+            setattr(m, what, getattr(m, what).to_sparse())
+        elif what != "input":
+            setattr(m, what, nn.Parameter(getattr(m, what).detach().to_sparse()))
+    x = x.to_sparse() if what == "input" else x
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        theirs(x)
+    before = state_of(ours)
+    with pytest.raises(TypeError, match=f"`{what}` to be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
+        ours(x)
+    assert all(torch.equal(v.to_dense(), before[k].to_dense()) for k, v in state_of(ours).items())
