@@ -61,3 +61,19 @@ def test_dyt_weight_or_bias_replaced_after_a_call(name, value, got):
     assert got in str(e.value)
     setattr(m, name, nn.Parameter(torch.randn(4)))
     torch.testing.assert_close(m(x), m.weight * torch.tanh(m.alpha * x) + m.bias)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("size", [4, 9])
+def test_dyt_alpha_of_more_than_one_value_is_refused(affine, size):
+    """alpha is one scalar (the paper's, as Derf's): one of the feature count's size broadcast silently
+    per feature, another size raised a broadcast RuntimeError; both a ValueError naming it now."""
+    m = normscope.DyT(4, affine=affine)
+    x = torch.randn(2, 3, 4)
+    m(x)
+    m.alpha = nn.Parameter(torch.full((size,), 0.5))
+    with pytest.raises(ValueError, match=f"expected `alpha` to have one element, got shape \\({size},\\)"):
+        m(x)
+    m.alpha = nn.Parameter(torch.full((1,), 0.7))
+    want = torch.tanh(0.7 * x)
+    torch.testing.assert_close(m(x), want if m.weight is None else want * m.weight + m.bias)

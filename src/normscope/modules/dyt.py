@@ -83,12 +83,15 @@ class DyT(nn.Module):
                 f"DyT({self.num_features}): expected input with {self.num_features} features at dim {cd}, "
                 f"got shape {tuple(input.shape)}"
             )
-        y = torch.tanh(self.alpha * input)
-        w, b, n = self.weight, self.bias, self.num_features
+        alpha, w, b, n = self.alpha, self.weight, self.bias, self.num_features
+        # a parameter replaced after construction (another size, None): refused by name, not a RuntimeError
+        # from the product's broadcast or view(), nor an AttributeError of None -- and an alpha of one
+        # value per feature is no scalar (it broadcast silently), as Derf refuses it
+        if alpha.numel() != 1:
+            raise ValueError(f"DyT({n}): expected `alpha` to have one element, got shape {tuple(alpha.shape)}")
+        y = torch.tanh(alpha * input)
         if w is None:
             return y
-        # a weight or bias replaced after construction (another size, None): refused by name, not a
-        # RuntimeError from view() nor an AttributeError of None
         if w.shape != (n,) or b is None or b.shape != (n,):
             raise ValueError(
                 f"DyT({n}): expected `weight` and `bias` of shape ({n},), got "
