@@ -74,6 +74,9 @@ def test_dyt_alpha_of_more_than_one_value_is_refused(affine, size):
     m.alpha = nn.Parameter(torch.full((size,), 0.5))
     with pytest.raises(ValueError, match=f"expected `alpha` to have one element, got shape \\({size},\\)"):
         m(x)
+    m.alpha = None  # an AttributeError of None once, a TypeError of None * input before
+    with pytest.raises(ValueError, match="expected `alpha` to have one element, got None"):
+        m(x)
     m.alpha = nn.Parameter(torch.full((1,), 0.7))
     want = torch.tanh(0.7 * x)
     torch.testing.assert_close(m(x), want if m.weight is None else want * m.weight + m.bias)

@@ -87,8 +87,9 @@ class DyT(nn.Module):
         # a parameter replaced after construction (another size, None): refused by name, not a RuntimeError
         # from the product's broadcast or view(), nor an AttributeError of None -- and an alpha of one
         # value per feature is no scalar (it broadcast silently), as Derf refuses it
-        if alpha.numel() != 1:
-            raise ValueError(f"DyT({n}): expected `alpha` to have one element, got shape {tuple(alpha.shape)}")
+        if alpha is None or alpha.numel() != 1:
+            got = None if alpha is None else f"shape {tuple(alpha.shape)}"
+            raise ValueError(f"DyT({n}): expected `alpha` to have one element, got {got}")
         y = torch.tanh(alpha * input)
         if w is None:
             return y
