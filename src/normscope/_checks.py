@@ -30,12 +30,18 @@ def tensor(x: object, name: str, where: str) -> Tensor:
 
 def dense(x: Tensor, name: str, where: str) -> None:
     """Refuse a nested tensor: its ragged sizes resolve no scope (reading them raises torch's internal
-    "NestedTensorImpl doesn't support sizes"); normscope's way to ragged input is padding and a mask."""
+    "NestedTensorImpl doesn't support sizes"); normscope's way to ragged input is padding and a mask.
+    And a sparse (or any other non-strided) one: torch's kernels refuse it from inside, with a
+    RuntimeError or NotImplementedError ("unsupported memory format option Contiguous") -- a layer's
+    weight or buffer replaced by ``.to_sparse()`` included (the plans key the layout, so a planned call
+    of strided tensors never gets here)."""
     if x.is_nested:
         raise TypeError(
             f"{where}: expected `{name}` to be a dense tensor, got a nested tensor; pad it "
             f"(`nt.to_padded_tensor(0.0)`) and pass a mask of its valid positions, or use torch.nn's layer"
         )
+    if x.layout != torch.strided:
+        raise TypeError(f"{where}: expected `{name}` to be a dense (strided) tensor, got layout {x.layout}")
 
 
 def ndim(x: Tensor, allowed: Sequence[int], name: str, where: str) -> None:
@@ -67,6 +73,7 @@ def param(p: Tensor | None, name: str, shape: Sequence[int], x: Tensor, where: s
         return
     if not isinstance(p, Tensor):
         raise TypeError(f"{where}: expected `{name}` to be a torch.Tensor or None, got {type(p).__name__}")
+    dense(p, name, where)
     if p.shape != shape:
         raise ValueError(
             f"{where}: expected `{name}` of shape {tuple(shape)} to match input of shape "

@@ -264,6 +264,21 @@ def checked_instance_norm(
         # torch's instance_norm averages the per-instance statistics into the buffers with a copy:
         # buffers of any dtype
         check.param(p, name, (c,), input, where, any_dtype=True)
+    # ... but never one without the other, nor a running_mean of the input's dtype with a running_var of
+    # another (the one mixture torch's kernel takes as all of the input's dtype; measured over every pair
+    # of fp16/bf16/fp32/fp64): torch refuses both with a RuntimeError from inside ("expected scalar type
+    # Float but found Double", "Expected a proper Tensor but got None") -- a layer whose buffer was
+    # replaced by one of another dtype, or set to None
+    if (running_mean is None) != (running_var is None):
+        given, missing = ("running_mean", "running_var") if running_var is None else ("running_var", "running_mean")
+        raise ValueError(
+            f"{where}: expected `running_mean` and `running_var` both or neither, got `{given}` without `{missing}`"
+        )
+    if running_mean is not None and running_mean.dtype == input.dtype != running_var.dtype:
+        raise TypeError(
+            f"{where}: expected `running_var` of dtype {input.dtype} like `running_mean` and the input, got "
+            f"{running_var.dtype}"
+        )
     for name, p in (("weight", weight), ("bias", bias)):
         check.param(p, name, (c,), input, where)
     check.one_dtype(input, where, weight=weight, bias=bias)

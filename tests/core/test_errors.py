@@ -266,3 +266,67 @@ def test_a_nested_tensor_is_refused_by_name(call, layout):
     nt = torch.nested.nested_tensor([torch.randn(3, 16), torch.randn(5, 16)], layout=layout)
     with pytest.raises(TypeError, match=r"expected `(input|x|q|content)` to be a dense tensor, got a nested tensor"):
         call(nt)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize(
+    "replace,exc,fragments",
+    [
+        ({"running_var": torch.ones(6, dtype=torch.float64)}, TypeError,
+         ["`running_var` of dtype torch.float32 like `running_mean` and the input", "got torch.float64"]),
+        ({"running_mean": torch.zeros(6, dtype=torch.float64), "running_var": None}, ValueError,
+         ["`running_mean` and `running_var` both or neither", "`running_mean` without `running_var`"]),
+    ],
+    ids=["var_dtype", "var_none"],
+)  # fmt: skip
+def test_instancenorm_running_buffers_replaced_after_a_call(training, replace, exc, fragments):
+    """An InstanceNorm layer whose running buffer is replaced after a call -- by one of another dtype
+    than its partner, or by None -- is refused by torch.nn's layer too, with a RuntimeError from inside
+    its kernel ("expected scalar type Float but found Double", "Expected a proper Tensor but got None");
+    ours names the buffers, and changes nothing. Buffers of one dtype, any, still run as torch's."""
+    ours, theirs = normscope.InstanceNorm1d(6, track_running_stats=True), nn.InstanceNorm1d(6, track_running_stats=True)
+    for m in (ours, theirs):
+        m.train(training)
+        m(x3)  # a planned call first: the replaced buffer must not run on its plan
+        for k, v in replace.items():
+            setattr(m, k, v)
+    with pytest.raises(RuntimeError):
+        theirs(x3)
+    before = state_of(ours)
+    with pytest.raises(exc) as e:
+        ours(x3)
+    assert type(e.value) is exc
+    for frag in fragments:
+        assert frag in str(e.value)
+    assert all(torch.equal(v, before[k]) for k, v in state_of(ours).items())
+    for m in (ours, theirs):  # both of fp64: torch runs it, and so do we
+        m.running_mean, m.running_var = torch.zeros(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
+    torch.testing.assert_close(ours(x3), theirs(x3))
+    torch.testing.assert_close(ours.running_var, theirs.running_var)
+
+
+@pytest.mark.parametrize(
+    "name, args, shape, what",
+    [("LayerNorm", (5,), (2, 6, 5), "weight"), ("RMSNorm", (5,), (2, 6, 5), "weight"),
+     ("GroupNorm", (2, 6), (2, 6, 5), "bias"), ("BatchNorm1d", (6,), (2, 6, 5), "running_mean"),
+     ("InstanceNorm1d", (6,), (2, 6, 5), "input")],
+)  # fmt: skip
+def test_a_sparse_parameter_buffer_or_input_after_a_call_is_refused_by_name(name, args, shape, what):
+    """A layer's weight, bias or buffer replaced by a sparse tensor after a call (or a sparse input):
+    torch.nn's layer raises from inside its kernel (RuntimeError "unsupported memory format option
+    Contiguous", or NotImplementedError); ours a TypeError naming it, with the state as it was."""
+    ours, theirs = getattr(normscope, name)(*args), getattr(nn, name)(*args)
+    x = torch.randn(shape)
+    for m in (ours, theirs):
+        m(x)  # planned: the sparse tensor must not run on the strided call's plan
+        if what in m._buffers:
+            setattr(m, what, getattr(m, what).to_sparse())
+        elif what != "input":
+            setattr(m, what, nn.Parameter(getattr(m, what).detach().to_sparse()))
+    x = x.to_sparse() if what == "input" else x
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        theirs(x)
+    before = state_of(ours)
+    with pytest.raises(TypeError, match=f"`{what}` to be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
+        ours(x)
+    assert all(torch.equal(v.to_dense(), before[k].to_dense()) for k, v in state_of(ours).items())

@@ -204,6 +204,12 @@ _RENORM_CASES = [
     # float64 input, float32 buffers: refused in evaluation (BatchNorm's path), so in training too
     ("input_dtype", lambda m: None, torch.randn(4, 6, 5, dtype=torch.float64), TypeError, ["running_mean", "float64"]),
     ("input_device", lambda m: None, torch.randn(4, 6, 5, device="meta"), ValueError, ["meta"]),
+    # a buffer set to None after a call: the correction reads both, the warm-up reads the count (an
+    # AttributeError from the correction's reshape, or the ramp's .to, before)
+    ("running_mean_none", swap("running_mean", None), None, ValueError, ["`running_mean`", "got None"]),
+    ("running_var_none", swap("running_var", None), None, ValueError, ["`running_var`", "got None"]),
+    ("count_none_warmup", lambda m: (swap("warmup_iters", 3)(m), swap("num_batches_tracked", None)(m)), None,
+     ValueError, ["`num_batches_tracked`", "warmup_iters=3", "got None"]),
 ]
 
 

@@ -146,3 +146,20 @@ def test_folded_frozen_batch_norm_refuses_an_input_on_another_device_with_a_valu
         normscope.FrozenBatchNorm2d(3)(x)
     with pytest.raises(ValueError, match="meta"):
         normscope.FrozenBatchNorm2d(3, fold=True)(x)
+
+
+@pytest.mark.parametrize("name", ["weight", "bias", "running_mean", "running_var"])
+def test_folded_frozen_batch_norm_refuses_a_buffer_of_another_size_replaced_after_a_call(name):
+    # the unfolded path (F.batch_norm) refuses it by name; the folded one raised a broadcast RuntimeError
+    # (or, for a buffer of one value, broadcast it silently over every channel)
+    m = normscope.FrozenBatchNorm2d(3, fold=True)
+    x = torch.randn(2, 3, 4, 4)
+    m(x)
+    for size in (1, 2, 5):
+        setattr(m, name, torch.ones(size))
+        with pytest.raises(ValueError, match=f"expected `{name}` of shape \\(3,\\), got \\({size},\\)"):
+            m(x)
+    setattr(m, name, torch.full((3,), 0.5))
+    bn = nn.BatchNorm2d(3).eval()
+    bn.load_state_dict(m.state_dict(), strict=False)
+    torch.testing.assert_close(m(x), bn(x))

@@ -386,6 +386,22 @@ def test_powernorm_channels_first_and_errors():
         normscope.PowerNorm(6, group_scaling=4)
 
 
+@pytest.mark.parametrize("name", ["num_batches_tracked", "running_phi"])
+def test_powernorm_buffer_set_to_none_after_a_call_is_refused_by_name(name):
+    """A training step reads the step count and running_phi: either set to None after a call is a
+    ValueError naming it, with the state as it was (an AttributeError from ``.add_``/``.numel`` before);
+    the layer with the buffer back evaluates as the formula x / sqrt(running_phi + eps)."""
+    torch.manual_seed(0)
+    pn = normscope.PowerNorm(4, warmup_iters=0)
+    x = torch.randn(3, 5, 4)
+    pn(x)
+    kept = getattr(pn, name)
+    refused_with_state_kept(pn, swap(name, None), x, ValueError, [f"`{name}`", "got None"])
+    setattr(pn, name, kept)
+    pn.eval()
+    torch.testing.assert_close(pn(x), x / torch.sqrt(pn.running_phi + 1e-5), **TOL)
+
+
 def test_powernorm_empty_batch_leaves_state():
     """An empty batch set running_phi to 0 (eval outputs 316x too large afterwards)."""
     torch.manual_seed(0)

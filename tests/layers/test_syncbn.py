@@ -500,3 +500,25 @@ def test_sync_batch_norm_outside_a_group_checks_a_masked_calls_parameter_dtypes(
     x, mask = torch.randn(4, 6, 5), torch.rand(4, 5) > 0.3
     with pytest.raises(TypeError, match="weight"):
         sbn(x, mask)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("eps", ["1e-5", None])
+def test_syncbn_eps_set_to_a_non_number_after_a_call_is_refused_by_name(training, eps):
+    """An eps set to a str or None after a call: torch.nn's SyncBatchNorm raises a TypeError from its own
+    comparison ("'<=' not supported between instances of 'str' and 'float'"); ours names `eps` (it
+    raised the comparison's TypeError too). A float set back gives torch.nn's layer's numbers."""
+    ours, theirs = normscope.SyncBatchNorm(4), torch.nn.SyncBatchNorm(4)
+    x = torch.randn(3, 4, 5)
+    for m in (ours, theirs):
+        m.train(training)
+        m(x)  # outside a process group: as a BatchNorm, planned
+        m.eps = eps
+    with pytest.raises(TypeError):
+        theirs(x)
+    with pytest.raises(TypeError, match=r"SyncBatchNorm: expected `eps` to be a float, got"):
+        ours(x)
+    ours.eps = theirs.eps = 1e-3
+    ours.eval(), theirs.eval()
+    theirs.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(ours(x), theirs(x))

@@ -83,9 +83,21 @@ class DyT(nn.Module):
                 f"DyT({self.num_features}): expected input with {self.num_features} features at dim {cd}, "
                 f"got shape {tuple(input.shape)}"
             )
-        y = torch.tanh(self.alpha * input)
-        if self.weight is None:
+        alpha, w, b, n = self.alpha, self.weight, self.bias, self.num_features
+        # a parameter replaced after construction (another size, None): refused by name, not a RuntimeError
+        # from the product's broadcast or view(), nor an AttributeError of None -- and an alpha of one
+        # value per feature is no scalar (it broadcast silently), as Derf refuses it
+        if alpha is None or alpha.numel() != 1:
+            got = None if alpha is None else f"shape {tuple(alpha.shape)}"
+            raise ValueError(f"DyT({n}): expected `alpha` to have one element, got {got}")
+        y = torch.tanh(alpha * input)
+        if w is None:
             return y
+        if w.shape != (n,) or b is None or b.shape != (n,):
+            raise ValueError(
+                f"DyT({n}): expected `weight` and `bias` of shape ({n},), got "
+                f"{tuple(w.shape)} and {None if b is None else tuple(b.shape)}"
+            )
         view = [1] * input.dim()
-        view[cd] = self.num_features
-        return y * self.weight.view(view) + self.bias.view(view)
+        view[cd] = n
+        return y * w.view(view) + b.view(view)

@@ -101,6 +101,9 @@ class FrozenBatchNorm2d(nn.Module):
                 raise ValueError(
                     f"{name}: expected `running_mean` on the input's device {input.device}, got {rm.device}"
                 )
+            for tname, t in (("weight", w), ("bias", b), ("running_mean", rm), ("running_var", rv)):
+                if t.shape != (c,):  # a buffer replaced after construction: not a broadcast RuntimeError below
+                    raise ValueError(f"{name}({c}): expected `{tname}` of shape ({c},), got {tuple(t.shape)}")
             scale = w * (rv + self.eps).rsqrt()
             shape = [1] * input.dim()
             shape[cd] = c

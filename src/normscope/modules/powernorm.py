@@ -228,11 +228,15 @@ class PowerNorm(nn.Module):
             check.param(getattr(self, pname), pname, (c,), input, name, any_dtype=True)
         for pname in ("running_phi", "ema_gz"):  # any shape of c values: the reference keeps ema_gz (1, 1, C)
             buf = getattr(self, pname)
+            if buf is None:  # set to None after construction: refused by name, not an AttributeError below
+                raise ValueError(f"{name}: expected `{pname}`, a buffer of {c} values, got None")
             if buf.numel() != c or buf.device != input.device:
                 raise ValueError(
                     f"{name}: expected `{pname}` of {c} values on the input's device {input.device}, got shape "
                     f"{tuple(buf.shape)} on {buf.device}"
                 )
+        if self.training and self.num_batches_tracked is None:  # the step counter of the warm-up and the average
+            raise ValueError(f"{name}: expected `num_batches_tracked` in training (the step count), got None")
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps > 0:
             raise ValueError(f"{name}: expected `eps` to be a positive number, got {self.eps!r}")
         x = input

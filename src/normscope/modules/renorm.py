@@ -122,6 +122,19 @@ class _BatchRenormMixin(BatchNormMixin):
         # a constant channel by 0 (or NaN), is refused here -- not found by the update's or the affine's
         # tensor ops after the state has changed, as a RuntimeError
         tensors = {"running_mean": self.running_mean, "running_var": self.running_var}
+        for pname, buf in tensors.items():
+            # the correction reads both (and the warm-up its step from the count): a buffer set to None after
+            # construction is refused by name, not found by the correction's reshape as an AttributeError
+            if buf is None:
+                raise ValueError(
+                    f"{name}: expected `{pname}` in training (the correction r, d needs the running statistics), "
+                    "got None"
+                )
+        if self.warmup_iters > 0 and self.num_batches_tracked is None:
+            raise ValueError(
+                f"{name}: expected `num_batches_tracked` in training with warmup_iters={self.warmup_iters} (the "
+                "ramp of rmax and dmax reads the step from it), got None"
+            )
         tensors.update(weight=self.weight, bias=self.bias)
         for pname, p in tensors.items():
             check.param(p, pname, (self.num_features,), input, name)

@@ -354,6 +354,8 @@ class SyncBatchNorm(_BatchNorm):
                 f"got {input.shape[1]} (input shape {tuple(input.shape)})"
             )
         m = check.mask(mask, input, 1, name)
+        if type(self.eps) is not float:  # the common case asks no more: a str or None eps set after construction
+            check.eps(self.eps, name)  # is refused by name here, not by the comparison below ('>' not supported)
         if self.training and not self.eps > 0:  # F.batch_norm's check, for the synchronized path too
             raise ValueError(f"{name}: expected `eps` > 0 when training (batch statistics normalize), got {self.eps!r}")
 
