@@ -70,7 +70,7 @@ def _check_batch_invariance(op, path, case: Case, data) -> None:
 
 @pytest.mark.parametrize("op,path", pairs(lambda op: op.per_sample))
 def test_a_sample_is_the_same_alone_and_anywhere_in_a_batch(op, path):
-    @examples(EXAMPLES.get(path, DEFAULT_EXAMPLES))
+    @examples(EXAMPLES.get(path, DEFAULT_EXAMPLES), key=f"{op.name}-{path}")
     @given(data=st.data())
     def check(data):
         _check_batch_invariance(op, path, draw_case(op, path, data), data)
@@ -116,6 +116,10 @@ TRITON_SCALED = [
         "channels_last",
         id="groups-channels-last-split",
     ),
+    # rows packed several to a program (block_m = ROWS_TILE // 8 = 4 rows of 5): 9 rows in 3 programs
+    pytest.param("layer_norm", {"ROWS_TILE": 32, "ROWS_MAX_BLOCK_M": 4}, (9, 5), 1, None, id="rows-packed"),
+    # a group of 2 x 16 positions in tiles of 16 (contiguous input)
+    pytest.param("group_norm", {"GROUPS_TILE": 16}, (3, 4, 4, 4), 2, None, id="groups-tiled"),
 ]
 
 
@@ -155,7 +159,7 @@ def _valid(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("op,path", pairs(lambda op: op.mask is not None))
 def test_padded_values_change_no_valid_bit(op, path):
-    @examples(EXAMPLES.get(path, DEFAULT_EXAMPLES))
+    @examples(EXAMPLES.get(path, DEFAULT_EXAMPLES), key=f"{op.name}-{path}")
     @given(data=st.data())
     def check(data):
         case = draw_case(op, path, data)
