@@ -274,10 +274,15 @@ class _MaskedApply(torch.autograd.Function):
             g = _laid_like(g, torch.where(bad, 0, g))
         # sum(dy * d) and sum(dy) per channel in one pass of ATen's BatchNorm backward kernel (with
         # mean 0 and invstd 1 its "xhat" is our d); per (sample, channel) for per-sample scopes
-        if ctx.per_outer and not d.is_contiguous():
+        if ctx.per_outer and (not d.is_contiguous() or i > SUM_BLOCK):
             # a transposed or channels_last input (``_affine``): no (1, O * C, I) view; plain sums --
             # for one sample too: BatchNorm's kernel below sums in another order, and a sample alone
-            # would differ in its last bits from the same sample in a batch (scope isolation)
+            # would differ in its last bits from the same sample in a batch (scope isolation). A scope
+            # of more than SUM_BLOCK positions too: BatchNorm's backward kernel accumulates a channel's
+            # positions one after another, an error growing with their count (the weight gradient of a
+            # masked InstanceNorm over 40000 fp32 positions was 20x the reference's off float64, past
+            # torch's own by 5x), where torch's sum is pairwise. The choice is on the scope's length:
+            # the same for a sample alone and in a batch
             sdd, sd = (g * d).sum(2), g.sum(2)
         else:
             if ctx.per_outer:

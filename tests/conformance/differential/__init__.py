@@ -42,7 +42,8 @@ dtype; the float64 truth is the oracle on float64 inputs), its paths and its fla
 ``test_every_unlisted_backend_refuses_the_op``.
 
 **The size thresholds of the code**, and where the suite crosses each (drawn shapes give the small
-side; ``ops.THRESHOLDS`` holds one large shape past each large threshold):
+side; ``ops.THRESHOLDS`` holds one large shape past each large threshold, and
+``test_registry`` reads each value from the code and fails on a size constant the table does not name):
 
 ========================================  ===========  =============================================
 threshold                                 value        crossed by
@@ -52,11 +53,15 @@ threshold                                 value        crossed by
                                                        modulated_norm, fused_add at (300, 4096)
 ``backends.rms.BLOCKED_BYTES``            16 MiB       THRESHOLDS: (300, 16, 1024) fp32 (19.7 MB)
 ``backends.rms.BLOCK_ELEMENTS``           2^17 elems   THRESHOLDS: (300, 4096) bf16 (10 blocks)
-``backends.rms.RSTD_CHUNK``               128 cols     ROW_LENGTHS 127, 128, 255, 256, 257, 300
 ``backends.rms.DW_GROUP_ROWS``            16 rows      drawn row counts (1..300 x middle axes)
 ``backends.aten._BOUNDED_MAX``            512 stats    THRESHOLDS: layer_norm (600, 8), group_norm
                                                        (300, 4, 2), instance_norm (200, 4, 3)
-``backends.aten._CANCEL_LIMIT``           1024         drawn inputs of offset 1000x their spread
+``backends.aten._CANCEL_LIMIT``           1024         drawn inputs of offset 10^4x their spread
+                                                       (ops.SCALES; |mean| * rstd ~3000)
+``_registry.SPLIT_ELEMENTS`` (and rms's)  32768        THRESHOLDS: a sample of 33000 (layer_norm,
+                                                       rms_norm, group_norm): alone, it runs paired
+``backends.composite.SUM_BLOCK``          16384 pos.   THRESHOLDS: masked instance/group norm over
+                                                       16500 positions
 ``kernels.config.ROWS_MAX_FUSED_N``       16384        scaled to 8 in the interpreter (TRITON_SCALED)
 ``kernels.config.ROWS_TILE`` /            4096 / 64    TINY_ROW_LENGTHS 1, 3, 8, 9, 33 (rows packed
 ``ROWS_MAX_BLOCK_M``                                   per program change at powers of two)
@@ -66,6 +71,7 @@ threshold                                 value        crossed by
 ========================================  ===========  =============================================
 
 Budget: hypothesis runs derandomized with no database and a few examples per test and path
-(``conftest.EXAMPLES``), inputs capped at ``ops.CAP`` elements (``ops.TINY_CAP`` in the interpreter),
+(``conftest.EXAMPLES``; ``NORMSCOPE_DIFF_EXAMPLES`` / ``NORMSCOPE_DIFF_SEED`` widen a run),
+inputs capped at ``ops.CAP`` elements (``ops.TINY_CAP`` in the interpreter),
 so that the suite fits CI's minutes on two cores.
 """

@@ -123,7 +123,12 @@ def draw_layout(data, ndim: int, label: str, batched: bool = True) -> str:
 def draw_scale(data) -> tuple[float, float]:
     """(scale, offset) of an input: ordinary, small, large, and an offset 1000x the spread (the
     cancellation the aten backend guards, backends/aten.py)."""
-    return data.draw(st.sampled_from([(1.0, 0.0), (3.0, 0.5), (1e-3, 0.0), (1e2, -1.0), (1e-2, 1e1)]), label="scale")
+    return data.draw(st.sampled_from(SCALES), label="scale")
+
+
+#: (scale, offset) of drawn inputs; the last has |mean| * rstd ~3000 at eps 1e-5, past the aten
+#: backend's _CANCEL_LIMIT (1024): (1e-2, 1e1) stops at ~950, below it
+SCALES = ((1.0, 0.0), (3.0, 0.5), (1e-3, 0.0), (1e2, -1.0), (1e-2, 1e1), (1e-3, 1e1))
 
 
 def x_arg(data, shape, dtype, seed, label="x", **flags) -> Any:
@@ -1391,10 +1396,41 @@ def pairs(select: Callable[[Op], bool] = lambda op: True) -> list:
 # size thresholds: one large shape past each (the drawn shapes are the other side)
 
 
+def _numel(shape, dtype, k):
+    return math.prod(shape)
+
+
+def _nbytes(shape, dtype, k):
+    return math.prod(shape) * dtype.itemsize
+
+
+def _sample(shape, dtype, k):  # the elements of one sample: a batch of one is one scope this large
+    return math.prod(shape[1:])
+
+
+def _positions(shape, dtype, k):  # the positions of one (sample, channel) scope
+    return math.prod(shape[2:])
+
+
+def _row_stats(shape, dtype, k):  # the statistics of a LayerNorm over the last k axes
+    return math.prod(shape[:-k])
+
+
+def _group_stats(shape, dtype, groups):
+    return shape[0] * groups
+
+
+def _instance_stats(shape, dtype, k):
+    return shape[0] * shape[1]
+
+
 @dataclasses.dataclass(frozen=True)
 class Threshold:
     """A shape past a size threshold of the code, for ``op`` on ``paths``; ``properties``: which
-    of (a) torch's numbers and (b) batch invariance it is checked for."""
+    of (a) torch's numbers and (b) batch invariance it is checked for. ``constant`` names the
+    threshold in the package (``"backends.rms.MIN_AUTO_ELEMENTS"``) and ``size(shape, dtype,
+    k_or_groups)`` the quantity the code compares with it: ``test_registry`` reads the value from
+    the code and holds the shape past it, so that a changed threshold cannot leave the case behind."""
 
     op: str
     shape: tuple[int, ...]
@@ -1402,28 +1438,82 @@ class Threshold:
     dtype: torch.dtype
     paths: tuple[str, ...]
     properties: str
-    why: str
+    constant: str
+    size: Callable[[tuple[int, ...], torch.dtype, int], int]
 
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
 
+_MIN_AUTO, _BLOCKED, _BLOCK = (
+    "backends.rms.MIN_AUTO_ELEMENTS",
+    "backends.rms.BLOCKED_BYTES",
+    "backends.rms.BLOCK_ELEMENTS",
+)
+_BOUNDED, _SPLIT, _SUM_BLOCK = "backends.aten._BOUNDED_MAX", "_registry.SPLIT_ELEMENTS", "backends.composite.SUM_BLOCK"
 _RMS_BATCH = (300, 4096)  # 1.2M elements; a sample: 4096
 THRESHOLDS = (
-    Threshold("rms_norm", _RMS_BATCH, 1, F32, ("auto", "aten", "rows"), "ab", "MIN_AUTO_ELEMENTS (total elements)"),
-    Threshold("rms_norm", _RMS_BATCH, 1, BF16, ("auto", "rows"), "ab", "BLOCK_ELEMENTS: bf16 rows by blocks of 2^17"),
-    Threshold("rms_norm", (300, 16, 1024), 1, F32, ("auto", "rows"), "b", "BLOCKED_BYTES: 19.7 MB > 16 MiB of fp32"),
-    Threshold("rms_norm_family", (1, 1024, 1024), 1, F32, ("auto",), "a", "the family's bits past MIN_AUTO_ELEMENTS"),
-    Threshold("rms_norm_family", (1, 1024, 1024), 1, BF16, ("auto",), "a", "the same in bf16"),
-    Threshold("RMSNorm", _RMS_BATCH, 1, F32, ("auto",), "b", "MIN_AUTO_ELEMENTS through the layer"),
-    Threshold("poly_norm", _RMS_BATCH, 1, F32, ("auto",), "b", "MIN_AUTO_ELEMENTS: three RMS scopes"),
-    Threshold("modulated_norm_rms", _RMS_BATCH, 1, F32, ("auto",), "b", "MIN_AUTO_ELEMENTS under AdaLN"),
-    Threshold("fused_add_rms_norm", _RMS_BATCH, 1, F32, ("auto",), "b", "MIN_AUTO_ELEMENTS after the add"),
-    Threshold("layer_norm", (600, 8), 1, F32, ("auto",), "ab", "_BOUNDED_MAX: 600 statistics > 512"),
-    Threshold("group_norm", (300, 4, 2), 2, F32, ("auto",), "ab", "_BOUNDED_MAX: 600 group statistics"),
-    Threshold("instance_norm", (200, 4, 3), 1, F32, ("auto",), "ab", "_BOUNDED_MAX: 800 instance statistics"),
+    Threshold("rms_norm", _RMS_BATCH, 1, F32, ("auto", "aten", "rows"), "ab", _MIN_AUTO, _numel),
+    Threshold("rms_norm", _RMS_BATCH, 1, BF16, ("auto", "rows"), "ab", _BLOCK, _numel),  # bf16 rows by blocks
+    Threshold("rms_norm", (300, 16, 1024), 1, F32, ("auto", "rows"), "b", _BLOCKED, _nbytes),  # 19.7 MB fp32
+    Threshold("rms_norm_family", (1, 1024, 1024), 1, F32, ("auto",), "a", _MIN_AUTO, _numel),  # the family's bits
+    Threshold("rms_norm_family", (1, 1024, 1024), 1, BF16, ("auto",), "a", _MIN_AUTO, _numel),
+    Threshold("RMSNorm", _RMS_BATCH, 1, F32, ("auto",), "b", _MIN_AUTO, _numel),  # through the layer
+    Threshold("poly_norm", _RMS_BATCH, 1, F32, ("auto",), "b", _MIN_AUTO, _numel),  # three RMS scopes
+    Threshold("modulated_norm_rms", _RMS_BATCH, 1, F32, ("auto",), "b", _MIN_AUTO, _numel),  # under AdaLN
+    Threshold("fused_add_rms_norm", _RMS_BATCH, 1, F32, ("auto",), "b", _MIN_AUTO, _numel),  # after the add
+    Threshold("layer_norm", (600, 8), 1, F32, ("auto",), "ab", _BOUNDED, _row_stats),
+    Threshold("group_norm", (300, 4, 2), 2, F32, ("auto",), "ab", _BOUNDED, _group_stats),
+    Threshold("instance_norm", (200, 4, 3), 1, F32, ("auto",), "ab", _BOUNDED, _instance_stats),
+    # one sample alone past SPLIT_ELEMENTS runs as a stride-0 pair (_registry._pairs): the drawn inputs
+    # (CAP) never hold such a sample, so this is the one case where the lone sample takes that road
+    Threshold("layer_norm", (3, 33000), 1, F32, ("auto", "aten", "reference"), "ab", _SPLIT, _sample),
+    Threshold("group_norm", (2, 4, 8500), 2, F32, ("auto", "aten", "reference"), "ab", _SPLIT, _sample),
+    # the rows path's own check of a lone row of SPLIT_ELEMENTS or more (rms.py)
+    Threshold(
+        "rms_norm", (3, 33000), 1, F32, ("auto", "rows", "reference"), "ab", "backends.rms.SPLIT_ELEMENTS", _sample
+    ),
+    # a masked scope of more than SUM_BLOCK positions is summed by blocks (composite); drawn scopes hold
+    # at most 17^3 positions
+    Threshold("instance_norm_masked", (2, 1, 16500), 1, F32, ("auto", "composite"), "ab", _SUM_BLOCK, _positions),
+    Threshold("group_norm_masked", (2, 2, 16500), 1, F32, ("auto", "composite"), "ab", _SUM_BLOCK, _positions),
 )
+
+#: every size constant of the modules that choose a path or a blocking by size, and how the suite
+#: meets it: a Threshold above, a drawn size, a Triton setting scaled in the interpreter
+#: (test_isolation.TRITON_SCALED), or why it is no threshold of a result's bits. test_registry reads
+#: the modules and fails on a constant named nowhere here.
+SIZE_MODULES = ("backends.rms", "backends.aten", "backends.composite", "backends.rows", "_registry", "kernels.config")
+SIZES_MET_ELSEWHERE = {
+    "backends.rms.DW_GROUP_ROWS": "drawn row counts 1..300 x middle axes cross 16",
+    "backends.aten._CANCEL_LIMIT": "draw_scale's (1e-3, 1e1): |mean| * rstd ~3000 past 1024 (test_registry checks it)",
+    "_registry.MAX_PLANS": "a bound on a cache, not on a result's bits (tests/core/test_hot_path_state.py)",
+    "_registry.GENERATION": "a counter, not a size",
+    "backends.aten._FP32_MAX": "fp32's largest value, not a size",
+    "kernels.config.ROWS_LOOP_BLOCK": "the looped chunk is min(it, ROWS_MAX_FUSED_N): scaled with the latter",
+    "kernels.config.INTERPRETER_PROGRAMS": "drawn batches of 1..32 rows or scopes, past its 4 programs",
+    "kernels.config.GROUPS_CL_WIDTH": "scaled with GROUPS_CL_TILE (groups-channels-last-split) through the tile",
+    # BatchNorm's channels kernel: its scope is the batch (no per-sample property); its blocking is
+    # crossed in tests/kernels/test_kernels.py, not here
+    "kernels.config.CHANNELS_BLOCK_P": "BatchNorm's channels kernel: tests/kernels/test_kernels.py (not this suite)",
+    "kernels.config.CHANNELS_MAX_BLOCK_C": "as CHANNELS_BLOCK_P",
+    # launch parameters that the interpreter never reads (warps, programs per SM of a GPU)
+    **{
+        f"kernels.config.{n}": "a GPU launch parameter (warps or programs per SM): not read in the interpreter"
+        for n in (
+            "CHANNELS_PROGRAMS_PER_SM",
+            "CHANNELS_WARPS",
+            "GROUPS_MAX_WARPS",
+            "GROUPS_WARP_ELEMS",
+            "ROWS_BWD_PROGRAMS_PER_SM",
+            "ROWS_LOOP_BWD_PROGRAMS_PER_SM",
+            "ROWS_LOOP_WARP_ELEMS",
+            "ROWS_MAX_WARPS",
+            "ROWS_WARP_ELEMS",
+        )
+    },
+}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from .ops import draw_case, pairs, run
 
 @pytest.mark.parametrize("op,path", pairs())
 def test_the_same_call_twice_gives_the_same_bits(op, path):
-    @examples(1)
+    @examples(1, key=f"{op.name}-{path}")
     @given(data=st.data())
     def check(data):
         case = draw_case(op, path, data)

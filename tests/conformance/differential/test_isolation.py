@@ -21,7 +21,7 @@ from normscope import engine
 
 from .conftest import DEFAULT_EXAMPLES, EXAMPLES, examples
 from .harness import Case, Cotangents, assert_bitwise
-from .ops import OPS, THRESHOLDS, draw_case, forcing_shape, pairs, run
+from .ops import OPS, PATHS, THRESHOLDS, draw_case, forcing_shape, pairs, run
 
 
 def _batched_grads(case: Case) -> list[str]:
@@ -48,12 +48,19 @@ def _check_batch_invariance(op, path, case: Case, data) -> None:
     # the same sample alone, and in a batch of b + 2 in reversed order (other neighbours, another
     # position) with two more copies of it at the end
     order = [*reversed(range(b)), i, i]
+    # at least 17 samples (past batches of 8 and 16, where packing often changes), cycling through
+    # the batch: a drawn batch of 3 would otherwise compare batches of 1, 3 and 5 only
+    least = 9 if PATHS[path].tiny else 17
+    order += [k % b for k in range(max(0, least - len(order)))]
     cot = Cotangents()
     full = run(op, path, case, cot=cot)
     runs = {
         f"in a batch of {b} at {i}": (full, i),
         "alone": (run(op, path, case.select([i]), cot=cot.select([i])), 0),
-        f"in a batch of {b + 2} at {b - 1 - i}": (run(op, path, case.select(order), cot=cot.select(order)), b - 1 - i),
+        f"in a batch of {len(order)} at {b - 1 - i}": (
+            run(op, path, case.select(order), cot=cot.select(order)),
+            b - 1 - i,
+        ),
     }
     (first, (ref, at)), *others = runs.items()
     for where, (res, j) in others:
@@ -70,7 +77,7 @@ def _check_batch_invariance(op, path, case: Case, data) -> None:
 
 @pytest.mark.parametrize("op,path", pairs(lambda op: op.per_sample))
 def test_a_sample_is_the_same_alone_and_anywhere_in_a_batch(op, path):
-    @examples(EXAMPLES.get(path, DEFAULT_EXAMPLES))
+    @examples(EXAMPLES.get(path, DEFAULT_EXAMPLES), key=f"{op.name}-{path}")
     @given(data=st.data())
     def check(data):
         _check_batch_invariance(op, path, draw_case(op, path, data), data)
@@ -116,6 +123,10 @@ TRITON_SCALED = [
         "channels_last",
         id="groups-channels-last-split",
     ),
+    # rows packed several to a program (block_m = ROWS_TILE // 8 = 4 rows of 5): 9 rows in 3 programs
+    pytest.param("layer_norm", {"ROWS_TILE": 32, "ROWS_MAX_BLOCK_M": 4}, (9, 5), 1, None, id="rows-packed"),
+    # a group of 2 x 16 positions in tiles of 16 (contiguous input)
+    pytest.param("group_norm", {"GROUPS_TILE": 16}, (3, 4, 4, 4), 2, None, id="groups-tiled"),
 ]
 
 
@@ -155,7 +166,7 @@ def _valid(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("op,path", pairs(lambda op: op.mask is not None))
 def test_padded_values_change_no_valid_bit(op, path):
-    @examples(EXAMPLES.get(path, DEFAULT_EXAMPLES))
+    @examples(EXAMPLES.get(path, DEFAULT_EXAMPLES), key=f"{op.name}-{path}")
     @given(data=st.data())
     def check(data):
         case = draw_case(op, path, data)

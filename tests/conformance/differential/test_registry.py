@@ -4,6 +4,9 @@ each listed path runs the op (``last_backend()`` says so) and every other backen
 from __future__ import annotations
 
 import contextlib
+import importlib
+import math
+import re
 
 import pytest
 import torch
@@ -19,6 +22,10 @@ from .ops import (
     OPS,
     PAST_EVERY_THRESHOLD,
     PATHS,
+    SCALES,
+    SIZE_MODULES,
+    SIZES_MET_ELSEWHERE,
+    THRESHOLDS,
     covered_names,
     draw_case,
     forcing_shape,
@@ -146,3 +153,70 @@ def test_triton_declines_llamas_order(name):
 
     check()
     assert refused, "no example drew Llama's order: the test checked nothing"
+
+
+def test_each_op_and_path_draws_its_own_examples():
+    """Hypothesis's derandomized seed is a digest of the test function: every op and path of a
+    parametrized test shared one, so each drew the same choices (the same dtype in each example: bf16
+    on no CPU path). ``examples(key=...)`` seeds each pair by its key."""
+    drawn: dict[str, list[int]] = {}
+    for key in ("layer_norm-aten", "rms_norm-rows", "group_norm-reference"):
+
+        @examples(3, key=key)
+        @given(data=st.data())
+        def check(data):
+            drawn.setdefault(key, []).append(data.draw(st.integers(0, 2**31 - 1)))  # noqa: B023 - run at once
+
+        check()
+    assert len({tuple(v) for v in drawn.values()}) == len(drawn), f"the same draws for different keys: {drawn}"
+
+
+def _code_value(dotted: str) -> int:
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(f"normscope.{module}"), name)
+
+
+@pytest.mark.parametrize(
+    "t", THRESHOLDS, ids=[f"{t.op}-{'x'.join(map(str, t.shape))}-{t.constant.rpartition('.')[2]}" for t in THRESHOLDS]
+)
+def test_each_threshold_shape_is_past_the_codes_value(t):
+    """The value is read from the code, not copied: a threshold moved past its case fails here."""
+    value = _code_value(t.constant)
+    size = t.size(t.shape, t.dtype, t.k_or_groups)
+    # the code's comparison: these take their path *from* the value (>=), the others past it (>)
+    inclusive = t.constant.endswith(("MIN_AUTO_ELEMENTS", "SPLIT_ELEMENTS"))
+    assert size >= value if inclusive else size > value, (
+        f"{t.op} {t.shape} {t.dtype}: {t.size.__name__} {t.size(t.shape, t.dtype, t.k_or_groups)} is not past "
+        f"{t.constant} = {value}"
+    )
+
+
+def _size_constants() -> set[str]:
+    out = set()
+    for module in SIZE_MODULES:
+        m = importlib.import_module(f"normscope.{module}")
+        for name, value in vars(m).items():
+            if re.fullmatch(r"_?[A-Z][A-Z0-9_]*", name) and type(value) in (int, float) and not name.startswith("__"):
+                out.add(f"{module}.{name}")
+    return out
+
+
+def test_every_size_constant_of_the_code_is_met():
+    """A size threshold added to the code fails here until a Threshold crosses it (or the table says
+    how the suite meets it): the suite's claim to straddle every threshold is checked, not trusted."""
+    from .test_isolation import TRITON_SCALED
+
+    met = {t.constant for t in THRESHOLDS} | set(SIZES_MET_ELSEWHERE)
+    met |= {f"kernels.config.{name}" for p in TRITON_SCALED for name in p.values[1]}
+    missing = _size_constants() - met
+    assert not missing, f"size constants of the code that no case of the differential suite crosses: {sorted(missing)}"
+    stale = met - _size_constants()
+    assert not stale, f"thresholds named in tests/conformance/differential/ops.py that the code no longer has: {stale}"
+
+
+def test_some_drawn_scale_cancels_past_the_aten_guard():
+    """``backends.aten._CANCEL_LIMIT``, read from the code: a drawn scale must put |mean| * rstd past it
+    (the float64 recomputation of a cancelling scope) and another below it."""
+    limit = _code_value("backends.aten._CANCEL_LIMIT")
+    ratios = [abs(offset) / math.sqrt(scale**2 + 1e-5) for scale, offset in SCALES]
+    assert max(ratios) > limit > min(ratios), (ratios, limit)
