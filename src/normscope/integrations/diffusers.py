@@ -284,14 +284,7 @@ def _plain_probe(m: nn.Module, original: type, own_weights: bool) -> tuple[Exact
         for dtype in (m.weight.dtype,) if own_weights and m.weight is not None else _PROBE_DTYPES:
             if own_weights and dtype in _UNREPRODUCED.get((original, how), ()):
                 continue  # the patched layer runs diffusers' forward on this dtype
-            layer = m if own_weights else randomized(copy.deepcopy(m), dtype)
-            device = torch.device("cpu") if layer.weight is None else layer.weight.device
-            x = probe_input(_plain_shape(layer), dtype, device)
-            with torch.no_grad():
-                try:
-                    miss = _outputs_agree(original.forward(layer, x), _plain_run(layer, x, how))
-                except (TypeError, ValueError, RuntimeError) as e:
-                    miss = f"raised {type(e).__name__}: {e}"
+            miss = _plain_miss(m if own_weights else randomized(copy.deepcopy(m), dtype), original, how, dtype)
             if miss is not None:
                 misses.append(f"{how} {miss} on {dtype}")
                 break
@@ -307,16 +300,19 @@ def _probe_other_dtypes(m: nn.Module, original: type, how: Exact) -> None:
     give ``original``'s bits for a random copy of ``m``: the patched layer runs diffusers' forward there."""
     missed = _UNREPRODUCED.setdefault((original, how), set())
     for dtype in _OTHER_DTYPES:
-        layer = randomized(copy.deepcopy(m), dtype)
-        device = torch.device("cpu") if layer.weight is None else layer.weight.device
-        x = probe_input(_plain_shape(layer), dtype, device)
-        with torch.no_grad():
-            try:
-                miss = _outputs_agree(original.forward(layer, x), _plain_run(layer, x, how))
-            except (TypeError, ValueError, RuntimeError) as e:
-                miss = f"raised {type(e).__name__}"
-        if miss is not None:
+        if _plain_miss(randomized(copy.deepcopy(m), dtype), original, how, dtype) is not None:
             missed.add(dtype)
+
+
+def _plain_miss(layer: nn.Module, original: type, how: Exact, dtype: torch.dtype) -> str | None:
+    """How ``how`` misses ``original``'s bits on ``layer`` for probe input in ``dtype`` (None: it gives them)."""
+    device = torch.device("cpu") if layer.weight is None else layer.weight.device
+    x = probe_input(_plain_shape(layer), dtype, device)
+    with torch.no_grad():
+        try:
+            return _outputs_agree(original.forward(layer, x), _plain_run(layer, x, how))
+        except (TypeError, ValueError, RuntimeError) as e:
+            return f"raised {type(e).__name__}: {e}"
 
 
 def _structure(m: nn.Module) -> tuple:
