@@ -9,6 +9,7 @@ masks a direct float64 formula differentiated by autograd.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -312,25 +313,32 @@ def test_outside_a_process_group_counts_a_checkpointed_recomputation_as_torch(us
     torch.testing.assert_close(ours.running_var, theirs.running_var, rtol=0, atol=1e-6)
 
 
-def _checkpoint_worker(rank: int, world: int, store: str, xs: list, out_dir: str) -> None:
-    from torch.utils.checkpoint import checkpoint
-
+@contextlib.contextmanager
+def _rank_group(rank: int, world: int, store: str, out_dir: str, timeout_s: float = 15.0):
+    """A spawned rank's gloo group around its body: one thread, the group set up and torn down, and a
+    failure's traceback written to ``rank<r>.err`` for the parent to show."""
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=15)
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout)
     try:
-        bn = normscope.SyncBatchNorm(C, momentum=None, dtype=torch.float64)
-        for x in xs:
-            checkpoint(bn, x[rank].clone().requires_grad_(), use_reentrant=False).square().sum().backward()
-        out = {"nbt": int(bn.num_batches_tracked), "rm": bn.running_mean.clone(), "rv": bn.running_var.clone()}
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        yield
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _checkpoint_worker(rank: int, world: int, store: str, xs: list, out_dir: str) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    with _rank_group(rank, world, store, out_dir):
+        bn = normscope.SyncBatchNorm(C, momentum=None, dtype=torch.float64)
+        for x in xs:
+            checkpoint(bn, x[rank].clone().requires_grad_(), use_reentrant=False).square().sum().backward()
+        out = {"nbt": int(bn.num_batches_tracked), "rm": bn.running_mean.clone(), "rv": bn.running_var.clone()}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def test_two_ranks_count_a_checkpointed_recomputation_as_torch(tmp_path):
@@ -382,12 +390,8 @@ def test_bad_input_errors():
 
 def _ddp_worker(rank: int, world: int, store: str, data: dict, out_dir: str) -> None:
     """DDP on CPU with a training step; mismatched channel counts; masks deciding the rule together."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20)
-    )
     results: dict = {}
-    try:
+    with _rank_group(rank, world, store, out_dir, timeout_s=20.0):
         # 1. the docs/sync.md example: convert, wrap in DDP (CPU), one SGD step
         torch.manual_seed(0)  # the same initial model on every rank
         model = torch.nn.Sequential(torch.nn.Conv2d(2, C, 1), torch.nn.BatchNorm2d(C), torch.nn.ReLU())
@@ -422,12 +426,6 @@ def _ddp_worker(rank: int, world: int, store: str, data: dict, out_dir: str) -> 
             except ValueError as err:
                 results[case] = {"error": str(err)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ddp_on_cpu_training_step_mismatch_and_mask_rule(tmp_path):
