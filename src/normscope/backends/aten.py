@@ -209,9 +209,9 @@ def _runner(entry: LayerEntry) -> Runner:
     return run
 
 
-def _bn_layout(call: Call) -> tuple[Callable[[Tensor, Tensor | None, Running | None], tuple] | None, bool]:
+def _bn_layout(call: Call) -> tuple[Callable[..., tuple] | None, bool]:
     """How a CPU BatchNorm call's tensors are laid out for ATen's kernels: ``(fix, always)``, where
-    ``fix(x, w, r) -> (x, w, r)`` is called on every call (``always``) or on a non-contiguous input
+    ``fix(x, w, b, r) -> (x, w, b, r)`` is called on every call (``always``) or on a non-contiguous input
     only -- the common call asks one ``is_contiguous`` -- and is None where nothing needs it (another
     device). Two of ATen's CPU kernels go wrong on some strides:
 
@@ -221,9 +221,9 @@ def _bn_layout(call: Call) -> tuple[Callable[[Tensor, Tensor | None, Running | N
       memory: an expanded or strided one gives an input gradient off by up to ~1e38 (read past the
       tensor; torch.nn's own layer gives the same). They are made contiguous there (an evaluation
       reads its running statistics only; a training call updates its own in place, and its backward
-      reads the batch's statistics). Elsewhere they are left as given: the kernels that read strides
-      round the forward differently (by an ulp) for a contiguous copy, and the half types' kernels
-      read them right.
+      reads the batch's statistics), and the bias is then read through a stride, which keeps the
+      forward on torch.nn's kernel (:func:`_read_through_a_stride`). Elsewhere they are left as
+      given: the half types' kernels read them right.
     * **Evaluation of an input in neither contiguous layout** (a channel slice of a larger batch,
       ``h.chunk(2, dim=1)``'s halves; every dtype): ATen takes another kernel, measured 1.3-2.4x
       further from float64 (rms error of output and input gradient, fp32/fp16/bf16), and a sample
@@ -239,21 +239,42 @@ def _bn_layout(call: Call) -> tuple[Callable[[Tensor, Tensor | None, Running | N
     wide = x0.dtype in (torch.float32, torch.float64)
     one_position = kind(call) == "batch_norm_last" or x0.dim() <= 2 or math.prod(x0.shape[2:]) == 1
 
-    def fix(x: Tensor, w: Tensor | None, r: Running | None) -> tuple[Tensor, Tensor | None, Running | None]:
+    def fix(
+        x: Tensor, w: Tensor | None, b: Tensor | None, r: Running | None
+    ) -> tuple[Tensor, Tensor | None, Tensor | None, Running | None]:
         evaluation = r is not None and not r.use_input_stats and r.mean is not None
         fmt = channels_last(x)  # None for a contiguous input, and for one in neither layout
         if fmt is None and evaluation and not x.is_contiguous():
             x = x.contiguous()
         if not wide or not (one_position or fmt is not None):
-            return x, w, r
+            return x, w, b, r
         # the channels-last kernel (fp32/fp64): its weight and an evaluation's statistics contiguous
+        copied = False
         if w is not None and not w.is_contiguous():
-            w = w.contiguous()
+            w, copied = w.contiguous(), True
         if evaluation and not (r.mean.is_contiguous() and r.var.is_contiguous()):
-            r = r._replace(mean=r.mean.contiguous(), var=r.var.contiguous())
-        return x, w, r
+            r, copied = r._replace(mean=r.mean.contiguous(), var=r.var.contiguous()), True
+        if copied and (b is None or b.is_contiguous()) and (r is None or r.mean is None or _contiguous_stats(r)):
+            b = _read_through_a_stride(b, x.shape[1], w if w is not None else x)
+        return x, w, b, r
 
     return fix, wide and one_position
+
+
+def _contiguous_stats(r: Running) -> bool:
+    return r.mean.is_contiguous() and r.var.is_contiguous()
+
+
+def _read_through_a_stride(b: Tensor | None, channels: int, like: Tensor) -> Tensor:
+    """``b`` (zeros for None) as a view with stride 2. torch.nn's call with a view among its weight,
+    bias and running statistics takes ATen's elementwise forward (``x * alpha + beta`` by
+    TensorIterator), which rounds otherwise than the all-contiguous kernel, by an ulp. Where
+    :func:`_bn_layout` made the weight or statistics contiguous for the backward's sake, a bias read
+    through a stride keeps the forward on torch.nn's kernel, so its bits stay torch's: the backward
+    never reads the bias, and a zero bias adds nothing (``beta = 0 - mean * alpha``)."""
+    if b is None:
+        return like.new_zeros(2 * channels)[::2]
+    return torch.stack((b, b), 1)[:, 0]
 
 
 def _plain(call: Call) -> LayerEntry:
@@ -263,7 +284,7 @@ def _plain(call: Call) -> LayerEntry:
 
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
             if layout is not None and (always or not x.is_contiguous()):
-                x, w, r = layout(x, w, r)
+                x, w, b, r = layout(x, w, b, r)
             rm, rv, training, mom = _running(r)
             return torch.batch_norm(x, w, b, rm, rv, training, mom, eps, _cudnn())
 
@@ -272,7 +293,7 @@ def _plain(call: Call) -> LayerEntry:
         def run(x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, r: Running | None) -> Tensor:
             x2 = x.reshape(-1, x.shape[-1])
             if layout is not None:  # always: one position per channel
-                x2, w, r = layout(x2, w, r)
+                x2, w, b, r = layout(x2, w, b, r)
             rm, rv, training, mom = _running(r)
             return torch.batch_norm(x2, w, b, rm, rv, training, mom, eps, _cudnn()).reshape(x.shape)
 
@@ -462,7 +483,7 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
                 return plain(x, w, b, eps, r)
             x2 = x.reshape(-1, x.shape[-1]) if last else x
             if always or not x2.is_contiguous():
-                x2, w, r = layout(x2, w, r)
+                x2, w, b, r = layout(x2, w, b, r)
             if r is not None and not r.use_input_stats:  # evaluation: the running statistics decide
                 # the same bound, on the running means (CPU tensors like the input, of the plan's
                 # dtype): contiguity is what remains to ask
