@@ -167,10 +167,20 @@ def positive_eps(eps: float, where: str) -> None:
         raise ValueError(f"{where}: expected `eps` to be a non-negative number, got {eps!r}")
 
 
+def size(value: object, name: str, where: str, low: int = 1) -> int:
+    """A size or count argument (``num_features``, ``num_groups``, ``head_dim``...) as a Python int: an
+    integer of any kind torch.nn's constructors take -- NumPy's included, as ``numbers.Integral`` (what
+    ``torch.nn.LayerNorm`` tests) -- but not a bool, a float or a tensor; at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        kind = "a positive" if low == 1 else "a non-negative" if low == 0 else f"an >= {low}"
+        raise ValueError(f"{where}: expected `{name}` to be {kind} int, got {value!r}")
+    return int(value)
+
+
 def normalized_shape(shape: int | Sequence[int] | torch.Size, where: str) -> tuple[int, ...]:
     """LayerNorm/RMSNorm's ``normalized_shape``: an int or a non-empty sequence of non-negative ints (a
     size of 0, an empty scope, is torch's too: ``torch.nn.LayerNorm(0)`` returns an empty output)."""
-    if isinstance(shape, int) and not isinstance(shape, bool):
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):  # NumPy's too, as torch.nn.LayerNorm
         shape = (shape,)
     try:
         # operator.index, not int(): int() would accept "4" and 2.5 and raise ValueError on "a"

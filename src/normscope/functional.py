@@ -322,10 +322,12 @@ def _group_norm(settings: GroupNormSettings, input, weight, bias, eps, running, 
     where = "group_norm"
     check.tensor(input, "input", where)
     check.channels_first(input, 2, where)
-    if not isinstance(num_groups, int) or isinstance(num_groups, bool):  # a wrong type, as torch: TypeError
+    # a wrong type, as torch: TypeError; an integer of any kind torch takes (NumPy's too), as a Python int
+    if not isinstance(num_groups, numbers.Integral) or isinstance(num_groups, bool):
         raise TypeError(f"{where}: expected `num_groups` to be a positive int, got {num_groups!r}")
     if num_groups < 1:
         raise ValueError(f"{where}: expected `num_groups` to be a positive int, got {num_groups!r}")
+    num_groups = int(num_groups)
     c = input.shape[1]
     if num_channels is not None and c != num_channels:
         raise ValueError(
@@ -366,8 +368,7 @@ def local_response_norm(input: Tensor, size: int, alpha: float = 1e-4, beta: flo
     where = "local_response_norm"
     check.tensor(input, "input", where)
     check.channels_first(input, 3, where)
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"{where}: expected `size` to be a positive int, got {size!r}")
+    size = check.size(size, "size", where)  # NumPy's ints too, as torch's
     if input.dim() >= 5 and not (
         input.is_contiguous() or input.dim() == 5 and input.is_contiguous(memory_format=torch.channels_last_3d)
     ):

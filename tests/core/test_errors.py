@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -104,6 +105,14 @@ CASES = [
      ["axis 1, got 6", "groups=4"]),
     ("normalize_weight_shape", lambda: normscope.normalize(x3, dims=-1, weight=torch.ones(3)), ValueError,
      ["`weight` of shape (5,)", "got shape (3,)"]),
+    # the modern layers' constructors: float(eps) named no argument ("could not convert string to float") and
+    # turned True into 1.0
+    ("qknorm_eps_str", lambda: normscope.QKNorm(8, eps="a"), TypeError, ["QKNorm", "`eps`", "got 'a'"]),
+    ("polynorm_eps_none", lambda: normscope.PolyNorm(eps=None), TypeError, ["PolyNorm", "`eps`", "got None"]),
+    ("adaln_eps_bool", lambda: normscope.AdaLayerNorm(8, 4, eps=True), TypeError,
+     ["AdaLayerNorm", "`eps`", "got True"]),
+    ("adaln_eps_nan", lambda: normscope.AdaLayerNorm(8, 4, eps=float("nan")), ValueError,
+     ["AdaLayerNorm", "`eps`", "got nan"]),
 ]
 
 
@@ -330,3 +339,51 @@ def test_a_sparse_parameter_buffer_or_input_after_a_call_is_refused_by_name(name
     with pytest.raises(TypeError, match=f"`{what}` to be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
         ours(x)
     assert all(torch.equal(v.to_dense(), before[k].to_dense()) for k, v in state_of(ours).items())
+
+
+_NP = np.int64
+# (id, the call with NumPy integers, the same call with Python ints): torch.nn's constructors and functions
+# take any ``numbers.Integral`` size; so must normscope's, its layers beyond torch.nn included
+NUMPY_SIZES = [
+    ("GroupNorm", lambda: normscope.GroupNorm(_NP(2), _NP(6)), lambda: nn.GroupNorm(2, 6)),
+    ("LocalResponseNorm", lambda: normscope.LocalResponseNorm(_NP(3)), lambda: nn.LocalResponseNorm(3)),
+    ("LayerNorm", lambda: normscope.LayerNorm(_NP(5)), lambda: nn.LayerNorm(5)),
+    ("RMSNorm", lambda: normscope.RMSNorm(np.int32(5)), lambda: nn.RMSNorm(5)),
+    ("LayerNorm2d", lambda: normscope.LayerNorm2d(_NP(6)), lambda: normscope.LayerNorm2d(6)),
+    ("FrozenBatchNorm2d", lambda: normscope.FrozenBatchNorm2d(_NP(6)), lambda: normscope.FrozenBatchNorm2d(6)),
+    ("DyT", lambda: normscope.DyT(_NP(5)), lambda: normscope.DyT(5)),
+    ("Derf", lambda: normscope.Derf(_NP(5)), lambda: normscope.Derf(5)),
+    ("PowerNorm", lambda: normscope.PowerNorm(_NP(5), warmup_iters=_NP(1)),
+     lambda: normscope.PowerNorm(5, warmup_iters=1)),
+    ("BatchRenorm1d", lambda: normscope.BatchRenorm1d(6, warmup_iters=_NP(2)), lambda: nn.BatchNorm1d(6)),
+]
+
+
+@pytest.mark.parametrize("make,make_int", [c[1:] for c in NUMPY_SIZES], ids=[c[0] for c in NUMPY_SIZES])
+def test_numpy_integer_sizes_are_taken_as_torch_takes_them(make, make_int):
+    """A NumPy integer size builds the layer the Python int builds (torch.nn's namesake where there is one),
+    held as a Python int, and computes its numbers; the layers beyond torch.nn refused it as "not a positive int"."""
+    layer, oracle = make(), make_int()
+    four_d = isinstance(layer, (normscope.LayerNorm2d, normscope.FrozenBatchNorm2d))
+    x = torch.randn(2, 6, 3, 4) if four_d else torch.randn(2, 6, 5)
+    if isinstance(layer, normscope.BatchRenorm1d):  # its first step (no warm-up yet: r = 1, d = 0) is BatchNorm's
+        layer.rmax = layer.dmax = 0.0
+    torch.testing.assert_close(layer(x), oracle(x), rtol=1e-6, atol=1e-6)
+    for name in ("num_features", "num_channels", "num_groups", "warmup_iters"):  # (LRN's `size`: torch keeps it)
+        if hasattr(layer, name):
+            assert type(getattr(layer, name)) is int, name
+
+
+def test_numpy_integer_sizes_of_the_functions_and_modern_layers():
+    """``F.group_norm``/``F.local_response_norm`` take a NumPy ``num_groups``/``size`` as torch's do (a TypeError
+    and a ValueError before); QKNorm/AdaLayerNorm their sizes."""
+    x = torch.randn(2, 6, 5)
+    assert torch.equal(F.group_norm(x, _NP(3)), nn.functional.group_norm(x, 3))
+    assert torch.equal(F.local_response_norm(x, _NP(3)), nn.functional.local_response_norm(x, 3))
+    q, k = torch.randn(1, 3, 2, 4), torch.randn(1, 3, 1, 4)
+    got = normscope.QKNorm(_NP(4), _NP(2), _NP(1), per_head=False)(q, k)
+    want = normscope.QKNorm(4, 2, 1, per_head=False)(q, k)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    ada = normscope.AdaLayerNorm(_NP(4), _NP(3), gate=True, chunks=_NP(6))
+    assert (ada.embedding_dim, ada.cond_dim, ada.chunks) == (4, 3, 6)
+    assert len(ada(torch.randn(2, 3, 4), torch.randn(2, 3))) == 5

@@ -76,8 +76,7 @@ class _BatchRenormMixin(BatchNormMixin):
             raise ValueError(f"{name}: expected `rmax` to be a number >= 1, got {rmax!r}")
         if not isinstance(dmax, (int, float)) or dmax < 0:
             raise ValueError(f"{name}: expected `dmax` to be a number >= 0, got {dmax!r}")
-        if not isinstance(warmup_iters, int) or isinstance(warmup_iters, bool) or warmup_iters < 0:
-            raise ValueError(f"{name}: expected `warmup_iters` to be a non-negative int, got {warmup_iters!r}")
+        warmup_iters = check.size(warmup_iters, "warmup_iters", name, low=0)  # a Python int, from NumPy's too
         super().__init__(num_features, eps, momentum, affine, True, device, dtype, **kw)
         self.rmax, self.dmax, self.warmup_iters = float(rmax), float(dmax), warmup_iters
 
