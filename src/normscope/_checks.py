@@ -150,10 +150,17 @@ def weight_offset(value: object, where: str) -> float:
     """``weight_offset`` of the ops that take one (the scale is ``weight + weight_offset``): a finite
     real number -- NaN would make every output NaN (as a NaN ``eps`` would), and an infinite offset
     every output infinite or NaN."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where}: expected `weight_offset` to be a float, got {type(value).__name__} {value!r}")
+    return finite(value, "weight_offset", where)
+
+
+def finite(value: object, name: str, where: str) -> float:
+    """A scalar setting that enters every output (a weight offset, DyT's/Derf's initial ``alpha`` and
+    shift) as a float: a finite real number, not a bool -- NaN or an infinity would make every output NaN
+    or infinite, and ``float()`` of a string names no argument ("could not convert string to float")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # NumPy's numbers too
+        raise TypeError(f"{where}: expected `{name}` to be a float, got {type(value).__name__} {value!r}")
     if not (abs(value) <= _FLOAT_MAX if isinstance(value, int) else math.isfinite(value)):
-        raise ValueError(f"{where}: expected `weight_offset` to be a finite number, got {value!r}")
+        raise ValueError(f"{where}: expected `{name}` to be a finite number, got {value!r}")
     return float(value)
 
 
@@ -174,6 +181,18 @@ def size(value: object, name: str, where: str, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         kind = "a positive" if low == 1 else "a non-negative" if low == 0 else f"an >= {low}"
         raise ValueError(f"{where}: expected `{name}` to be {kind} int, got {value!r}")
+    return int(value)
+
+
+def channel_dim(value: object, where: str) -> int:
+    """A layer's ``channel_dim``, 1 or -1, as a Python int: an integer of any kind (NumPy's, and True as 1, as
+    ``functional.batch_norm`` and torch's int arguments take it), not a float -- ``-1.0 == -1`` passed a
+    ``in (1, -1)`` test, and the forward then indexed a shape with it (TypeError "tuple indices must be
+    integers or slices, not float")."""
+    if not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: expected `channel_dim` to be an int, 1 or -1, got {value!r}")
+    if value not in (1, -1):
+        raise ValueError(f"{where}: expected `channel_dim` to be 1 or -1, got {value!r}")
     return int(value)
 
 

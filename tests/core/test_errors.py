@@ -113,6 +113,31 @@ CASES = [
      ["AdaLayerNorm", "`eps`", "got True"]),
     ("adaln_eps_nan", lambda: normscope.AdaLayerNorm(8, 4, eps=float("nan")), ValueError,
      ["AdaLayerNorm", "`eps`", "got nan"]),
+    # a float channel_dim passed `in (1, -1)` (-1.0 == -1); the forward then indexed a shape with it
+    ("bn1d_channel_dim_float", lambda: normscope.BatchNorm1d(6, channel_dim=-1.0), TypeError,
+     ["BatchNorm1d", "`channel_dim`", "got -1.0"]),
+    ("frozen_channel_dim_float", lambda: normscope.FrozenBatchNorm2d(6, channel_dim=1.0), TypeError,
+     ["FrozenBatchNorm2d", "`channel_dim`", "got 1.0"]),
+    ("powernorm_channel_dim_float", lambda: normscope.PowerNorm(6, channel_dim=-1.0), TypeError,
+     ["PowerNorm", "`channel_dim`", "got -1.0"]),
+    # a NaN limit made every training output NaN
+    ("batchrenorm_rmax_nan", lambda: normscope.BatchRenorm1d(6, rmax=float("nan")), ValueError,
+     ["BatchRenorm1d", "`rmax`", ">= 1", "got nan"]),
+    ("batchrenorm_dmax_nan", lambda: normscope.BatchRenorm2d(6, dmax=float("nan")), ValueError,
+     ["BatchRenorm2d", "`dmax`", ">= 0", "got nan"]),
+    # float() named no argument, and took NaN (every output NaN)
+    ("dyt_alpha_init_str", lambda: normscope.DyT(6, alpha_init="a"), TypeError, ["DyT", "`alpha_init`", "'a'"]),
+    ("dyt_alpha_init_nan", lambda: normscope.DyT(6, alpha_init=float("nan")), ValueError,
+     ["DyT", "`alpha_init`", "finite", "nan"]),
+    ("derf_shift_init_str", lambda: normscope.Derf(6, shift_init="a"), TypeError, ["Derf", "`shift_init`", "'a'"]),
+    # derf's own check named the weight: "expected `weight` of shape (5,), got (6,)"
+    ("derf_features", lambda: normscope.Derf(6)(torch.randn(2, 5)), ValueError,
+     ["Derf(6)", "6 features at dim -1", "(2, 5)"]),
+    # the x that SiLU(cond) is cast to misfits the projection; the message said "of dtype float32, got float32"
+    ("adaln_scale_shift_x_dtype",
+     lambda: normscope.AdaLayerNorm(6, 4, order="scale_shift")(torch.randn(2, 3, 6, dtype=torch.bfloat16),
+                                                               torch.randn(2, 4)),
+     TypeError, ["`x` of the projection's dtype torch.float32", "got x of dtype torch.bfloat16"]),
 ]
 
 
@@ -356,6 +381,8 @@ NUMPY_SIZES = [
     ("PowerNorm", lambda: normscope.PowerNorm(_NP(5), warmup_iters=_NP(1)),
      lambda: normscope.PowerNorm(5, warmup_iters=1)),
     ("BatchRenorm1d", lambda: normscope.BatchRenorm1d(6, warmup_iters=_NP(2)), lambda: nn.BatchNorm1d(6)),
+    ("BatchNorm1d channels last", lambda: normscope.BatchNorm1d(5, channel_dim=_NP(-1)),
+     lambda: normscope.BatchNorm1d(5, channel_dim=-1)),
 ]
 
 
@@ -369,7 +396,8 @@ def test_numpy_integer_sizes_are_taken_as_torch_takes_them(make, make_int):
     if isinstance(layer, normscope.BatchRenorm1d):  # its first step (no warm-up yet: r = 1, d = 0) is BatchNorm's
         layer.rmax = layer.dmax = 0.0
     torch.testing.assert_close(layer(x), oracle(x), rtol=1e-6, atol=1e-6)
-    for name in ("num_features", "num_channels", "num_groups", "warmup_iters"):  # (LRN's `size`: torch keeps it)
+    # (LRN's `size` is torch's constructor's to keep)
+    for name in ("num_features", "num_channels", "num_groups", "warmup_iters", "channel_dim"):
         if hasattr(layer, name):
             assert type(getattr(layer, name)) is int, name
 

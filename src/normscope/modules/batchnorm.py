@@ -163,8 +163,7 @@ class BatchNorm1d(BatchNormMixin, nn.BatchNorm1d):
     ) -> None:
         # **kw: torch's keyword-only arguments of the running version (``bias=`` since 2.13)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **kw)
-        if channel_dim not in (1, -1):
-            raise ValueError(f"BatchNorm1d: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
+        channel_dim = check.channel_dim(channel_dim, "BatchNorm1d")
         if channel_dim != 1:
             self.channel_dim = channel_dim
 

@@ -51,7 +51,7 @@ class DyT(nn.Module):
             raise TypeError(f"DyT: expected `channel_dim` to be an int, got {channel_dim!r}")
         kw = {"device": device, "dtype": dtype}
         self.num_features, self.channel_dim = num_features, channel_dim
-        self.alpha_init = float(alpha_init)
+        self.alpha_init = check.finite(alpha_init, "alpha_init", "DyT")
         self.alpha = nn.Parameter(torch.full((1,), self.alpha_init, **kw))
         if affine:
             self.weight = nn.Parameter(torch.ones(num_features, **kw))

@@ -57,8 +57,7 @@ class FrozenBatchNorm2d(nn.Module):
     ) -> None:
         super().__init__()
         num_features = check.size(num_features, "num_features", "FrozenBatchNorm2d")  # NumPy's ints too
-        if channel_dim not in (1, -1):
-            raise ValueError(f"FrozenBatchNorm2d: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
+        channel_dim = check.channel_dim(channel_dim, "FrozenBatchNorm2d")
         if channel_dim != 1:
             self.channel_dim = channel_dim
         if not isinstance(fold, bool):

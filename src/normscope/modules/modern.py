@@ -157,6 +157,12 @@ class AdaLayerNorm(nn.Module):
         if self.order == "scale_shift":  # diffusers' AdaLayerNormContinuous: SiLU(cond) in x's dtype
             h = h.to(x.dtype)
         if h.dtype != self.linear.weight.dtype:
+            if self.order == "scale_shift":  # the cast to x's dtype is what misfits, not cond's own dtype
+                raise TypeError(
+                    f"AdaLayerNorm(order='scale_shift'): expected `x` of the projection's dtype "
+                    f"{self.linear.weight.dtype} (SiLU({arg}) is cast to x's dtype before the projection, as "
+                    f"diffusers' AdaLayerNormContinuous does), got x of dtype {x.dtype}"
+                )
             raise TypeError(
                 f"AdaLayerNorm: expected `{arg}` of the projection's dtype {self.linear.weight.dtype}, got {cond.dtype}"
             )
@@ -377,7 +383,8 @@ class Derf(nn.Module):
             raise TypeError(f"Derf: expected `channel_dim` to be an int, got {channel_dim!r}")
         kw = {"device": device, "dtype": dtype}
         self.num_features, self.channel_dim = num_features, channel_dim
-        self.alpha_init, self.shift_init = float(alpha_init), float(shift_init)
+        self.alpha_init = check.finite(alpha_init, "alpha_init", "Derf")
+        self.shift_init = check.finite(shift_init, "shift_init", "Derf")
         self.alpha = nn.Parameter(torch.empty(1, **kw))
         self.shift = nn.Parameter(torch.empty(1, **kw))
         if affine:
@@ -403,4 +410,12 @@ class Derf(nn.Module):
         )
 
     def forward(self, input: Tensor) -> Tensor:
-        return FM.derf(input, self.alpha, self.shift, self.weight, self.bias, self.channel_dim)
+        n, cd = self.num_features, self.channel_dim
+        check.tensor(input, "input", "Derf")  # a dense floating-point tensor (a nested one has no shape to read)
+        if not -input.dim() <= cd < input.dim() or input.shape[cd] != n:
+            # the layer's feature count, as DyT's: derf's own check named the weight as the misfit
+            # ("expected `weight` of shape (5,), got (6,)" for input of 5 features)
+            raise ValueError(
+                f"Derf({n}): expected input with {n} features at dim {cd}, got shape {tuple(input.shape)}"
+            )
+        return FM.derf(input, self.alpha, self.shift, self.weight, self.bias, cd)

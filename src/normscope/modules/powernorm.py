@@ -173,8 +173,7 @@ class PowerNorm(nn.Module):
                 f"{num_features}, got {group_scaling!r}"
             )
         group_scaling = None if group_scaling is None else int(group_scaling)
-        if channel_dim not in (1, -1):
-            raise ValueError(f"PowerNorm: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
+        channel_dim = check.channel_dim(channel_dim, "PowerNorm")
         if ema_gz_over not in ("valid", "all"):
             raise ValueError(f"PowerNorm: expected `ema_gz_over` to be 'valid' or 'all', got {ema_gz_over!r}")
         kw = {"device": device, "dtype": dtype}
