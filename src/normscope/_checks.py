@@ -170,7 +170,7 @@ _FLOAT_MAX = sys.float_info.max
 def positive_eps(eps: float, where: str) -> None:
     # ``not eps >= 0``, not ``eps < 0``: NaN compares False both ways, and a NaN eps makes every output
     # NaN (refused by every other op's check, :func:`eps`)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:  # NumPy's floats too
         raise ValueError(f"{where}: expected `eps` to be a non-negative number, got {eps!r}")
 
 

@@ -184,8 +184,9 @@ def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, ru
     check.tensor(input, "input", where)
     check.channels_first(input, 2, where)
     _check_momentum_eps(momentum, eps, training, where)
-    if not isinstance(channel_dim, int):  # True is 1, as torch's own int arguments take it
+    if not isinstance(channel_dim, numbers.Integral):  # True is 1, as torch's own int arguments take it
         raise TypeError(f"{where}: expected `channel_dim` to be an int (1 or -1), got {channel_dim!r}")
+    channel_dim = int(channel_dim)  # NumPy's too
     if channel_dim not in (1, -1, input.dim() - 1):
         raise ValueError(f"{where}: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
     c = input.shape[channel_dim]
@@ -450,14 +451,15 @@ def normalize(
 def _axes(value: object, name: str, x: Tensor, where: str) -> tuple[int, ...]:
     """An axis or a sequence of axes of ``x``: ints (not bools), in range, none named twice -- as
     torch's reductions take them ("dim 3 appears multiple times")."""
-    items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    items = (value,) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
     try:
         axes = tuple(items)
     except TypeError:
         raise TypeError(f"{where}: expected `{name}` to be an int or a sequence of ints, got {value!r}") from None
     for a in axes:
-        if not isinstance(a, int) or isinstance(a, bool):
+        if not isinstance(a, numbers.Integral) or isinstance(a, bool):
             raise TypeError(f"{where}: expected `{name}` to be an int or a sequence of ints, got {value!r}")
+    axes = tuple(int(a) for a in axes)  # NumPy's ints too, as torch's reductions take them
     seen = [a % x.dim() for a in axes if -x.dim() <= a < x.dim()]  # out of range: the scope says so
     for i, a in enumerate(seen):
         if a in seen[:i]:

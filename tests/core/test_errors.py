@@ -404,7 +404,8 @@ def test_numpy_integer_sizes_are_taken_as_torch_takes_them(make, make_int):
 
 def test_numpy_integer_sizes_of_the_functions_and_modern_layers():
     """``F.group_norm``/``F.local_response_norm`` take a NumPy ``num_groups``/``size`` as torch's do (a TypeError
-    and a ValueError before); QKNorm/AdaLayerNorm their sizes."""
+    and a ValueError before); QKNorm/AdaLayerNorm their sizes; ``normalize``, ``batch_norm``, ``derf`` and
+    ``adain`` NumPy numbers where they take Python ones (each refused them)."""
     x = torch.randn(2, 6, 5)
     assert torch.equal(F.group_norm(x, _NP(3)), nn.functional.group_norm(x, 3))
     assert torch.equal(F.local_response_norm(x, _NP(3)), nn.functional.local_response_norm(x, 3))
@@ -415,3 +416,11 @@ def test_numpy_integer_sizes_of_the_functions_and_modern_layers():
     ada = normscope.AdaLayerNorm(_NP(4), _NP(3), gate=True, chunks=_NP(6))
     assert (ada.embedding_dim, ada.cond_dim, ada.chunks) == (4, 3, 6)
     assert len(ada(torch.randn(2, 3, 4), torch.randn(2, 3))) == 5
+    # the engine's own entries: a scope's groups and axes, BatchNorm's channel_dim, Derf's scalars, AdaIN's eps
+    assert torch.equal(F.normalize(x, keep=0, groups=_NP(3)), F.normalize(x, keep=0, groups=3))
+    assert torch.equal(F.normalize(x, dims=_NP(-1)), F.normalize(x, dims=-1))
+    xt, rm, rv = x.transpose(1, 2), torch.zeros(6), torch.ones(6)
+    assert torch.equal(F.batch_norm(xt, rm, rv, channel_dim=_NP(-1)), F.batch_norm(xt, rm, rv, channel_dim=-1))
+    assert torch.equal(F.derf(x, np.float32(0.5), channel_dim=_NP(-1)), F.derf(x, 0.5))
+    c, eps = x[:, :, None], np.float32(1e-5)
+    assert torch.equal(F.adain(c, c, eps=eps), F.adain(c, c, eps=float(eps)))
