@@ -184,6 +184,22 @@ def size(value: object, name: str, where: str, low: int = 1) -> int:
     return int(value)
 
 
+def num_features(value: object, where: str, makes_tensors: bool) -> object:
+    """A BatchNorm constructor's ``num_features``. torch's hands it to ``torch.empty`` when the layer has a
+    parameter or running statistic, which answers -1 with a RuntimeError ("Trying to create tensor with
+    negative dimension -1") and 4.0 or True with "argument 'size' must be tuple of ints" -- neither names the
+    argument; for those numbers, a TypeError or ValueError that does, before torch runs. Whatever else torch's
+    constructor takes (any value without tensors -- ``affine=False, track_running_stats=False`` -- and a size
+    ``torch.empty`` takes) goes to it as it came."""
+    if not makes_tensors or not isinstance(value, (numbers.Number, str)):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: expected `num_features` to be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{where}: expected `num_features` to be a non-negative int, got {value!r}")
+    return int(value)
+
+
 def channel_dim(value: object, where: str) -> int:
     """A layer's ``channel_dim``, 1 or -1, as a Python int: an integer of any kind (NumPy's, and True as 1, as
     ``functional.batch_norm`` and torch's int arguments take it), not a float -- ``-1.0 == -1`` passed a

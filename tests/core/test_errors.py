@@ -120,6 +120,15 @@ CASES = [
      ["FrozenBatchNorm2d", "`channel_dim`", "got 1.0"]),
     ("powernorm_channel_dim_float", lambda: normscope.PowerNorm(6, channel_dim=-1.0), TypeError,
      ["PowerNorm", "`channel_dim`", "got -1.0"]),
+    # torch's constructor reached torch.empty: a RuntimeError ("Trying to create tensor with negative dimension")
+    # and "argument 'size' must be tuple of ints", neither naming the argument
+    ("bn_num_features_negative", lambda: normscope.BatchNorm2d(-1), ValueError,
+     ["BatchNorm2d", "`num_features`", "non-negative int", "got -1"]),
+    ("bn_num_features_float", lambda: normscope.BatchNorm1d(4.0), TypeError, ["BatchNorm1d", "`num_features`", "4.0"]),
+    ("brn_num_features_str", lambda: normscope.BatchRenorm3d("4"), TypeError,
+     ["BatchRenorm3d", "`num_features`", "'4'"]),
+    ("syncbn_num_features_negative", lambda: normscope.SyncBatchNorm(-3), ValueError,
+     ["SyncBatchNorm", "`num_features`", "got -3"]),
     # a NaN limit made every training output NaN
     ("batchrenorm_rmax_nan", lambda: normscope.BatchRenorm1d(6, rmax=float("nan")), ValueError,
      ["BatchRenorm1d", "`rmax`", ">= 1", "got nan"]),
