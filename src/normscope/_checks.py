@@ -150,10 +150,17 @@ def weight_offset(value: object, where: str) -> float:
     """``weight_offset`` of the ops that take one (the scale is ``weight + weight_offset``): a finite
     real number -- NaN would make every output NaN (as a NaN ``eps`` would), and an infinite offset
     every output infinite or NaN."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where}: expected `weight_offset` to be a float, got {type(value).__name__} {value!r}")
+    return finite(value, "weight_offset", where)
+
+
+def finite(value: object, name: str, where: str) -> float:
+    """A scalar setting that enters every output (a weight offset, DyT's/Derf's initial ``alpha`` and
+    shift) as a float: a finite real number, not a bool -- NaN or an infinity would make every output NaN
+    or infinite, and ``float()`` of a string names no argument ("could not convert string to float")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # NumPy's numbers too
+        raise TypeError(f"{where}: expected `{name}` to be a float, got {type(value).__name__} {value!r}")
     if not (abs(value) <= _FLOAT_MAX if isinstance(value, int) else math.isfinite(value)):
-        raise ValueError(f"{where}: expected `weight_offset` to be a finite number, got {value!r}")
+        raise ValueError(f"{where}: expected `{name}` to be a finite number, got {value!r}")
     return float(value)
 
 
@@ -163,14 +170,52 @@ _FLOAT_MAX = sys.float_info.max
 def positive_eps(eps: float, where: str) -> None:
     # ``not eps >= 0``, not ``eps < 0``: NaN compares False both ways, and a NaN eps makes every output
     # NaN (refused by every other op's check, :func:`eps`)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:  # NumPy's floats too
         raise ValueError(f"{where}: expected `eps` to be a non-negative number, got {eps!r}")
+
+
+def size(value: object, name: str, where: str, low: int = 1) -> int:
+    """A size or count argument (``num_features``, ``num_groups``, ``head_dim``...) as a Python int: an
+    integer of any kind torch.nn's constructors take -- NumPy's included, as ``numbers.Integral`` (what
+    ``torch.nn.LayerNorm`` tests) -- but not a bool, a float or a tensor; at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        kind = "a positive" if low == 1 else "a non-negative" if low == 0 else f"an >= {low}"
+        raise ValueError(f"{where}: expected `{name}` to be {kind} int, got {value!r}")
+    return int(value)
+
+
+def num_features(value: object, where: str, makes_tensors: bool) -> object:
+    """A BatchNorm constructor's ``num_features``. torch's hands it to ``torch.empty`` when the layer has a
+    parameter or running statistic, which answers -1 with a RuntimeError ("Trying to create tensor with
+    negative dimension -1") and 4.0 or True with "argument 'size' must be tuple of ints" -- neither names the
+    argument; for those numbers, a TypeError or ValueError that does, before torch runs. Whatever else torch's
+    constructor takes (any value without tensors -- ``affine=False, track_running_stats=False`` -- and a size
+    ``torch.empty`` takes) goes to it as it came."""
+    if not makes_tensors or not isinstance(value, (numbers.Number, str)):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: expected `num_features` to be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{where}: expected `num_features` to be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def channel_dim(value: object, where: str) -> int:
+    """A layer's ``channel_dim``, 1 or -1, as a Python int: an integer of any kind (NumPy's, and True as 1, as
+    ``functional.batch_norm`` and torch's int arguments take it), not a float -- ``-1.0 == -1`` passed a
+    ``in (1, -1)`` test, and the forward then indexed a shape with it (TypeError "tuple indices must be
+    integers or slices, not float")."""
+    if not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: expected `channel_dim` to be an int, 1 or -1, got {value!r}")
+    if value not in (1, -1):
+        raise ValueError(f"{where}: expected `channel_dim` to be 1 or -1, got {value!r}")
+    return int(value)
 
 
 def normalized_shape(shape: int | Sequence[int] | torch.Size, where: str) -> tuple[int, ...]:
     """LayerNorm/RMSNorm's ``normalized_shape``: an int or a non-empty sequence of non-negative ints (a
     size of 0, an empty scope, is torch's too: ``torch.nn.LayerNorm(0)`` returns an empty output)."""
-    if isinstance(shape, int) and not isinstance(shape, bool):
+    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):  # NumPy's too, as torch.nn.LayerNorm
         shape = (shape,)
     try:
         # operator.index, not int(): int() would accept "4" and 2.5 and raise ValueError on "a"

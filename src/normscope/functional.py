@@ -184,8 +184,9 @@ def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, ru
     check.tensor(input, "input", where)
     check.channels_first(input, 2, where)
     _check_momentum_eps(momentum, eps, training, where)
-    if not isinstance(channel_dim, int):  # True is 1, as torch's own int arguments take it
+    if not isinstance(channel_dim, numbers.Integral):  # True is 1, as torch's own int arguments take it
         raise TypeError(f"{where}: expected `channel_dim` to be an int (1 or -1), got {channel_dim!r}")
+    channel_dim = int(channel_dim)  # NumPy's too
     if channel_dim not in (1, -1, input.dim() - 1):
         raise ValueError(f"{where}: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
     c = input.shape[channel_dim]
@@ -322,10 +323,12 @@ def _group_norm(settings: GroupNormSettings, input, weight, bias, eps, running, 
     where = "group_norm"
     check.tensor(input, "input", where)
     check.channels_first(input, 2, where)
-    if not isinstance(num_groups, int) or isinstance(num_groups, bool):  # a wrong type, as torch: TypeError
+    # a wrong type, as torch: TypeError; an integer of any kind torch takes (NumPy's too), as a Python int
+    if not isinstance(num_groups, numbers.Integral) or isinstance(num_groups, bool):
         raise TypeError(f"{where}: expected `num_groups` to be a positive int, got {num_groups!r}")
     if num_groups < 1:
         raise ValueError(f"{where}: expected `num_groups` to be a positive int, got {num_groups!r}")
+    num_groups = int(num_groups)
     c = input.shape[1]
     if num_channels is not None and c != num_channels:
         raise ValueError(
@@ -366,14 +369,18 @@ def local_response_norm(input: Tensor, size: int, alpha: float = 1e-4, beta: flo
     where = "local_response_norm"
     check.tensor(input, "input", where)
     check.channels_first(input, 3, where)
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"{where}: expected `size` to be a positive int, got {size!r}")
+    size = check.size(size, "size", where)  # NumPy's ints too, as torch's
     if input.dim() >= 5 and not (
         input.is_contiguous() or input.dim() == 5 and input.is_contiguous(memory_format=torch.channels_last_3d)
     ):
         # torch views the axes after the third as one (``view(N, 1, C, D, -1)``), which raises for
         # layouts where they cannot merge (a transposed 5-D input); the values are the same on a copy
         input = input.contiguous()
+    if input.dim() >= 4 and input.device.type == "cpu" and input.dtype in (torch.float16, torch.bfloat16):
+        # torch runs 4+ dims through avg_pool3d, which has no CPU half kernels (NotImplementedError
+        # "avg_pool3d_out_frame" from inside, torch.nn's layer included): computed in fp32 and rounded once,
+        # no less accurate than torch's half computation of 3-D input (avg_pool2d, its own bits)
+        return torch.nn.functional.local_response_norm(input.float(), size, alpha, beta, k).to(input.dtype)
     return torch.nn.functional.local_response_norm(input, size, alpha, beta, k)
 
 
@@ -449,14 +456,15 @@ def normalize(
 def _axes(value: object, name: str, x: Tensor, where: str) -> tuple[int, ...]:
     """An axis or a sequence of axes of ``x``: ints (not bools), in range, none named twice -- as
     torch's reductions take them ("dim 3 appears multiple times")."""
-    items = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    items = (value,) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
     try:
         axes = tuple(items)
     except TypeError:
         raise TypeError(f"{where}: expected `{name}` to be an int or a sequence of ints, got {value!r}") from None
     for a in axes:
-        if not isinstance(a, int) or isinstance(a, bool):
+        if not isinstance(a, numbers.Integral) or isinstance(a, bool):
             raise TypeError(f"{where}: expected `{name}` to be an int or a sequence of ints, got {value!r}")
+    axes = tuple(int(a) for a in axes)  # NumPy's ints too, as torch's reductions take them
     seen = [a % x.dim() for a in axes if -x.dim() <= a < x.dim()]  # out of range: the scope says so
     for i, a in enumerate(seen):
         if a in seen[:i]:

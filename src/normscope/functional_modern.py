@@ -26,6 +26,7 @@ imports this module: the dependency is one way). They are left out of ``__all__`
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -590,15 +591,20 @@ def derf(
     """
     where = "derf"
     _tensor(x, "x", where)
-    if isinstance(channel_dim, bool) or not isinstance(channel_dim, int) or not -x.dim() <= channel_dim < x.dim():
+    if (
+        isinstance(channel_dim, bool)
+        or not isinstance(channel_dim, numbers.Integral)  # NumPy's too
+        or not -x.dim() <= channel_dim < x.dim()
+    ):
         raise ValueError(
             f"{where}: expected `channel_dim` to be an axis of x (shape {tuple(x.shape)}), got {channel_dim!r}"
         )
+    channel_dim = int(channel_dim)
     for name, t in (("alpha", alpha), ("shift", shift)):
         if isinstance(t, Tensor):
             if t.numel() != 1:
                 raise ValueError(f"{where}: expected `{name}` to have one element, got shape {tuple(t.shape)}")
-        elif isinstance(t, bool) or not isinstance(t, (int, float)):
+        elif isinstance(t, bool) or not isinstance(t, numbers.Real):  # NumPy's numbers too
             raise TypeError(f"{where}: expected `{name}` to be a float or a one-element tensor, got {type(t).__name__}")
     c = x.shape[channel_dim]
     _optional(weight, "weight", (c,), x, where)
@@ -611,8 +617,8 @@ def derf(
             )
         return _triton_door.derf(x, alpha, shift, weight, bias)
     acc = acc_dtype(x.dtype)
-    a = alpha.to(acc).reshape(()) if isinstance(alpha, Tensor) else alpha
-    s = shift.to(acc).reshape(()) if isinstance(shift, Tensor) else shift
+    a = alpha.to(acc).reshape(()) if isinstance(alpha, Tensor) else float(alpha)
+    s = shift.to(acc).reshape(()) if isinstance(shift, Tensor) else float(shift)
     y = torch.erf(x.to(acc) * a + s)
     view = [1] * x.dim()
     view[channel_dim] = c

@@ -25,6 +25,8 @@ from typing import Any
 
 from torch import nn
 
+from . import _checks as check
+
 __all__ = ["get_norm", "norm_names", "register_norm", "NormSpec", "TIMM_NAMES"]
 
 NormSpec = str | type | functools.partial | Callable[..., nn.Module]
@@ -227,8 +229,7 @@ def get_norm(spec: NormSpec, num_channels: int, **kwargs: Any) -> nn.Module:
         >>> normscope.get_norm("group:8", 64)  # doctest: +ELLIPSIS
         GroupNorm(8, 64, eps=1e-05, affine=True...)
     """
-    if not isinstance(num_channels, int) or isinstance(num_channels, bool) or num_channels < 1:
-        raise ValueError(f"get_norm: expected `num_channels` to be a positive int, got {num_channels!r}")
+    num_channels = check.size(num_channels, "num_channels", "get_norm")  # a Python int, from NumPy's too
     if isinstance(spec, str):
         factory, extra = _resolve_name(spec)
         if "num_groups" in extra and "num_groups" in kwargs:

@@ -15,6 +15,7 @@ the degenerate groupings canonicalised so that equal scopes compare equal::
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -66,6 +67,9 @@ class Scope:
         axes = self.reduce if self.reduce is not None else self.keep
         if len(set(axes)) != len(axes):
             raise ValueError(f"Scope axes must be distinct, got {axes!r}")
+        g = self.groups
+        if type(g) is not int and isinstance(g, numbers.Integral) and not isinstance(g, bool):
+            object.__setattr__(self, "groups", int(g))  # NumPy's, as the axes (a plain int keys the caches)
         if not isinstance(self.groups, int) or isinstance(self.groups, bool) or self.groups < 1:
             raise ValueError(f"Scope `groups` must be a positive int, got {self.groups!r}")
         # scopes key the resolution and plan caches on every call: hash once

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -104,6 +105,48 @@ CASES = [
      ["axis 1, got 6", "groups=4"]),
     ("normalize_weight_shape", lambda: normscope.normalize(x3, dims=-1, weight=torch.ones(3)), ValueError,
      ["`weight` of shape (5,)", "got shape (3,)"]),
+    # the modern layers' constructors: float(eps) named no argument ("could not convert string to float") and
+    # turned True into 1.0
+    ("qknorm_eps_str", lambda: normscope.QKNorm(8, eps="a"), TypeError, ["QKNorm", "`eps`", "got 'a'"]),
+    ("polynorm_eps_none", lambda: normscope.PolyNorm(eps=None), TypeError, ["PolyNorm", "`eps`", "got None"]),
+    ("adaln_eps_bool", lambda: normscope.AdaLayerNorm(8, 4, eps=True), TypeError,
+     ["AdaLayerNorm", "`eps`", "got True"]),
+    ("adaln_eps_nan", lambda: normscope.AdaLayerNorm(8, 4, eps=float("nan")), ValueError,
+     ["AdaLayerNorm", "`eps`", "got nan"]),
+    # a float channel_dim passed `in (1, -1)` (-1.0 == -1); the forward then indexed a shape with it
+    ("bn1d_channel_dim_float", lambda: normscope.BatchNorm1d(6, channel_dim=-1.0), TypeError,
+     ["BatchNorm1d", "`channel_dim`", "got -1.0"]),
+    ("frozen_channel_dim_float", lambda: normscope.FrozenBatchNorm2d(6, channel_dim=1.0), TypeError,
+     ["FrozenBatchNorm2d", "`channel_dim`", "got 1.0"]),
+    ("powernorm_channel_dim_float", lambda: normscope.PowerNorm(6, channel_dim=-1.0), TypeError,
+     ["PowerNorm", "`channel_dim`", "got -1.0"]),
+    # torch's constructor reached torch.empty: a RuntimeError ("Trying to create tensor with negative dimension")
+    # and "argument 'size' must be tuple of ints", neither naming the argument
+    ("bn_num_features_negative", lambda: normscope.BatchNorm2d(-1), ValueError,
+     ["BatchNorm2d", "`num_features`", "non-negative int", "got -1"]),
+    ("bn_num_features_float", lambda: normscope.BatchNorm1d(4.0), TypeError, ["BatchNorm1d", "`num_features`", "4.0"]),
+    ("brn_num_features_str", lambda: normscope.BatchRenorm3d("4"), TypeError,
+     ["BatchRenorm3d", "`num_features`", "'4'"]),
+    ("syncbn_num_features_negative", lambda: normscope.SyncBatchNorm(-3), ValueError,
+     ["SyncBatchNorm", "`num_features`", "got -3"]),
+    # a NaN limit made every training output NaN
+    ("batchrenorm_rmax_nan", lambda: normscope.BatchRenorm1d(6, rmax=float("nan")), ValueError,
+     ["BatchRenorm1d", "`rmax`", ">= 1", "got nan"]),
+    ("batchrenorm_dmax_nan", lambda: normscope.BatchRenorm2d(6, dmax=float("nan")), ValueError,
+     ["BatchRenorm2d", "`dmax`", ">= 0", "got nan"]),
+    # float() named no argument, and took NaN (every output NaN)
+    ("dyt_alpha_init_str", lambda: normscope.DyT(6, alpha_init="a"), TypeError, ["DyT", "`alpha_init`", "'a'"]),
+    ("dyt_alpha_init_nan", lambda: normscope.DyT(6, alpha_init=float("nan")), ValueError,
+     ["DyT", "`alpha_init`", "finite", "nan"]),
+    ("derf_shift_init_str", lambda: normscope.Derf(6, shift_init="a"), TypeError, ["Derf", "`shift_init`", "'a'"]),
+    # derf's own check named the weight: "expected `weight` of shape (5,), got (6,)"
+    ("derf_features", lambda: normscope.Derf(6)(torch.randn(2, 5)), ValueError,
+     ["Derf(6)", "6 features at dim -1", "(2, 5)"]),
+    # the x that SiLU(cond) is cast to misfits the projection; the message said "of dtype float32, got float32"
+    ("adaln_scale_shift_x_dtype",
+     lambda: normscope.AdaLayerNorm(6, 4, order="scale_shift")(torch.randn(2, 3, 6, dtype=torch.bfloat16),
+                                                               torch.randn(2, 4)),
+     TypeError, ["`x` of the projection's dtype torch.float32", "got x of dtype torch.bfloat16"]),
 ]
 
 
@@ -330,3 +373,63 @@ def test_a_sparse_parameter_buffer_or_input_after_a_call_is_refused_by_name(name
     with pytest.raises(TypeError, match=f"`{what}` to be a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
         ours(x)
     assert all(torch.equal(v.to_dense(), before[k].to_dense()) for k, v in state_of(ours).items())
+
+
+_NP = np.int64
+# (id, the call with NumPy integers, the same call with Python ints): torch.nn's constructors and functions
+# take any ``numbers.Integral`` size; so must normscope's, its layers beyond torch.nn included
+NUMPY_SIZES = [
+    ("GroupNorm", lambda: normscope.GroupNorm(_NP(2), _NP(6)), lambda: nn.GroupNorm(2, 6)),
+    ("LocalResponseNorm", lambda: normscope.LocalResponseNorm(_NP(3)), lambda: nn.LocalResponseNorm(3)),
+    ("LayerNorm", lambda: normscope.LayerNorm(_NP(5)), lambda: nn.LayerNorm(5)),
+    ("RMSNorm", lambda: normscope.RMSNorm(np.int32(5)), lambda: nn.RMSNorm(5)),
+    ("LayerNorm2d", lambda: normscope.LayerNorm2d(_NP(6)), lambda: normscope.LayerNorm2d(6)),
+    ("FrozenBatchNorm2d", lambda: normscope.FrozenBatchNorm2d(_NP(6)), lambda: normscope.FrozenBatchNorm2d(6)),
+    ("DyT", lambda: normscope.DyT(_NP(5)), lambda: normscope.DyT(5)),
+    ("Derf", lambda: normscope.Derf(_NP(5)), lambda: normscope.Derf(5)),
+    ("PowerNorm", lambda: normscope.PowerNorm(_NP(5), warmup_iters=_NP(1)),
+     lambda: normscope.PowerNorm(5, warmup_iters=1)),
+    ("BatchRenorm1d", lambda: normscope.BatchRenorm1d(6, warmup_iters=_NP(2)), lambda: nn.BatchNorm1d(6)),
+    ("BatchNorm1d channels last", lambda: normscope.BatchNorm1d(5, channel_dim=_NP(-1)),
+     lambda: normscope.BatchNorm1d(5, channel_dim=-1)),
+]
+
+
+@pytest.mark.parametrize("make,make_int", [c[1:] for c in NUMPY_SIZES], ids=[c[0] for c in NUMPY_SIZES])
+def test_numpy_integer_sizes_are_taken_as_torch_takes_them(make, make_int):
+    """A NumPy integer size builds the layer the Python int builds (torch.nn's namesake where there is one),
+    held as a Python int, and computes its numbers; the layers beyond torch.nn refused it as "not a positive int"."""
+    layer, oracle = make(), make_int()
+    four_d = isinstance(layer, (normscope.LayerNorm2d, normscope.FrozenBatchNorm2d))
+    x = torch.randn(2, 6, 3, 4) if four_d else torch.randn(2, 6, 5)
+    if isinstance(layer, normscope.BatchRenorm1d):  # its first step (no warm-up yet: r = 1, d = 0) is BatchNorm's
+        layer.rmax = layer.dmax = 0.0
+    torch.testing.assert_close(layer(x), oracle(x), rtol=1e-6, atol=1e-6)
+    # (LRN's `size` is torch's constructor's to keep)
+    for name in ("num_features", "num_channels", "num_groups", "warmup_iters", "channel_dim"):
+        if hasattr(layer, name):
+            assert type(getattr(layer, name)) is int, name
+
+
+def test_numpy_integer_sizes_of_the_functions_and_modern_layers():
+    """``F.group_norm``/``F.local_response_norm`` take a NumPy ``num_groups``/``size`` as torch's do (a TypeError
+    and a ValueError before); QKNorm/AdaLayerNorm their sizes; ``normalize``, ``batch_norm``, ``derf`` and
+    ``adain`` NumPy numbers where they take Python ones (each refused them)."""
+    x = torch.randn(2, 6, 5)
+    assert torch.equal(F.group_norm(x, _NP(3)), nn.functional.group_norm(x, 3))
+    assert torch.equal(F.local_response_norm(x, _NP(3)), nn.functional.local_response_norm(x, 3))
+    q, k = torch.randn(1, 3, 2, 4), torch.randn(1, 3, 1, 4)
+    got = normscope.QKNorm(_NP(4), _NP(2), _NP(1), per_head=False)(q, k)
+    want = normscope.QKNorm(4, 2, 1, per_head=False)(q, k)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    ada = normscope.AdaLayerNorm(_NP(4), _NP(3), gate=True, chunks=_NP(6))
+    assert (ada.embedding_dim, ada.cond_dim, ada.chunks) == (4, 3, 6)
+    assert len(ada(torch.randn(2, 3, 4), torch.randn(2, 3))) == 5
+    # the engine's own entries: a scope's groups and axes, BatchNorm's channel_dim, Derf's scalars, AdaIN's eps
+    assert torch.equal(F.normalize(x, keep=0, groups=_NP(3)), F.normalize(x, keep=0, groups=3))
+    assert torch.equal(F.normalize(x, dims=_NP(-1)), F.normalize(x, dims=-1))
+    xt, rm, rv = x.transpose(1, 2), torch.zeros(6), torch.ones(6)
+    assert torch.equal(F.batch_norm(xt, rm, rv, channel_dim=_NP(-1)), F.batch_norm(xt, rm, rv, channel_dim=-1))
+    assert torch.equal(F.derf(x, np.float32(0.5), channel_dim=_NP(-1)), F.derf(x, 0.5))
+    c, eps = x[:, :, None], np.float32(1e-5)
+    assert torch.equal(F.adain(c, c, eps=eps), F.adain(c, c, eps=float(eps)))

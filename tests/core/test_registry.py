@@ -82,6 +82,13 @@ def test_well_formed_names_resolve():
     assert type(get_norm("BatchNorm2d", 8)) is normscope.BatchNorm2d
 
 
+@pytest.mark.parametrize("spec", ["layer", "group:2", "batch", "power", "dyt", "qknorm", "layernorm2d"])
+def test_a_numpy_channel_count_builds_the_layer_a_python_int_builds(spec):
+    # torch.nn's constructors take NumPy integers; get_norm refused them ("expected a positive int")
+    np = pytest.importorskip("numpy")
+    assert repr(get_norm(spec, np.int64(8))) == repr(get_norm(spec, 8))
+
+
 @pytest.mark.parametrize("name", ["MyNorm", " mine", "mine ", "", "a:b", "my-norm"])
 def test_register_norm_refuses_a_name_get_norm_could_never_match(name):
     with pytest.raises(ValueError, match="`name`"):

@@ -211,6 +211,32 @@ def test_local_response_norm_on_transposed_input_matches_torch(shape, perm):
     assert torch.equal(x.grad, xc.grad)
 
 
+def _lrn64(x, size, alpha, beta, k):
+    """local_response_norm in float64, from its formula: each channel over the window c - size//2 .. c + (size-1)//2."""
+    x = x.double()
+    c = x.shape[1]
+    out = torch.empty_like(x)
+    for i in range(c):
+        lo, hi = max(0, i - size // 2), min(c, i + (size - 1) // 2 + 1)
+        out[:, i] = x[:, i] / (k + alpha / size * (x[:, lo:hi] ** 2).sum(1)) ** beta
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 7, 3, 4), (1, 5, 2, 3, 2)])
+def test_local_response_norm_of_half_input_with_four_or_more_dims_on_cpu(dtype, shape):
+    # torch runs 4+ dims through avg_pool3d, which has no CPU half kernels: torch.nn raised NotImplementedError
+    # ("avg_pool3d_out_frame" not implemented) from inside, and normscope with it; now x's dtype, within one
+    # rounding of the float64 formula (torch's own 3-D half path is no closer)
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 3).to(dtype).requires_grad_()
+    y = normscope.LocalResponseNorm(3, alpha=0.3, beta=0.9, k=1.5)(x)
+    want = _lrn64(x.detach(), 3, 0.3, 0.9, 1.5)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double(), want, rtol=2 ** -8 if dtype == torch.bfloat16 else 2**-10, atol=1e-5)
+    y.sum().backward()
+    assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+
+
 _EMPTY_SCOPES = [
     ("LayerNorm(0)", lambda m: m.LayerNorm(0), (2, 0)),
     ("LayerNorm((3, 0))", lambda m: m.LayerNorm((3, 0)), (2, 3, 0)),

@@ -96,6 +96,21 @@ class BatchNormMixin:
     _dims: tuple[int, ...]
     channel_dim: int = 1  # a class attribute: the default adds nothing to __dict__, state or repr
 
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device=None,
+        dtype=None,
+        **kw,
+    ) -> None:
+        # **kw: torch's keyword-only arguments of the running version (``bias=`` since 2.13)
+        num_features = check.num_features(num_features, type(self).__name__, affine or track_running_stats)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **kw)
+
     def _check_input_dim(self, input: Tensor) -> None:
         _check_input(type(self), self.num_features, self.channel_dim, input)
 
@@ -163,8 +178,7 @@ class BatchNorm1d(BatchNormMixin, nn.BatchNorm1d):
     ) -> None:
         # **kw: torch's keyword-only arguments of the running version (``bias=`` since 2.13)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **kw)
-        if channel_dim not in (1, -1):
-            raise ValueError(f"BatchNorm1d: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
+        channel_dim = check.channel_dim(channel_dim, "BatchNorm1d")
         if channel_dim != 1:
             self.channel_dim = channel_dim
 

@@ -46,13 +46,12 @@ class DyT(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
-            raise ValueError(f"DyT: expected `num_features` to be a positive int, got {num_features!r}")
+        num_features = check.size(num_features, "num_features", "DyT")  # a Python int, from NumPy's too
         if not isinstance(channel_dim, int) or isinstance(channel_dim, bool):
             raise TypeError(f"DyT: expected `channel_dim` to be an int, got {channel_dim!r}")
         kw = {"device": device, "dtype": dtype}
         self.num_features, self.channel_dim = num_features, channel_dim
-        self.alpha_init = float(alpha_init)
+        self.alpha_init = check.finite(alpha_init, "alpha_init", "DyT")
         self.alpha = nn.Parameter(torch.full((1,), self.alpha_init, **kw))
         if affine:
             self.weight = nn.Parameter(torch.ones(num_features, **kw))

@@ -56,10 +56,8 @@ class FrozenBatchNorm2d(nn.Module):
         self, num_features: int, eps: float = 1e-5, device=None, dtype=None, *, channel_dim: int = 1, fold: bool = False
     ) -> None:
         super().__init__()
-        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
-            raise ValueError(f"FrozenBatchNorm2d: expected `num_features` to be a positive int, got {num_features!r}")
-        if channel_dim not in (1, -1):
-            raise ValueError(f"FrozenBatchNorm2d: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
+        num_features = check.size(num_features, "num_features", "FrozenBatchNorm2d")  # NumPy's ints too
+        channel_dim = check.channel_dim(channel_dim, "FrozenBatchNorm2d")
         if channel_dim != 1:
             self.channel_dim = channel_dim
         if not isinstance(fold, bool):

@@ -73,8 +73,7 @@ class LayerNorm2d(nn.LayerNorm):
     """
 
     def __init__(self, num_channels: int, eps: float = 1e-6, affine: bool = True, device=None, dtype=None) -> None:
-        if not isinstance(num_channels, int) or isinstance(num_channels, bool) or num_channels < 1:
-            raise ValueError(f"LayerNorm2d: expected `num_channels` to be a positive int, got {num_channels!r}")
+        num_channels = check.size(num_channels, "num_channels", "LayerNorm2d")  # NumPy's ints too
         super().__init__(num_channels, eps=eps, elementwise_affine=affine, device=device, dtype=dtype)
 
     @property

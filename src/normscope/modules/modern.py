@@ -8,6 +8,8 @@ Dehghani et al. 2023 (ViT-22B, QK-norm); Zhuo et al. 2024 (PolyCom, PolyNorm); a
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as TF
@@ -19,9 +21,7 @@ __all__ = ["AdaLayerNorm", "QKNorm", "PolyNorm", "Derf"]
 
 
 def _positive_int(v: object, name: str, where: str) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"{where}: expected `{name}` to be a positive int, got {v!r}")
-    return v
+    return check.size(v, name, where)  # a Python int, from NumPy's too
 
 
 class AdaLayerNorm(nn.Module):
@@ -95,8 +95,8 @@ class AdaLayerNorm(nn.Module):
     ) -> None:
         super().__init__()
         where = "AdaLayerNorm"
-        self.embedding_dim = _positive_int(embedding_dim, "embedding_dim", where)
-        self.cond_dim = _positive_int(cond_dim, "cond_dim", where)
+        self.embedding_dim = embedding_dim = _positive_int(embedding_dim, "embedding_dim", where)
+        self.cond_dim = cond_dim = _positive_int(cond_dim, "cond_dim", where)
         for name, v, options in (
             ("norm", norm, ("layer", "rms")),
             ("order", order, ("shift_scale", "scale_shift")),
@@ -107,15 +107,16 @@ class AdaLayerNorm(nn.Module):
         least = 3 if gate else 2
         if chunks is None:
             chunks = least
-        elif not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < least:
+        elif isinstance(chunks, bool) or not isinstance(chunks, numbers.Integral) or chunks < least:
             raise ValueError(
                 f"{where}: expected `chunks` to be an int >= {least} (shift, scale{', gate' if gate else ''}), "
                 f"got {chunks!r}"
             )
+        check.eps(eps, where)  # float() would take True and "1e-6", and name no argument for "a" or None
         kw = {"device": device, "dtype": dtype}
         self.gate, self.norm_type, self.eps, self.order = bool(gate), norm, float(eps), order
         self.casting, self.zero_init, self.elementwise_affine = casting, bool(zero_init), bool(elementwise_affine)
-        self.chunks = chunks
+        self.chunks = chunks = int(chunks)
         self.linear = nn.Linear(cond_dim, chunks * embedding_dim, bias=bias, **kw)
         # a parameter holder named as diffusers' submodule, so state_dicts load both ways; never called
         self.norm = nn.Module()
@@ -156,6 +157,12 @@ class AdaLayerNorm(nn.Module):
         if self.order == "scale_shift":  # diffusers' AdaLayerNormContinuous: SiLU(cond) in x's dtype
             h = h.to(x.dtype)
         if h.dtype != self.linear.weight.dtype:
+            if self.order == "scale_shift":  # the cast to x's dtype is what misfits, not cond's own dtype
+                raise TypeError(
+                    f"AdaLayerNorm(order='scale_shift'): expected `x` of the projection's dtype "
+                    f"{self.linear.weight.dtype} (SiLU({arg}) is cast to x's dtype before the projection, as "
+                    f"diffusers' AdaLayerNormContinuous does), got x of dtype {x.dtype}"
+                )
             raise TypeError(
                 f"AdaLayerNorm: expected `{arg}` of the projection's dtype {self.linear.weight.dtype}, got {cond.dtype}"
             )
@@ -243,9 +250,9 @@ class QKNorm(nn.Module):
     ) -> None:
         super().__init__()
         where = "QKNorm"
-        self.head_dim = _positive_int(head_dim, "head_dim", where)
+        self.head_dim = head_dim = _positive_int(head_dim, "head_dim", where)
         if not per_head:
-            _positive_int(num_heads, "num_heads (needed with per_head=False)", where)
+            num_heads = _positive_int(num_heads, "num_heads (needed with per_head=False)", where)
             num_kv_heads = num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads", where)
         for name, v, options in (
             ("norm", norm, ("rms", "layer")),
@@ -254,6 +261,7 @@ class QKNorm(nn.Module):
         ):
             if v not in options:
                 raise ValueError(f"{where}: expected `{name}` to be one of {tuple(options)}, got {v!r}")
+        check.eps(eps, where)  # float() would take True and "1e-6", and name no argument for "a" or None
         self.num_heads, self.num_kv_heads, self.per_head = num_heads, num_kv_heads, bool(per_head)
         self.norm_type, self.eps, self.layout = norm, float(eps), layout
         self.weight_offset, self.casting = check.weight_offset(weight_offset, where), casting  # finite
@@ -320,6 +328,7 @@ class PolyNorm(nn.Module):
 
     def __init__(self, num_features: int | None = None, eps: float = 1e-6, device=None, dtype=None) -> None:
         super().__init__()
+        check.eps(eps, "PolyNorm")  # float() would take True and "1e-6", and name no argument for "a" or None
         kw = {"device": device, "dtype": dtype}
         self.num_features, self.eps = num_features, float(eps)
         self.weight = nn.Parameter(torch.empty(3, **kw))
@@ -369,12 +378,13 @@ class Derf(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        _positive_int(num_features, "num_features", "Derf")
+        num_features = _positive_int(num_features, "num_features", "Derf")
         if not isinstance(channel_dim, int) or isinstance(channel_dim, bool):
             raise TypeError(f"Derf: expected `channel_dim` to be an int, got {channel_dim!r}")
         kw = {"device": device, "dtype": dtype}
         self.num_features, self.channel_dim = num_features, channel_dim
-        self.alpha_init, self.shift_init = float(alpha_init), float(shift_init)
+        self.alpha_init = check.finite(alpha_init, "alpha_init", "Derf")
+        self.shift_init = check.finite(shift_init, "shift_init", "Derf")
         self.alpha = nn.Parameter(torch.empty(1, **kw))
         self.shift = nn.Parameter(torch.empty(1, **kw))
         if affine:
@@ -400,4 +410,12 @@ class Derf(nn.Module):
         )
 
     def forward(self, input: Tensor) -> Tensor:
-        return FM.derf(input, self.alpha, self.shift, self.weight, self.bias, self.channel_dim)
+        n, cd = self.num_features, self.channel_dim
+        check.tensor(input, "input", "Derf")  # a dense floating-point tensor (a nested one has no shape to read)
+        if not -input.dim() <= cd < input.dim() or input.shape[cd] != n:
+            # the layer's feature count, as DyT's: derf's own check named the weight as the misfit
+            # ("expected `weight` of shape (5,), got (6,)" for input of 5 features)
+            raise ValueError(
+                f"Derf({n}): expected input with {n} features at dim {cd}, got shape {tuple(input.shape)}"
+            )
+        return FM.derf(input, self.alpha, self.shift, self.weight, self.bias, cd)

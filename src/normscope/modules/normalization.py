@@ -200,10 +200,9 @@ class GroupNorm(nn.GroupNorm):
     ) -> None:
         # **kw: torch's keyword-only arguments of the running version (``bias=`` since 2.13)
         # num_channels may be 0, as torch's (an empty scope); num_groups may not (torch divides by it)
-        for name, v, low in (("num_groups", num_groups, 1), ("num_channels", num_channels, 0)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                kind = "a positive" if low else "a non-negative"
-                raise ValueError(f"GroupNorm: expected `{name}` to be {kind} int, got {v!r}")
+        # NumPy's ints too, as torch's, stored as Python ints
+        num_groups = check.size(num_groups, "num_groups", "GroupNorm")
+        num_channels = check.size(num_channels, "num_channels", "GroupNorm", low=0)
         if num_channels % num_groups:
             raise ValueError(
                 f"GroupNorm: expected num_channels ({num_channels}) to be divisible by num_groups "

@@ -50,6 +50,8 @@ Where the paper and the reference code differ, and what we do (see also ``docs/b
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor, nn
 
@@ -156,24 +158,22 @@ class PowerNorm(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        _int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-        if not _int(num_features) or num_features < 1:
-            raise ValueError(f"PowerNorm: expected `num_features` to be a positive int, got {num_features!r}")
-        if not _int(warmup_iters) or warmup_iters < 0:
-            raise ValueError(f"PowerNorm: expected `warmup_iters` to be a non-negative int, got {warmup_iters!r}")
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
+        _int = lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)  # noqa: E731
+        num_features = check.size(num_features, "num_features", "PowerNorm")  # a Python int, from NumPy's too
+        warmup_iters = check.size(warmup_iters, "warmup_iters", "PowerNorm", low=0)
+        if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps > 0:  # NumPy's floats too
             # eps is all that keeps an all-zero feature (padding, a dead unit) from dividing by 0
             raise ValueError(f"PowerNorm: expected `eps` to be a positive number, got {eps!r}")
         for n, v in (("alpha_fwd", alpha_fwd), ("alpha_bkw", alpha_bkw)):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not 0 <= v <= 1:
                 raise ValueError(f"PowerNorm: expected `{n}` in [0, 1], got {v!r}")
         if group_scaling is not None and (not _int(group_scaling) or group_scaling < 1 or num_features % group_scaling):
             raise ValueError(
                 f"PowerNorm: expected `group_scaling` to be None or a positive int dividing num_features="
                 f"{num_features}, got {group_scaling!r}"
             )
-        if channel_dim not in (1, -1):
-            raise ValueError(f"PowerNorm: expected `channel_dim` to be 1 or -1, got {channel_dim!r}")
+        group_scaling = None if group_scaling is None else int(group_scaling)
+        channel_dim = check.channel_dim(channel_dim, "PowerNorm")
         if ema_gz_over not in ("valid", "all"):
             raise ValueError(f"PowerNorm: expected `ema_gz_over` to be 'valid' or 'all', got {ema_gz_over!r}")
         kw = {"device": device, "dtype": dtype}
@@ -237,7 +237,7 @@ class PowerNorm(nn.Module):
                 )
         if self.training and self.num_batches_tracked is None:  # the step counter of the warm-up and the average
             raise ValueError(f"{name}: expected `num_batches_tracked` in training (the step count), got None")
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps > 0:
+        if isinstance(self.eps, bool) or not isinstance(self.eps, numbers.Real) or not self.eps > 0:
             raise ValueError(f"{name}: expected `eps` to be a positive number, got {self.eps!r}")
         x = input
         if self.group_scaling is not None:  # the reference's GroupScaling1D, eps fixed at 1e-5 as there

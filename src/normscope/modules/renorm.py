@@ -7,6 +7,8 @@ statistics handed to the engine's ``apply``, not a new normalization.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor, nn
 
@@ -72,12 +74,13 @@ class _BatchRenormMixin(BatchNormMixin):
             raise ValueError(
                 f"{name}: expected track_running_stats=True (the correction needs running statistics), got False"
             )
-        if not isinstance(rmax, (int, float)) or rmax < 1:
+        # ``not >=``: a NaN limit compares False both ways and made every training output NaN (r or d NaN);
+        # NumPy's floats are numbers too, a bool is not
+        if isinstance(rmax, bool) or not isinstance(rmax, numbers.Real) or not rmax >= 1:
             raise ValueError(f"{name}: expected `rmax` to be a number >= 1, got {rmax!r}")
-        if not isinstance(dmax, (int, float)) or dmax < 0:
+        if isinstance(dmax, bool) or not isinstance(dmax, numbers.Real) or not dmax >= 0:
             raise ValueError(f"{name}: expected `dmax` to be a number >= 0, got {dmax!r}")
-        if not isinstance(warmup_iters, int) or isinstance(warmup_iters, bool) or warmup_iters < 0:
-            raise ValueError(f"{name}: expected `warmup_iters` to be a non-negative int, got {warmup_iters!r}")
+        warmup_iters = check.size(warmup_iters, "warmup_iters", name, low=0)  # a Python int, from NumPy's too
         super().__init__(num_features, eps, momentum, affine, True, device, dtype, **kw)
         self.rmax, self.dmax, self.warmup_iters = float(rmax), float(dmax), warmup_iters
 

@@ -337,6 +337,7 @@ class SyncBatchNorm(_BatchNorm):
         **kw,
     ) -> None:
         # **kw: torch's keyword-only arguments of the running version (``bias=`` since 2.13)
+        num_features = check.num_features(num_features, "SyncBatchNorm", affine or track_running_stats)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **kw)
         self.process_group = process_group
 
