@@ -281,3 +281,34 @@ def grad_scale(truth: Result, cot: Cotangents, values: Tensor) -> float:
     y = max((o.double().abs().nan_to_num(0.0).max().item() for o in truth.outputs if o.numel()), default=0.0)
     a = values.double().square().mean().sqrt().item() if values.numel() else 0.0
     return dy * y / a if a > 0 else 0.0
+
+
+def nudged(case: Case, seed: int = 11) -> Case:
+    """``case`` with every element of every floating argument moved by one ulp of its own size, up or
+    down at random (``v + eps * |v| * (+-1)``, eps of the dtype it runs in): the perturbation by which
+    a backward-stable algorithm's result is exact. Run in float64, it shows how far a result moves
+    when its inputs move by their own rounding -- by ``|x| * rstd`` ulps for a normalization, the
+    error any fp32 algorithm makes on an input whose mean dwarfs its spread, however it sums (see
+    :func:`sensitivity`). At random, not all one way: a normalization sees neither a common scaling
+    nor a common shift of its input."""
+    g = torch.Generator().manual_seed(seed)
+    moved = {}
+    for n, a in case.args.items():
+        if a.values.is_floating_point():
+            eps = ulp(case.dtype if a.follows else torch.float32)
+            sign = torch.randint(0, 2, a.values.shape, generator=g).to(a.values.dtype) * 2 - 1
+            moved[n] = a.values + a.values.abs() * eps * sign
+    return case.replace(**moved)
+
+
+def sensitivity(moved: Tensor | None, truth: Tensor | None, dtype: torch.dtype) -> float:
+    """How far the float64 result ``moved`` (of :func:`nudged` inputs) lies from ``truth``, in ulps of
+    ``dtype``: the result's scale for :func:`assert_accurate` (its slack is then a few times the move
+    of a one-ulp nudge of the inputs -- backward stability -- where the result's own size is smaller)."""
+    if moved is None or truth is None or not moved.is_floating_point():
+        return 0.0
+    finite = moved.isfinite() & truth.isfinite()
+    if not bool(finite.any()):
+        return 0.0
+    return (moved.double() - truth.double())[finite].abs().max().item() / ulp(dtype)
+

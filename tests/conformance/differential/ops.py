@@ -630,12 +630,12 @@ def _masked_batch_oracle(t, kw):
 
 
 def _torch_batch_norm(x, running_mean, running_var, weight=None, bias=None, training=False, *args):
-    """torch's ``F.batch_norm`` with the weight -- and in evaluation the running statistics --
-    contiguous where ATen's CPU backward misreads them: fp32/fp64 input with one position per channel
-    ((N, C), (N, C, 1)) or channels_last, whose kernel reads them as contiguous memory (an expanded or
-    strided one gives an input gradient off by up to ~1e38). normscope makes them contiguous there
-    (``backends/aten.py``, ``_bn_layout``); elsewhere they are as given (those kernels round the
-    forward by an ulp differently for a contiguous copy).
+    """torch's ``F.batch_norm``: its forward's bits as it computes them on the views given, its gradient
+    with the weight -- and in evaluation the running statistics -- contiguous where ATen's CPU backward
+    misreads them: fp32/fp64 input with one position per channel ((N, C), (N, C, 1)) or channels_last,
+    whose kernel reads them as contiguous memory (an expanded or strided one gives an input gradient off
+    by up to ~1e38). (The contiguous copies alone would change the forward too: ATen's forward takes
+    another kernel, an ulp apart, when all its tensors are contiguous.)
 
     In evaluation, an input in neither contiguous layout is copied to a contiguous one first, as
     normscope does (``_bn_layout``): ATen's kernel for it is less accurate, and not batch-invariant."""
@@ -647,11 +647,21 @@ def _torch_batch_norm(x, running_mean, running_var, weight=None, bias=None, trai
         if not training and not channels_last:
             x = x.contiguous()
     one_position = d <= 2 or math.prod(x.shape[2:]) == 1
-    if x.dtype in (torch.float32, torch.float64) and (one_position or channels_last):
-        weight = None if weight is None else weight.contiguous()
-        if not training and running_mean is not None:
-            running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
-    return TF.batch_norm(x, running_mean, running_var, weight, bias, training, *args)
+    if not (x.dtype in (torch.float32, torch.float64) and (one_position or channels_last)):
+        return TF.batch_norm(x, running_mean, running_var, weight, bias, training, *args)
+    w, rm, rv = weight, running_mean, running_var
+    with torch.no_grad():  # the forward's bits: on the views, the running statistics on copies in training
+        if training and rm is not None:
+            rm, rv = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(t) for t in (rm, rv))
+        bits = TF.batch_norm(x, rm, rv, w, bias, training, *args)
+    weight = None if weight is None else weight.contiguous()
+    if not training and running_mean is not None:
+        running_mean, running_var = running_mean.contiguous(), running_var.contiguous()
+    y = TF.batch_norm(x, running_mean, running_var, weight, bias, training, *args)
+    # bits' values, y's gradient: written under y, whose backward does not read it (autograd's version
+    # counter would say so); an op on the graph would hand the backward another upstream gradient's layout
+    y.detach().copy_(bits)
+    return y
 
 
 _RUNNING = ("running_mean", "running_var")
