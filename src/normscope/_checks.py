@@ -7,7 +7,6 @@ they run on every call.
 
 from __future__ import annotations
 
-import math
 import numbers
 import operator
 import sys
@@ -152,7 +151,10 @@ def weight_offset(value: object, where: str) -> float:
     every output infinite or NaN."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{where}: expected `weight_offset` to be a float, got {type(value).__name__} {value!r}")
-    if not (abs(value) <= _FLOAT_MAX if isinstance(value, int) else math.isfinite(value)):
+    # one comparison for an int (exact in Python, however large) and a float (NaN compares False): not
+    # math.isfinite, which dynamo cannot trace on the symbolic float torch.compile(dynamic=True) makes of a
+    # layer's float attribute (a graph break: an error under fullgraph=True)
+    if not abs(value) <= _FLOAT_MAX:
         raise ValueError(f"{where}: expected `weight_offset` to be a finite number, got {value!r}")
     return float(value)
 

@@ -178,6 +178,35 @@ def test_compile_dynamic_shapes_fullgraph(i):
 
 
 @pytest.mark.slow
+def test_compile_dynamic_fullgraph_with_a_weight_offset():
+    """torch.compile(dynamic=True) makes a layer's float attribute a symbolic float: the family
+    layers' ``weight_offset`` (QKNorm's always, RMSNorm's and LayerNorm's when set) is then checked
+    traced, and its finiteness check must trace without a graph break (``math.isfinite`` of a
+    symbolic float was one: an error under fullgraph=True). Against the RMS formula in float64."""
+
+    def rms(x, w, eps):
+        x = x.double()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+    torch.manual_seed(0)
+    qk = normscope.QKNorm(8)  # Qwen3's: weight_offset=0.0, stored on the layer
+    gemma = normscope.RMSNorm(8, eps=1e-6, weight_offset=1.0, casting="gemma")
+    with torch.no_grad():
+        for p in (qk.q_weight, qk.k_weight, gemma.weight):
+            p.uniform_(-0.5, 0.5)
+    torch._dynamo.reset()
+    c_qk = torch.compile(qk, dynamic=True, fullgraph=True, backend="eager")
+    c_gemma = torch.compile(gemma, dynamic=True, fullgraph=True, backend="eager")
+    for n in (3, 5):
+        q, k = torch.randn(2, n, 4, 8), torch.randn(2, n, 2, 8)
+        qn, kn = c_qk(q, k)
+        torch.testing.assert_close(qn, rms(q, qk.q_weight, 1e-6), check_dtype=False)
+        torch.testing.assert_close(kn, rms(k, qk.k_weight, 1e-6), check_dtype=False)
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(c_gemma(x), rms(x, gemma.weight + 1.0, 1e-6), check_dtype=False)
+
+
+@pytest.mark.slow
 def test_compiled_bad_input_raises_the_layers_error():
     """A call the checks refuse has no traced plan: the layer's checked path runs and raises its
     ValueError, as eagerly (not dynamo's wrapper of an error raised while planning)."""
