@@ -6,6 +6,7 @@ Slow (a compile takes ~15-40 s on 2 shared cores): marked ``slow``; deselect wit
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import time
 import warnings
@@ -243,6 +244,34 @@ def test_compiled_layer_follows_use_backend():
         torch.testing.assert_close(compiled(x), direct(x, (1,)) * ln.weight + ln.bias)
         assert normscope.last_backend() == "reference"
     assert len(frames) == 2
+
+
+@pytest.mark.slow
+def test_use_backend_inside_a_compiled_function():
+    """A ``with use_backend(...)`` block inside the compiled code itself (as torch.no_grad() may be)
+    forces the calls in its block, fullgraph=True included: dynamo cannot trace ContextVar.set, which the
+    block called (an Unsupported error). The graph holds ATen's layer_norm only for the block that asks for
+    'aten'; the numbers are the float64 formula's."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    ln = normscope.LayerNorm(8).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+
+    def run(t, name):
+        with normscope.use_backend(name):
+            return ln(t) * 2
+
+    for name, native in (("reference", False), ("aten", True)):
+        torch._dynamo.reset()
+        y = torch.compile(functools.partial(run, name=name), fullgraph=True, backend=keep)(x)
+        torch.testing.assert_close(y, 2 * direct(x, (1,)))
+        assert normscope.last_backend() == name
+        assert ("layer_norm" in graphs[-1]) is native, graphs[-1]
+    assert normscope.engine.requested_backend() == "auto"  # nothing forced after the blocks
 
 
 def test_a_forced_backend_that_cannot_run_a_compiled_call_raises_its_value_error():
