@@ -208,23 +208,29 @@ def test_compile_dynamic_fullgraph_with_a_weight_offset():
 
 
 @pytest.mark.slow
-def test_compile_fullgraph_with_an_eps_that_changes_between_calls():
+def test_compile_fullgraph_with_an_eps_or_offset_that_changes_between_calls():
     """An eps that changes between calls of compiled code -- a layer's attribute, or a functional
     call's argument -- becomes a symbolic float under torch.compile's default automatic dynamic; it
     has no constant to plan with (as symbolic sizes), and the checked call is traced. Handed to the
     planner's constant function it was dynamo's "assume_constant_result argument conversion failed",
-    an error under fullgraph=True. Against torch.nn.functional, which compiles so."""
+    an error under fullgraph=True. So is a family layer's ``weight_offset`` (read by the choice of
+    backend, planned on stand-ins likewise). Against torch.nn.functional, which compiles so."""
     torch._dynamo.reset()
     ln, gn = normscope.LayerNorm(8), normscope.GroupNorm(2, 8)
+    gemma = normscope.RMSNorm(8, eps=1e-6, weight_offset=1.0, casting="gemma")
     c_ln = torch.compile(ln, fullgraph=True, backend="eager")
     c_gn = torch.compile(gn, fullgraph=True, backend="eager")
+    c_gemma = torch.compile(gemma, fullgraph=True, backend="eager")
     c_rms = torch.compile(lambda t, e: normscope.functional.rms_norm(t, (8,), eps=e), fullgraph=True, backend="eager")
-    for eps in (1e-5, 1e-3, 0.5):
+    for eps, offset in ((1e-5, 1.0), (1e-3, 0.5), (0.5, 2.0)):
         ln.eps = gn.eps = eps
+        gemma.weight_offset = offset
         x, xg = torch.randn(3, 8), torch.randn(3, 8, 4)
         torch.testing.assert_close(c_ln(x), torch.nn.functional.layer_norm(x, (8,), ln.weight, ln.bias, eps))
         torch.testing.assert_close(c_gn(xg), torch.nn.functional.group_norm(xg, 2, gn.weight, gn.bias, eps))
         torch.testing.assert_close(c_rms(x, eps), torch.nn.functional.rms_norm(x, (8,), eps=eps))
+        scale = gemma.weight.detach() + offset
+        torch.testing.assert_close(c_gemma(x), torch.nn.functional.rms_norm(x, (8,), scale, eps=1e-6))
 
 
 @pytest.mark.slow
