@@ -7,7 +7,6 @@ they run on every call.
 
 from __future__ import annotations
 
-import math
 import numbers
 import operator
 import sys
@@ -159,7 +158,10 @@ def finite(value: object, name: str, where: str) -> float:
     or infinite, and ``float()`` of a string names no argument ("could not convert string to float")."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):  # NumPy's numbers too
         raise TypeError(f"{where}: expected `{name}` to be a float, got {type(value).__name__} {value!r}")
-    if not (abs(value) <= _FLOAT_MAX if isinstance(value, int) else math.isfinite(value)):
+    # one comparison for an int (exact in Python, however large) and a float (NaN compares False): not
+    # math.isfinite, which dynamo cannot trace on the symbolic float torch.compile(dynamic=True) makes of a
+    # layer's float attribute (a graph break: an error under fullgraph=True)
+    if not abs(value) <= _FLOAT_MAX:
         raise ValueError(f"{where}: expected `{name}` to be a finite number, got {value!r}")
     return float(value)
 

@@ -49,6 +49,8 @@ def static_signature(call: Call) -> tuple | None:
             return None
     if symbolic(s.shape):
         return None
+    if isinstance(call.weight_offset, (int, float)) and symbolic((call.weight_offset,)):
+        return None  # a symbolic float (automatic dynamic: an offset that changed between calls), not a constant
 
     def meta(t: Tensor | None) -> tuple | None:
         return None if t is None else (tuple(t.shape), t.dtype)
@@ -71,13 +73,14 @@ def static_signature(call: Call) -> tuple | None:
 
 
 def symbolic(shape: Sequence) -> bool:
-    """Whether a size of ``shape`` is symbolic (a SymInt: dynamic shapes, torch.export).
+    """Whether a size of ``shape`` is symbolic (a SymInt: dynamic shapes, torch.export) -- or a number of
+    it, the same question of an eps or a setting (a SymFloat: a float dynamo made dynamic).
 
     While dynamo traces, ``isinstance(n, torch.SymInt)`` and ``type(n) is int`` both answer as for
     an int, so there torch's ``has_static_value`` is asked (dynamo answers it for the traced size,
     without a guard); a torch without it (< 2.6) is answered "symbolic", the safe side."""
     if not compiling():
-        return any(isinstance(n, torch.SymInt) for n in shape)
+        return any(isinstance(n, (torch.SymInt, torch.SymFloat)) for n in shape)
     # imported here, not at import time: it loads torch._dynamo (~0.7 s), which dynamo, tracing
     # this, has loaded already
     from torch.fx.experimental import symbolic_shapes

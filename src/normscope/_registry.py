@@ -98,6 +98,17 @@ def use_backend(name: str | None) -> Iterator[None]:
     """Force a backend inside a ``with`` block (``None`` restores automatic choice)."""
     if name is not None:
         check_backend_name(name, "use_backend(name)")
+    if compiling():
+        # a block inside code dynamo traces (a compiled function): dynamo cannot trace ContextVar.set (an
+        # error under fullgraph=True), and a traced call reads the thread's view alone (requested_backend,
+        # normscope.hot._traced), which dynamo follows as it traces and replays on every call of the graph
+        previous = TRACED_VIEW.forced
+        TRACED_VIEW.forced = name or "auto"
+        try:
+            yield
+        finally:
+            TRACED_VIEW.forced = previous
+        return
     token = FORCED.set(name or "auto")
     TRACED_VIEW.forced = name or "auto"
     try:

@@ -318,8 +318,8 @@ def _traced_call(op, settings, x, weight, bias, eps, running, mask, start) -> Te
 
 def _traced(op, settings, x, weight, bias, eps, running) -> Plan | None:
     """The call's plan, made eagerly on stand-ins (:func:`_trace_token`, a constant to dynamo), or
-    None -- the checked call is traced -- for symbolic sizes or an argument without a constant
-    signature."""
+    None -- the checked call is traced -- for symbolic sizes or numbers, or an argument without a
+    constant signature."""
     metas = []
     tensors_read = (x, weight, bias) if running is None else (x, weight, bias, running[0], running[1])
     for t in tensors_read:
@@ -329,6 +329,13 @@ def _traced(op, settings, x, weight, bias, eps, running) -> Plan | None:
             metas.append((tuple(t.shape), t.dtype, t.device))
         else:
             return None
+    # a number that changed between calls of the compiled code (eps, a setting) is a symbolic one once dynamo
+    # makes it dynamic (automatic dynamic, torch.compile's default): no constant to plan with, as for sizes --
+    # passed to _trace_token it was dynamo's "assume_constant_result argument conversion failed"
+    numbers = [v for v in (eps, *settings) if isinstance(v, (int, float))]
+    numbers += [n for v in settings if type(v) is tuple for n in v if isinstance(n, (int, float))]
+    if _symbolic(numbers):
+        return None
     flags = None if running is None else (len(metas), running[3])
     # the settings as Python constants for dynamo: a type (the keys' ``type(eps)``-like slots, which
     # the checked calls never read) by its name

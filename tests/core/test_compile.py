@@ -6,6 +6,7 @@ Slow (a compile takes ~15-40 s on 2 shared cores): marked ``slow``; deselect wit
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import time
 import warnings
@@ -178,6 +179,61 @@ def test_compile_dynamic_shapes_fullgraph(i):
 
 
 @pytest.mark.slow
+def test_compile_dynamic_fullgraph_with_a_weight_offset():
+    """torch.compile(dynamic=True) makes a layer's float attribute a symbolic float: the family
+    layers' ``weight_offset`` (QKNorm's always, RMSNorm's and LayerNorm's when set) is then checked
+    traced, and its finiteness check must trace without a graph break (``math.isfinite`` of a
+    symbolic float was one: an error under fullgraph=True). Against the RMS formula in float64."""
+
+    def rms(x, w, eps):
+        x = x.double()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+    torch.manual_seed(0)
+    qk = normscope.QKNorm(8)  # Qwen3's: weight_offset=0.0, stored on the layer
+    gemma = normscope.RMSNorm(8, eps=1e-6, weight_offset=1.0, casting="gemma")
+    with torch.no_grad():
+        for p in (qk.q_weight, qk.k_weight, gemma.weight):
+            p.uniform_(-0.5, 0.5)
+    torch._dynamo.reset()
+    c_qk = torch.compile(qk, dynamic=True, fullgraph=True, backend="eager")
+    c_gemma = torch.compile(gemma, dynamic=True, fullgraph=True, backend="eager")
+    for n in (3, 5):
+        q, k = torch.randn(2, n, 4, 8), torch.randn(2, n, 2, 8)
+        qn, kn = c_qk(q, k)
+        torch.testing.assert_close(qn, rms(q, qk.q_weight, 1e-6), check_dtype=False)
+        torch.testing.assert_close(kn, rms(k, qk.k_weight, 1e-6), check_dtype=False)
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(c_gemma(x), rms(x, gemma.weight + 1.0, 1e-6), check_dtype=False)
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_with_an_eps_or_offset_that_changes_between_calls():
+    """An eps that changes between calls of compiled code -- a layer's attribute, or a functional
+    call's argument -- becomes a symbolic float under torch.compile's default automatic dynamic; it
+    has no constant to plan with (as symbolic sizes), and the checked call is traced. Handed to the
+    planner's constant function it was dynamo's "assume_constant_result argument conversion failed",
+    an error under fullgraph=True. So is a family layer's ``weight_offset`` (read by the choice of
+    backend, planned on stand-ins likewise). Against torch.nn.functional, which compiles so."""
+    torch._dynamo.reset()
+    ln, gn = normscope.LayerNorm(8), normscope.GroupNorm(2, 8)
+    gemma = normscope.RMSNorm(8, eps=1e-6, weight_offset=1.0, casting="gemma")
+    c_ln = torch.compile(ln, fullgraph=True, backend="eager")
+    c_gn = torch.compile(gn, fullgraph=True, backend="eager")
+    c_gemma = torch.compile(gemma, fullgraph=True, backend="eager")
+    c_rms = torch.compile(lambda t, e: normscope.functional.rms_norm(t, (8,), eps=e), fullgraph=True, backend="eager")
+    for eps, offset in ((1e-5, 1.0), (1e-3, 0.5), (0.5, 2.0)):
+        ln.eps = gn.eps = eps
+        gemma.weight_offset = offset
+        x, xg = torch.randn(3, 8), torch.randn(3, 8, 4)
+        torch.testing.assert_close(c_ln(x), torch.nn.functional.layer_norm(x, (8,), ln.weight, ln.bias, eps))
+        torch.testing.assert_close(c_gn(xg), torch.nn.functional.group_norm(xg, 2, gn.weight, gn.bias, eps))
+        torch.testing.assert_close(c_rms(x, eps), torch.nn.functional.rms_norm(x, (8,), eps=eps))
+        scale = gemma.weight.detach() + offset
+        torch.testing.assert_close(c_gemma(x), torch.nn.functional.rms_norm(x, (8,), scale, eps=1e-6))
+
+
+@pytest.mark.slow
 def test_compiled_bad_input_raises_the_layers_error():
     """A call the checks refuse has no traced plan: the layer's checked path runs and raises its
     ValueError, as eagerly (not dynamo's wrapper of an error raised while planning)."""
@@ -214,6 +270,34 @@ def test_compiled_layer_follows_use_backend():
         torch.testing.assert_close(compiled(x), direct(x, (1,)) * ln.weight + ln.bias)
         assert normscope.last_backend() == "reference"
     assert len(frames) == 2
+
+
+@pytest.mark.slow
+def test_use_backend_inside_a_compiled_function():
+    """A ``with use_backend(...)`` block inside the compiled code itself (as torch.no_grad() may be)
+    forces the calls in its block, fullgraph=True included: dynamo cannot trace ContextVar.set, which the
+    block called (an Unsupported error). The graph holds ATen's layer_norm only for the block that asks for
+    'aten'; the numbers are the float64 formula's."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    ln = normscope.LayerNorm(8).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+
+    def run(t, name):
+        with normscope.use_backend(name):
+            return ln(t) * 2
+
+    for name, native in (("reference", False), ("aten", True)):
+        torch._dynamo.reset()
+        y = torch.compile(functools.partial(run, name=name), fullgraph=True, backend=keep)(x)
+        torch.testing.assert_close(y, 2 * direct(x, (1,)))
+        assert normscope.last_backend() == name
+        assert ("layer_norm" in graphs[-1]) is native, graphs[-1]
+    assert normscope.engine.requested_backend() == "auto"  # nothing forced after the blocks
 
 
 def test_a_forced_backend_that_cannot_run_a_compiled_call_raises_its_value_error():
