@@ -93,11 +93,34 @@ def backends() -> list[str]:
     return list(AUTO)
 
 
+class use_backend(contextlib.ContextDecorator):  # noqa: N801 -- named as a function, as torch.no_grad
+    """Force a backend inside a ``with`` block (``None`` restores automatic choice).
+
+    Per thread and asyncio task, as torch's grad mode. One object may open several blocks, one after
+    another or nested, as ``torch.no_grad()`` may: each ``with`` opens a block of its own; as a decorator,
+    each call of the function runs in a block."""
+
+    def __init__(self, name: str | None) -> None:
+        if name is not None:
+            check_backend_name(name, "use_backend(name)")
+        self.name = name
+        self._open: list[contextlib.AbstractContextManager] = []  # the blocks this object holds open
+
+    def __enter__(self) -> None:
+        block = _forcing(self.name)
+        block.__enter__()
+        self._open.append(block)
+
+    def __exit__(self, *exc) -> bool | None:
+        return self._open.pop().__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return f"use_backend({self.name!r})"
+
+
 @contextlib.contextmanager
-def use_backend(name: str | None) -> Iterator[None]:
-    """Force a backend inside a ``with`` block (``None`` restores automatic choice)."""
-    if name is not None:
-        check_backend_name(name, "use_backend(name)")
+def _forcing(name: str | None) -> Iterator[None]:
+    """One ``use_backend`` block (its name checked)."""
     if compiling():
         # a block inside code dynamo traces (a compiled function): dynamo cannot trace ContextVar.set (an
         # error under fullgraph=True), and a traced call reads the thread's view alone (requested_backend,

@@ -283,6 +283,33 @@ def test_a_backend_registered_while_another_thread_plans_is_chosen_after():
         _registry.clear_plans()
 
 
+def test_one_use_backend_object_opens_blocks_again_and_nested_as_torch_no_grad_does():
+    # a contextlib generator opens once: reusing the object raised AttributeError ('args') from contextlib,
+    # where torch.no_grad() objects are reused, nested and used as decorators
+    x = torch.randn(4, 8)
+    forced = normscope.use_backend("reference")
+    for _ in range(2):
+        with forced:
+            NF.layer_norm(x, (8,))
+            assert normscope.last_backend() == "reference"
+            with forced:
+                NF.layer_norm(x, (8,))
+                assert normscope.last_backend() == "reference"
+            NF.layer_norm(x, (8,))
+            assert normscope.last_backend() == "reference"
+        NF.layer_norm(x, (8,))
+        assert normscope.last_backend() != "reference"  # the automatic choice again
+
+    @normscope.use_backend("reference")
+    def run():
+        return NF.layer_norm(x, (8,)), normscope.last_backend()
+
+    for _ in range(2):
+        assert run()[1] == "reference"
+        NF.layer_norm(x, (8,))
+        assert normscope.last_backend() != "reference"
+
+
 def test_a_use_backend_block_left_in_another_thread_does_not_raise_from_its_exit():
     # a generator holding the block, started in one thread and finished in another: ContextVar.reset()
     # refuses a token of another context, and the exit raised that ValueError into the consumer. Now, as
