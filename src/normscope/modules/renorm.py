@@ -7,13 +7,14 @@ statistics handed to the engine's ``apply``, not a new normalization.
 
 from __future__ import annotations
 
+import collections
 import numbers
 
 import torch
 from torch import Tensor, nn
 
 from .. import _checks as check
-from .. import engine
+from .. import _state, engine
 from .. import reference as ref
 from ..scope import Scope
 from .batchnorm import BatchNorm1d, BatchNormMixin, count_batch, momentum_factor
@@ -83,6 +84,34 @@ class _BatchRenormMixin(BatchNormMixin):
         warmup_iters = check.size(warmup_iters, "warmup_iters", name, low=0)  # a Python int, from NumPy's too
         super().__init__(num_features, eps, momentum, affine, True, device, dtype, **kw)
         self.rmax, self.dmax, self.warmup_iters = float(rmax), float(dmax), warmup_iters
+
+    #: how many training calls' (r, d) a layer keeps for their recomputation (see _given_correction)
+    KEPT_CORRECTIONS = 64
+
+    def _remember_correction(self, r: Tensor, d: Tensor) -> None:
+        """Keep this training call's ``(r, d)`` for a recomputation of it (activation checkpointing;
+        the reentrant kind runs the forward without grad); eagerly only (a compiled graph saves r and d
+        itself)."""
+        if _state.compiling() or _state.tracing() or _in_backward():
+            return
+        kept = self.__dict__.get("_corrections")
+        if kept is None:
+            kept = self.__dict__["_corrections"] = collections.deque(maxlen=self.KEPT_CORRECTIONS)
+        kept.append((r, d))
+
+    def _given_correction(self, shape: tuple[int, ...], like: Tensor) -> tuple[Tensor, Tensor] | None:
+        """A recomputation's ``(r, d)``: the forward's, not new ones. Activation checkpointing runs the
+        forward again during the backward, after this forward's update moved the running statistics (and
+        the warm-up's step count): r and d from them were another correction than the one the forward
+        applied, and the gradients those of another function (2.5 % off at the defaults). A training call
+        during a backward is a recomputation; the backward recomputes the latest forwards first."""
+        kept = self.__dict__.get("_corrections")
+        if not kept or not _in_backward() or not torch.is_grad_enabled():
+            return None
+        r, d = kept.pop()
+        if r.shape != tuple(shape) or r.dtype != like.dtype or r.device != like.device:
+            return None  # not this call's: computed anew, as before
+        return r, d
 
     def extra_repr(self) -> str:
         s = f"{super().extra_repr()}, rmax={self.rmax}, dmax={self.dmax}"
@@ -163,6 +192,7 @@ class _BatchRenormMixin(BatchNormMixin):
         m = ref.moments(input, scope, mask)
         sigma_b = (m.var + self.eps).sqrt()
         shape = scope.stat_shape
+        given = self._given_correction(shape, sigma_b)
         with torch.no_grad():  # r and d are constants for the gradient (the paper's stop_gradient)
             lim = [
                 torch.full((), v, dtype=sigma_b.dtype, device=sigma_b.device)
@@ -170,7 +200,7 @@ class _BatchRenormMixin(BatchNormMixin):
                 else v.to(sigma_b.dtype)
                 for v in (rmax, dmax)
             ]
-            r, d = _correction(
+            r, d = given or _correction(
                 m.mean.detach(),
                 sigma_b.detach(),
                 self.running_mean.reshape(shape),
@@ -178,6 +208,7 @@ class _BatchRenormMixin(BatchNormMixin):
                 self.eps,
                 *lim,
             )
+        self._remember_correction(r, d)
         running = engine.Running(self.running_mean, self.running_var, factor, True)
         engine.update_running(engine.Call(input, scope, None, None, self.eps, mask, running), m)
         # d joins the bias (beta + gamma d, per channel), not the mean: folded into the mean as
@@ -188,6 +219,12 @@ class _BatchRenormMixin(BatchNormMixin):
         y = engine.apply(input, m.mean, r / sigma_b, scope, self.weight, bias, mask)
         engine.report_backend("reference")
         return y
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (where activation checkpointing
+    recomputes a forward)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 _DOC = r"""Batch Renormalization over {shape}.
