@@ -391,7 +391,7 @@ def prepare(call: Call, automatic: bool) -> Runner:
         d_out = bad = None
         with torch.no_grad():
             xa = x3.detach().to(acc)
-            if not _dense(xa) or (v.per_outer and not _samples_outermost(xa)):
+            if not _dense(x3) or (v.per_outer and not _samples_outermost(x3)):
                 # a view with gaps (a strided slice): a dense copy, as ``.to`` makes for half types.
                 # Its statistics are summed in the layout that the recomputation below, with the
                 # padding set to 0, sums them in (_laid_like cannot lay a tensor out with gaps):
@@ -399,7 +399,9 @@ def prepare(call: Call, automatic: bool) -> Runner:
                 # Per-sample scopes whose samples are not the outermost axis in memory (a (C, B, L)
                 # tensor viewed as (B, C, L)) too: such a batch is dense but one sample of it is not,
                 # so a sample alone was copied and one in the batch was not, and the backward summed
-                # the two in other orders (scope isolation: the layout must be decided per sample)
+                # the two in other orders (scope isolation: the layout must be decided per sample).
+                # Decided on x3, not on xa: ``.to`` lays the fp32 copy of a view with gaps out densely
+                # in an order of its own (a half-precision sample alone, taken from such a batch)
                 xa = xa.contiguous()
             st = _stats(xa, mf, v, c.eps, constant_bias)
             finite = bool(st.finite)  # the one host sync of the call
