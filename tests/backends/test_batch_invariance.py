@@ -336,6 +336,65 @@ def test_a_masked_sample_is_the_same_alone_and_in_a_batch_whose_samples_are_not_
         assert _same(y1[0], y[i]), f"outputs of sample {i}"
         assert _same(g1[0], gx[i]), f"input gradients of sample {i}"
 
+
+_REFERENCE_OPS = {
+    # the automatic choice for a masked RMS scope (no composite form) is the reference
+    "masked_rms": (None, lambda x, m: normscope.normalize(x, dims=(1, 2), centered=False, mask=m)),
+    "group_norm": ("reference", lambda x, m: F.group_norm(x, 2, mask=m[:, 0])),
+    "layer_norm_2d": ("reference", lambda x, m: normscope.normalize(x, dims=1)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", sorted(_NOT_OUTERMOST))
+@pytest.mark.parametrize("op", sorted(_REFERENCE_OPS))
+def test_a_sample_on_the_reference_is_the_same_alone_and_in_a_batch_whose_samples_are_not_outermost(
+    op, layout, dtype
+):
+    # ATen's reductions (and autograd's sums in the backward) merge the axes of a sample with gaps one
+    # way alone and another in a batch: input gradients 2.4e-7 apart in fp32 before the reference made
+    # such a sample contiguous
+    backend, fn = _REFERENCE_OPS[op]
+    g = torch.Generator().manual_seed(0)
+    x = _NOT_OUTERMOST[layout](torch.randn(5, 8, 300, generator=g).to(dtype))
+    dy = torch.randn(5, 8, 300, generator=g).to(dtype)
+    mask = torch.rand(5, 1, 300, generator=g) > 0.3
+
+    def run(x, m, dy):
+        x = torch.empty_strided(x.shape, x.stride(), dtype=dtype).copy_(x).requires_grad_()
+        with normscope.use_backend(backend) if backend else contextlib.nullcontext():
+            y = fn(x, m)
+        y.backward(dy)
+        assert normscope.last_backend() == "reference"
+        return y.detach(), x.grad
+
+    y, gx = run(x, mask, dy)
+    for i in range(5):
+        y1, g1 = run(x[i : i + 1], mask[i : i + 1], dy[i : i + 1])
+        assert _same(y1[0], y[i]), f"outputs of sample {i}"
+        assert _same(g1[0], gx[i]), f"input gradients of sample {i}"
+
+
+def test_a_transposed_row_on_the_reference_is_the_same_alone_and_in_a_batch():
+    # a (D, B) tensor viewed as (B, D) rows: LayerNorm's input gradient on the reference differed alone
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(257, 17, generator=g).t()
+    dy = torch.randn(17, 257, generator=g)
+    w, b = torch.randn(257, generator=g), torch.randn(257, generator=g)
+
+    def run(x, dy):
+        x = torch.empty_strided(x.shape, x.stride()).copy_(x).requires_grad_()
+        with normscope.use_backend("reference"):
+            y = F.layer_norm(x, 257, w, b)
+        y.backward(dy)
+        return y.detach(), x.grad
+
+    y, gx = run(x, dy)
+    for i in range(17):
+        y1, g1 = run(x[i : i + 1], dy[i : i + 1])
+        assert _same(y1[0], y[i]), f"output of row {i}"
+        assert _same(g1[0], gx[i]), f"input gradient of row {i}"
+
 def test_a_sample_alone_keeps_its_memory_format(two_threads):
     # the lone scope runs as a stride-0 pair, which has no memory format: the output keeps the input's
     x = torch.randn(1, 4, 100, 100).contiguous(memory_format=torch.channels_last)
