@@ -354,6 +354,15 @@ def _dense(t: Tensor) -> bool:
     return True
 
 
+def _samples_outermost(t: Tensor) -> bool:
+    """Whether the samples of an (O, C, I) tensor lie one after another in memory (each sample's
+    elements before the next's), as in every layout a sample alone keeps dense: contiguous,
+    channels_last, transposed within the sample."""
+    if t.shape[0] == 1:
+        return True
+    return all(n == 1 or st <= t.stride(0) for n, st in zip(t.shape[1:], t.stride()[1:]))
+
+
 def _laid_like(like: Tensor, t: Tensor) -> Tensor:
     """``t``'s values in ``like``'s memory layout. ``torch.where`` lays its output out from all its
     operands, so for a channels_last or transposed input its result may come back contiguous:
@@ -382,11 +391,17 @@ def prepare(call: Call, automatic: bool) -> Runner:
         d_out = bad = None
         with torch.no_grad():
             xa = x3.detach().to(acc)
-            if not _dense(xa):
+            if not _dense(x3) or (v.per_outer and not _samples_outermost(x3)):
                 # a view with gaps (a strided slice): a dense copy, as ``.to`` makes for half types.
                 # Its statistics are summed in the layout that the recomputation below, with the
                 # padding set to 0, sums them in (_laid_like cannot lay a tensor out with gaps):
-                # else the valid outputs would change in their last bits with the padding's values
+                # else the valid outputs would change in their last bits with the padding's values.
+                # Per-sample scopes whose samples are not the outermost axis in memory (a (C, B, L)
+                # tensor viewed as (B, C, L)) too: such a batch is dense but one sample of it is not,
+                # so a sample alone was copied and one in the batch was not, and the backward summed
+                # the two in other orders (scope isolation: the layout must be decided per sample).
+                # Decided on x3, not on xa: ``.to`` lays the fp32 copy of a view with gaps out densely
+                # in an order of its own (a half-precision sample alone, taken from such a batch)
                 xa = xa.contiguous()
             st = _stats(xa, mf, v, c.eps, constant_bias)
             finite = bool(st.finite)  # the one host sync of the call
