@@ -133,7 +133,10 @@ def _check(op, path, case):
             assert_bitwise(f"state {name}", g, want.state[name])
         else:
             t = truth.state[name]
-            scale = 0.0 if moved is None else sensitivity(moved.state.get(name), t, g.dtype)
+            if probe is not None and probe.state.get(name) is not None:
+                scale = conditioning(probe.state[name], t)
+            else:
+                scale = 0.0 if moved is None else sensitivity(moved.state.get(name), t, g.dtype)
             assert_accurate(f"state {name}", g, want.state[name], t, scale)
 
 
