@@ -93,16 +93,22 @@ def backends() -> list[str]:
     return list(AUTO)
 
 
-class use_backend(contextlib.ContextDecorator):  # noqa: N801 -- named as a function, as torch.no_grad
+def use_backend(name: str | None) -> _UseBackend:
     """Force a backend inside a ``with`` block (``None`` restores automatic choice).
 
-    Per thread and asyncio task, as torch's grad mode. One object may open several blocks, one after
-    another or nested, as ``torch.no_grad()`` may: each ``with`` opens a block of its own; as a decorator,
-    each call of the function runs in a block."""
+    Per thread and asyncio task, as torch's grad mode. The object it returns may open several blocks,
+    one after another or nested, as a ``torch.no_grad()`` object may: each ``with`` opens a block of
+    its own; as a decorator, each call of the function runs in a block."""
+    if name is not None:
+        check_backend_name(name, "use_backend(name)")
+    return _UseBackend(name)
+
+
+class _UseBackend(contextlib.ContextDecorator):
+    """What :func:`use_backend` returns: a reusable context manager (a contextlib generator opens
+    once; a second ``with`` raised AttributeError from contextlib)."""
 
     def __init__(self, name: str | None) -> None:
-        if name is not None:
-            check_backend_name(name, "use_backend(name)")
         self.name = name
         self._open: list[contextlib.AbstractContextManager] = []  # the blocks this object holds open
 
