@@ -207,6 +207,22 @@ def test_unreproduced_layers_are_reported():
         ND.patch(original, verify="no")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fresh_affine_layer_is_patched_by_its_class_configuration(dtype):
+    # Wan's blocks hold FP32LayerNorm with and without an affine. A fresh affine one (weight 1, bias 0) is
+    # reproduced by several configurations; its own-weights check asked for the first of them, not the
+    # class's, and skipped it ("this layer matches layer_norm(casting='llama'...), its class ...casting='torch'").
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(DN.FP32LayerNorm(16, eps=1e-6, elementwise_affine=False),
+                                DN.FP32LayerNorm(16, eps=1e-6, elementwise_affine=True)).to(dtype)  # fmt: skip
+    patched = copy.deepcopy(plain)
+    report = ND.patch(patched)
+    assert report.replaced == {"FP32LayerNorm": 2} and not report.skipped
+    x = torch.randn(3, 5, 16).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(patched(x), plain(x))
+
+
 # -- AdaLayerNorm as diffusers' layers -------------------------------------------------------------------------
 
 

@@ -41,6 +41,26 @@ def test_group_norm_with_one_channel_per_group_is_torchs_group_norm(dtype):
     assert torch.equal(F.group_norm(x, 8, ours.weight), TF.group_norm(x, 8, theirs.weight))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_norm_on_a_one_sample_view_torch_calls_contiguous_is_torchs(dtype):
+    # (1, C, H, W) with strides (C, 1, W*C, C): a (H, W, C) attention output permuted back, as diffusers'
+    # UNet mid block hands its resnet. is_contiguous(channels_last) says True (the batch stride of one
+    # sample is ignored) but torch's own layout test does not: torch copies it contiguous-format. The
+    # default path raised inside torch.native_group_norm ("Expected X.is_contiguous(memory_format)").
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4, 16, generator=g).to(dtype).permute(2, 0, 1)[None]
+    assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    ours, theirs = normscope.GroupNorm(4, 16).to(dtype), torch.nn.GroupNorm(4, 16).to(dtype)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5, generator=g)
+        theirs.weight.copy_(ours.weight)
+    want = theirs(x)
+    got = ours(x)
+    assert torch.equal(got, want) and got.stride() == want.stride()
+    got = F.group_norm(x, 4, ours.weight, ours.bias, backend="reference")
+    torch.testing.assert_close(got, want)
+
+
 def _grads(fn, *tensors, gy):
     leaves = [t.detach().clone().requires_grad_() for t in tensors]
     y = fn(*leaves)

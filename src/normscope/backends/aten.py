@@ -516,7 +516,9 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             # as torch.group_norm: keep a channels_last input channels_last. The native op reads
             # weight and bias as contiguous memory (torch.group_norm makes them so, the native op
             # does not): a view (``base[::2]``, ``g.expand(C)``) would be read out of bounds
-            xc = x.contiguous(memory_format=channels_last(x) or torch.contiguous_format)
+            # (torch.group_norm's layout: channels_last only where torch's strides test says so)
+            fmt = channels_last(x) if ref.strides_like_channels_last(x) else None
+            xc = x.contiguous(memory_format=fmt or torch.contiguous_format)
             wc = _ones_for_bias(w, b)
             wc = None if wc is None else wc.contiguous()
             bc = None if b is None else b.contiguous()

@@ -448,8 +448,12 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
             if isinstance(how, _Adaptive):
                 why = _adaptive_probe(m, original, own_weights=True)
             elif m.weight is not None and not m.weight.is_meta:
-                mine, why = _plain_probe(m, original, own_weights=True)
-                why = why if mine == how or why else f"this layer matches {mine}, its class {how}"
+                # the class's configuration itself, on this layer's weights (not the first configuration
+                # that matches them: fresh weights 1 and 0 give several configurations the same bits)
+                dtype = m.weight.dtype
+                if dtype not in _UNREPRODUCED.get((original, how), ()):
+                    miss = _plain_miss(m, original, how, dtype)
+                    why = None if miss is None else f"{how} {miss} on {dtype} with this layer's own weights"
         if how is None or why is not None:
             report.skipped[name] = why
             continue
