@@ -31,6 +31,7 @@ from torch import Tensor
 
 from .. import engine
 from .. import reference as ref
+from .._strides import strides_like_channels_last
 from ..engine import Backend, Call, LayerEntry, Runner, Running
 from ._layout import channels_last, reduced_last
 
@@ -517,7 +518,7 @@ def _guard_cancellation(call: Call, plain: LayerEntry) -> LayerEntry:
             # weight and bias as contiguous memory (torch.group_norm makes them so, the native op
             # does not): a view (``base[::2]``, ``g.expand(C)``) would be read out of bounds
             # (torch.group_norm's layout: channels_last only where torch's strides test says so)
-            fmt = channels_last(x) if ref.strides_like_channels_last(x) else None
+            fmt = channels_last(x) if strides_like_channels_last(x) else None
             xc = x.contiguous(memory_format=fmt or torch.contiguous_format)
             wc = _ones_for_bias(w, b)
             wc = None if wc is None else wc.contiguous()

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import reference as ref
+from .._strides import strides_like_channels_last
 from . import _eager, config
 from ._common import chan_combine as _chan_combine
 from ._common import dense, use_kernel
@@ -507,7 +507,7 @@ def _cl_format(x: Tensor) -> Optional[torch.memory_format]:
     if x.is_contiguous():
         return None
     fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
-    if fmt is None or not x.is_contiguous(memory_format=fmt) or not ref.strides_like_channels_last(x):
+    if fmt is None or not x.is_contiguous(memory_format=fmt) or not strides_like_channels_last(x):
         return None  # torch's layout test: an (1, C, H, W) view torch calls contiguous-format is copied so
     return fmt
 
