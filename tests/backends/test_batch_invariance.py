@@ -293,6 +293,14 @@ def test_a_masked_sample_is_the_same_alone_and_in_a_batch_with_two_threads(op, b
         assert _same(g1[0][valid[i]], gx[i][valid[i]]), f"valid input gradients of sample {i}"
 
 
+def _each_sample_as_in_its_batch(run, x, mask, dy) -> None:
+    """``run(x, mask, dy) -> (output, input gradient)`` of each sample alone, its bits as in the batch's."""
+    y, gx = run(x, mask, dy)
+    for i in range(x.shape[0]):
+        y1, g1 = run(x[i : i + 1], mask[i : i + 1], dy[i : i + 1])
+        assert _same(y1[0], y[i]), f"outputs of sample {i}"
+        assert _same(g1[0], gx[i]), f"input gradients of sample {i}"
+
 
 #: (B, C, L) views of tensors whose batch axis is not the outermost in memory, as a (L, B, C) or (C, B, L)
 #: activation permuted to channels-first: dense as a batch, but one sample of it is not
@@ -330,11 +338,7 @@ def test_a_masked_sample_is_the_same_alone_and_in_a_batch_whose_samples_are_not_
         assert normscope.last_backend() == "composite"
         return y.detach(), x.grad
 
-    y, gx = run(x, mask, dy)
-    for i in range(5):
-        y1, g1 = run(x[i : i + 1], mask[i : i + 1], dy[i : i + 1])
-        assert _same(y1[0], y[i]), f"outputs of sample {i}"
-        assert _same(g1[0], gx[i]), f"input gradients of sample {i}"
+    _each_sample_as_in_its_batch(run, x, mask, dy)
 
 
 _REFERENCE_OPS = {
@@ -348,9 +352,7 @@ _REFERENCE_OPS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", sorted(_NOT_OUTERMOST))
 @pytest.mark.parametrize("op", sorted(_REFERENCE_OPS))
-def test_a_sample_on_the_reference_is_the_same_alone_and_in_a_batch_whose_samples_are_not_outermost(
-    op, layout, dtype
-):
+def test_a_sample_on_the_reference_is_the_same_alone_and_in_a_batch_whose_samples_are_not_outermost(op, layout, dtype):
     # ATen's reductions (and autograd's sums in the backward) merge the axes of a sample with gaps one
     # way alone and another in a batch: input gradients 2.4e-7 apart in fp32 before the reference made
     # such a sample contiguous
@@ -368,11 +370,7 @@ def test_a_sample_on_the_reference_is_the_same_alone_and_in_a_batch_whose_sample
         assert normscope.last_backend() == "reference"
         return y.detach(), x.grad
 
-    y, gx = run(x, mask, dy)
-    for i in range(5):
-        y1, g1 = run(x[i : i + 1], mask[i : i + 1], dy[i : i + 1])
-        assert _same(y1[0], y[i]), f"outputs of sample {i}"
-        assert _same(g1[0], gx[i]), f"input gradients of sample {i}"
+    _each_sample_as_in_its_batch(run, x, mask, dy)
 
 
 def test_a_transposed_row_on_the_reference_is_the_same_alone_and_in_a_batch():
@@ -394,6 +392,7 @@ def test_a_transposed_row_on_the_reference_is_the_same_alone_and_in_a_batch():
         y1, g1 = run(x[i : i + 1], dy[i : i + 1])
         assert _same(y1[0], y[i]), f"output of row {i}"
         assert _same(g1[0], gx[i]), f"input gradient of row {i}"
+
 
 def test_a_sample_alone_keeps_its_memory_format(two_threads):
     # the lone scope runs as a stride-0 pair, which has no memory format: the output keeps the input's
