@@ -1,9 +1,24 @@
-"""torch's own test of a channels_last layout, for the modules that may import neither the engine nor
-the kernels (the reference, the ATen backend and the Triton groups kernel all ask it)."""
+"""Questions about a tensor's memory layout, for the modules that may import neither the engine nor the
+kernels: torch's own channels_last test (the ATen backend and the Triton groups kernel ask it) and whether
+a layout fills its memory (the composite and reference backends ask it)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor
+
+
+def fills_memory(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether elements of these sizes and strides fill their memory without gaps or overlaps: some
+    order of the axes is contiguous (contiguous, channels_last, transposed), the layouts
+    ``empty_like`` reproduces."""
+    expected = 1
+    for stride, n in sorted((st, n) for n, st in zip(shape, strides) if n != 1):
+        if stride != expected:
+            return False
+        expected *= n
+    return True
 
 
 def strides_like_channels_last(x: Tensor) -> bool:

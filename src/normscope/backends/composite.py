@@ -53,6 +53,7 @@ from torch import Tensor
 
 from .. import engine
 from .. import reference as ref
+from .._strides import fills_memory
 from ..engine import Backend, Call, Runner
 
 __all__ = ["NAME", "BACKEND"]
@@ -343,17 +344,6 @@ def _reference_grads(ctx, dy, x3, weight, bias):
 # the backend
 
 
-def _dense(t: Tensor) -> bool:
-    """Whether ``t``'s elements fill its memory without gaps or overlaps: some order of its axes is
-    contiguous (contiguous, channels_last, transposed), the layouts ``empty_like`` reproduces."""
-    expected = 1
-    for stride, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
-            return False
-        expected *= n
-    return True
-
-
 def _samples_outermost(t: Tensor) -> bool:
     """Whether the samples of an (O, C, I) tensor lie one after another in memory (each sample's
     elements before the next's), as in every layout a sample alone keeps dense: contiguous,
@@ -391,7 +381,7 @@ def prepare(call: Call, automatic: bool) -> Runner:
         d_out = bad = None
         with torch.no_grad():
             xa = x3.detach().to(acc)
-            if not _dense(x3) or (v.per_outer and not _samples_outermost(x3)):
+            if not fills_memory(x3.shape, x3.stride()) or (v.per_outer and not _samples_outermost(x3)):
                 # a view with gaps (a strided slice): a dense copy, as ``.to`` makes for half types.
                 # Its statistics are summed in the layout that the recomputation below, with the
                 # padding set to 0, sums them in (_laid_like cannot lay a tensor out with gaps):

@@ -11,20 +11,10 @@ from torch import Tensor
 
 from .. import engine
 from .. import reference as ref
+from .._strides import fills_memory
 from ..engine import Backend, Call, Runner
 
 NAME = "reference"
-
-
-def _sample_dense(x: Tensor) -> bool:
-    """Whether one sample of ``x`` (its first axis) fills its memory without gaps -- contiguous,
-    channels_last, transposed within the sample: the layouts a sample keeps alone and in a batch."""
-    expected = 1
-    for stride, n in sorted((st, n) for n, st in zip(x.shape[1:], x.stride()[1:]) if n != 1):
-        if stride != expected:
-            return False
-        expected *= n
-    return True
 
 
 def run(call: Call) -> Tensor:
@@ -32,7 +22,7 @@ def run(call: Call) -> Tensor:
     # one cast to the accumulation dtype: the gradient's two paths (through the statistics and
     # through the normalized value) then meet in fp32 and are rounded to a half type once, not twice
     xf = x.to(ref.acc_dtype(x.dtype))
-    if x.dim() > 1 and 0 not in call.scope.reduce and not _sample_dense(x):
+    if x.dim() > 1 and 0 not in call.scope.reduce and not fills_memory(x.shape[1:], x.stride()[1:]):
         # per-sample scopes of a sample with gaps (a (C, B, L) tensor viewed as (B, C, L), a transposed
         # (D, B) one as (B, D)): ATen's reductions and autograd's sums merge the axes of such a view
         # one way for a sample alone and another for a batch, so a sample's bits depended on the batch
