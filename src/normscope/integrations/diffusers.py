@@ -274,23 +274,22 @@ def _adaptive_probe(m: nn.Module, original: type, own_weights: bool) -> str | No
     return None
 
 
-def _plain_probe(m: nn.Module, original: type, own_weights: bool) -> tuple[Exact | None, str | None]:
+def _plain_probe(m: nn.Module, original: type) -> tuple[Exact | None, str | None]:
+    """The first configuration that gives ``original``'s bits on random copies of ``m`` (fp32 and bf16),
+    or None and why not. (:func:`patch` then checks that configuration on the layer's own weights.)"""
     misses = []
     has_bias = getattr(m, "bias", None) is not None
     for how in CONFIGURATIONS:
         if has_bias and not how.centered:
             continue
         miss = None
-        for dtype in (m.weight.dtype,) if own_weights and m.weight is not None else _PROBE_DTYPES:
-            if own_weights and dtype in _UNREPRODUCED.get((original, how), ()):
-                continue  # the patched layer runs diffusers' forward on this dtype
-            miss = _plain_miss(m if own_weights else randomized(copy.deepcopy(m), dtype), original, how, dtype)
+        for dtype in _PROBE_DTYPES:
+            miss = _plain_miss(randomized(copy.deepcopy(m), dtype), original, how, dtype)
             if miss is not None:
                 misses.append(f"{how} {miss} on {dtype}")
                 break
         if miss is None:
-            if not own_weights:
-                _probe_other_dtypes(m, original, how)
+            _probe_other_dtypes(m, original, how)
             return how, None
     return None, "no normscope configuration reproduces it bit for bit (" + "; ".join(misses[:3]) + ")"
 
@@ -341,7 +340,7 @@ def probe(m: nn.Module) -> tuple[object | None, str | None]:
             _PROBED[key] = (None, why) if why else (_SIGNATURES[sig], None)
         else:
             why = _plain_unfit(m, sig)
-            _PROBED[key] = (None, why) if why else _plain_probe(m, original, own_weights=False)
+            _PROBED[key] = (None, why) if why else _plain_probe(m, original)
     return _PROBED[key]
 
 
