@@ -266,11 +266,8 @@ def assert_accurate(
 
 def conditioning(probe: Tensor, truth: Tensor) -> float:
     """The scale at which a float32 computation (``probe``) of a float64 result errs: its largest
-    error in float32 ulps."""
-    finite = truth.isfinite() & probe.isfinite()
-    if not bool(finite.any()):
-        return 0.0
-    return (probe.double() - truth.double())[finite].abs().max().item() / ulp(torch.float32)
+    error in float32 ulps (:func:`sensitivity` of the fp32 result)."""
+    return sensitivity(probe, truth, torch.float32)
 
 
 def grad_scale(truth: Result, cot: Cotangents, values: Tensor) -> float:
@@ -311,4 +308,3 @@ def sensitivity(moved: Tensor | None, truth: Tensor | None, dtype: torch.dtype) 
     if not bool(finite.any()):
         return 0.0
     return (moved.double() - truth.double())[finite].abs().max().item() / ulp(dtype)
-
