@@ -282,6 +282,34 @@ def test_a_checkpointed_step_has_the_gradients_of_the_step_without_checkpointing
         layer.weight.grad = layer.bias.grad = None
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_layer_called_in_a_checkpointed_segment_and_after_it_has_the_gradients_without_checkpointing(
+    use_reentrant,
+):
+    # the layer kept its calls' (r, d) in order and handed a recomputation the latest: here the call after
+    # the segment, whose r and d were computed from running statistics the segment's call had moved -- the
+    # segment's gradients another function's. Oracle: the same layer and state, no checkpointing, bit for bit
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = normscope.BatchRenorm1d(6)
+    with torch.no_grad():
+        layer.running_mean.fill_(0.5)
+        layer.running_var.fill_(2.0)
+        layer.weight.uniform_(0.5, 1.5)
+    plain = copy.deepcopy(layer)
+    x1, x2 = torch.randn(16, 6, 5), torch.randn(16, 6, 5) * 3 + 1
+    xa, xb = x1.clone().requires_grad_(), x1.clone().requires_grad_()
+    (plain(xa).square().sum() + plain(x2).square().sum()).backward()
+    (checkpoint(layer, xb, use_reentrant=use_reentrant).square().sum() + layer(x2).square().sum()).backward()
+    for name, want, got in (
+        ("input", xa.grad, xb.grad),
+        ("weight", plain.weight.grad, layer.weight.grad),
+        ("bias", plain.bias.grad, layer.bias.grad),
+    ):
+        assert torch.equal(got, want), f"grad of {name}: {(got - want).abs().max().item():.3g} off"
+
+
 @pytest.mark.parametrize(
     "dtype, mean, std", [(torch.float16, 1e4, 0.0), (torch.float32, 1e4, 1e-3), (torch.float32, 5.0, 0.0)]
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import numbers
+import threading
 
 import torch
 from torch import Tensor, nn
@@ -88,30 +89,36 @@ class _BatchRenormMixin(BatchNormMixin):
     #: how many training calls' (r, d) a layer keeps for their recomputation (see _given_correction)
     KEPT_CORRECTIONS = 64
 
-    def _remember_correction(self, r: Tensor, d: Tensor) -> None:
-        """Keep this training call's ``(r, d)`` for a recomputation of it (activation checkpointing;
-        the reentrant kind runs the forward without grad); eagerly only (a compiled graph saves r and d
-        itself)."""
+    def _remember_correction(self, mean: Tensor, sigma: Tensor, r: Tensor, d: Tensor) -> None:
+        """Keep this training call's ``(r, d)``, with the batch statistics they were computed from, for a
+        recomputation of it (activation checkpointing; the reentrant kind runs the forward without grad);
+        eagerly only (a compiled graph saves r and d itself)."""
         if _state.compiling() or _state.tracing() or _in_backward():
             return
         kept = self.__dict__.get("_corrections")
         if kept is None:
             kept = self.__dict__["_corrections"] = collections.deque(maxlen=self.KEPT_CORRECTIONS)
-        kept.append((r, d))
+        kept.append((mean, sigma, r, d))
 
-    def _given_correction(self, shape: tuple[int, ...], like: Tensor) -> tuple[Tensor, Tensor] | None:
+    def _given_correction(self, mean: Tensor, sigma: Tensor) -> tuple[Tensor, Tensor] | None:
         """A recomputation's ``(r, d)``: the forward's, not new ones. Activation checkpointing runs the
         forward again during the backward, after this forward's update moved the running statistics (and
         the warm-up's step count): r and d from them were another correction than the one the forward
         applied, and the gradients those of another function (2.5 % off at the defaults). A training call
-        during a backward is a recomputation; the backward recomputes the latest forwards first."""
+        during a backward is a recomputation. Which call it recomputes is told by its batch statistics: the
+        recomputation runs the same ops on the same input, so they are the forward's bit for bit. Not by
+        order alone: a layer called inside a checkpointed segment and again after it has the later call
+        kept after the one recomputed. Of calls with equal statistics, the latest."""
         kept = self.__dict__.get("_corrections")
         if not kept or not _in_backward() or not torch.is_grad_enabled():
             return None
-        r, d = kept.pop()
-        if r.shape != tuple(shape) or r.dtype != like.dtype or r.device != like.device:
-            return None  # not this call's: computed anew, as before
-        return r, d
+        with _KEPT_LOCK:  # another thread's recomputation may take an entry between the search and the removal
+            for entry in reversed(kept):
+                m, s = entry[0], entry[1]
+                if _same(m, mean) and _same(s, sigma):
+                    kept.remove(entry)
+                    return entry[2], entry[3]
+        return None  # not a call kept here: computed anew
 
     def extra_repr(self) -> str:
         s = f"{super().extra_repr()}, rmax={self.rmax}, dmax={self.dmax}"
@@ -192,7 +199,7 @@ class _BatchRenormMixin(BatchNormMixin):
         m = ref.moments(input, scope, mask)
         sigma_b = (m.var + self.eps).sqrt()
         shape = scope.stat_shape
-        given = self._given_correction(shape, sigma_b)
+        given = self._given_correction(m.mean.detach(), sigma_b.detach())
         with torch.no_grad():  # r and d are constants for the gradient (the paper's stop_gradient)
             lim = [
                 torch.full((), v, dtype=sigma_b.dtype, device=sigma_b.device)
@@ -208,7 +215,7 @@ class _BatchRenormMixin(BatchNormMixin):
                 self.eps,
                 *lim,
             )
-        self._remember_correction(r, d)
+        self._remember_correction(m.mean.detach(), sigma_b.detach(), r, d)
         running = engine.Running(self.running_mean, self.running_var, factor, True)
         engine.update_running(engine.Call(input, scope, None, None, self.eps, mask, running), m)
         # d joins the bias (beta + gamma d, per channel), not the mean: folded into the mean as
@@ -219,6 +226,14 @@ class _BatchRenormMixin(BatchNormMixin):
         y = engine.apply(input, m.mean, r / sigma_b, scope, self.weight, bias, mask)
         engine.report_backend("reference")
         return y
+
+
+_KEPT_LOCK = threading.Lock()
+
+
+def _same(kept: Tensor, now: Tensor) -> bool:
+    """Whether a kept batch statistic is this call's: same shape, dtype, device and bits."""
+    return kept.shape == now.shape and kept.dtype == now.dtype and kept.device == now.device and torch.equal(kept, now)
 
 
 def _in_backward() -> bool:
