@@ -338,14 +338,41 @@ def _traced(op, settings, x, weight, bias, eps, running) -> Plan | None:
         return None
     flags = None if running is None else (len(metas), running[3])
     # the settings as Python constants for dynamo: a type (the keys' ``type(eps)``-like slots, which
-    # the checked calls never read) by its name
-    constants = tuple(v.__name__ if isinstance(v, type) else v for v in settings)
+    # the checked calls never read) by its name, a float by its hex digits (_constant)
+    constants = tuple(
+        v.__name__ if isinstance(v, type) else tuple(_constant(n) for n in v) if type(v) is tuple else _constant(v)
+        for v in settings
+    )
     # eps's type too, as the eager key holds it: True == 1.0, and the checks refuse a bool eps
     eps_type = type(eps).__name__
+    eps = _constant(eps)
     # engine.request_key() as dynamo reads it: the forced name from the thread's view (a guard per
     # thread), the environment as a constant
     request = _TRACED_VIEW.forced or _environ_constant()
     return getattr(_TRACE_PLANS, _trace_token((op.name, constants, eps, eps_type, flags), tuple(metas), request))
+
+
+_HEX = "normscope.hot:float.hex"  # the tag of a float handed to _trace_token as its hex digits
+
+
+def _constant(v: object) -> object:
+    """A float as a Python constant for dynamo: ``(_HEX, v.hex())``; anything else as it is.
+
+    A float dynamo made symbolic (it changed between calls) and then fixed -- an ATen op that takes no
+    symbolic float, such as the first of two norms given the same ``eps`` in one traced function, fixes
+    its value with a guard -- is still handed on as a symbol, which no ``assume_constant_result``
+    function takes ("argument conversion failed" under ``fullgraph=True``); ``float.hex`` of it is a
+    string constant (and exactly the float: NaN, infinities and -0.0 included)."""
+    return (_HEX, v.hex()) if type(v) is float else v
+
+
+def _from_constant(v: object) -> object:
+    """:func:`_constant`'s value back, in a tuple of them too (a setting's)."""
+    if type(v) is not tuple:
+        return v
+    if len(v) == 2 and v[0] == _HEX:
+        return float.fromhex(v[1])
+    return tuple(_from_constant(n) for n in v)
 
 
 # What _traced reads, as names of this module: a module object (engine, torch) or class (Tensor)
@@ -396,6 +423,7 @@ def _trace_token(config: tuple, metas: tuple, request: str | None) -> str:
     token = _TRACE_TOKENS.get(key)
     if token is None:
         name, constants, eps, _, flags = config
+        eps, constants = _from_constant(eps), tuple(_from_constant(v) for v in constants)
         op = _OPS[name]
         settings = tuple.__new__(op.settings_type, constants)  # the fields by name, as the checked call reads them
         stand = [None if m is None else stand_in(*m) for m in metas]

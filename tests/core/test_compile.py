@@ -234,6 +234,34 @@ def test_compile_fullgraph_with_an_eps_or_offset_that_changes_between_calls():
 
 
 @pytest.mark.slow
+def test_compile_fullgraph_with_one_changing_eps_given_to_two_norms():
+    """A symbolic eps given to two norms of one traced function: the first one's ATen op takes no
+    symbolic float, and dynamo fixes its value with a guard while still handing it on as a symbol. The
+    second norm's planner read it as a constant and handed the symbol to its constant function:
+    "assume_constant_result argument conversion failed" under fullgraph=True -- QKNorm (q, then k) and
+    PolyNorm (three RMS scopes) on every eps after the first, and any function calling two norms with
+    its eps argument. Against torch.nn.functional, and the layers eagerly."""
+    torch._dynamo.reset()
+    qk, poly = normscope.QKNorm(8), normscope.PolyNorm()
+    c_qk = torch.compile(lambda q, k: qk(q, k), fullgraph=True, backend="eager")
+    c_poly = torch.compile(poly, fullgraph=True, backend="eager")
+
+    def two(t, e):
+        return normscope.functional.layer_norm(normscope.functional.rms_norm(t, (8,), eps=e), (8,), eps=e)
+
+    c_two = torch.compile(two, fullgraph=True, backend="eager")
+    F = torch.nn.functional
+    for eps in (1e-6, 1e-5, 1e-3, 0.5):
+        qk.eps = poly.eps = eps
+        x, q, k = torch.randn(3, 8), torch.randn(2, 3, 4, 8), torch.randn(2, 3, 2, 8)
+        want = F.layer_norm(F.rms_norm(x, (8,), eps=eps), (8,), eps=eps)
+        torch.testing.assert_close(c_two(x, eps), want, rtol=0, atol=0)
+        for got, expected in zip(c_qk(q, k), normscope.QKNorm(8, eps=eps)(q, k)):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        torch.testing.assert_close(c_poly(x), poly(x), rtol=0, atol=0)
+
+
+@pytest.mark.slow
 def test_compiled_bad_input_raises_the_layers_error():
     """A call the checks refuse has no traced plan: the layer's checked path runs and raises its
     ValueError, as eagerly (not dynamo's wrapper of an error raised while planning)."""
