@@ -443,11 +443,16 @@ def normalize(
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
             raise TypeError(f"{where}: expected `mask` to be a torch.bool tensor (True = valid), got {got}")
+        # broadcastable *to* x: a mask that broadcasts with x to a larger shape ((4, 1, 5) for x (1, 3, 5))
+        # made the reference return an output of that larger shape, and the composite path raise a
+        # RuntimeError from inside
         try:
-            torch.broadcast_shapes(mask.shape, x.shape)
+            fits = torch.broadcast_shapes(mask.shape, x.shape) == x.shape
         except RuntimeError:
+            fits = False
+        if not fits:
             got = tuple(mask.shape)
-            raise ValueError(f"{where}: expected `mask` broadcastable to {tuple(x.shape)}, got {got}") from None
+            raise ValueError(f"{where}: expected `mask` broadcastable to {tuple(x.shape)}, got {got}")
         if mask.device != x.device:
             raise ValueError(f"{where}: expected `mask` on the input's device {x.device}, got {mask.device}")
     return norm(x, resolved, weight, bias, eps, mask=mask, backend=backend)
