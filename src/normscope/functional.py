@@ -196,17 +196,17 @@ def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, ru
     if input.numel():
         check.one_dtype(input, where, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
     mask = check.mask(mask, input, channel_dim, where)
-    if training and mask is not None:
-        if check.all_masked(mask):  # not asked on meta tensors or while tracing (see its docstring)
-            raise ValueError(
-                f"{where}: expected at least one valid (True) element in `mask` when training, got an "
-                f"all-False mask of shape {tuple(mask.squeeze(channel_dim).shape)}"
-            )
-    elif training:
+    if training:
+        # with a mask too: a mask only takes values away, and torch's rule is on the shape
         if input.numel() // max(c, 1) <= 1 and input.numel() > 0:
             raise ValueError(
                 f"{where}: expected more than 1 value per channel when training, got input of shape "
                 f"{tuple(input.shape)} (1 value per channel)"
+            )
+        if mask is not None and check.all_masked(mask):  # not asked on meta tensors or while tracing
+            raise ValueError(
+                f"{where}: expected at least one valid (True) element in `mask` when training, got an "
+                f"all-False mask of shape {tuple(mask.squeeze(channel_dim).shape)}"
             )
     elif running_mean is None or running_var is None:
         raise ValueError(f"{where}: evaluation (training=False) needs `running_mean` and `running_var`, got None")

@@ -2,6 +2,8 @@
 
 * ``normalize`` takes a mask broadcastable *to* the input -- not one that broadcasts with it to a larger
   shape -- and refuses any other with a ValueError naming ``mask`` and both shapes.
+* A masked BatchNorm in training refuses an input with one value per channel, as torch.nn's layer (the
+  independent check here) refuses it unmasked: a mask only takes values away. The refused call moves no state.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 import normscope
+import normscope.functional as F
 
 C = 3
 
@@ -36,3 +39,42 @@ def test_normalize_takes_a_mask_broadcastable_to_the_input(mask_shape):
     want = (x - x.mean(2, keepdim=True)) / torch.sqrt(x.var(2, unbiased=False, keepdim=True) + 1e-5)
     assert y.shape == x.shape
     torch.testing.assert_close(y, want)
+
+
+# -- masked BatchNorm with one value per channel -----------------------------------------------------------
+
+
+def _functional(x, mask):
+    rm, rv = torch.zeros(C), torch.ones(C)
+    try:
+        return F.batch_norm(x, rm, rv, training=True, mask=mask)
+    finally:
+        assert torch.equal(rm, torch.zeros(C)) and torch.equal(rv, torch.ones(C)), "a refused call moved state"
+
+
+LAYERS = {
+    "BatchNorm1d": lambda: normscope.BatchNorm1d(C),
+    "SyncBatchNorm": lambda: normscope.SyncBatchNorm(C),
+    "BatchRenorm1d": lambda: normscope.BatchRenorm1d(C),
+}
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+@pytest.mark.parametrize("shape", [(1, C), (1, C, 1)])
+@pytest.mark.parametrize("kind", ["functional", *LAYERS])
+def test_masked_batchnorm_with_one_value_per_channel_raises_as_torch(kind, shape, backend):
+    x = torch.randn(shape)
+    mask = torch.ones(shape[:1] + shape[2:], dtype=torch.bool)  # every value valid: the unmasked call
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        torch.nn.BatchNorm1d(C)(x)
+    with normscope.use_backend(backend):
+        if kind == "functional":
+            with pytest.raises(ValueError, match="more than 1 value per channel"):
+                _functional(x, mask)
+            return
+        layer = LAYERS[kind]()
+        before = {k: b.clone() for k, b in layer.named_buffers()}
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            layer(x, mask)
+    for k, b in layer.named_buffers():
+        assert torch.equal(b, before[k]), f"a refused call moved {k}"
