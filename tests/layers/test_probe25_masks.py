@@ -4,6 +4,10 @@
   shape -- and refuses any other with a ValueError naming ``mask`` and both shapes.
 * A masked BatchNorm in training refuses an input with one value per channel, as torch.nn's layer (the
   independent check here) refuses it unmasked: a mask only takes values away. The refused call moves no state.
+* A masked per-sample scope gives a sample the same bits alone and in batches of 2, 3, 7 and 33 when the
+  mask's samples are not outermost in memory (a transposed ``(B, S)`` mask, as a sequence-first model holds
+  it), on the reference backend (the automatic one for token-masked LayerNorm/RMSNorm over ``(S, D)``)
+  and the automatic path. Oracle: the same sample computed alone.
 """
 
 from __future__ import annotations
@@ -78,3 +82,50 @@ def test_masked_batchnorm_with_one_value_per_channel_raises_as_torch(kind, shape
             layer(x, mask)
     for k, b in layer.named_buffers():
         assert torch.equal(b, before[k]), f"a refused call moved {k}"
+
+
+# -- batch invariance with a mask whose samples are not outermost in memory --------------------------------
+
+L, D = 40, 16
+
+
+def _token_norm(centered):
+    return lambda x, m: normscope.normalize(x, dims=(1, 2), mask=m.unsqueeze(-1), centered=centered)
+
+
+PER_SAMPLE = {  # name -> (call, input shape of one sample)
+    "layer_norm_tokens": (_token_norm(True), (L, D)),
+    "rms_norm_tokens": (_token_norm(False), (L, D)),
+    "group_norm": (lambda x, m: normscope.GroupNorm(2, 8)(x, m), (8, L)),
+    "layer_norm_gn1": (lambda x, m: normscope.GroupNorm(1, 8)(x, m), (8, L)),
+    "instance_norm": (lambda x, m: normscope.InstanceNorm1d(8, affine=True)(x, m), (8, L)),
+}
+
+
+@pytest.mark.parametrize("x_layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("backend", [None, "reference"])
+@pytest.mark.parametrize("kind", sorted(PER_SAMPLE))
+def test_masked_sample_same_bits_alone_and_in_a_batch_with_a_transposed_mask(kind, backend, x_layout):
+    call, one = PER_SAMPLE[kind]
+    g = torch.Generator().manual_seed(0)
+    xs, dys = torch.randn(33, *one, generator=g), torch.randn(33, *one, generator=g)
+    masks = torch.rand(33, L, generator=g) > 0.3
+    masks[:, 0] = True
+
+    def run(b, at):
+        x, m, dy = xs[:b].clone(), masks[:b].clone(), dys[:b].clone()
+        x[at], m[at], dy[at] = xs[0], masks[0], dys[0]
+        if x_layout == "transposed":
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        m = m.t().contiguous().t()  # (B, S) laid out sequence-first: the samples innermost
+        x.requires_grad_()
+        with normscope.use_backend(backend):
+            y = call(x, m)
+        y.backward(dy)
+        return y.detach()[at], x.grad[at]
+
+    y1, g1 = run(1, 0)
+    for b in (2, 3, 7, 33):
+        y, gx = run(b, b // 2)
+        assert torch.equal(y, y1), f"output of the sample differs in a batch of {b}"
+        assert torch.equal(gx, g1), f"input gradient of the sample differs in a batch of {b}"
