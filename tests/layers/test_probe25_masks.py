@@ -8,6 +8,8 @@
   mask's samples are not outermost in memory (a transposed ``(B, S)`` mask, as a sequence-first model holds
   it), on the reference backend (the automatic one for token-masked LayerNorm/RMSNorm over ``(S, D)``)
   and the automatic path. Oracle: the same sample computed alone.
+* PowerNorm in evaluation with inf/NaN padding gives the valid outputs and gradients of its float64 formula
+  over the valid positions alone (the weight's gradient was NaN: ``0 * inf``).
 """
 
 from __future__ import annotations
@@ -129,3 +131,37 @@ def test_masked_sample_same_bits_alone_and_in_a_batch_with_a_transposed_mask(kin
         y, gx = run(b, b // 2)
         assert torch.equal(y, y1), f"output of the sample differs in a batch of {b}"
         assert torch.equal(gx, g1), f"input gradient of the sample differs in a batch of {b}"
+
+
+# -- PowerNorm in evaluation: non-finite padding passes no gradient ----------------------------------------
+
+
+@pytest.mark.parametrize("padding", [float("inf"), float("nan"), -float("inf")])
+def test_powernorm_eval_with_nonfinite_padding_gives_the_valid_gradients(padding):
+    # evaluation normalizes with the running quadratic mean: y = x / sqrt(phi + eps) * w + b. Oracle: that
+    # formula in float64 over the valid positions alone, the loss reading valid outputs only
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 7, C, generator=g)  # (B, S, D), channel_dim=-1
+    mask = torch.rand(4, 7, generator=g) > 0.3
+    mask[:, 0], mask[:, -1] = True, False
+    layer = normscope.PowerNorm(C)
+    with torch.no_grad():
+        layer.running_phi.copy_(torch.rand(C, generator=g) + 0.5)
+        layer.weight.copy_(torch.randn(C, generator=g))
+        layer.bias.copy_(torch.randn(C, generator=g))
+    layer.eval()
+    xh = x.clone()
+    xh[~mask] = padding
+    xh.requires_grad_()
+    dy = torch.randn(x.shape, generator=g)
+    y = layer(xh, mask)
+    (torch.where(mask[..., None], y, 0) * dy).sum().backward()
+
+    scale = 1 / torch.sqrt(layer.running_phi.detach().double().reshape(-1) + layer.eps)
+    xv, dyv = x[mask].double(), dy[mask].double()  # (K, C) valid positions
+    w, b = layer.weight.detach().double(), layer.bias.detach().double()
+    torch.testing.assert_close(y.detach()[mask], (xv * scale * w + b).float())
+    torch.testing.assert_close(layer.weight.grad, (dyv * xv * scale).sum(0).float())
+    torch.testing.assert_close(layer.bias.grad, dyv.sum(0).float())
+    torch.testing.assert_close(xh.grad[mask], (dyv * scale * w).float())
+    assert torch.count_nonzero(xh.grad[~mask]) == 0
