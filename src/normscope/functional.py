@@ -345,8 +345,9 @@ def _group_norm(settings: GroupNormSettings, input, weight, bias, eps, running, 
     check.param(bias, "bias", (c,), input, where)
     check.one_dtype(input, where, weight=weight, bias=bias)
     mask = check.mask(mask, input, 1, where)
-    if mask is None and input.numel() // max(input.shape[0] * num_groups, 1) == 1 and input.shape[0] == 1:
-        # torch's group_norm: one value per group (batch of one) has no variance to estimate
+    if input.numel() // max(input.shape[0] * num_groups, 1) == 1 and input.shape[0] == 1:
+        # torch's group_norm: one value per group (batch of one) has no variance to estimate; with a mask
+        # too, which only takes values away
         raise ValueError(
             f"{where}: expected more than 1 value per group, got input of shape {tuple(input.shape)} "
             f"with num_groups={num_groups} (1 value per group)"

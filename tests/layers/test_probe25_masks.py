@@ -2,8 +2,9 @@
 
 * ``normalize`` takes a mask broadcastable *to* the input -- not one that broadcasts with it to a larger
   shape -- and refuses any other with a ValueError naming ``mask`` and both shapes.
-* A masked BatchNorm in training refuses an input with one value per channel, as torch.nn's layer (the
-  independent check here) refuses it unmasked: a mask only takes values away. The refused call moves no state.
+* A masked BatchNorm in training refuses an input with one value per channel, and a masked GroupNorm a batch
+  of one with one value per group, as torch.nn's layers (the independent check here) refuse them unmasked: a
+  mask only takes values away. The refused call moves no state.
 * A masked per-sample scope gives a sample the same bits alone and in batches of 2, 3, 7 and 33 when the
   mask's samples are not outermost in memory (a transposed ``(B, S)`` mask, as a sequence-first model holds
   it), on the reference backend (the automatic one for token-masked LayerNorm/RMSNorm over ``(S, D)``)
@@ -84,6 +85,17 @@ def test_masked_batchnorm_with_one_value_per_channel_raises_as_torch(kind, shape
             layer(x, mask)
     for k, b in layer.named_buffers():
         assert torch.equal(b, before[k]), f"a refused call moved {k}"
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+@pytest.mark.parametrize("kind", ["layer", "functional"])
+def test_masked_group_norm_with_one_value_per_group_raises_as_torch(kind, backend):
+    x = torch.randn(1, 4, 1)
+    mask = torch.ones(1, 1, dtype=torch.bool)  # every value valid: the unmasked call
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        torch.nn.GroupNorm(4, 4)(x)
+    with normscope.use_backend(backend), pytest.raises(ValueError, match="more than 1 value per group"):
+        normscope.GroupNorm(4, 4)(x, mask) if kind == "layer" else F.group_norm(x, 4, mask=mask)
 
 
 # -- batch invariance with a mask whose samples are not outermost in memory --------------------------------
