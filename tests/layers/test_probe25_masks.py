@@ -1,7 +1,8 @@
 """Masked norms at their edges: the mask's own shape and layout, and one value per channel.
 
 * ``normalize`` takes a mask broadcastable *to* the input -- not one that broadcasts with it to a larger
-  shape -- and refuses any other with a ValueError naming ``mask`` and both shapes.
+  shape -- and refuses any other with a ValueError naming ``mask`` and both shapes; an unbatched InstanceNorm
+  names the mask's shapes for the input as given.
 * A masked BatchNorm in training refuses an input with one value per channel, and a masked GroupNorm a batch
   of one with one value per group, as torch.nn's layers (the independent check here) refuse them unmasked: a
   mask only takes values away. The refused call moves no state.
@@ -46,6 +47,22 @@ def test_normalize_takes_a_mask_broadcastable_to_the_input(mask_shape):
     want = (x - x.mean(2, keepdim=True)) / torch.sqrt(x.var(2, unbiased=False, keepdim=True) + 1e-5)
     assert y.shape == x.shape
     torch.testing.assert_close(y, want)
+
+
+@pytest.mark.parametrize(
+    "layer,shape,mask_shape,want",
+    [
+        (normscope.InstanceNorm1d, (3, 7), (5,), (7,)),
+        (normscope.InstanceNorm1d, (3, 7), (1, 7), (7,)),  # the batched form of the right mask
+        (normscope.InstanceNorm2d, (3, 4, 5), (4,), (4, 5)),
+    ],
+)
+def test_unbatched_instance_norm_names_the_masks_own_shapes(layer, shape, mask_shape, want):
+    # the message names the shape to pass for this input, and the one passed -- not the batched (1, ...) forms
+    # the layer makes of them (which told a user to pass (1, 7), itself refused)
+    msg = f"expected `mask` of shape {want} (the input's shape {shape} without channel axis 0), got {mask_shape}"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        layer(shape[0])(torch.randn(shape), torch.ones(mask_shape, dtype=torch.bool))
 
 
 # -- masked BatchNorm with one value per channel -----------------------------------------------------------
