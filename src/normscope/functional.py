@@ -196,17 +196,17 @@ def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, ru
     if input.numel():
         check.one_dtype(input, where, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
     mask = check.mask(mask, input, channel_dim, where)
-    if training and mask is not None:
-        if check.all_masked(mask):  # not asked on meta tensors or while tracing (see its docstring)
-            raise ValueError(
-                f"{where}: expected at least one valid (True) element in `mask` when training, got an "
-                f"all-False mask of shape {tuple(mask.squeeze(channel_dim).shape)}"
-            )
-    elif training:
+    if training:
+        # with a mask too: a mask only takes values away, and torch's rule is on the shape
         if input.numel() // max(c, 1) <= 1 and input.numel() > 0:
             raise ValueError(
                 f"{where}: expected more than 1 value per channel when training, got input of shape "
                 f"{tuple(input.shape)} (1 value per channel)"
+            )
+        if mask is not None and check.all_masked(mask):  # not asked on meta tensors or while tracing
+            raise ValueError(
+                f"{where}: expected at least one valid (True) element in `mask` when training, got an "
+                f"all-False mask of shape {tuple(mask.squeeze(channel_dim).shape)}"
             )
     elif running_mean is None or running_var is None:
         raise ValueError(f"{where}: evaluation (training=False) needs `running_mean` and `running_var`, got None")
@@ -345,8 +345,9 @@ def _group_norm(settings: GroupNormSettings, input, weight, bias, eps, running, 
     check.param(bias, "bias", (c,), input, where)
     check.one_dtype(input, where, weight=weight, bias=bias)
     mask = check.mask(mask, input, 1, where)
-    if mask is None and input.numel() // max(input.shape[0] * num_groups, 1) == 1 and input.shape[0] == 1:
-        # torch's group_norm: one value per group (batch of one) has no variance to estimate
+    if input.numel() // max(input.shape[0] * num_groups, 1) == 1 and input.shape[0] == 1:
+        # torch's group_norm: one value per group (batch of one) has no variance to estimate; with a mask
+        # too, which only takes values away
         raise ValueError(
             f"{where}: expected more than 1 value per group, got input of shape {tuple(input.shape)} "
             f"with num_groups={num_groups} (1 value per group)"
@@ -443,11 +444,16 @@ def normalize(
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
             raise TypeError(f"{where}: expected `mask` to be a torch.bool tensor (True = valid), got {got}")
+        # broadcastable *to* x: a mask that broadcasts with x to a larger shape ((4, 1, 5) for x (1, 3, 5))
+        # made the reference return an output of that larger shape, and the composite path raise a
+        # RuntimeError from inside
         try:
-            torch.broadcast_shapes(mask.shape, x.shape)
+            fits = torch.broadcast_shapes(mask.shape, x.shape) == x.shape
         except RuntimeError:
+            fits = False
+        if not fits:
             got = tuple(mask.shape)
-            raise ValueError(f"{where}: expected `mask` broadcastable to {tuple(x.shape)}, got {got}") from None
+            raise ValueError(f"{where}: expected `mask` broadcastable to {tuple(x.shape)}, got {got}")
         if mask.device != x.device:
             raise ValueError(f"{where}: expected `mask` on the input's device {x.device}, got {mask.device}")
     return norm(x, resolved, weight, bias, eps, mask=mask, backend=backend)

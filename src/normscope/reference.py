@@ -122,15 +122,18 @@ def moments(x: Tensor, scope: Resolved, mask: Tensor | None = None) -> Moments:
             m = mask.reshape((1,) * (x.dim() - mask.dim()) + tuple(mask.shape))
             count = m.sum(dim=dims, keepdim=True, dtype=xf.dtype)
             count = count * math.prod([x.shape[d] for d in dims if m.shape[d] == 1])  # list: dynamo
-        # torch.where, not a multiply by the mask: inf/NaN in the padding must not reach the sums
-        # (0 * inf = NaN), neither forward nor backward
-        valid = m.bool() if m.dtype != torch.bool else m
+        # a fill, not a multiply by the mask: inf/NaN in the padding must not reach the sums
+        # (0 * inf = NaN), neither forward nor backward. masked_fill, not torch.where: where lays its
+        # output out from the mask first, so a batch's mask whose samples are not outermost in memory (a
+        # transposed (B, S) mask, the fp32 copy of an expanded one) summed a sample in another order in
+        # the batch than alone (scope isolation); masked_fill keeps xf's layout, the scope's own
+        padding = ~(m.bool() if m.dtype != torch.bool else m)
         denom = count.clamp_min(1)
         if scope.centered:
             # corrected two-pass (Chan, Golub & LeVeque 1983): the first mean carries the fp32
             # rounding of a large sum; the mean of the deviations removes it from both moments
-            mean = torch.where(valid, xf, 0).sum(dim=dims, keepdim=True) / denom
-            dev = torch.where(valid, xf - mean, 0)  # deviations of valid elements, 0 elsewhere
+            mean = xf.masked_fill(padding, 0).sum(dim=dims, keepdim=True) / denom
+            dev = (xf - mean).masked_fill(padding, 0)  # deviations of valid elements, 0 elsewhere
             # sum(dev) is identically 0 as a function of x (only its rounding is not), so the
             # correction carries no gradient of any order: detach it and save autograd the work
             shift = (dev.sum(dim=dims, keepdim=True) / denom).detach()
@@ -140,7 +143,7 @@ def moments(x: Tensor, scope: Resolved, mask: Tensor | None = None) -> Moments:
             sq = (shift * shift).clamp_max(torch.finfo(shift.dtype).max)
             var = ((dev * dev).sum(dim=dims, keepdim=True) / denom - sq).clamp_min(0)
         else:
-            xm = torch.where(valid, xf, 0)
+            xm = xf.masked_fill(padding, 0)
             var = (xm * xm).sum(dim=dims, keepdim=True) / denom
             mean = torch.zeros_like(var)
         count = _ungrouped_stat(count, scope)

@@ -67,6 +67,9 @@ def _instance_norm(settings: tuple, input, w, b, eps, running, mask) -> Tensor:
         )
     rm, rv = (None, None) if running is None else running[:2]
     if feature_dim == 0:  # unbatched: a call of its own (never planned: the entry cannot unsqueeze)
+        # the mask checked against the input as given: checked after the unsqueeze, a wrong one was named by
+        # the batched shapes ("expected `mask` of shape (1, 7) ..., got (1, 5)" for a (5,) mask of (3, 7) input)
+        check.mask(mask, input, 0, name)
         mask = mask.unsqueeze(0) if isinstance(mask, Tensor) else mask
         y = F.instance_norm(input.unsqueeze(0), rm, rv, w, b, use_input_stats, momentum, eps, mask=mask)
         return y.squeeze(0)

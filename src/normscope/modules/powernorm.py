@@ -207,10 +207,11 @@ class PowerNorm(nn.Module):
             f"channel_dim={self.channel_dim}, ema_gz_over={self.ema_gz_over!r}"
         )
 
-    def _eval(self, x: Tensor, scope: Resolved) -> Tensor:
-        """The running quadratic mean, as a constant statistic."""
+    def _eval(self, x: Tensor, scope: Resolved, mask: Tensor | None) -> Tensor:
+        """The running quadratic mean, as a constant statistic. ``mask``: as in training, a non-finite
+        padded value passes no gradient (without it the weight's gradient was ``0 * inf = NaN``)."""
         rstd = ref.rstd(self.running_phi.reshape(scope.stat_shape).to(ref.acc_dtype(x.dtype)), self.eps)
-        return engine.apply(x, torch.zeros_like(rstd), rstd, scope, self.weight, self.bias)
+        return engine.apply(x, torch.zeros_like(rstd), rstd, scope, self.weight, self.bias, mask)
 
     def forward(self, input: Tensor, mask: Tensor | None = None) -> Tensor:
         name, c, cd = "PowerNorm", self.num_features, self.channel_dim
@@ -248,11 +249,11 @@ class PowerNorm(nn.Module):
             x = engine.norm(x, self._gs_scope, eps=1e-5)
         scope = self._scope.resolve(tuple(x.shape))
         if not self.training:
-            return self._eval(x, scope)
+            return self._eval(x, scope, mask)
         if x.numel() == 0:
             # no token, no statistic: the state stays as it was (a zero quadratic mean would enter
             # running_phi), and the output is empty anyway
-            return self._eval(x, scope)
+            return self._eval(x, scope, mask)
         if check.all_masked(mask):  # not asked on meta tensors or while tracing
             raise ValueError(f"{name}: expected at least one valid (True) element in `mask` when training, got none")
         self.num_batches_tracked.add_(1)

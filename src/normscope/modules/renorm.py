@@ -150,8 +150,9 @@ class _BatchRenormMixin(BatchNormMixin):
         mask = check.mask(mask, input, self.channel_dim, name)
         if check.all_masked(mask):  # not asked on meta tensors or while tracing
             raise ValueError(f"{name}: expected at least one valid (True) element in `mask` when training, got none")
-        if mask is None and input.numel() // self.num_features == 1:
-            # torch's BatchNorm rule: one value has no variance to estimate (r and d would be 0/0)
+        if input.numel() // self.num_features == 1:
+            # torch's BatchNorm rule: one value has no variance to estimate (r and d would be 0/0); with a
+            # mask too, which only takes values away
             raise ValueError(
                 f"{name}: expected more than 1 value per channel when training, got input of shape "
                 f"{tuple(input.shape)} (1 value per channel)"
