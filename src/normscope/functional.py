@@ -211,7 +211,14 @@ def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, ru
     elif running_mean is None or running_var is None:
         raise ValueError(f"{where}: evaluation (training=False) needs `running_mean` and `running_var`, got None")
     if not training:
-        mask = None  # the running statistics normalize every position alike: ATen's fused path
+        # the running statistics normalize every position alike: ATen's fused path, without the mask. Where
+        # autograd records, a non-finite padded value is taken as 0: its output's gradient (0 from a loss on
+        # the valid outputs) times its normalized value would be 0 * inf = NaN in the weight's gradient
+        # (docs/beyond.md: padding passes no gradient, whatever it holds). masked_fill keeps the input's
+        # layout, so the valid outputs are ATen's bits on the input as given
+        if mask is not None and _records(input, weight, bias):
+            input = input.masked_fill(~mask & ~torch.isfinite(input), 0)
+        mask = None
     if running is not None:
         running = Running(running_mean, running_var, float(momentum), training)
     scope = _BATCH if channel_dim == 1 else _BATCH_LAST
@@ -219,6 +226,11 @@ def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, ru
 
 
 BATCH_NORM = hot.Op("batch_norm", checked_batch_norm, BatchNormSettings)
+
+
+def _records(*tensors: Tensor | None) -> bool:
+    """Whether autograd records a call on these tensors (grad mode on and one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def instance_norm(

@@ -194,3 +194,36 @@ def test_powernorm_eval_with_nonfinite_padding_gives_the_valid_gradients(padding
     torch.testing.assert_close(layer.bias.grad, dyv.sum(0).float())
     torch.testing.assert_close(xh.grad[mask], (dyv * scale * w).float())
     assert torch.count_nonzero(xh.grad[~mask]) == 0
+
+
+@pytest.mark.parametrize("layer", ["BatchNorm1d", "SyncBatchNorm", "BatchRenorm1d"])
+@pytest.mark.parametrize("fill", [float("inf"), float("-inf"), float("nan"), 1e30])
+def test_batchnorm_eval_with_nonfinite_padding_gives_the_valid_gradients(layer, fill):
+    # evaluation ran ATen on the input as given, mask dropped: the weight's gradient summed 0 * inf = NaN
+    # from the padded positions (a loss on the valid outputs only). Oracle: torch.nn.BatchNorm1d in
+    # evaluation, same state, on the input with its padding set to 0 -- bit for bit
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 4, 7, generator=g)
+    mask = torch.rand(3, 7, generator=g) > 0.3
+    m = getattr(normscope, layer)(4).eval()
+    with torch.no_grad():
+        m.running_mean.uniform_(-1, 1, generator=g)
+        m.running_var.uniform_(0.5, 2, generator=g)
+        m.weight.uniform_(0.5, 1.5, generator=g)
+    t = torch.nn.BatchNorm1d(4).eval()
+    t.load_state_dict({k: v for k, v in m.state_dict().items() if k in t.state_dict()})
+    keep = mask.unsqueeze(1)
+    xa = x.masked_fill(~keep, fill).requires_grad_()
+    y = m(xa, mask)
+    (y * keep).sum().backward()
+    xz = x.masked_fill(~keep, 0.0).requires_grad_()
+    yt = t(xz)
+    (yt * keep).sum().backward()
+    valid = keep.expand_as(y)
+    assert torch.equal(y[valid], yt[valid])
+    for name, got, want in (
+        ("weight", m.weight.grad, t.weight.grad),
+        ("bias", m.bias.grad, t.bias.grad),
+        ("input", xa.grad, xz.grad),
+    ):
+        assert torch.equal(got, want), f"grad of {name}: {got} vs {want}"
