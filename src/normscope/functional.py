@@ -208,6 +208,16 @@ def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, ru
                 f"{where}: expected at least one valid (True) element in `mask` when training, got an "
                 f"all-False mask of shape {tuple(mask.squeeze(channel_dim).shape)}"
             )
+        if mask is not None:
+            for name, t in (("running_mean", running_mean), ("running_var", running_var)):
+                # ATen's kernel writes an expanded buffer element by element (the last write wins, as torch
+                # does unmasked); the masked update is one in-place op, which torch refuses from inside
+                if t is not None and torch._debug_has_internal_overlap(t) == 1:
+                    raise ValueError(
+                        f"{where}: expected `{name}` whose elements do not share memory with a mask when "
+                        f"training (its masked update writes them at once), got shape {tuple(t.shape)} with "
+                        f"strides {t.stride()}"
+                    )
     elif running_mean is None or running_var is None:
         raise ValueError(f"{where}: evaluation (training=False) needs `running_mean` and `running_var`, got None")
     if not training:

@@ -227,3 +227,19 @@ def test_batchnorm_eval_with_nonfinite_padding_gives_the_valid_gradients(layer, 
         ("input", xa.grad, xz.grad),
     ):
         assert torch.equal(got, want), f"grad of {name}: {got} vs {want}"
+
+
+@pytest.mark.parametrize("which", ["running_mean", "running_var"])
+def test_masked_batchnorm_training_refuses_an_expanded_running_buffer_by_name(which):
+    # the masked update is one in-place op on the buffer, which torch refuses from inside for a buffer
+    # whose elements share memory ("unsupported operation: more than one element of the written-to
+    # tensor refers to a single memory location"), after every check had passed
+    x, mask = torch.randn(4, 3, 5), torch.rand(4, 5) > 0.3
+    buffers = {"running_mean": torch.zeros(3), "running_var": torch.ones(3)}
+    buffers[which] = buffers[which][:1].expand(3)
+    before = {k: v.clone() for k, v in buffers.items()}
+    with pytest.raises(ValueError, match=rf"batch_norm: expected `{which}` whose elements do not share memory.*"
+                       r"strides \(0,\)"):
+        normscope.functional.batch_norm(x, buffers["running_mean"], buffers["running_var"], training=True, mask=mask)
+    for k, v in buffers.items():  # refused before any work: no buffer moved
+        assert torch.equal(v, before[k])
