@@ -121,6 +121,21 @@ def _kind(s) -> tuple[str, int] | None:
 
 
 def prepare(call: Call, automatic: bool) -> Runner:
+    run = _kernel_runner(call)
+    if not ref.constant_gives_bias(call.scope, call.op):
+        return run
+
+    def run_unless_eps_zero(c: Call) -> Tensor:
+        # torch's batch_norm kernel (BatchNorm's, InstanceNorm's) gives a scope of zero variance rstd 0
+        # when eps == 0 -- the bias and zero gradients, not 1 / sqrt(0)'s NaN, which the kernels'
+        # rsqrt(var + eps) gives (reference.constant_gives_bias). eps is no part of a plan's signature,
+        # so the call is told at run time, and runs on the reference, which computes it so
+        return engine.recompute(c) if c.eps == 0 else run(c)
+
+    return run_unless_eps_zero
+
+
+def _kernel_runner(call: Call) -> Runner:
     kind, arg = _kind(call.scope)
     centered = call.scope.centered
     if kind == "channels":

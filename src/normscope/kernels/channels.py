@@ -424,7 +424,9 @@ def batch_norm_channels(
     Returns ``(y, batch mean, batch biased var, count)`` (the running ones in evaluation).
     Inputs are assumed valid; non-contiguous input is copied first."""
     shape = x.shape
-    cl = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    # a channels_last (4-D) or channels_last_3d (5-D) input gives an output in its layout, as torch's
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    cl = fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt)
     x = x.contiguous()
     c = shape[channel_dim]
     outer = 1
@@ -438,4 +440,4 @@ def batch_norm_channels(
         dense(weight), dense(bias), dense(running_mean), dense(running_var), m2, float(eps),
     )  # fmt: skip
     y = y.view(shape)
-    return (y.contiguous(memory_format=torch.channels_last) if cl else y), mean, var, count
+    return (y.contiguous(memory_format=fmt) if cl else y), mean, var, count
