@@ -379,7 +379,8 @@ def prepare(call: Call, automatic: bool) -> Runner:
         x3 = c.x.reshape(o, ch, i)
         mf = engine.position_mask(c.mask, c.x, d).reshape(o, i).to(acc)  # (O, I): one flag per position
         d_out = bad = None
-        with torch.no_grad():
+        # the masked sums are matrix products, which autocast would run in bf16/fp16 (ref.no_autocast)
+        with torch.no_grad(), ref.no_autocast(c.x.device):
             xa = x3.detach().to(acc)
             if not fills_memory(x3.shape, x3.stride()) or (v.per_outer and not _samples_outermost(x3)):
                 # a view with gaps (a strided slice): a dense copy, as ``.to`` makes for half types.

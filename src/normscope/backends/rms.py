@@ -225,12 +225,15 @@ def _weighted_row_sum(gx: Tensor, r: Tensor) -> Tensor:
     full = k * DW_GROUP_ROWS
     total = None
     wide = torch.float64 if gx.dtype == torch.float32 else gx.dtype
-    if k:  # one batched product gives each group's sum, then a sum over the groups
-        groups = torch.bmm(r[:full].reshape(k, 1, DW_GROUP_ROWS), gx[:full].view(k, DW_GROUP_ROWS, n))
-        total = groups.sum(0, dtype=wide).view(n)
-    if full < rows:
-        rest = torch.mv(gx[full:].t(), r[full:].view(-1)).to(wide)
-        total = rest if total is None else total.add_(rest)
+    # products, which autocast (a backward run inside its block) would take in bf16/fp16: the sums of
+    # torch's backward are not autocast's (ref.no_autocast)
+    with ref.no_autocast(gx.device):
+        if k:  # one batched product gives each group's sum, then a sum over the groups
+            groups = torch.bmm(r[:full].reshape(k, 1, DW_GROUP_ROWS), gx[:full].view(k, DW_GROUP_ROWS, n))
+            total = groups.sum(0, dtype=wide).view(n)
+        if full < rows:
+            rest = torch.mv(gx[full:].t(), r[full:].view(-1)).to(wide)
+            total = rest if total is None else total.add_(rest)
     return torch.zeros(n, dtype=wide, device=gx.device) if total is None else total
 
 
