@@ -105,3 +105,29 @@ def test_rows_weight_gradient_of_a_backward_under_cpu_autocast(dtype):
     want = (gy.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)).sum(0)
     torch.testing.assert_close(grads[0].double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, theirs, options", FAMILIES, ids=[f[0] for f in FAMILIES])
+@pytest.mark.parametrize("backend", ["rows", None])
+def test_rows_take_an_inference_tensor_with_a_trainable_weight(family, theirs, options, backend):
+    # an input made under torch.inference_mode() (data prepared there), a weight that trains: torch's op
+    # saves only its intermediates, the rows' autograd.Function saved the input itself and autograd raised
+    # "Inference tensors cannot be saved for backward". None: the automatic choice, which takes the rows
+    # from rows.MIN_AUTO_ELEMENTS elements
+    shape = (1024, 1024) if backend is None else (8, 64)
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        x = torch.randn(shape, generator=g).to(torch.bfloat16)
+    w0 = (torch.randn(shape[-1], generator=g) * 0.1 + (0.0 if family == "gemma" else 1.0)).to(torch.bfloat16)
+    gy = torch.randn(shape, generator=g).to(torch.bfloat16)
+    out = []
+    for fn in (_ours(options), theirs):
+        w = w0.clone().requires_grad_()
+        with normscope.use_backend(backend):
+            y = fn(x, w, 1e-6)
+        y.backward(gy)
+        out.append((y, w.grad))
+    assert normscope.last_backend() == "rows"
+    (y, gw), (y_want, gw_want) = out
+    assert torch.equal(y, y_want)
+    torch.testing.assert_close(gw.float(), gw_want.float(), rtol=2e-2, atol=2e-2 * gw_want.float().abs().max().item())

@@ -507,6 +507,12 @@ def prepare(call: Call, strided: Runner | None = None) -> Runner:
             w = w.to(acc) + offset if offset else w.to(acc)  # Gemma's 1 + w, formed in fp32
         grad = torch.is_grad_enabled() and (x.requires_grad or w is not None and w.requires_grad)
         if grad:
+            if x.is_inference():
+                # a tensor made under torch.inference_mode() (it requires no grad; the weight does): the
+                # Function saves its input for the weight's gradient, which autograd refuses for an
+                # inference tensor, where torch's op saves only its own intermediates. A normal copy
+                # (the same values, each row dense as it was: the same bits) is saved instead
+                x = x.clone()
             # the input twice where torch's two gradient terms reach it directly (see _RMSRows)
             again = x if x.dtype == acc and x.requires_grad else None
             if fused and w is not None:
