@@ -404,7 +404,7 @@ class _RMSRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, x2, weight, r = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+        if torch.is_grad_enabled() or _batched(dy):  # see _reference_grads
             gx, gw = _reference_grads(ctx, dy, x, weight)
             return gx, None, gw, None, None
         need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -430,7 +430,7 @@ class _LlamaRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, x2, scale, r = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+        if torch.is_grad_enabled() or _batched(dy):  # see _reference_grads
             gx, gs = _reference_grads(ctx, dy, x, scale, "llama")
             return gx, None, gs, None, None
         need_x, need_s = ctx.needs_input_grad[0] or ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -439,16 +439,32 @@ class _LlamaRows(torch.autograd.Function):
         return ctx.rows.back(grad_mul), ctx.rows.back(grad_pow), grad_s, None, None
 
 
+def _batched(dy: Tensor) -> bool:
+    """Whether a backward runs under vmap: autograd's batched gradients (``is_grads_batched=True``, which
+    ``torch.autograd.functional.jacobian(vectorize=True)`` and gradcheck's batched check use) run it under
+    torch's legacy vmap, whose batched ``dy`` is no functorch tensor and pushes no functorch interpreter
+    (:func:`normscope.engine.transformed` is False there); torch.func's transforms push one."""
+    return _legacy_batched(dy) or engine.transformed()
+
+
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+
+
 def _reference_grads(ctx, dy: Tensor, x: Tensor, weight: Tensor | None, casting: str = "torch") -> tuple:
-    """Gradients of the reference computation of the same rows, differentiable (double backward)."""
+    """Gradients of the reference computation of the same rows, instead of the closed form: differentiable
+    where autograd asks for a graph of the backward (``create_graph=True``: double backward), and batched
+    where it runs the backward under vmap (``is_grads_batched=True``, ``jacobian(vectorize=True)``), where
+    the closed form's ``out=`` ops have no batching rule and raised."""
+    create = torch.is_grad_enabled()
     need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
     need = [t is not None and n for t, n in zip((x, weight), (need_x, ctx.needs_input_grad[2]))]
     scope = _ROWS_AFFINE if weight is not None else _ROWS
-    x2 = ctx.rows.rows(x)
-    rows = Call(x2, scope.resolve(tuple(x2.shape)), weight, None, ctx.eps, None, None, casting=casting)
-    y = reference_backend.run(rows)
+    with torch.enable_grad():  # a backward without create_graph runs with grad off: the recomputation needs it
+        x2 = ctx.rows.rows(x)
+        rows = Call(x2, scope.resolve(tuple(x2.shape)), weight, None, ctx.eps, None, None, casting=casting)
+        y = reference_backend.run(rows)
     wanted = [t for t, n in zip((x, weight), need) if n]
-    grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
+    grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=create, allow_unused=True))
     return tuple(next(grads) if n else None for n in need)
 
 
