@@ -14,6 +14,8 @@ import torch.nn as nn
 
 import normscope
 import normscope.functional as F
+from normscope import engine
+from normscope.backends import TRITON
 
 AUTOCAST = [torch.bfloat16, torch.float16]
 
@@ -156,3 +158,49 @@ def test_rows_batched_backward(family, theirs, options):
     for ours in (batched, looped, vmapped):
         for a, b in zip(ours, want):
             torch.testing.assert_close(a, b)
+
+
+def _autocast_dtype_case(device: str):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 1024, generator=g).to(device, torch.bfloat16)
+    w = (torch.rand(1024, generator=g) + 0.5).to(device, torch.bfloat16)
+    b = torch.randn(1024, generator=g).to(device, torch.bfloat16)
+    return x, w, b
+
+
+@pytest.mark.skipif(not TRITON, reason="Triton is not installed")
+def test_an_automatic_triton_choice_hands_an_autocast_call_to_torchs_op():
+    # Under CUDA autocast torch's layer_norm (and group_norm) runs in fp32: nn.LayerNorm on bf16 input gives
+    # fp32 output. The kernels are custom ops, which autocast does not cast: where the measured table picks
+    # Triton (bf16 LayerNorm rows of 256..16384 on sm90) the layer gave bf16 (measured on an H200, torch 2.11).
+    # Here in Triton's interpreter on CPU, the runner an automatic choice prepares: inside autocast it runs
+    # torch's op (and says so), outside it the kernel
+    from normscope.backends import triton as tb
+
+    x, w, b = _autocast_dtype_case("cpu")
+    call = engine.Call(x, normscope.Scope.layer().resolve(x.shape), w, b, 1e-5, None, None)
+    run = tb.prepare(call, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = run(call)
+        assert normscope.last_backend() == "aten"
+        assert torch.equal(y, nn.functional.layer_norm(x, (1024,), w, b, 1e-5))
+    engine.report_backend("triton")
+    run(call)
+    assert normscope.last_backend() == "triton"
+    assert tb.prepare(call, False) is not None  # forced: the kernel itself, autocast or not
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast: needs a GPU")
+@pytest.mark.parametrize("dtype", AUTOCAST)
+def test_layer_norm_under_cuda_autocast_is_torchs(dtype):
+    x, w, b = _autocast_dtype_case("cuda")
+    ours, theirs = normscope.LayerNorm(1024).to("cuda", x.dtype), nn.LayerNorm(1024).to("cuda", x.dtype)
+    for m in (ours, theirs):
+        with torch.no_grad():
+            m.weight.copy_(w)
+            m.bias.copy_(b)
+    ours(x)  # planned outside autocast, then called inside it
+    with torch.autocast("cuda", dtype=dtype):
+        y, want = ours(x), theirs(x)
+    assert y.dtype == want.dtype == torch.float32
+    assert torch.equal(y, want)

@@ -37,7 +37,7 @@ from torch import Tensor
 from .. import engine
 from .. import reference as ref
 from ..engine import Backend, Call, Runner
-from . import measured
+from . import aten, measured
 from ._layout import channels_last
 
 NAME = "triton"
@@ -121,6 +121,25 @@ def _kind(s) -> tuple[str, int] | None:
 
 
 def prepare(call: Call, automatic: bool) -> Runner:
+    run = _prepare(call)
+    if not automatic or call.residual is not None or aten.why_not(call) is not None:
+        return run
+    torch_op = aten.prepare(call, False)
+
+    def run_auto(c: Call):
+        # Under autocast torch's layer_norm and group_norm run in fp32 (autocast casts their inputs: a
+        # bf16 LayerNorm gives fp32 output), which the kernels, custom ops, do not: a choice made for
+        # speed hands such a call to torch's op, the same op autocast sees in torch.nn's layer. Asked at
+        # run time: the plan of a signature is made once, inside autocast or out of it
+        if torch.is_autocast_enabled(c.x.device.type):
+            engine.report_backend(aten.NAME)
+            return torch_op(c)
+        return run(c)
+
+    return run_auto
+
+
+def _prepare(call: Call) -> Runner:
     kind, arg = _kind(call.scope)
     centered = call.scope.centered
     if kind == "channels":
