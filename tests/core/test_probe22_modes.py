@@ -136,6 +136,45 @@ def test_rows_take_an_inference_tensor_with_a_trainable_weight(family, theirs, o
 
 
 @pytest.mark.parametrize("family, theirs, options", FAMILIES, ids=[f[0] for f in FAMILIES])
+@pytest.mark.parametrize("backend", ["rows", None])
+def test_rows_inside_inference_mode_with_grad_enabled(family, theirs, options, backend):
+    # torch.enable_grad() inside torch.inference_mode(): grad mode is on, but inference mode records no
+    # graph -- torch's ops give an inference tensor that requires no grad. The rows took grad mode alone as
+    # their cue, ran their autograd.Function, and raised "Inference tensors cannot be saved for backward"
+    shape = (1024, 1024) if backend is None else (8, 64)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(shape[-1], generator=g).requires_grad_()
+    out = []
+    with torch.inference_mode(), torch.enable_grad():
+        x = torch.randn(shape, generator=g)
+        for fn in (_ours(options), theirs):
+            with normscope.use_backend(backend):
+                out.append(fn(x, w, 1e-6))
+    assert normscope.last_backend() == "rows"
+    y, want = out
+    assert (y.requires_grad, y.is_inference()) == (want.requires_grad, want.is_inference()) == (False, True)
+    assert torch.equal(y, want)
+
+
+@pytest.mark.parametrize("name, make, dims, groups", MASKED, ids=[m[0] for m in MASKED])
+def test_masked_inside_inference_mode_with_grad_enabled(name, make, dims, groups):
+    # as above, the composite backend's autograd.Function (masked BatchNorm/InstanceNorm/GroupNorm with a
+    # trainable weight): it raised where torch's unmasked layers give an inference tensor
+    g = torch.Generator().manual_seed(6)
+    layer = make()
+    layer.weight = nn.Parameter(torch.rand(16, generator=g) + 0.5)
+    with torch.inference_mode(), torch.enable_grad():
+        x = torch.randn(4, 16, 50, generator=g)
+        mask = torch.rand(4, 50, generator=g) > 0.3
+        y = layer(x, mask)
+        assert normscope.last_backend() == "composite"
+        unmasked = nn.functional.group_norm(x, 4, layer.weight)  # torch's own norm there
+    assert (y.requires_grad, y.is_inference()) == (unmasked.requires_grad, unmasked.is_inference()) == (False, True)
+    want = _masked_f64(x, mask, dims, groups, layer.eps) * layer.weight.detach().double().view(1, 16, 1)
+    torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, theirs, options", FAMILIES, ids=[f[0] for f in FAMILIES])
 def test_rows_batched_backward(family, theirs, options):
     # autograd's batched gradients (is_grads_batched=True: torch.autograd.functional.jacobian(vectorize=True),
     # gradcheck's batched check) run the backward under vmap; the rows' closed form, out= ops throughout,

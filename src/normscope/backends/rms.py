@@ -521,7 +521,14 @@ def prepare(call: Call, strided: Runner | None = None) -> Runner:
         w = None if c.weight is None else c.weight.reshape(n)
         if scaled and not llama and w is not None:
             w = w.to(acc) + offset if offset else w.to(acc)  # Gemma's 1 + w, formed in fp32
-        grad = torch.is_grad_enabled() and (x.requires_grad or w is not None and w.requires_grad)
+        # inference mode records no graph even where grad mode is on (``torch.enable_grad()`` inside it):
+        # torch's ops give an output that requires no grad there, and the Function would save an
+        # inference tensor, which autograd refuses
+        grad = (
+            torch.is_grad_enabled()
+            and not torch.is_inference_mode_enabled()
+            and (x.requires_grad or w is not None and w.requires_grad)
+        )
         if grad:
             if x.is_inference():
                 # a tensor made under torch.inference_mode() (it requires no grad; the weight does): the
