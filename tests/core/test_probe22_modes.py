@@ -243,3 +243,37 @@ def test_layer_norm_under_cuda_autocast_is_torchs(dtype):
         y, want = ours(x), theirs(x)
     assert y.dtype == want.dtype == torch.float32
     assert torch.equal(y, want)
+
+
+ADA = [
+    ("zero", "AdaLayerNormZero", torch.float32, torch.bfloat16),
+    ("zero", "AdaLayerNormZero", torch.bfloat16, torch.bfloat16),
+    ("continuous", "AdaLayerNormContinuous", torch.bfloat16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("kind, cls, x_dtype, cond_dtype", ADA)
+def test_ada_layer_norm_under_cpu_autocast_is_diffusers(kind, cls, x_dtype, cond_dtype):
+    # an fp32 model under autocast: a bf16 activation or condition reaches the projection, which nn.Linear
+    # casts under autocast (diffusers' modules run). The layer refused it, a TypeError for a dtype that differs
+    # from the projection's -- right outside autocast, where torch's linear raises too, wrong inside it
+    norm_mod = pytest.importorskip("diffusers.models.normalization")
+    d = 64
+    if kind == "zero":
+        theirs = norm_mod.AdaLayerNormZero(d)
+        ours = normscope.AdaLayerNorm(d, d, gate=True, chunks=6, casting="eager")
+    else:
+        theirs = norm_mod.AdaLayerNormContinuous(d, 32, elementwise_affine=False, eps=1e-6)
+        ours = normscope.AdaLayerNorm(d, 32, order="scale_shift", casting="eager")
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 16, d, generator=g).to(x_dtype)
+    cond = torch.randn(2, ours.cond_dim, generator=g).to(cond_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = theirs(x, emb=cond) if kind == "zero" else theirs(x, cond)
+        got = ours(x, emb=cond) if kind == "zero" else ours(x, cond)
+    for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
