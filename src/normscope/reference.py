@@ -16,6 +16,7 @@ std 1e-2 still normalizes to unit variance, which E[x^2] - E[x]^2 in fp32 would 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -27,6 +28,8 @@ from .scope import Resolved
 __all__ = [
     "Moments",
     "acc_dtype",
+    "autocasting",
+    "no_autocast",
     "moments",
     "rstd",
     "constant_gives_bias",
@@ -54,6 +57,21 @@ class Moments(NamedTuple):
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype statistics are accumulated in: fp64 for fp64, fp32 for everything else."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def autocasting(device: torch.device) -> bool:
+    """Whether autocast is on for ``device``'s type (False for a type autocast does not know, e.g. meta)."""
+    kind = device.type
+    return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+
+
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """A block in which ``device``'s autocast is off, where it is on. For a backend's sums taken as matrix
+    products (``bmm``, ``mv``): autocast runs those in bf16/fp16 -- fp32 statistics summed in bf16 were
+    ~1e-2 off -- where torch's norms, whose own sums autocast leaves alone, keep their accumulation dtype."""
+    if autocasting(device):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 _is_batched = torch._C._functorch.is_batchedtensor

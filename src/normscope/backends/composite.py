@@ -379,7 +379,8 @@ def prepare(call: Call, automatic: bool) -> Runner:
         x3 = c.x.reshape(o, ch, i)
         mf = engine.position_mask(c.mask, c.x, d).reshape(o, i).to(acc)  # (O, I): one flag per position
         d_out = bad = None
-        with torch.no_grad():
+        # the masked sums are matrix products, which autocast would run in bf16/fp16 (ref.no_autocast)
+        with torch.no_grad(), ref.no_autocast(c.x.device):
             xa = x3.detach().to(acc)
             if not fills_memory(x3.shape, x3.stride()) or (v.per_outer and not _samples_outermost(x3)):
                 # a view with gaps (a strided slice): a dense copy, as ``.to`` makes for half types.
@@ -413,7 +414,11 @@ def prepare(call: Call, automatic: bool) -> Runner:
         if c.running is not None:
             sh = c.scope.stat_shape
             engine.update_running(c, ref.Moments(st.mean.reshape(sh), st.var.reshape(sh), st.count.reshape(sh)))
-        y = _MaskedApply.apply(x3, c.weight, c.bias, st.d, st.shift, st.rstd, st.count, mf, v.groups, c, d_out, bad)
+        # inference mode records no graph even where grad mode is on (``torch.enable_grad()`` inside it):
+        # there the Function, recording, would save inference tensors, which autograd refuses; torch's
+        # norms give an output that requires no grad
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):
+            y = _MaskedApply.apply(x3, c.weight, c.bias, st.d, st.shift, st.rstd, st.count, mf, v.groups, c, d_out, bad)
         return y.view(shape)
 
     return run

@@ -225,12 +225,15 @@ def _weighted_row_sum(gx: Tensor, r: Tensor) -> Tensor:
     full = k * DW_GROUP_ROWS
     total = None
     wide = torch.float64 if gx.dtype == torch.float32 else gx.dtype
-    if k:  # one batched product gives each group's sum, then a sum over the groups
-        groups = torch.bmm(r[:full].reshape(k, 1, DW_GROUP_ROWS), gx[:full].view(k, DW_GROUP_ROWS, n))
-        total = groups.sum(0, dtype=wide).view(n)
-    if full < rows:
-        rest = torch.mv(gx[full:].t(), r[full:].view(-1)).to(wide)
-        total = rest if total is None else total.add_(rest)
+    # products, which autocast (a backward run inside its block) would take in bf16/fp16: the sums of
+    # torch's backward are not autocast's (ref.no_autocast)
+    with ref.no_autocast(gx.device):
+        if k:  # one batched product gives each group's sum, then a sum over the groups
+            groups = torch.bmm(r[:full].reshape(k, 1, DW_GROUP_ROWS), gx[:full].view(k, DW_GROUP_ROWS, n))
+            total = groups.sum(0, dtype=wide).view(n)
+        if full < rows:
+            rest = torch.mv(gx[full:].t(), r[full:].view(-1)).to(wide)
+            total = rest if total is None else total.add_(rest)
     return torch.zeros(n, dtype=wide, device=gx.device) if total is None else total
 
 
@@ -401,7 +404,7 @@ class _RMSRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, x2, weight, r = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+        if torch.is_grad_enabled() or _batched(dy):  # see _reference_grads
             gx, gw = _reference_grads(ctx, dy, x, weight)
             return gx, None, gw, None, None
         need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -427,7 +430,7 @@ class _LlamaRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, x2, scale, r = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
+        if torch.is_grad_enabled() or _batched(dy):  # see _reference_grads
             gx, gs = _reference_grads(ctx, dy, x, scale, "llama")
             return gx, None, gs, None, None
         need_x, need_s = ctx.needs_input_grad[0] or ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -436,16 +439,32 @@ class _LlamaRows(torch.autograd.Function):
         return ctx.rows.back(grad_mul), ctx.rows.back(grad_pow), grad_s, None, None
 
 
+def _batched(dy: Tensor) -> bool:
+    """Whether a backward runs under vmap: autograd's batched gradients (``is_grads_batched=True``, which
+    ``torch.autograd.functional.jacobian(vectorize=True)`` and gradcheck's batched check use) run it under
+    torch's legacy vmap, whose batched ``dy`` is no functorch tensor and pushes no functorch interpreter
+    (:func:`normscope.engine.transformed` is False there); torch.func's transforms push one."""
+    return _legacy_batched(dy) or engine.transformed()
+
+
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+
+
 def _reference_grads(ctx, dy: Tensor, x: Tensor, weight: Tensor | None, casting: str = "torch") -> tuple:
-    """Gradients of the reference computation of the same rows, differentiable (double backward)."""
+    """Gradients of the reference computation of the same rows, instead of the closed form: differentiable
+    where autograd asks for a graph of the backward (``create_graph=True``: double backward), and batched
+    where it runs the backward under vmap (``is_grads_batched=True``, ``jacobian(vectorize=True)``), where
+    the closed form's ``out=`` ops have no batching rule and raised."""
+    create = torch.is_grad_enabled()
     need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
     need = [t is not None and n for t, n in zip((x, weight), (need_x, ctx.needs_input_grad[2]))]
     scope = _ROWS_AFFINE if weight is not None else _ROWS
-    x2 = ctx.rows.rows(x)
-    rows = Call(x2, scope.resolve(tuple(x2.shape)), weight, None, ctx.eps, None, None, casting=casting)
-    y = reference_backend.run(rows)
+    with torch.enable_grad():  # a backward without create_graph runs with grad off: the recomputation needs it
+        x2 = ctx.rows.rows(x)
+        rows = Call(x2, scope.resolve(tuple(x2.shape)), weight, None, ctx.eps, None, None, casting=casting)
+        y = reference_backend.run(rows)
     wanted = [t for t, n in zip((x, weight), need) if n]
-    grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
+    grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=create, allow_unused=True))
     return tuple(next(grads) if n else None for n in need)
 
 
@@ -502,8 +521,21 @@ def prepare(call: Call, strided: Runner | None = None) -> Runner:
         w = None if c.weight is None else c.weight.reshape(n)
         if scaled and not llama and w is not None:
             w = w.to(acc) + offset if offset else w.to(acc)  # Gemma's 1 + w, formed in fp32
-        grad = torch.is_grad_enabled() and (x.requires_grad or w is not None and w.requires_grad)
+        # inference mode records no graph even where grad mode is on (``torch.enable_grad()`` inside it):
+        # torch's ops give an output that requires no grad there, and the Function would save an
+        # inference tensor, which autograd refuses
+        grad = (
+            torch.is_grad_enabled()
+            and not torch.is_inference_mode_enabled()
+            and (x.requires_grad or w is not None and w.requires_grad)
+        )
         if grad:
+            if x.is_inference():
+                # a tensor made under torch.inference_mode() (it requires no grad; the weight does): the
+                # Function saves its input for the weight's gradient, which autograd refuses for an
+                # inference tensor, where torch's op saves only its own intermediates. A normal copy
+                # (the same values, each row dense as it was: the same bits) is saved instead
+                x = x.clone()
             # the input twice where torch's two gradient terms reach it directly (see _RMSRows)
             again = x if x.dtype == acc and x.requires_grad else None
             if fused and w is not None:

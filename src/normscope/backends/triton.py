@@ -37,7 +37,7 @@ from torch import Tensor
 from .. import engine
 from .. import reference as ref
 from ..engine import Backend, Call, Runner
-from . import measured
+from . import aten, measured
 from ._layout import channels_last
 
 NAME = "triton"
@@ -122,17 +122,31 @@ def _kind(s) -> tuple[str, int] | None:
 
 def prepare(call: Call, automatic: bool) -> Runner:
     run = _kernel_runner(call)
-    if not ref.constant_gives_bias(call.scope, call.op):
+    if ref.constant_gives_bias(call.scope, call.op):
+        kernel = run
+
+        def run(c: Call) -> Tensor:
+            # torch's batch_norm kernel (BatchNorm's, InstanceNorm's) gives a scope of zero variance rstd 0
+            # when eps == 0 -- the bias and zero gradients, not 1 / sqrt(0)'s NaN, which the kernels'
+            # rsqrt(var + eps) gives (reference.constant_gives_bias). eps is no part of a plan's signature,
+            # so the call is told at run time, and runs on the reference, which computes it so
+            return engine.recompute(c) if c.eps == 0 else kernel(c)
+
+    if not automatic or call.residual is not None or aten.why_not(call) is not None:
         return run
+    torch_op = aten.prepare(call, False)
 
-    def run_unless_eps_zero(c: Call) -> Tensor:
-        # torch's batch_norm kernel (BatchNorm's, InstanceNorm's) gives a scope of zero variance rstd 0
-        # when eps == 0 -- the bias and zero gradients, not 1 / sqrt(0)'s NaN, which the kernels'
-        # rsqrt(var + eps) gives (reference.constant_gives_bias). eps is no part of a plan's signature,
-        # so the call is told at run time, and runs on the reference, which computes it so
-        return engine.recompute(c) if c.eps == 0 else run(c)
+    def run_auto(c: Call) -> Tensor:
+        # Under autocast torch's layer_norm and group_norm run in fp32 (autocast casts their inputs: a
+        # bf16 LayerNorm gives fp32 output), which the kernels, custom ops, do not: a choice made for
+        # speed hands such a call to torch's op, the same op autocast sees in torch.nn's layer. Asked at
+        # run time: the plan of a signature is made once, inside autocast or out of it
+        if torch.is_autocast_enabled(c.x.device.type):
+            engine.report_backend(aten.NAME)
+            return torch_op(c)
+        return run(c)
 
-    return run_unless_eps_zero
+    return run_auto
 
 
 def _kernel_runner(call: Call) -> Runner:

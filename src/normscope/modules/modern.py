@@ -16,6 +16,7 @@ from torch.nn import functional as TF
 
 from .. import _checks as check
 from .. import functional_modern as FM
+from .. import reference as ref
 
 __all__ = ["AdaLayerNorm", "QKNorm", "PolyNorm", "Derf"]
 
@@ -156,7 +157,8 @@ class AdaLayerNorm(nn.Module):
         h = TF.silu(cond)
         if self.order == "scale_shift":  # diffusers' AdaLayerNormContinuous: SiLU(cond) in x's dtype
             h = h.to(x.dtype)
-        if h.dtype != self.linear.weight.dtype:
+        # under autocast the projection (nn.Linear) casts its input and weight alike, as in diffusers' modules
+        if h.dtype != self.linear.weight.dtype and not ref.autocasting(h.device):
             if self.order == "scale_shift":  # the cast to x's dtype is what misfits, not cond's own dtype
                 raise TypeError(
                     f"AdaLayerNorm(order='scale_shift'): expected `x` of the projection's dtype "
