@@ -194,13 +194,15 @@ def rstd(var: Tensor, eps: float, count: int | Tensor | None = None, constant_bi
     return r
 
 
-def constant_gives_bias(scope: Resolved, op: str | None) -> bool:
-    """Whether torch computes this scope's statistics with its batch_norm kernel (BatchNorm,
+def constant_gives_bias(scope: Resolved, op: str | None, device: torch.device) -> bool:
+    """Whether torch computes this scope's statistics with its CPU batch_norm kernel (BatchNorm,
     InstanceNorm; not a GroupNorm layer's call, ``op="group_norm"``), whose inverse standard
-    deviation is 0 for a zero variance with ``eps == 0``: ``instance_norm`` of a constant channel
-    with ``eps=0`` gives the bias there, where ``layer_norm`` and ``group_norm`` give NaN."""
+    deviation is 0 for a zero variance with ``eps == 0``: on a CPU ``instance_norm`` of a constant
+    channel with ``eps=0`` gives the bias there, where ``layer_norm`` and ``group_norm`` give NaN.
+    Not on other devices: torch's CUDA kernels (cuDNN's and its own) give NaN there too (measured on
+    an H200, torch 2.11), and so does ``1 / sqrt(0)`` here."""
     f = scope.form
-    return scope.centered and op != "group_norm" and (f.instance or f.channel is not None)
+    return device.type == "cpu" and scope.centered and op != "group_norm" and (f.instance or f.channel is not None)
 
 
 def _affine_view(p: Tensor, scope: Resolved) -> Tensor:

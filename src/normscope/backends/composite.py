@@ -332,7 +332,7 @@ def _reference_grads(ctx, dy, x3, weight, bias):
     x = x3.reshape(call.x.shape)
     xf = x.to(ref.acc_dtype(x.dtype))
     m = ref.moments(xf, call.scope, call.mask)
-    r = ref.rstd(m.var, call.eps, m.count, ref.constant_gives_bias(call.scope, call.op))
+    r = ref.rstd(m.var, call.eps, m.count, ref.constant_gives_bias(call.scope, call.op, call.x.device))
     y = ref.apply(xf, m.mean, r, call.scope, weight, bias, call.mask).to(x.dtype)
     wanted = [t for t, n in zip(inputs, need) if n]
     grads = iter(torch.autograd.grad(y, wanted, dy.reshape(call.x.shape), create_graph=True, allow_unused=True))
@@ -365,7 +365,7 @@ def _laid_like(like: Tensor, t: Tensor) -> Tensor:
 
 def prepare(call: Call, automatic: bool) -> Runner:
     v = _view(call)
-    constant_bias = ref.constant_gives_bias(call.scope, call.op)
+    constant_bias = ref.constant_gives_bias(call.scope, call.op, call.x.device)
 
     def run(c: Call) -> Tensor:
         if engine.transformed():

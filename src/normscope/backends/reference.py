@@ -35,7 +35,7 @@ def run(call: Call) -> Tensor:
         m = ref.moments(xf, call.scope, call.mask)
         if r is not None:
             engine.update_running(call, m)
-        constant_bias = call.eps == 0 and ref.constant_gives_bias(call.scope, call.op)
+        constant_bias = call.eps == 0 and ref.constant_gives_bias(call.scope, call.op, call.x.device)
         mean, rstd = m.mean, ref.rstd(m.var, call.eps, m.count, constant_bias)
     if call.casting != "torch" or call.weight_offset != 0.0:  # a model family's affine and rounding
         y = ref.apply(xf, mean, rstd, call.scope, None, None, call.mask)

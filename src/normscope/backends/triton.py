@@ -122,14 +122,15 @@ def _kind(s) -> tuple[str, int] | None:
 
 def prepare(call: Call, automatic: bool) -> Runner:
     run = _kernel_runner(call)
-    if ref.constant_gives_bias(call.scope, call.op):
+    if ref.constant_gives_bias(call.scope, call.op, call.x.device):
         kernel = run
 
         def run(c: Call) -> Tensor:
-            # torch's batch_norm kernel (BatchNorm's, InstanceNorm's) gives a scope of zero variance rstd 0
-            # when eps == 0 -- the bias and zero gradients, not 1 / sqrt(0)'s NaN, which the kernels'
-            # rsqrt(var + eps) gives (reference.constant_gives_bias). eps is no part of a plan's signature,
-            # so the call is told at run time, and runs on the reference, which computes it so
+            # torch's CPU batch_norm kernel (BatchNorm's, InstanceNorm's) gives a scope of zero variance
+            # rstd 0 when eps == 0 -- the bias and zero gradients, not 1 / sqrt(0)'s NaN, which the kernels'
+            # rsqrt(var + eps) gives, as torch's CUDA kernels do (reference.constant_gives_bias: CPU tensors,
+            # the interpreter's). eps is no part of a plan's signature, so the call is told at run time, and
+            # runs on the reference, which computes it so
             return engine.recompute(c) if c.eps == 0 else kernel(c)
 
     if not automatic or call.residual is not None or aten.why_not(call) is not None:
