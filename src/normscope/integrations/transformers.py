@@ -55,6 +55,7 @@ from .. import functional_modern as FM
 from ..modules import LayerNorm, RMSNorm
 from ._probe import EPS_NAMES as _EPS_NAMES
 from ._probe import eps_of as _eps
+from ._probe import probe_dtypes as _probe_dtypes
 from ._probe import probe_input as _probe_input
 from ._probe import randomized as _randomized
 from ._probe import restore_classes
@@ -474,10 +475,14 @@ def _instance_matches(m: nn.Module, original: type, how: Exact, unreproduced: fr
         return why
     device = w.device if isinstance(w, Tensor) else torch.device("cpu")
     dtype = w.dtype if isinstance(w, Tensor) and w.is_floating_point() else torch.float32
-    for xdtype in dict.fromkeys((dtype, torch.bfloat16)):
+    for xdtype in _probe_dtypes(dtype):
         if xdtype in unreproduced:
             continue
-        miss = _agree(original.forward, m, _probe_input(_shape(m), xdtype, device), how)
+        try:
+            miss = _agree(original.forward, m, _probe_input(_shape(m), xdtype, device), how)
+        except (TypeError, ValueError, RuntimeError) as e:  # an instance option the class probe did not see
+            # (ConvNext's data_format="channels_first" permutes a 4-D input): a probe that raises is a mismatch
+            miss = f"raised {type(e).__name__}: {e}"
         if miss is not None:
             return f"this layer {miss} on {xdtype} input"
     return None
