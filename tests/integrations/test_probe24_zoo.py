@@ -1,8 +1,8 @@
-"""Model integrations probed from outside: patched Hugging Face models in the dtypes they are run in, and
-layers built with options the class probe did not see.
+"""Model integrations probed from outside: patched Hugging Face and diffusers models in the dtypes they are
+run in or cast to, and layers built with options the class probe did not see.
 
 Tiny random models built from configs (nothing downloaded); the oracle is the unpatched model (a deepcopy)
-on the same input: logits must be the same bits.
+on the same input, cast the same way: outputs must be the same bits.
 """
 
 from __future__ import annotations
@@ -63,3 +63,51 @@ def test_patch_leaves_convnext_channels_first_layers_to_their_own_forward():
     for m in patched.modules():
         if type(m).__name__ == "ConvNextLayerNorm":
             assert hasattr(type(m), "_normscope_how") == (m.data_format == "channels_last")
+
+
+def _aura_layer():
+    from diffusers.models.normalization import AdaLayerNormZero
+
+    layer = AdaLayerNormZero(16, bias=False, norm_type="fp32_layer_norm")
+    g = torch.Generator().manual_seed(2)
+    x, emb = torch.randn(2, 5, 16, generator=g), torch.randn(2, 16, generator=g)
+    return layer, lambda m, dtype: m(x.to(dtype), emb=emb.to(dtype))
+
+
+def _aura_model():
+    import diffusers
+
+    model = diffusers.AuraFlowTransformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=1, num_single_dit_layers=1,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+        out_channels=4, pos_embed_max_size=16,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    x, ctx = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 3, 16, generator=g)
+    t = torch.tensor([3, 7])
+    return model, lambda m, dtype: m(hidden_states=x.to(dtype), encoder_hidden_states=ctx.to(dtype), timestep=t).sample
+
+
+@pytest.mark.parametrize("make", [_aura_layer, _aura_model], ids=["AdaLayerNormZero", "AuraFlow"])
+def test_diffusers_adaptive_norm_patched_then_cast_to_float64_keeps_the_bits(make):
+    """An ``AdaLayerNormZero(norm_type="fp32_layer_norm")`` (AuraFlow's) patched in fp32, then the model
+    cast to fp64: its FP32LayerNorm rounds fp64 input to fp32, normscope's AdaLayerNorm computed in fp64,
+    and the output differed from the original cast the same way (by 3.4e-6 on AuraFlow). The adaptive
+    norms now run diffusers' forward on a dtype their configuration does not reproduce, as the plain ones do."""
+    pytest.importorskip("diffusers")
+    from normscope.integrations import diffusers as ND
+
+    torch.manual_seed(0)
+    original, run = make()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # random weights: adaLN-Zero's zero projections would hide the modulation
+        for p in original.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    original.eval()
+    model = copy.deepcopy(original)
+    assert ND.patch(model).replaced.get("AdaLayerNormZero", 0) >= 1
+    original, model = original.double(), model.double()
+    with torch.no_grad():
+        want, got = run(original, torch.float64), run(model, torch.float64)
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))

@@ -74,25 +74,27 @@ _UNREPRODUCED: dict[tuple[type, object], set[torch.dtype]] = {}
 
 # diffusers chunks the projection along dim 1 and broadcasts each chunk over the tokens: that is
 # AdaLayerNorm's per-sample modulation for a (B, C) condition only. Any other condition runs
-# diffusers' own forward, whatever it does with it.
+# diffusers' own forward, whatever it does with it; so does input in a dtype of _OTHER_DTYPES the
+# configuration does not reproduce (an ``FP32LayerNorm`` inside rounds fp64 input to fp32).
 
 
 def _zero_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
     if self.emb is not None:
         emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-    if not isinstance(emb, Tensor) or emb.dim() != 2:
+    if not isinstance(emb, Tensor) or emb.dim() != 2 or x.dtype in self._normscope_unreproduced:
         return self._normscope_original.forward(self, x, timestep, class_labels, hidden_dtype, emb)
     return AdaLayerNorm.forward(self, x, emb=emb)
 
 
 def _single_forward(self, x, emb=None):
-    if not isinstance(emb, Tensor) or emb.dim() != 2:
+    if not isinstance(emb, Tensor) or emb.dim() != 2 or x.dtype in self._normscope_unreproduced:
         return self._normscope_original.forward(self, x, emb=emb)
     return AdaLayerNorm.forward(self, x, emb=emb)
 
 
 def _continuous_forward(self, x, conditioning_embedding):
-    if not isinstance(conditioning_embedding, Tensor) or conditioning_embedding.dim() != 2:
+    c = conditioning_embedding
+    if not isinstance(c, Tensor) or c.dim() != 2 or x.dtype in self._normscope_unreproduced:
         return self._normscope_original.forward(self, x, conditioning_embedding)
     return AdaLayerNorm.forward(self, x, conditioning_embedding)
 
@@ -242,17 +244,19 @@ def _outputs_agree(want, got) -> str | None:
     return None
 
 
-def _adaptive_probe(m: nn.Module, original: type, own_weights: bool) -> str | None:
+def _adaptive_probe(
+    m: nn.Module, original: type, own_weights: bool, dtypes: tuple[torch.dtype, ...] = _PROBE_DTYPES
+) -> str | None:
     """Run ``original.forward`` and the AdaLayerNorm configuration on a copy of ``m`` (its own
-    weights, or random ones in fp32 and bf16), with the condition in the layer's dtype and, for the
-    continuous norm, in fp32 on a bf16 layer (diffusers casts it)."""
+    weights, or random ones in each of ``dtypes``), with the condition in the layer's dtype and, for
+    the continuous norm, in fp32 on a bf16 layer (diffusers casts it)."""
     how = _SIGNATURES[_signature(original)]
     twin = copy.deepcopy(m)
     if getattr(twin, "emb", None) is not None:
         twin.emb = None  # the timestep embedding is diffusers' own code on both sides; probe the norm with emb=
     sub = _subclass(original, how)
     w = twin.linear.weight
-    dtypes = (w.dtype,) if own_weights else _PROBE_DTYPES
+    dtypes = (w.dtype,) if own_weights else dtypes
     d = _norm_dim(twin.norm)
     for dtype in dtypes:
         layer = twin if own_weights else randomized(copy.deepcopy(twin), dtype, recurse=True)
@@ -337,6 +341,9 @@ def probe(m: nn.Module) -> tuple[object | None, str | None]:
             why = _adaptive_unfit(m, sig)
             if why is None:
                 why = _adaptive_probe(m, original, own_weights=False)
+            if why is None:  # the dtypes a model may be cast to after patching: diffusers' forward where missed
+                missed = _UNREPRODUCED.setdefault((original, _SIGNATURES[sig]), set())
+                missed.update(d for d in _OTHER_DTYPES if _adaptive_probe(m, original, False, (d,)) is not None)
             _PROBED[key] = (None, why) if why else (_SIGNATURES[sig], None)
         else:
             why = _plain_unfit(m, sig)
@@ -365,6 +372,8 @@ def _subclass(original: type, how: object) -> type:
                 "__doc__": f"{doc} (bit for bit; see normscope.integrations.diffusers).\n\n{original.__doc__ or ''}",
                 "_normscope_original": original,
                 "_normscope_how": how,
+                # the input dtypes of _OTHER_DTYPES that run diffusers' forward (the adaptive forwards read it)
+                "_normscope_unreproduced": _UNREPRODUCED.setdefault((original, how), set()),
             },
         )
         setattr(sys.modules[__name__], key, sub)
