@@ -111,3 +111,19 @@ def test_diffusers_adaptive_norm_patched_then_cast_to_float64_keeps_the_bits(mak
         want, got = run(original, torch.float64), run(model, torch.float64)
     want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_patch_without_verify_leaves_layers_built_with_other_options_alone():
+    """``patch(verify=False)`` switched every layer of a probed class, whatever its options: HF ConvNext's
+    channels_first ConvNextLayerNorm then normalized the wrong axis (a tiny ConvNext's logits differed, with
+    W == C no error), and Gemma 3n's ``Gemma3nRMSNorm(with_scale=False)`` raised a TypeError on its first
+    call. Such layers are now left alone and reported, without a probe."""
+    patched, report = _patched_logits_equal(_convnext, torch.float32, verify=False)
+    assert "data_format" in report.skipped["ConvNextLayerNorm"] and report.replaced["ConvNextLayerNorm"] == 2
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
+
+    norm = Gemma3nRMSNorm(16, eps=1e-6, with_scale=False)
+    report = hf.patch(torch.nn.Sequential(norm), verify=False)
+    assert "Gemma3nRMSNorm" in report.skipped and not report.replaced
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(norm(x), Gemma3nRMSNorm.forward(norm, x))

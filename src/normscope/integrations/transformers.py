@@ -510,6 +510,27 @@ def _as_probed(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:
     return True
 
 
+def _options(m: nn.Module) -> dict[str, object]:
+    """The options a layer records as plain attributes (a str or a bool: ConvNext's ``data_format``,
+    Gemma 3n's ``with_scale``), where its size and eps are numbers."""
+    found = vars(m).items()
+    return {k: v for k, v in found if not k.startswith("_") and k != "training" and isinstance(v, (str, bool))}
+
+
+def _unprobed(m: nn.Module, original: type, probed: dict[str, object]) -> str | None:
+    """What :func:`patch` checks of a layer without probing it (``verify=False``): that it is made as the
+    class probe's instance was -- the same structure (:func:`_why_unfit`) and the same options (``probed``:
+    :func:`_options` of that instance); None if it is."""
+    why = _why_unfit(m, original.forward)
+    if why is not None:
+        return why
+    mine = _options(m)
+    other = {k: mine[k] for k, v in probed.items() if k in mine and mine[k] != v}
+    if other:
+        return f"built with options the class probe did not see ({other})"
+    return None
+
+
 def _unreproduced(cls: type, how: Exact) -> frozenset[torch.dtype]:
     """The dtypes of :data:`_OTHER_DTYPES` on which ``how`` does not give ``cls``'s bits (probed as
     :func:`probe_class` probes, with weights and input in that dtype)."""
@@ -557,6 +578,7 @@ def _exact_subclass(original: type, how: Exact) -> type:
             "_normscope_original": original,
             "_normscope_how": how,
             "_normscope_unreproduced": unreproduced,
+            "_normscope_options": _options(_construct(original)),  # of the class probe's instance
         },
     )
     setattr(sys.modules[__name__], key, sub)
@@ -594,7 +616,10 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
         model: any ``torch.nn.Module`` (a ``PreTrainedModel`` or a part of one).
         verify: also probe each layer with its own weights (in their dtype and bf16) before
             switching it; a layer that differs is left alone and reported. The class is always
-            probed (that is how its configuration is found). Default: True.
+            probed (that is how its configuration is found); with ``verify=False`` a layer is still
+            left alone and reported where its structure or its str/bool options (ConvNext's
+            ``data_format``, Gemma 3n's ``with_scale``) are not those of the class probe's instance.
+            Default: True.
 
     Returns:
         A printable :class:`PatchReport`: layers replaced per class, classes skipped and why.
@@ -638,7 +663,10 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
                     report.skipped[name] = why
                     continue
                 how, unreproduced = sub._normscope_how, sub._normscope_unreproduced
-                why = _instance_matches(child, original, how, unreproduced) if verify else None
+                if verify:
+                    why = _instance_matches(child, original, how, unreproduced)
+                else:
+                    why = _unprobed(child, original, sub._normscope_options)
                 if why is not None:
                     report.skipped[name] = why
                     continue
