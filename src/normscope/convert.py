@@ -31,6 +31,7 @@ conversion never strips what a layer does, and never skips one silently.
 from __future__ import annotations
 
 import copy
+import copyreg
 import inspect
 import re
 from collections import OrderedDict
@@ -304,6 +305,24 @@ def _candidates(m: nn.Module) -> list[_Candidate]:
     return found
 
 
+class _Generated(type):
+    """The metaclass of the classes normscope makes at run time (:func:`_then`'s, the integrations' exact
+    subclasses). By name such a class exists only in the process that made it, so a model saved whole
+    (``torch.save(model)``, a worker process started by spawn) would not load anywhere else: it is pickled
+    as the call that makes it again (``_normscope_rebuild``: a function of this package and its arguments)."""
+
+
+copyreg.pickle(_Generated, lambda cls: cls.__dict__["_normscope_rebuild"])
+
+
+def generated(name: str, bases: tuple[type, ...], namespace: dict[str, Any], rebuild: tuple) -> type:
+    """``type(name, bases, namespace)``, pickled as ``rebuild`` (``(function, args)``: the call that
+    returns this class in any process). Bases with a metaclass of their own give a class pickled by name."""
+    if any(type(b) is not type for b in bases):
+        return type(name, bases, namespace)
+    return _Generated(name, bases, {**namespace, "_normscope_rebuild": rebuild})
+
+
 _THEN: dict[type, type] = {}
 
 
@@ -319,7 +338,9 @@ def _then(cls: type) -> type:
             return y
 
         key = f"_Then_{cls.__name__}"
-        _THEN[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": key})
+        _THEN[cls] = generated(
+            cls.__name__, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": key}, (_then, (cls,))
+        )
         globals()[key] = _THEN[cls]  # found by pickle
     return _THEN[cls]
 

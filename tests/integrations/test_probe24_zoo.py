@@ -127,3 +127,71 @@ def test_patch_without_verify_leaves_layers_built_with_other_options_alone():
     assert "Gemma3nRMSNorm" in report.skipped and not report.replaced
     x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(4))
     assert torch.equal(norm(x), Gemma3nRMSNorm.forward(norm, x))
+
+
+
+def _tiny_llama():
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=100,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    assert hf.patch(model).replaced == {"LlamaRMSNorm": 3}
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    return model, lambda m: m(ids).logits, hf, {"_PROBED": {}}
+
+
+def _tiny_dit():
+    diffusers = pytest.importorskip("diffusers")
+    from normscope.integrations import diffusers as ND
+
+    torch.manual_seed(0)
+    model = diffusers.DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1, sample_size=8, patch_size=2,
+        num_embeds_ada_norm=10,
+    ).eval()  # fmt: skip
+    assert ND.patch(model).replaced.get("AdaLayerNormZero") == 1
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2))
+    call = lambda m: m(x, timestep=torch.tensor([3, 7]), class_labels=torch.tensor([1, 2])).sample  # noqa: E731
+    return model, call, ND, {"_PROBED": {}, "_SUBCLASSES": {}, "_UNREPRODUCED": {}}
+
+
+def _timm_normact():
+    import importlib
+
+    from test_zoo_setup import zoo_import
+
+    import normscope
+
+    C = importlib.import_module("normscope.convert")  # the module (normscope.convert is the function)
+    layers = zoo_import("timm").layers
+    model, _ = normscope.convert(torch.nn.Sequential(layers.BatchNormAct2d(8, act_layer=torch.nn.SiLU).eval()))
+    x = torch.randn(2, 8, 3, 3, generator=torch.Generator().manual_seed(3))
+    return model, lambda m: m(x), C, {"_THEN": {}}
+
+
+@pytest.mark.parametrize("make", [_tiny_llama, _tiny_dit, _timm_normact], ids=["transformers", "diffusers", "convert"])
+def test_a_patched_or_converted_model_pickled_whole_loads_where_its_classes_were_never_made(make, monkeypatch):
+    """``torch.save(model)`` of a patched (transformers, diffusers) or converted (a timm NormAct) model
+    pickled its layers' classes by a name that exists only in the process that made them: ``torch.load`` in
+    another process (or a worker started by spawn) raised "Can't get attribute '_Exact_..._LlamaRMSNorm'"
+    / "'_Then_BatchNorm2d'". Here the other process is this one with those classes and the caches that
+    made them removed; the loaded model gives the saved output, bit for bit."""
+    import io
+
+    model, call, module, caches = make()
+    with torch.no_grad():
+        want = call(model)
+    generated = {type(m) for m in model.modules() if type(m).__module__ == module.__name__}
+    assert generated, "nothing generated to remove"
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    for cls in generated:  # a process that has not made them
+        monkeypatch.delattr(module, cls.__qualname__)
+    for name, empty in caches.items():
+        monkeypatch.setattr(module, name, empty)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(call(loaded), want)

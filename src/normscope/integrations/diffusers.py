@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional_modern as FM
+from ..convert import generated
 from ..modules.modern import AdaLayerNorm
 from ._probe import eps_of, probe_input, randomized, restore_classes
 from .transformers import CONFIGURATIONS, Exact, PatchReport
@@ -362,7 +363,7 @@ def _subclass(original: type, how: object) -> type:
             bases, body = (original,), {"forward": _plain_forward(how, original)}
             doc = f"{original.__name__} computed by normscope as {how}"
             key += f"_{how.casting}_{int(how.centered)}"
-        sub = type(
+        sub = generated(
             original.__name__,
             bases,
             {
@@ -375,10 +376,25 @@ def _subclass(original: type, how: object) -> type:
                 # the input dtypes of _OTHER_DTYPES that run diffusers' forward (the adaptive forwards read it)
                 "_normscope_unreproduced": _UNREPRODUCED.setdefault((original, how), set()),
             },
+            (_rebuilt, (original, how)),  # pickled as: made again in the process that loads it
         )
         setattr(sys.modules[__name__], key, sub)
         _SUBCLASSES[(original, how)] = sub
     return _SUBCLASSES[(original, how)]
+
+
+def _rebuilt(original: type, how: object) -> type:
+    """The class of a patched layer loaded from a pickle. Made here for the first time, its configuration
+    was probed in another process on dtypes of this one's structures unknown here: every dtype of
+    :data:`_OTHER_DTYPES` runs diffusers' forward (the original's bits, whatever they are)."""
+    if (original, how) not in _SUBCLASSES:
+        _UNREPRODUCED.setdefault((original, how), set()).update(_OTHER_DTYPES)
+    return _subclass(original, how)
+
+
+def _rebuilt_constructed(original: type, how: object) -> type:
+    _rebuilt(original, how)
+    return _constructed_subclass(original, how)
 
 
 def _describe(how: object) -> str:
@@ -554,10 +570,11 @@ def _constructed_subclass(original: type, how: object) -> type:
                 return exact.forward(self, *args, **kwargs)
             return original.forward(self, *args, **kwargs)
 
-        sub = type(
+        sub = generated(
             original.__name__,
             (exact,),
             {"__init__": __init__, "forward": forward, "__module__": __name__, "__qualname__": key},
+            (_rebuilt_constructed, (original, how)),
         )
         setattr(sys.modules[__name__], key, sub)
     return getattr(sys.modules[__name__], key)

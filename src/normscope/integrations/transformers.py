@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from .. import _state, hot
 from .. import functional_modern as FM
+from ..convert import generated
 from ..modules import LayerNorm, RMSNorm
 from ._probe import EPS_NAMES as _EPS_NAMES
 from ._probe import eps_of as _eps
@@ -565,7 +566,7 @@ def _exact_subclass(original: type, how: Exact) -> type:
         return _run(self, hidden_states, how, by_weight)
 
     key = f"_Exact_{original.__module__.replace('.', '_')}_{original.__qualname__.replace('.', '_')}"
-    sub = type(
+    sub = generated(
         original.__name__,
         (original,),
         {
@@ -580,9 +581,17 @@ def _exact_subclass(original: type, how: Exact) -> type:
             "_normscope_unreproduced": unreproduced,
             "_normscope_options": _options(_construct(original)),  # of the class probe's instance
         },
+        (_rebuilt, (original,)),  # pickled as: made again (probed) in the process that loads it
     )
     setattr(sys.modules[__name__], key, sub)
     return sub
+
+
+def _rebuilt(original: type) -> type:
+    """The class of a patched layer loaded from a pickle: the exact subclass of ``original`` probed in this
+    process, or ``original`` itself where no configuration reproduces it here (its own forward runs)."""
+    sub, _ = _subclass_for(original)
+    return original if sub is None else sub
 
 
 def _subclass_for(cls: type) -> tuple[type | None, str | None]:
