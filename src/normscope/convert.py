@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import copyreg
+import importlib
 import inspect
 import re
 from collections import OrderedDict
@@ -315,12 +316,28 @@ class _Generated(type):
 copyreg.pickle(_Generated, lambda cls: cls.__dict__["_normscope_rebuild"])
 
 
-def generated(name: str, bases: tuple[type, ...], namespace: dict[str, Any], rebuild: tuple) -> type:
+def generated(name: str, bases: tuple[type, ...], namespace: dict[str, Any], rebuild: tuple | None) -> type:
     """``type(name, bases, namespace)``, pickled as ``rebuild`` (``(function, args)``: the call that
-    returns this class in any process). Bases with a metaclass of their own give a class pickled by name."""
-    if any(type(b) is not type for b in bases):
+    returns this class in any process). Without one (a class made from a class defined inside a
+    function), or with bases of another metaclass, the class is pickled by name, as any class."""
+    if rebuild is None or not all(issubclass(_Generated, type(b)) for b in bases):  # type, or a generated base
         return type(name, bases, namespace)
     return _Generated(name, bases, {**namespace, "_normscope_rebuild": rebuild})
+
+
+def named(cls: type) -> tuple[str, str] | None:
+    """Where another process finds the class ``cls`` (module, qualified name), for a rebuild's arguments;
+    None for a class defined inside a function (found by no name)."""
+    return None if "<locals>" in cls.__qualname__ else (cls.__module__, cls.__qualname__)
+
+
+def class_named(module: str, qualname: str) -> type:
+    """The class :func:`named` names, as its library defines it: where a ``patch_classes`` put a generated
+    subclass in its place, the original that subclass was made from."""
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return getattr(found, "_normscope_original", found)
 
 
 _THEN: dict[type, type] = {}

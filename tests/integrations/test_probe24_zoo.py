@@ -142,16 +142,20 @@ def _tiny_llama():
     return model, lambda m: m(ids).logits, hf, {"_PROBED": {}}
 
 
-def _tiny_dit():
+def _tiny_dit(classes: bool = False):
+    """A DiT patched by ``patch``, or built after ``patch_classes`` (pickled while its classes are patched)."""
     diffusers = pytest.importorskip("diffusers")
     from normscope.integrations import diffusers as ND
 
+    if classes:
+        ND.patch_classes("AdaLayerNormZero")
     torch.manual_seed(0)
     model = diffusers.DiTTransformer2DModel(
         num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1, sample_size=8, patch_size=2,
         num_embeds_ada_norm=10,
     ).eval()  # fmt: skip
-    assert ND.patch(model).replaced.get("AdaLayerNormZero") == 1
+    assert classes or ND.patch(model).replaced.get("AdaLayerNormZero") == 1
+    assert hasattr(type(model.transformer_blocks[0].norm1), "_normscope_how")
     x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2))
     call = lambda m: m(x, timestep=torch.tensor([3, 7]), class_labels=torch.tensor([1, 2])).sample  # noqa: E731
     return model, call, ND, {"_PROBED": {}, "_SUBCLASSES": {}, "_UNREPRODUCED": {}}
@@ -171,7 +175,11 @@ def _timm_normact():
     return model, lambda m: m(x), C, {"_THEN": {}}
 
 
-@pytest.mark.parametrize("make", [_tiny_llama, _tiny_dit, _timm_normact], ids=["transformers", "diffusers", "convert"])
+@pytest.mark.parametrize(
+    "make",
+    [_tiny_llama, _tiny_dit, lambda: _tiny_dit(classes=True), _timm_normact],
+    ids=["transformers", "diffusers", "diffusers patch_classes", "convert"],
+)
 def test_a_patched_or_converted_model_pickled_whole_loads_where_its_classes_were_never_made(make, monkeypatch):
     """``torch.save(model)`` of a patched (transformers, diffusers) or converted (a timm NormAct) model
     pickled its layers' classes by a name that exists only in the process that made them: ``torch.load`` in
@@ -192,6 +200,10 @@ def test_a_patched_or_converted_model_pickled_whole_loads_where_its_classes_were
     for name, empty in caches.items():
         monkeypatch.setattr(module, name, empty)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    try:
+        loaded = torch.load(buffer, weights_only=False)
+    finally:
+        if module.__name__.endswith("diffusers"):
+            module.unpatch_classes()
     with torch.no_grad():
         assert torch.equal(call(loaded), want)

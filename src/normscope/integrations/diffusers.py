@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional_modern as FM
-from ..convert import generated
+from ..convert import class_named, generated, named
 from ..modules.modern import AdaLayerNorm
 from ._probe import eps_of, probe_input, randomized, restore_classes
 from .transformers import CONFIGURATIONS, Exact, PatchReport
@@ -376,25 +376,26 @@ def _subclass(original: type, how: object) -> type:
                 # the input dtypes of _OTHER_DTYPES that run diffusers' forward (the adaptive forwards read it)
                 "_normscope_unreproduced": _UNREPRODUCED.setdefault((original, how), set()),
             },
-            (_rebuilt, (original, how)),  # pickled as: made again in the process that loads it
+            None if named(original) is None else (_rebuilt, (*named(original), how)),  # made again where loaded
         )
         setattr(sys.modules[__name__], key, sub)
         _SUBCLASSES[(original, how)] = sub
     return _SUBCLASSES[(original, how)]
 
 
-def _rebuilt(original: type, how: object) -> type:
-    """The class of a patched layer loaded from a pickle. Made here for the first time, its configuration
-    was probed in another process on dtypes of this one's structures unknown here: every dtype of
-    :data:`_OTHER_DTYPES` runs diffusers' forward (the original's bits, whatever they are)."""
+def _rebuilt(module: str, qualname: str, how: object) -> type:
+    """The class of a patched layer of the diffusers class ``module.qualname`` loaded from a pickle. Made here
+    for the first time, its configuration was probed in another process on structures unknown here: every
+    dtype of :data:`_OTHER_DTYPES` runs diffusers' forward (the original's bits, whatever they are)."""
+    original = class_named(module, qualname)
     if (original, how) not in _SUBCLASSES:
         _UNREPRODUCED.setdefault((original, how), set()).update(_OTHER_DTYPES)
     return _subclass(original, how)
 
 
-def _rebuilt_constructed(original: type, how: object) -> type:
-    _rebuilt(original, how)
-    return _constructed_subclass(original, how)
+def _rebuilt_constructed(module: str, qualname: str, how: object) -> type:
+    _rebuilt(module, qualname, how)
+    return _constructed_subclass(class_named(module, qualname), how)
 
 
 def _describe(how: object) -> str:
@@ -574,7 +575,7 @@ def _constructed_subclass(original: type, how: object) -> type:
             original.__name__,
             (exact,),
             {"__init__": __init__, "forward": forward, "__module__": __name__, "__qualname__": key},
-            (_rebuilt_constructed, (original, how)),
+            None if named(original) is None else (_rebuilt_constructed, (*named(original), how)),
         )
         setattr(sys.modules[__name__], key, sub)
     return getattr(sys.modules[__name__], key)

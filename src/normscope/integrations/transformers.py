@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from .. import _state, hot
 from .. import functional_modern as FM
-from ..convert import generated
+from ..convert import class_named, generated, named
 from ..modules import LayerNorm, RMSNorm
 from ._probe import EPS_NAMES as _EPS_NAMES
 from ._probe import eps_of as _eps
@@ -581,15 +581,18 @@ def _exact_subclass(original: type, how: Exact) -> type:
             "_normscope_unreproduced": unreproduced,
             "_normscope_options": _options(_construct(original)),  # of the class probe's instance
         },
-        (_rebuilt, (original,)),  # pickled as: made again (probed) in the process that loads it
+        # pickled as: made again (probed) in the process that loads it
+        None if named(original) is None else (_rebuilt, named(original)),
     )
     setattr(sys.modules[__name__], key, sub)
     return sub
 
 
-def _rebuilt(original: type) -> type:
-    """The class of a patched layer loaded from a pickle: the exact subclass of ``original`` probed in this
-    process, or ``original`` itself where no configuration reproduces it here (its own forward runs)."""
+def _rebuilt(module: str, qualname: str) -> type:
+    """The class of a patched layer loaded from a pickle: the exact subclass of the family's class
+    ``module.qualname`` probed in this process, or that class itself where no configuration reproduces it
+    here (its own forward runs)."""
+    original = class_named(module, qualname)
     sub, _ = _subclass_for(original)
     return original if sub is None else sub
 
