@@ -207,3 +207,25 @@ def test_a_patched_or_converted_model_pickled_whole_loads_where_its_classes_were
             module.unpatch_classes()
     with torch.no_grad():
         assert torch.equal(call(loaded), want)
+
+
+def test_patch_a_model_on_the_meta_device_leaves_layers_built_with_other_options_alone():
+    """A layer with meta weights (a model built before its checkpoint is loaded) has nothing to probe, and
+    ``patch`` switched it whatever its options: a channels_first ConvNextLayerNorm then gave other numbers
+    once its weights were loaded. It is now checked as ``verify=False`` checks a layer; a Llama norm on the
+    meta device is still patched."""
+    from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    loaded = torch.nn.Sequential(ConvNextLayerNorm(16, eps=1e-6, data_format="channels_first"), LlamaRMSNorm(5))
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3 + 1)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(ConvNextLayerNorm(16, eps=1e-6, data_format="channels_first"), LlamaRMSNorm(5))
+    report = hf.patch(model)
+    assert "data_format" in report.skipped["ConvNextLayerNorm"] and report.replaced == {"LlamaRMSNorm": 1}
+    model.to_empty(device="cpu").load_state_dict(loaded.state_dict())
+    x = torch.randn(2, 16, 4, 5, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(model(x), loaded(x))

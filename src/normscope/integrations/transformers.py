@@ -464,13 +464,17 @@ def probe_class(cls: type) -> tuple[Exact | None, str | None]:
     return None, "no normscope configuration reproduces it bit for bit (" + "; ".join(misses[:3]) + ")"
 
 
-def _instance_matches(m: nn.Module, original: type, how: Exact, unreproduced: frozenset = frozenset()) -> str | None:
+def _instance_matches(
+    m: nn.Module, original: type, how: Exact, unreproduced: frozenset = frozenset(), probed: dict | None = None
+) -> str | None:
     """Probe ``m`` itself, with its own weights: in their dtype, and on bf16 input (a constructor
     option the class probe did not see changes the bits here). A dtype in ``unreproduced`` is not
-    probed: the patched layer runs the original forward on it."""
+    probed: the patched layer runs the original forward on it. Weights on the meta device (a model
+    built before its checkpoint is loaded) are checked as ``verify=False`` checks them (:func:`_unprobed`,
+    ``probed``: the class probe instance's options)."""
     w = getattr(m, "weight", None)
-    if isinstance(w, Tensor) and w.is_meta:
-        return None  # nothing to run on; the class probe stands
+    if isinstance(w, Tensor) and w.is_meta:  # nothing to run on: the class probe stands, for a layer made as its was
+        return _unprobed(m, original, _options(_construct(original)) if probed is None else probed)
     why = _why_unfit(m, original.forward)
     if why is not None:
         return why
@@ -676,7 +680,7 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
                     continue
                 how, unreproduced = sub._normscope_how, sub._normscope_unreproduced
                 if verify:
-                    why = _instance_matches(child, original, how, unreproduced)
+                    why = _instance_matches(child, original, how, unreproduced, sub._normscope_options)
                 else:
                     why = _unprobed(child, original, sub._normscope_options)
                 if why is not None:
