@@ -229,3 +229,32 @@ def test_patch_a_model_on_the_meta_device_leaves_layers_built_with_other_options
     model.to_empty(device="cpu").load_state_dict(loaded.state_dict())
     x = torch.randn(2, 16, 4, 5, generator=torch.Generator().manual_seed(4))
     assert torch.equal(model(x), loaded(x))
+
+
+def test_diffusers_patch_a_model_on_the_meta_device():
+    """``diffusers.patch`` on a model built on the meta device (before its checkpoint is loaded) raised
+    NotImplementedError (``aten::equal`` on meta tensors) from the adaptive norms' probe, which runs on random
+    weights and now runs them on the CPU. Once the weights are loaded the outputs are the original's bits."""
+    pytest.importorskip("diffusers")
+    from diffusers.models.normalization import AdaLayerNormZero, RMSNorm
+
+    from normscope.integrations import diffusers as ND
+
+    def build():
+        return torch.nn.ModuleList([RMSNorm(16, eps=1e-6), AdaLayerNormZero(16, norm_type="fp32_layer_norm")])
+
+    torch.manual_seed(0)
+    loaded = build()
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    with torch.device("meta"):
+        model = build()
+    report = ND.patch(model)
+    assert report.replaced.get("AdaLayerNormZero") == 1 and report.replaced.get("RMSNorm") == 1, str(report)
+    model.to_empty(device="cpu").load_state_dict(loaded.state_dict())
+    g = torch.Generator().manual_seed(4)
+    x, emb = torch.randn(2, 3, 16, generator=g), torch.randn(2, 16, generator=g)
+    with torch.no_grad():
+        assert torch.equal(model[0](x), loaded[0](x))
+        assert all(torch.equal(a, b) for a, b in zip(model[1](x, emb=emb), loaded[1](x, emb=emb)))

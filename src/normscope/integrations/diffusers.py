@@ -245,6 +245,13 @@ def _outputs_agree(want, got) -> str | None:
     return None
 
 
+def _twin(m: nn.Module) -> nn.Module:
+    """A copy of ``m`` to probe on random weights; on the CPU where ``m``'s tensors are on the meta device (a
+    model built before its checkpoint is loaded), where nothing runs."""
+    twin = copy.deepcopy(m)
+    return twin.to_empty(device="cpu") if any(t.is_meta for t in twin.parameters()) else twin
+
+
 def _adaptive_probe(
     m: nn.Module, original: type, own_weights: bool, dtypes: tuple[torch.dtype, ...] = _PROBE_DTYPES
 ) -> str | None:
@@ -252,7 +259,7 @@ def _adaptive_probe(
     weights, or random ones in each of ``dtypes``), with the condition in the layer's dtype and, for
     the continuous norm, in fp32 on a bf16 layer (diffusers casts it)."""
     how = _SIGNATURES[_signature(original)]
-    twin = copy.deepcopy(m)
+    twin = _twin(m)
     if getattr(twin, "emb", None) is not None:
         twin.emb = None  # the timestep embedding is diffusers' own code on both sides; probe the norm with emb=
     sub = _subclass(original, how)
@@ -289,7 +296,7 @@ def _plain_probe(m: nn.Module, original: type) -> tuple[Exact | None, str | None
             continue
         miss = None
         for dtype in _PROBE_DTYPES:
-            miss = _plain_miss(randomized(copy.deepcopy(m), dtype), original, how, dtype)
+            miss = _plain_miss(randomized(_twin(m), dtype), original, how, dtype)
             if miss is not None:
                 misses.append(f"{how} {miss} on {dtype}")
                 break
@@ -304,7 +311,7 @@ def _probe_other_dtypes(m: nn.Module, original: type, how: Exact) -> None:
     give ``original``'s bits for a random copy of ``m``: the patched layer runs diffusers' forward there."""
     missed = _UNREPRODUCED.setdefault((original, how), set())
     for dtype in _OTHER_DTYPES:
-        if _plain_miss(randomized(copy.deepcopy(m), dtype), original, how, dtype) is not None:
+        if _plain_miss(randomized(_twin(m), dtype), original, how, dtype) is not None:
             missed.add(dtype)
 
 
@@ -470,8 +477,8 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
         name = original.__name__
         how, why = probe(m)
         if how is not None and verify:
-            if isinstance(how, _Adaptive):
-                why = _adaptive_probe(m, original, own_weights=True)
+            if isinstance(how, _Adaptive):  # meta weights: nothing to run on, the structure's probe stands
+                why = None if m.linear.weight.is_meta else _adaptive_probe(m, original, own_weights=True)
             elif m.weight is not None and not m.weight.is_meta:
                 # the class's configuration itself, on this layer's weights (not the first configuration
                 # that matches them: fresh weights 1 and 0 give several configurations the same bits)
