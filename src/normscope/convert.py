@@ -31,6 +31,8 @@ conversion never strips what a layer does, and never skips one silently.
 from __future__ import annotations
 
 import copy
+import copyreg
+import importlib
 import inspect
 import re
 from collections import OrderedDict
@@ -304,6 +306,40 @@ def _candidates(m: nn.Module) -> list[_Candidate]:
     return found
 
 
+class _Generated(type):
+    """The metaclass of the classes normscope makes at run time (:func:`_then`'s, the integrations' exact
+    subclasses). By name such a class exists only in the process that made it, so a model saved whole
+    (``torch.save(model)``, a worker process started by spawn) would not load anywhere else: it is pickled
+    as the call that makes it again (``_normscope_rebuild``: a function of this package and its arguments)."""
+
+
+copyreg.pickle(_Generated, lambda cls: cls.__dict__["_normscope_rebuild"])
+
+
+def generated(name: str, bases: tuple[type, ...], namespace: dict[str, Any], rebuild: tuple | None) -> type:
+    """``type(name, bases, namespace)``, pickled as ``rebuild`` (``(function, args)``: the call that
+    returns this class in any process). Without one (a class made from a class defined inside a
+    function), or with bases of another metaclass, the class is pickled by name, as any class."""
+    if rebuild is None or not all(issubclass(_Generated, type(b)) for b in bases):  # type, or a generated base
+        return type(name, bases, namespace)
+    return _Generated(name, bases, {**namespace, "_normscope_rebuild": rebuild})
+
+
+def named(cls: type) -> tuple[str, str] | None:
+    """Where another process finds the class ``cls`` (module, qualified name), for a rebuild's arguments;
+    None for a class defined inside a function (found by no name)."""
+    return None if "<locals>" in cls.__qualname__ else (cls.__module__, cls.__qualname__)
+
+
+def class_named(module: str, qualname: str) -> type:
+    """The class :func:`named` names, as its library defines it: where a ``patch_classes`` put a generated
+    subclass in its place, the original that subclass was made from."""
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return getattr(found, "_normscope_original", found)
+
+
 _THEN: dict[type, type] = {}
 
 
@@ -319,7 +355,9 @@ def _then(cls: type) -> type:
             return y
 
         key = f"_Then_{cls.__name__}"
-        _THEN[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": key})
+        _THEN[cls] = generated(
+            cls.__name__, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": key}, (_then, (cls,))
+        )
         globals()[key] = _THEN[cls]  # found by pickle
     return _THEN[cls]
 

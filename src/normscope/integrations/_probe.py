@@ -58,13 +58,21 @@ def torch_replacement(m: nn.Module) -> nn.Module:
     return new
 
 
+def probe_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The input dtypes a layer with weights in ``dtype`` is probed on: that dtype, and bf16 where the
+    weights are fp32 (a norm kept in fp32 in a bf16 model) or bf16. Not bf16 on fp16 or fp64 weights:
+    no model runs them so, and torch's CPU LayerNorm refuses the pair ("mixed dtype")."""
+    return tuple(dict.fromkeys((dtype, torch.bfloat16))) if dtype in (torch.float32, torch.bfloat16) else (dtype,)
+
+
 def torch_agree(old: nn.Module, new: nn.Module) -> str | None:
-    """None if ``new`` gives ``old``'s bits on the probe input in the weights' dtype and in bf16."""
+    """None if ``new`` gives ``old``'s bits on the probe input in the weights' dtype and in bf16
+    (:func:`probe_dtypes`)."""
     w = old.weight if getattr(old, "weight", None) is not None else None
     device = w.device if w is not None else torch.device("cpu")
     dtype = w.dtype if w is not None else torch.float32
     with torch.no_grad():
-        for dt in dict.fromkeys((dtype, torch.bfloat16)):
+        for dt in probe_dtypes(dtype):
             x = probe_input(tuple(new.normalized_shape), dt, device)
             # forward, not __call__: a user's hook on the layer must not run on probe input
             a, b = type(old).forward(old, x), new.forward(x)

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional_modern as FM
+from ..convert import class_named, generated, named
 from ..modules.modern import AdaLayerNorm
 from ._probe import eps_of, probe_input, randomized, restore_classes
 from .transformers import CONFIGURATIONS, Exact, PatchReport
@@ -74,25 +75,27 @@ _UNREPRODUCED: dict[tuple[type, object], set[torch.dtype]] = {}
 
 # diffusers chunks the projection along dim 1 and broadcasts each chunk over the tokens: that is
 # AdaLayerNorm's per-sample modulation for a (B, C) condition only. Any other condition runs
-# diffusers' own forward, whatever it does with it.
+# diffusers' own forward, whatever it does with it; so does input in a dtype of _OTHER_DTYPES the
+# configuration does not reproduce (an ``FP32LayerNorm`` inside rounds fp64 input to fp32).
 
 
 def _zero_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
     if self.emb is not None:
         emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-    if not isinstance(emb, Tensor) or emb.dim() != 2:
+    if not isinstance(emb, Tensor) or emb.dim() != 2 or x.dtype in self._normscope_unreproduced:
         return self._normscope_original.forward(self, x, timestep, class_labels, hidden_dtype, emb)
     return AdaLayerNorm.forward(self, x, emb=emb)
 
 
 def _single_forward(self, x, emb=None):
-    if not isinstance(emb, Tensor) or emb.dim() != 2:
+    if not isinstance(emb, Tensor) or emb.dim() != 2 or x.dtype in self._normscope_unreproduced:
         return self._normscope_original.forward(self, x, emb=emb)
     return AdaLayerNorm.forward(self, x, emb=emb)
 
 
 def _continuous_forward(self, x, conditioning_embedding):
-    if not isinstance(conditioning_embedding, Tensor) or conditioning_embedding.dim() != 2:
+    c = conditioning_embedding
+    if not isinstance(c, Tensor) or c.dim() != 2 or x.dtype in self._normscope_unreproduced:
         return self._normscope_original.forward(self, x, conditioning_embedding)
     return AdaLayerNorm.forward(self, x, conditioning_embedding)
 
@@ -242,17 +245,26 @@ def _outputs_agree(want, got) -> str | None:
     return None
 
 
-def _adaptive_probe(m: nn.Module, original: type, own_weights: bool) -> str | None:
-    """Run ``original.forward`` and the AdaLayerNorm configuration on a copy of ``m`` (its own
-    weights, or random ones in fp32 and bf16), with the condition in the layer's dtype and, for the
-    continuous norm, in fp32 on a bf16 layer (diffusers casts it)."""
-    how = _SIGNATURES[_signature(original)]
+def _twin(m: nn.Module) -> nn.Module:
+    """A copy of ``m`` to probe on random weights; on the CPU where ``m``'s tensors are on the meta device (a
+    model built before its checkpoint is loaded), where nothing runs."""
     twin = copy.deepcopy(m)
+    return twin.to_empty(device="cpu") if any(t.is_meta for t in twin.parameters()) else twin
+
+
+def _adaptive_probe(
+    m: nn.Module, original: type, own_weights: bool, dtypes: tuple[torch.dtype, ...] = _PROBE_DTYPES
+) -> str | None:
+    """Run ``original.forward`` and the AdaLayerNorm configuration on a copy of ``m`` (its own
+    weights, or random ones in each of ``dtypes``), with the condition in the layer's dtype and, for
+    the continuous norm, in fp32 on a bf16 layer (diffusers casts it)."""
+    how = _SIGNATURES[_signature(original)]
+    twin = _twin(m)
     if getattr(twin, "emb", None) is not None:
         twin.emb = None  # the timestep embedding is diffusers' own code on both sides; probe the norm with emb=
     sub = _subclass(original, how)
     w = twin.linear.weight
-    dtypes = (w.dtype,) if own_weights else _PROBE_DTYPES
+    dtypes = (w.dtype,) if own_weights else dtypes
     d = _norm_dim(twin.norm)
     for dtype in dtypes:
         layer = twin if own_weights else randomized(copy.deepcopy(twin), dtype, recurse=True)
@@ -284,7 +296,7 @@ def _plain_probe(m: nn.Module, original: type) -> tuple[Exact | None, str | None
             continue
         miss = None
         for dtype in _PROBE_DTYPES:
-            miss = _plain_miss(randomized(copy.deepcopy(m), dtype), original, how, dtype)
+            miss = _plain_miss(randomized(_twin(m), dtype), original, how, dtype)
             if miss is not None:
                 misses.append(f"{how} {miss} on {dtype}")
                 break
@@ -299,7 +311,7 @@ def _probe_other_dtypes(m: nn.Module, original: type, how: Exact) -> None:
     give ``original``'s bits for a random copy of ``m``: the patched layer runs diffusers' forward there."""
     missed = _UNREPRODUCED.setdefault((original, how), set())
     for dtype in _OTHER_DTYPES:
-        if _plain_miss(randomized(copy.deepcopy(m), dtype), original, how, dtype) is not None:
+        if _plain_miss(randomized(_twin(m), dtype), original, how, dtype) is not None:
             missed.add(dtype)
 
 
@@ -337,6 +349,9 @@ def probe(m: nn.Module) -> tuple[object | None, str | None]:
             why = _adaptive_unfit(m, sig)
             if why is None:
                 why = _adaptive_probe(m, original, own_weights=False)
+            if why is None:  # the dtypes a model may be cast to after patching: diffusers' forward where missed
+                missed = _UNREPRODUCED.setdefault((original, _SIGNATURES[sig]), set())
+                missed.update(d for d in _OTHER_DTYPES if _adaptive_probe(m, original, False, (d,)) is not None)
             _PROBED[key] = (None, why) if why else (_SIGNATURES[sig], None)
         else:
             why = _plain_unfit(m, sig)
@@ -355,7 +370,7 @@ def _subclass(original: type, how: object) -> type:
             bases, body = (original,), {"forward": _plain_forward(how, original)}
             doc = f"{original.__name__} computed by normscope as {how}"
             key += f"_{how.casting}_{int(how.centered)}"
-        sub = type(
+        sub = generated(
             original.__name__,
             bases,
             {
@@ -365,11 +380,29 @@ def _subclass(original: type, how: object) -> type:
                 "__doc__": f"{doc} (bit for bit; see normscope.integrations.diffusers).\n\n{original.__doc__ or ''}",
                 "_normscope_original": original,
                 "_normscope_how": how,
+                # the input dtypes of _OTHER_DTYPES that run diffusers' forward (the adaptive forwards read it)
+                "_normscope_unreproduced": _UNREPRODUCED.setdefault((original, how), set()),
             },
+            None if named(original) is None else (_rebuilt, (*named(original), how)),  # made again where loaded
         )
         setattr(sys.modules[__name__], key, sub)
         _SUBCLASSES[(original, how)] = sub
     return _SUBCLASSES[(original, how)]
+
+
+def _rebuilt(module: str, qualname: str, how: object) -> type:
+    """The class of a patched layer of the diffusers class ``module.qualname`` loaded from a pickle. Made here
+    for the first time, its configuration was probed in another process on structures unknown here: every
+    dtype of :data:`_OTHER_DTYPES` runs diffusers' forward (the original's bits, whatever they are)."""
+    original = class_named(module, qualname)
+    if (original, how) not in _SUBCLASSES:
+        _UNREPRODUCED.setdefault((original, how), set()).update(_OTHER_DTYPES)
+    return _subclass(original, how)
+
+
+def _rebuilt_constructed(module: str, qualname: str, how: object) -> type:
+    _rebuilt(module, qualname, how)
+    return _constructed_subclass(class_named(module, qualname), how)
 
 
 def _describe(how: object) -> str:
@@ -444,8 +477,8 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
         name = original.__name__
         how, why = probe(m)
         if how is not None and verify:
-            if isinstance(how, _Adaptive):
-                why = _adaptive_probe(m, original, own_weights=True)
+            if isinstance(how, _Adaptive):  # meta weights: nothing to run on, the structure's probe stands
+                why = None if m.linear.weight.is_meta else _adaptive_probe(m, original, own_weights=True)
             elif m.weight is not None and not m.weight.is_meta:
                 # the class's configuration itself, on this layer's weights (not the first configuration
                 # that matches them: fresh weights 1 and 0 give several configurations the same bits)
@@ -545,10 +578,11 @@ def _constructed_subclass(original: type, how: object) -> type:
                 return exact.forward(self, *args, **kwargs)
             return original.forward(self, *args, **kwargs)
 
-        sub = type(
+        sub = generated(
             original.__name__,
             (exact,),
             {"__init__": __init__, "forward": forward, "__module__": __name__, "__qualname__": key},
+            None if named(original) is None else (_rebuilt_constructed, (*named(original), how)),
         )
         setattr(sys.modules[__name__], key, sub)
     return getattr(sys.modules[__name__], key)

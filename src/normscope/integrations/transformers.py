@@ -52,9 +52,11 @@ from torch import Tensor, nn
 
 from .. import _state, hot
 from .. import functional_modern as FM
+from ..convert import class_named, generated, named
 from ..modules import LayerNorm, RMSNorm
 from ._probe import EPS_NAMES as _EPS_NAMES
 from ._probe import eps_of as _eps
+from ._probe import probe_dtypes as _probe_dtypes
 from ._probe import probe_input as _probe_input
 from ._probe import randomized as _randomized
 from ._probe import restore_classes
@@ -462,22 +464,30 @@ def probe_class(cls: type) -> tuple[Exact | None, str | None]:
     return None, "no normscope configuration reproduces it bit for bit (" + "; ".join(misses[:3]) + ")"
 
 
-def _instance_matches(m: nn.Module, original: type, how: Exact, unreproduced: frozenset = frozenset()) -> str | None:
+def _instance_matches(
+    m: nn.Module, original: type, how: Exact, unreproduced: frozenset = frozenset(), probed: dict | None = None
+) -> str | None:
     """Probe ``m`` itself, with its own weights: in their dtype, and on bf16 input (a constructor
     option the class probe did not see changes the bits here). A dtype in ``unreproduced`` is not
-    probed: the patched layer runs the original forward on it."""
+    probed: the patched layer runs the original forward on it. Weights on the meta device (a model
+    built before its checkpoint is loaded) are checked as ``verify=False`` checks them (:func:`_unprobed`,
+    ``probed``: the class probe instance's options)."""
     w = getattr(m, "weight", None)
-    if isinstance(w, Tensor) and w.is_meta:
-        return None  # nothing to run on; the class probe stands
+    if isinstance(w, Tensor) and w.is_meta:  # nothing to run on: the class probe stands, for a layer made as its was
+        return _unprobed(m, original, _options(_construct(original)) if probed is None else probed)
     why = _why_unfit(m, original.forward)
     if why is not None:
         return why
     device = w.device if isinstance(w, Tensor) else torch.device("cpu")
     dtype = w.dtype if isinstance(w, Tensor) and w.is_floating_point() else torch.float32
-    for xdtype in dict.fromkeys((dtype, torch.bfloat16)):
+    for xdtype in _probe_dtypes(dtype):
         if xdtype in unreproduced:
             continue
-        miss = _agree(original.forward, m, _probe_input(_shape(m), xdtype, device), how)
+        try:
+            miss = _agree(original.forward, m, _probe_input(_shape(m), xdtype, device), how)
+        except (TypeError, ValueError, RuntimeError) as e:  # an instance option the class probe did not see
+            # (ConvNext's data_format="channels_first" permutes a 4-D input): a probe that raises is a mismatch
+            miss = f"raised {type(e).__name__}: {e}"
         if miss is not None:
             return f"this layer {miss} on {xdtype} input"
     return None
@@ -503,6 +513,27 @@ def _as_probed(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:
         if default is inspect.Parameter.empty or type(value) is not type(default) or value != default:
             return False
     return True
+
+
+def _options(m: nn.Module) -> dict[str, object]:
+    """The options a layer records as plain attributes (a str or a bool: ConvNext's ``data_format``,
+    Gemma 3n's ``with_scale``), where its size and eps are numbers."""
+    found = vars(m).items()
+    return {k: v for k, v in found if not k.startswith("_") and k != "training" and isinstance(v, (str, bool))}
+
+
+def _unprobed(m: nn.Module, original: type, probed: dict[str, object]) -> str | None:
+    """What :func:`patch` checks of a layer without probing it (``verify=False``): that it is made as the
+    class probe's instance was -- the same structure (:func:`_why_unfit`) and the same options (``probed``:
+    :func:`_options` of that instance); None if it is."""
+    why = _why_unfit(m, original.forward)
+    if why is not None:
+        return why
+    mine = _options(m)
+    other = {k: mine[k] for k, v in probed.items() if k in mine and mine[k] != v}
+    if other:
+        return f"built with options the class probe did not see ({other})"
+    return None
 
 
 def _unreproduced(cls: type, how: Exact) -> frozenset[torch.dtype]:
@@ -539,7 +570,7 @@ def _exact_subclass(original: type, how: Exact) -> type:
         return _run(self, hidden_states, how, by_weight)
 
     key = f"_Exact_{original.__module__.replace('.', '_')}_{original.__qualname__.replace('.', '_')}"
-    sub = type(
+    sub = generated(
         original.__name__,
         (original,),
         {
@@ -552,10 +583,22 @@ def _exact_subclass(original: type, how: Exact) -> type:
             "_normscope_original": original,
             "_normscope_how": how,
             "_normscope_unreproduced": unreproduced,
+            "_normscope_options": _options(_construct(original)),  # of the class probe's instance
         },
+        # pickled as: made again (probed) in the process that loads it
+        None if named(original) is None else (_rebuilt, named(original)),
     )
     setattr(sys.modules[__name__], key, sub)
     return sub
+
+
+def _rebuilt(module: str, qualname: str) -> type:
+    """The class of a patched layer loaded from a pickle: the exact subclass of the family's class
+    ``module.qualname`` probed in this process, or that class itself where no configuration reproduces it
+    here (its own forward runs)."""
+    original = class_named(module, qualname)
+    sub, _ = _subclass_for(original)
+    return original if sub is None else sub
 
 
 def _subclass_for(cls: type) -> tuple[type | None, str | None]:
@@ -589,7 +632,10 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
         model: any ``torch.nn.Module`` (a ``PreTrainedModel`` or a part of one).
         verify: also probe each layer with its own weights (in their dtype and bf16) before
             switching it; a layer that differs is left alone and reported. The class is always
-            probed (that is how its configuration is found). Default: True.
+            probed (that is how its configuration is found); with ``verify=False`` a layer is still
+            left alone and reported where its structure or its str/bool options (ConvNext's
+            ``data_format``, Gemma 3n's ``with_scale``) are not those of the class probe's instance.
+            Default: True.
 
     Returns:
         A printable :class:`PatchReport`: layers replaced per class, classes skipped and why.
@@ -633,7 +679,10 @@ def patch(model: nn.Module, *, verify: bool = True) -> PatchReport:
                     report.skipped[name] = why
                     continue
                 how, unreproduced = sub._normscope_how, sub._normscope_unreproduced
-                why = _instance_matches(child, original, how, unreproduced) if verify else None
+                if verify:
+                    why = _instance_matches(child, original, how, unreproduced, sub._normscope_options)
+                else:
+                    why = _unprobed(child, original, sub._normscope_options)
                 if why is not None:
                     report.skipped[name] = why
                     continue
