@@ -340,13 +340,21 @@ def class_named(module: str, qualname: str) -> type:
     return getattr(found, "_normscope_original", found)
 
 
-_THEN: dict[type, type] = {}
+_THEN: dict[tuple[type, type | None], type] = {}
 
 
-def _then(cls: type) -> type:
+def _then(cls: type, source: type | None = None) -> type:
     """``cls`` followed by its child modules in order: timm's NormAct layers (norm, drop, activation)
-    as a normscope layer with the same submodules under the same names."""
-    if cls not in _THEN:
+    as a normscope layer with the same submodules under the same names.
+
+    ``source``: the class converted losslessly (timm's ``BatchNormAct2d``), a second base after ``cls``: code
+    that tells such a layer by its class -- timm's ``freeze_batch_norm_2d`` and ``convert_sync_batchnorm``,
+    which carry its ``act`` and ``drop`` over, a model's own ``isinstance`` -- still does. Without it they
+    took the layer for a plain BatchNorm2d and dropped its activation (a frozen EfficientNet 3.5 off). The
+    source's methods come after ``cls``'s in the method order, and the forward is this one. Not where the
+    two bases admit no method order (or metaclass): then ``cls`` alone."""
+    key = (cls, source)
+    if key not in _THEN:
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             y = cls.forward(self, input)
@@ -354,18 +362,28 @@ def _then(cls: type) -> type:
                 y = module(y)
             return y
 
-        key = f"_Then_{cls.__name__}"
-        _THEN[cls] = generated(
-            cls.__name__, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": key}, (_then, (cls,))
-        )
-        globals()[key] = _THEN[cls]  # found by pickle
-    return _THEN[cls]
+        name = f"_Then_{cls.__name__}" + ("" if source is None else f"_{source.__name__}")
+        ns = {"forward": forward, "__module__": __name__, "__qualname__": name}
+        made = None
+        if source is not None and not issubclass(cls, source) and named(source) is not None:
+            try:
+                made = generated(cls.__name__, (cls, source), ns, (_then, (cls, source)))
+            except TypeError:  # no consistent method order (or metaclass) for the two
+                made = None
+        if made is None:
+            ns["__qualname__"] = name = f"_Then_{cls.__name__}"
+            made = _THEN.get((cls, None)) or generated(cls.__name__, (cls,), ns, (_then, (cls,)))
+            _THEN[(cls, None)] = made
+        _THEN[key] = made
+        globals()[name] = made  # found by pickle
+    return _THEN[key]
 
 
 def _then_built(build: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module], nn.Module]:
     def make(m: nn.Module) -> nn.Module:
         new = build(m)
-        new.__class__ = _then(type(new))
+        # a lossless conversion: the converted class stays a base (not for a layer of another kind, other_layer)
+        new.__class__ = _then(type(new), type(m))
         return new
 
     return make

@@ -231,6 +231,31 @@ def test_timm_normact_freeze_and_convert_to_another_norm():
     assert not report.skipped
 
 
+def test_timm_surgery_after_convert_keeps_the_normact_layers():
+    """timm tells its NormAct layers by class: convert made BatchNormAct2d a normscope BatchNorm2d (its
+    act kept as a child), so timm's freeze_batch_norm_2d took it for a plain BatchNorm2d and dropped the
+    SiLU (efficientnet_b0 3.5 off) and convert_sync_batchnorm gave a SyncBatchNorm whose act never ran.
+    The converted layers are instances of the classes they came from. Oracle: the same surgery on the
+    original model, bit for bit."""
+    timm = zoo_import("timm")
+    from timm.layers import convert_sync_batchnorm
+    from timm.utils.model import freeze_batch_norm_2d
+
+    model, x = _build(timm, "efficientnet_b0", {}, 64)
+    converted, report = normscope.convert(copy.deepcopy(model))
+    assert not report.skipped
+    for name, old in model.named_modules():
+        if type(old).__name__.endswith("Act2d"):
+            new = converted.get_submodule(name)
+            assert isinstance(new, type(old)) and isinstance(new, normscope.BatchNorm2d), name
+    with torch.no_grad():
+        frozen, frozen_converted = freeze_batch_norm_2d(copy.deepcopy(model)), freeze_batch_norm_2d(converted)
+        assert torch.equal(frozen_converted(x), frozen(x))
+        synced = convert_sync_batchnorm(normscope.convert(copy.deepcopy(model))[0]).eval()
+        assert type(synced.bn1) is type(convert_sync_batchnorm(copy.deepcopy(model)).bn1)
+        assert torch.equal(synced(x), model(x))
+
+
 def test_timm_norms_with_their_eps_and_the_ones_no_configuration_reproduces():
     zoo_import("timm")
     from timm import layers as L
