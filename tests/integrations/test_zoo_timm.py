@@ -256,6 +256,38 @@ def test_timm_surgery_after_convert_keeps_the_normact_layers():
         assert torch.equal(synced(x), model(x))
 
 
+@pytest.mark.parametrize("name", ["LayerNormFp32", "LayerNorm2dFp32", "LayerNormActFp32", "LayerNormAct2dFp32"])
+def test_timm_fp32_layernorms_in_bf16_keep_their_gradients_after_convert(name):
+    """timm's *Fp32 LayerNorms normalize a bf16 input in fp32. convert probed the forward only and took
+    LayerNorm(casting='torch') (LayerNorm2d for the channels-first ones): the output's bits, but torch's
+    bf16 backward, whose weight and bias gradients were ~8x further from float64. The probe compares a
+    training step's gradients too: the last-axis ones become LayerNorm(casting='gemma'), which gives both;
+    LayerNorm2d has no casting option, so the channels-first ones are left alone, saying why. Oracle: the
+    timm layer itself, bit for bit."""
+    zoo_import("timm")
+    from timm import layers as L
+
+    torch.manual_seed(0)
+    layer = getattr(L, name)(64).to(torch.bfloat16)
+    _randomize_norms(nn.Sequential(layer))
+    converted, report = normscope.convert(nn.Sequential(copy.deepcopy(layer)))
+    if "2d" in name:
+        assert [s.path for s in report.skipped] == ["0"] and "gradient" in report.skipped[0].reason
+        assert type(converted[0]) is type(layer)
+        return
+    assert not report.skipped
+    shape = (4, 64, 3, 5) if "2d" in name else (4, 7, 64)
+    g = torch.Generator().manual_seed(2)
+    x, dy = (torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2))
+    results = []
+    for m in (layer, converted[0]):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        results.append((y, *torch.autograd.grad(y, (xi, m.weight, m.bias), dy)))
+    for what, a, b in zip(("output", "input grad", "weight grad", "bias grad"), *results):
+        assert torch.equal(a, b), what
+
+
 def test_timm_norms_with_their_eps_and_the_ones_no_configuration_reproduces():
     zoo_import("timm")
     from timm import layers as L
