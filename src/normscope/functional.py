@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import _checks as check
 from . import hot
+from ._state import tracing as _tracing
 from .engine import Running, add_norm, norm, stats
 from .engine import apply as _apply
 
@@ -208,7 +209,7 @@ def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, ru
                 f"{where}: expected at least one valid (True) element in `mask` when training, got an "
                 f"all-False mask of shape {tuple(mask.squeeze(channel_dim).shape)}"
             )
-        if mask is not None:
+        if mask is not None and not _tracing():  # a question dynamo cannot trace (an int from C++)
             for name, t in (("running_mean", running_mean), ("running_var", running_var)):
                 # ATen's kernel writes an expanded buffer element by element (the last write wins, as torch
                 # does unmasked); the masked update is one in-place op, which torch refuses from inside
