@@ -243,3 +243,18 @@ def test_masked_batchnorm_training_refuses_an_expanded_running_buffer_by_name(wh
         normscope.functional.batch_norm(x, buffers["running_mean"], buffers["running_var"], training=True, mask=mask)
     for k, v in buffers.items():  # refused before any work: no buffer moved
         assert torch.equal(v, before[k])
+
+
+def test_masked_batchnorm_with_one_valid_element_gives_the_bias_and_a_zero_batch_variance():
+    # docs/beyond.md: one valid element per channel in training -- batch variance 0 (no NaN from Bessel's
+    # n / (n - 1)), the valid output the bias, the running variance moved towards 0. Oracle: the formula
+    x = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(5))
+    mask = torch.zeros(4, 5, dtype=torch.bool)
+    mask[1, 2] = True
+    m = normscope.BatchNorm1d(3)
+    with torch.no_grad():
+        m.bias.copy_(torch.tensor([0.5, -1.0, 2.0]))
+    y = m(x, mask)
+    assert torch.equal(y[1, :, 2], m.bias.detach())
+    assert torch.equal(m.running_mean, 0.1 * x[1, :, 2])
+    assert torch.equal(m.running_var, torch.full((3,), 0.9))
