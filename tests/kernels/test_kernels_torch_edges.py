@@ -1,6 +1,8 @@
-"""The Triton kernels (forced backend; Triton's interpreter on CPU) against torch.nn.functional and
-float64 formulas on the edges probe 23 found: the memory layout of the output of every kernel family
-on channels_last / channels_last_3d input is torch's.
+"""The Triton kernels (forced backend; Triton's interpreter on CPU, compiled with
+NORMSCOPE_TEST_DEVICE=cuda) against torch.nn.functional on the same device and float64 formulas, at two
+edges where a kernel parted from torch: the memory layout of the output on channels_last /
+channels_last_3d input, and a constant InstanceNorm/BatchNorm scope with eps=0 (the bias on a CPU, as
+torch's CPU kernel; NaN on CUDA, as torch's CUDA kernels).
 """
 
 import pytest
