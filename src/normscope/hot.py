@@ -339,10 +339,7 @@ def _traced(op, settings, x, weight, bias, eps, running) -> Plan | None:
     flags = None if running is None else (len(metas), running[3])
     # the settings as Python constants for dynamo: a type (the keys' ``type(eps)``-like slots, which
     # the checked calls never read) by its name, a float by its hex digits (_constant)
-    constants = tuple(
-        v.__name__ if isinstance(v, type) else tuple(_constant(n) for n in v) if type(v) is tuple else _constant(v)
-        for v in settings
-    )
+    constants = tuple(v.__name__ if isinstance(v, type) else _constant(v) for v in settings)
     # eps's type too, as the eager key holds it: True == 1.0, and the checks refuse a bool eps
     eps_type = type(eps).__name__
     eps = _constant(eps)
@@ -356,14 +353,17 @@ _HEX = "normscope.hot:float.hex"  # the tag of a float handed to _trace_token as
 
 
 def _constant(v: object) -> object:
-    """A float as a Python constant for dynamo: ``(_HEX, v.hex())``; anything else as it is.
+    """A float as a Python constant for dynamo: ``(_HEX, v.hex())``, in a tuple of them too (a setting's);
+    anything else as it is.
 
     A float dynamo made symbolic (it changed between calls) and then fixed -- an ATen op that takes no
     symbolic float, such as the first of two norms given the same ``eps`` in one traced function, fixes
     its value with a guard -- is still handed on as a symbol, which no ``assume_constant_result``
     function takes ("argument conversion failed" under ``fullgraph=True``); ``float.hex`` of it is a
     string constant (and exactly the float: NaN, infinities and -0.0 included)."""
-    return (_HEX, v.hex()) if type(v) is float else v
+    if type(v) is float:
+        return (_HEX, v.hex())
+    return tuple(_constant(n) for n in v) if type(v) is tuple else v
 
 
 def _from_constant(v: object) -> object:
