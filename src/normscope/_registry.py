@@ -104,6 +104,10 @@ def use_backend(name: str | None) -> _UseBackend:
     return _UseBackend(name)
 
 
+#: the ``use_backend`` blocks open in this thread (or asyncio task), innermost last, as ``(object, block)``
+_OPEN: contextvars.ContextVar[tuple] = contextvars.ContextVar("normscope_open_blocks", default=())
+
+
 class _UseBackend(contextlib.ContextDecorator):
     """What :func:`use_backend` returns: a reusable context manager (a contextlib generator opens
     once; a second ``with`` raised AttributeError from contextlib)."""
@@ -116,9 +120,26 @@ class _UseBackend(contextlib.ContextDecorator):
         block = _forcing(self.name)
         block.__enter__()
         self._open.append(block)
+        if not compiling():  # dynamo traces no ContextVar.set; a trace is one thread's, in order
+            _OPEN.set((*_OPEN.get(), (self, block)))
 
     def __exit__(self, *exc) -> bool | None:
-        return self._open.pop().__exit__(*exc)
+        # the block this thread (or task) opened last with this object: one object shared by threads or
+        # tasks (a module-level ``use_backend(...)``, a decorated function called from several threads)
+        # holds blocks of each, and popping the last one opened anywhere closed another thread's block --
+        # each then went back to the other's outer backend
+        block = None
+        if not compiling():
+            stack = _OPEN.get()
+            for i in range(len(stack) - 1, -1, -1):
+                if stack[i][0] is self:
+                    block = stack[i][1]
+                    _OPEN.set(stack[:i] + stack[i + 1 :])
+                    break
+        if block is None:  # traced, or entered in another context (a generator resumed in another thread)
+            block = self._open[-1]
+        self._open.remove(block)
+        return block.__exit__(*exc)
 
     def __repr__(self) -> str:
         return f"use_backend({self.name!r})"

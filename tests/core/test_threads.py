@@ -112,6 +112,75 @@ def test_leaving_a_with_block_pops_only_this_threads_entry():
     assert engine.requested_backend() == "auto"
 
 
+def test_one_use_backend_object_shared_by_two_threads_closes_each_threads_own_block():
+    """One ``use_backend`` object (module-level, or a decorated function called from several threads)
+    entered by thread A, then B, and left by A first: A is back to its own outer block, B to its own.
+    Popping the object's last block, wherever opened, closed B's block in A -- A went on with B's outer
+    backend ("aten") and B with A's ("reference")."""
+    x = torch.randn(3, 8)
+    expected = F.layer_norm(x, (8,))
+    shared = normscope.use_backend("composite")
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        with normscope.use_backend("reference"):
+            with shared:
+                a_in.set()
+                _wait(b_in)
+            a_out.set()
+            torch.testing.assert_close(NF.layer_norm(x, (8,)), expected)
+            seen["a"] = (engine.requested_backend(), normscope.last_backend())
+
+    def thread_b():
+        with normscope.use_backend("aten"):
+            _wait(a_in)
+            with shared:
+                b_in.set()
+                _wait(a_out)
+                seen["b inside"] = engine.requested_backend()
+            torch.testing.assert_close(NF.layer_norm(x, (8,)), expected)
+            seen["b"] = (engine.requested_backend(), normscope.last_backend())
+
+    _join(_in_thread(thread_a), _in_thread(thread_b))
+    assert seen == {"a": ("reference", "reference"), "b inside": "composite", "b": ("aten", "aten")}
+
+
+def test_one_use_backend_object_shared_by_two_asyncio_tasks_closes_each_tasks_own_block():
+    """The same with two interleaved asyncio tasks of one thread."""
+    x = torch.randn(3, 8)
+    expected = F.layer_norm(x, (8,))
+
+    async def main():
+        a_in, b_in, a_out = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        shared = normscope.use_backend("composite")
+
+        async def forced(entered: asyncio.Event, leave: asyncio.Event) -> None:
+            with shared:
+                entered.set()
+                await leave.wait()
+
+        async def task_a():
+            with normscope.use_backend("reference"):
+                await forced(a_in, b_in)
+                a_out.set()
+                await asyncio.sleep(0)
+                torch.testing.assert_close(NF.layer_norm(x, (8,)), expected)
+                return engine.requested_backend(), normscope.last_backend()
+
+        async def task_b():
+            with normscope.use_backend("aten"):
+                await a_in.wait()
+                await forced(b_in, a_out)
+                torch.testing.assert_close(NF.layer_norm(x, (8,)), expected)
+                return engine.requested_backend(), normscope.last_backend()
+
+        return await asyncio.wait_for(asyncio.gather(task_a(), task_b()), _TIMEOUT)
+
+    assert asyncio.run(main()) == [("reference", "reference"), ("aten", "aten")]
+
+
 def test_last_backend_is_per_thread():
     """Each thread's last_backend() names the backend of its own last call."""
     x = torch.randn(3, 8)
