@@ -709,7 +709,18 @@ def convert(
     lossless = to is None or (isinstance(to, str) and to in ("normscope", "torch"))
     reverse = to == "torch"
     if isinstance(to, str) and not lossless:
-        _resolve_name(to)  # fail fast on a bad name, before touching the model
+        try:
+            _resolve_name(to)  # fail fast on a bad name, before touching the model
+        except ValueError as e:  # get_norm's message names its own argument, `spec`: name convert's
+            forms = str(e).removeprefix("get_norm: unknown norm in `spec`: expected ")
+            raise ValueError(
+                f"convert: unknown `to`: expected None, 'normscope', 'torch' or a normscope.get_norm spec -- {forms}"
+            ) from None
+    elif to is not None and not isinstance(to, str) and not callable(to):
+        raise TypeError(
+            "convert: expected `to` to be None, 'normscope', 'torch' or a normscope.get_norm spec (a name, a class "
+            f"or a callable), got {type(to).__name__} {to!r}"
+        )
     match = _predicate(where)
     namesakes = _namesakes(reverse=reverse)
     if reverse:

@@ -598,7 +598,21 @@ def test_convert_to_other_norms_carries_what_fits():
     block(torch.randn(2, 3, 8))
     root, report = normscope.convert(nn.LayerNorm(4), to="rms")
     assert type(root) is normscope.RMSNorm and report[0].path == ""
-    with pytest.raises(ValueError, match="unknown norm"):
+    with pytest.raises(ValueError, match="unknown"):
         normscope.convert(_cnn(), to="nonsense")
     with pytest.raises(TypeError, match="where"):
         normscope.convert(_cnn(), where=3)
+
+
+def test_a_bad_to_is_refused_in_converts_own_terms_before_any_layer_changes():
+    # the errors named get_norm's argument `spec`, an argument convert has not: a user of convert(to=...)
+    # read about another function's argument
+    for to, error in (("nonsense", ValueError), ("torch ", ValueError), (3, TypeError), (1.5, TypeError)):
+        model = _cnn()
+        before = [type(m) for m in model.modules()]
+        with pytest.raises(error) as raised:
+            normscope.convert(model, to=to)
+        message = str(raised.value)
+        assert message.startswith("convert: ") and "`to`" in message and "`spec`" not in message, message
+        assert "'normscope', 'torch'" in message and (repr(to) in message or type(to).__name__ in message), message
+        assert [type(m) for m in model.modules()] == before
