@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import math
+import sys
 import threading
 from collections.abc import Callable, Iterator
 
@@ -140,6 +143,38 @@ class _UseBackend(contextlib.ContextDecorator):
             block = self._open[-1]
         self._open.remove(block)
         return block.__exit__(*exc)
+
+    def __call__(self, func: Callable) -> Callable:
+        """As a decorator; a generator function's body runs in a block at each resumption (as
+        torch.no_grad() does it), not only while the generator object is made -- the block closed
+        before the body ever ran, which then ran on the automatic backend. Between resumptions the
+        consumer's code runs with its own backend."""
+        if not inspect.isgeneratorfunction(func):
+            return super().__call__(func)
+
+        @functools.wraps(func)
+        def generator(*args, **kwargs):
+            gen = func(*args, **kwargs)
+            try:
+                with self:
+                    response = gen.send(None)
+                while True:
+                    try:
+                        request = yield response
+                    except GeneratorExit:
+                        with self:
+                            gen.close()
+                        raise
+                    except BaseException:  # thrown in by the consumer: handed on to the body, in a block
+                        with self:
+                            response = gen.throw(*sys.exc_info()[1:2])
+                    else:
+                        with self:
+                            response = gen.send(request)
+            except StopIteration as e:
+                return e.value
+
+        return generator
 
     def __repr__(self) -> str:
         return f"use_backend({self.name!r})"

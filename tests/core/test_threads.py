@@ -379,6 +379,43 @@ def test_one_use_backend_object_opens_blocks_again_and_nested_as_torch_no_grad_d
         assert normscope.last_backend() != "reference"
 
 
+def test_use_backend_decorating_a_generator_function_forces_its_body_as_torch_no_grad_does():
+    # ContextDecorator's block closed once the generator object was made, before its body ever ran: the
+    # body ran on the automatic backend. torch.no_grad() enters its block at each resumption of the body
+    x = torch.randn(4, 8)
+    expected = F.layer_norm(x, (8,))
+
+    @torch.no_grad()
+    def torch_gen():
+        yield torch.is_grad_enabled()
+        yield torch.is_grad_enabled()
+
+    @normscope.use_backend("reference")
+    def gen():
+        for _ in range(2):
+            try:
+                y = NF.layer_norm(x, (8,))
+                yield normscope.last_backend(), engine.requested_backend(), y
+            except KeyError:
+                yield "thrown", engine.requested_backend(), None
+        return "done"
+
+    assert list(torch_gen()) == [False, False] and torch.is_grad_enabled()  # torch's decorator, for comparison
+    g = gen()
+    ran, requested, y = next(g)
+    assert (ran, requested) == ("reference", "reference")
+    torch.testing.assert_close(y, expected)
+    assert engine.requested_backend() == "auto"  # the consumer, between resumptions: its own backend
+    NF.layer_norm(x, (8,))
+    assert normscope.last_backend() == "aten"
+    assert g.throw(KeyError("k"))[:2] == ("thrown", "reference")  # thrown in: handled by the body, in the block
+    ran, requested, y = g.send(None)
+    assert (ran, requested) == ("reference", "reference")
+    with pytest.raises(StopIteration) as stop:
+        next(g)
+    assert stop.value.value == "done" and engine.requested_backend() == "auto"
+
+
 def test_a_use_backend_block_left_in_another_thread_does_not_raise_from_its_exit():
     # a generator holding the block, started in one thread and finished in another: ContextVar.reset()
     # refuses a token of another context, and the exit raised that ValueError into the consumer. Now, as
