@@ -319,7 +319,9 @@ def _pairs(call: Call) -> bool:
     if 0 in s.reduce or 0 in s.affine or tracing():
         return False
     n = math.prod(s.shape)
-    return s.count == n and (n >= SPLIT_ELEMENTS or _lone_group(s))
+    # a masked call never runs ATen's GroupNorm: a lone masked group runs alone (the composite path
+    # lays a stride-0 pair out otherwise than the sample)
+    return s.count == n and (n >= SPLIT_ELEMENTS or call.mask is None and _lone_group(s))
 
 
 def _lone_group(s) -> bool:
