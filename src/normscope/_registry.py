@@ -26,6 +26,7 @@ from torch import Tensor
 from . import reference as ref
 from ._contract import ENV_VAR, Backend, Call, Runner
 from ._state import FORCED, TRACED_VIEW, compiling, environ_get, tracing
+from ._strides import strides_like_channels_last
 
 __all__ = [
     "BACKENDS",
@@ -339,7 +340,8 @@ def prepare(name: str, call: Call, automatic: bool) -> tuple[str, Runner]:
     not fuse the add: the add, then the backend's plain call). A CPU call of one large scope runs
     as a batch of two (:func:`_pairs`)."""
     if _pairs(call):
-        return name, _paired(_prepare(name, _pair(call), automatic), _prepare(name, call, automatic))
+        lone = math.prod(call.scope.shape) < SPLIT_ELEMENTS  # paired as a lone group only
+        return name, _paired(_prepare(name, _pair(call), automatic), _prepare(name, call, automatic), lone)
     return name, _prepare(name, call, automatic)
 
 
@@ -363,16 +365,29 @@ _threads = torch.get_num_threads
 
 def _pairs(call: Call) -> bool:
     """Whether ``call`` is a CPU call of a single scope of :data:`SPLIT_ELEMENTS` elements or more
-    whose first axis is a kept axis of size 1 (a batch of one), without running statistics (the
-    buffers' update reads the batch). Not while tracing: sizes may be symbolic, and the bits of a
-    compiled graph are the compiler's."""
+    -- or a lone group of channels (:func:`_lone_group`), of any size -- whose first axis is a kept
+    axis of size 1 (a batch of one), without running statistics (the buffers' update reads the
+    batch). Not while tracing: sizes may be symbolic, and the bits of a compiled graph are the
+    compiler's."""
     s = call.scope
     if call.x.device.type != "cpu" or call.running is not None or not s.shape or s.shape[0] != 1:
         return False
     if 0 in s.reduce or 0 in s.affine or tracing():
         return False
     n = math.prod(s.shape)
-    return n >= SPLIT_ELEMENTS and s.count == n
+    # a masked call never runs ATen's GroupNorm: a lone masked group runs alone (the composite path
+    # lays a stride-0 pair out otherwise than the sample)
+    return s.count == n and (n >= SPLIT_ELEMENTS or call.mask is None and _lone_group(s))
+
+
+def _lone_group(s) -> bool:
+    """Whether the single scope ``s`` of a sample is one group of several channels (GroupNorm(1, C),
+    LayerNorm over (C, *) with a per-channel affine: ATen's group_norm). With several intra-op threads
+    ATen's CPU GroupNorm backward computes the input gradient of a lone group (``N * G == 1``)
+    in another order than the same group among others, at any size: observed with two threads,
+    ``torch.nn.functional.group_norm(x, 1)`` on (1, 4, 30) fp32 and (1, 2, 30) fp64, input gradients
+    1.5e-8 apart alone and in a batch (tests/backends/test_batch_invariance.py, "a lone group")."""
+    return s.centered and len(s.shape) > 2 and s.shape[1] > 1 and s.form.sample_groups
 
 
 def _pair(call: Call) -> Call:
@@ -393,14 +408,18 @@ def _pair(call: Call) -> Call:
     return call._replace(x=two(call.x), scope=scope, mask=two(call.mask), residual=two(call.residual))
 
 
-def _paired(inner: Runner, alone: Runner) -> Runner:
+def _paired(inner: Runner, alone: Runner, lone: bool = False) -> Runner:
     """The runner of a call of one sample, on its pair (:func:`_pair`): the first of the pair's
     results, in the input's memory format (the stride-0 pair has none); its gradient reaches the
     sample through the expand as ``g + 0``, the same bits. With one intra-op thread every reduction
-    is one pass, whatever it reduces into: the sample alone (``alone``), half the work."""
+    is one pass, whatever it reduces into: the sample alone (``alone``), half the work. ``lone``: paired
+    only as a lone group (:func:`_lone_group`), whose order is ATen's contiguous GroupNorm kernel's: a
+    channels_last sample (torch's own test of its strides, decided per call -- a plan serves every
+    layout) runs the channels_last kernel alone as in a batch, and the stride-0 pair, which is not
+    channels_last, would take it to the contiguous one."""
 
     def run(c: Call):
-        if _threads() == 1:
+        if _threads() == 1 or lone and strides_like_channels_last(c.x):
             return alone(c)
         out = inner(_pair(c))
         fmt = ref.channels_last(c.x)

@@ -402,3 +402,64 @@ def test_a_sample_alone_keeps_its_memory_format(two_threads):
             y = F.group_norm(x, 1)
         assert y.is_contiguous(memory_format=torch.channels_last)
         torch.testing.assert_close(y, torch.nn.functional.group_norm(x, 1))
+
+
+# -- a lone group ------------------------------------------------------------------------------------
+#
+# ATen's CPU GroupNorm backward takes a lone group (N * G == 1: one sample, GroupNorm(1, C)) another
+# way than the same group among others once it has several intra-op threads, at any size: the input
+# gradient of a (1, 4, 30) fp32 or (1, 2, 30) fp64 sample alone was 1.5e-8 / 1.7e-16 off its bits in a
+# batch, on the aten path as in torch's own op. Such a sample runs as a stride-0 pair of itself, as a
+# large scope does; a channels_last one runs alone (torch's channels_last kernel takes it as in a batch).
+
+_LONE_GROUP_CASES = [
+    ((4, 30), torch.float32, "contiguous"),
+    ((2, 30), torch.float64, "contiguous"),
+    ((3, 30), torch.float64, "contiguous"),
+    ((4, 5, 6), torch.float32, "contiguous"),
+    ((4, 5, 6), torch.float32, "channels_last"),
+    ((4, 5, 6), torch.float64, "channels_last"),
+    ((4, 5, 6), torch.float32, "transposed"),
+]
+
+
+@pytest.mark.parametrize("backend", [None, "aten", "reference"], ids=lambda b: b or "auto")
+@pytest.mark.parametrize("case", _LONE_GROUP_CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-{c[1]}-{c[2]}")
+def test_a_lone_group_is_the_same_alone_and_in_a_batch_with_two_threads(case, backend, two_threads):
+    shape, dtype, layout = case
+    g = torch.Generator().manual_seed(0)
+    xs = (3 * torch.randn(7, *shape, generator=g) + 0.5).to(dtype)
+    dys = torch.randn(7, *shape, generator=g).to(dtype)
+    w = (torch.rand(shape[0], generator=g) + 0.5).to(dtype)
+    b = torch.randn(shape[0], generator=g).to(dtype)
+
+    def laid(t):
+        if layout == "channels_last":
+            return t.contiguous(memory_format=torch.channels_last)
+        if layout == "transposed":
+            return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return t
+
+    def run(fn, x, dy):
+        x = laid(x).clone(memory_format=torch.preserve_format).requires_grad_()
+        with normscope.use_backend(backend) if backend else contextlib.nullcontext():
+            y = fn(x)
+        y.backward(dy)
+        return y.detach(), x.grad
+
+    layer = normscope.GroupNorm(1, shape[0], dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(w), layer.bias.copy_(b)
+    ops = {"functional": lambda x: F.group_norm(x, 1, w, b), "module": layer}
+    for name, fn in ops.items():
+        alone = run(fn, xs[:1], dys[:1])
+        for n in (2, 3, 7):
+            at = n // 2
+            x, dy = xs[:n].clone(), dys[:n].clone()
+            x[at], dy[at] = xs[0], dys[0]
+            y, gx = run(fn, x, dy)
+            assert _same(alone[0][0], y[at]), f"{name}: output alone vs in a batch of {n}"
+            assert _same(alone[1][0], gx[at]), f"{name}: input gradient alone vs in a batch of {n}"
+            if backend != "reference":  # the aten path's bits are torch.nn's, in a batch
+                ty, tg = run(lambda x: torch.nn.functional.group_norm(x, 1, w, b), x, dy)
+                assert _same(y, ty) and _same(gx, tg), f"{name}: torch's bits in a batch of {n}"
