@@ -411,3 +411,54 @@ def test_full_width_qk_norm_takes_the_projections_order_in_any_memory_layout(dty
     qn, _ = FM.qk_norm(q, q, w, w, eps, layout=layout, per_head=False, casting="gemma")
     qn = qn.transpose(1, 2) if layout == "bhsd" else qn
     assert torch.equal(qn.reshape(b, s, h * d), expected)
+
+
+# -- fp64 input: the families normalize it in fp32 (a downcast), and so do their casting orders ----
+
+
+@pytest.mark.parametrize(
+    "family,cls_name,options",
+    [
+        ("llama", "LlamaRMSNorm", dict(casting="llama")),
+        ("qwen3", "Qwen3RMSNorm", dict(casting="llama")),
+        ("mistral", "MistralRMSNorm", dict(casting="llama")),
+        ("phi3", "Phi3RMSNorm", dict(casting="llama")),
+        ("gemma", "GemmaRMSNorm", dict(casting="gemma", weight_offset=1.0)),
+        ("gemma3", "Gemma3RMSNorm", dict(casting="gemma", weight_offset=1.0)),
+    ],
+)
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug, not fixed: the casting orders normalize fp64 input in fp64 where the families' "
+    "modules downcast it to fp32 (up to 3.6e-7 off, no bit in common). The fix (fp32 as the families' "
+    "accumulation dtype in reference.cast_affine's callers) changes what the conformance harness, "
+    "test_family_scale_cache and the fp64 gradchecks of the casting orders expect; see docs/modern.md",
+)
+@pytest.mark.parametrize("weight_dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 5, 33)])
+def test_families_on_fp64_input_normalize_in_fp32_as_their_modules(family, cls_name, options, weight_dtype, shape):
+    # LlamaRMSNorm: hidden_states.to(torch.float32); GemmaRMSNorm: self._norm(x.float()). normscope
+    # normalizes fp64 input in fp64: up to 3.6e-7 off the module's output, no bit in common
+    import importlib
+
+    cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), cls_name)
+    d = shape[-1]
+    ref = cls(d, eps=1e-6)
+    _randomize(ref, 5, std=0.3)
+    ref = ref.to(weight_dtype)
+    ours = normscope.RMSNorm(d, eps=1e-6, dtype=weight_dtype, **options)
+    with torch.no_grad():
+        ours.weight.copy_(ref.weight)
+    x = _x(shape, torch.float64)
+    for strided in (False, True):
+        xi = torch.cat([x, x], -1)[..., ::2] if strided else x
+        a, b = xi.clone().requires_grad_(), xi.clone().requires_grad_()
+        expected, y = ref(a), ours(b)
+        assert y.dtype == expected.dtype and torch.equal(y, expected)
+        for backend in (None, "aten", "reference"):
+            assert torch.equal(FM.rms_norm(xi, d, ref.weight, 1e-6, **options, backend=backend), expected)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(6), dtype=y.dtype)
+        expected.backward(dy)
+        y.backward(dy)
+        assert torch.equal(b.grad, a.grad) and torch.equal(ours.weight.grad, ref.weight.grad)
+        ref.weight.grad = ours.weight.grad = None
