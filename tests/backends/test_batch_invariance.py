@@ -402,3 +402,42 @@ def test_a_sample_alone_keeps_its_memory_format(two_threads):
             y = F.group_norm(x, 1)
         assert y.is_contiguous(memory_format=torch.channels_last)
         torch.testing.assert_close(y, torch.nn.functional.group_norm(x, 1))
+
+
+#: per-sample norms, masked and not: a sample's bits must not depend on its address in memory
+_ADDRESS_OPS = {
+    "group_norm-masked": lambda x, m: F.group_norm(x, 2, mask=m),
+    "instance_norm-masked": lambda x, m: F.instance_norm(x, mask=m),
+    "group_norm": lambda x, m: F.group_norm(x, 2),
+    "layer_norm": lambda x, m: F.layer_norm(x, (x.shape[-1],)),
+    "rms_norm": lambda x, m: F.rms_norm(x, (x.shape[-1],)),
+}
+
+
+@pytest.mark.parametrize(
+    ("op", "backend"),
+    [(op, b) for op in sorted(_ADDRESS_OPS) for b in (None, "reference", "composite" if "masked" in op else "aten")],
+    ids=lambda v: v or "auto",
+)
+def test_a_sample_has_the_same_bits_wherever_it_lies_in_memory(op, backend):
+    # sample i of a batch starts i * C * L elements into the batch's memory, a sample alone at the
+    # allocator's aligned start: BLAS's products round by the data's alignment (MKL peels to an aligned
+    # address), so a sum taken as a matrix product gave a sample in a batch other bits than alone. Here
+    # the same sample at every 4-byte offset of a 64-byte line: the same output and input gradient bits
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 4, 1000, generator=g)
+    dy = torch.randn(1, 4, 1000, generator=g)
+    mask = torch.rand(1, 1000, generator=g) > 0.3
+    got = []
+    for offset in range(16):
+        buf = torch.zeros(offset + x.numel())
+        buf[offset:] = x.flatten()
+        buf.requires_grad_()
+        xv = buf[offset:].view(x.shape)
+        with normscope.use_backend(backend) if backend else contextlib.nullcontext():
+            y = _ADDRESS_OPS[op](xv, mask)
+        y.backward(dy)
+        got.append((y.detach(), buf.grad[offset:].view(x.shape)))
+    for offset, (y, gx) in enumerate(got[1:], 1):
+        assert _same(y, got[0][0]), f"output at an offset of {offset} elements"
+        assert _same(gx, got[0][1]), f"input gradient at an offset of {offset} elements"
