@@ -390,6 +390,11 @@ def _lone_group(s) -> bool:
     return s.centered and len(s.shape) > 2 and s.shape[1] > 1 and s.form.sample_groups
 
 
+def _input_grad(c: Call) -> bool:
+    """Whether autograd records the input's gradient through this call."""
+    return c.x.requires_grad and torch.is_grad_enabled()
+
+
 def _pair(call: Call) -> Call:
     """``call`` on a stride-0 batch of two copies of its sample (no copy is made): every reduction
     then has two values, each reduced by one thread whole, as the scope is among other samples. The
@@ -413,13 +418,14 @@ def _paired(inner: Runner, alone: Runner, lone: bool = False) -> Runner:
     results, in the input's memory format (the stride-0 pair has none); its gradient reaches the
     sample through the expand as ``g + 0``, the same bits. With one intra-op thread every reduction
     is one pass, whatever it reduces into: the sample alone (``alone``), half the work. ``lone``: paired
-    only as a lone group (:func:`_lone_group`), whose order is ATen's contiguous GroupNorm kernel's: a
-    channels_last sample (torch's own test of its strides, decided per call -- a plan serves every
+    only as a lone group (:func:`_lone_group`), whose order is ATen's contiguous GroupNorm kernel's
+    backward's: where no input gradient is recorded (inference, a frozen input) the forward alone has the
+    batch's bits, and runs alone at half the work; a channels_last sample (torch's own test of its strides, decided per call -- a plan serves every
     layout) runs the channels_last kernel alone as in a batch, and the stride-0 pair, which is not
     channels_last, would take it to the contiguous one."""
 
     def run(c: Call):
-        if _threads() == 1 or lone and strides_like_channels_last(c.x):
+        if _threads() == 1 or lone and (strides_like_channels_last(c.x) or not _input_grad(c)):
             return alone(c)
         out = inner(_pair(c))
         fmt = ref.channels_last(c.x)

@@ -463,3 +463,46 @@ def test_a_lone_group_is_the_same_alone_and_in_a_batch_with_two_threads(case, ba
             if backend != "reference":  # the aten path's bits are torch.nn's, in a batch
                 ty, tg = run(lambda x: torch.nn.functional.group_norm(x, 1, w, b), x, dy)
                 assert _same(y, ty) and _same(gx, tg), f"{name}: torch's bits in a batch of {n}"
+            with torch.no_grad():  # inference: the forward alone (not paired) has the batch's bits too
+                with normscope.use_backend(backend) if backend else contextlib.nullcontext():
+                    y0 = fn(laid(xs[:1].clone()))
+            assert _same(y0[0], y[at]), f"{name}: output alone without grad vs in a batch of {n}"
+
+
+#: per-sample norms, masked and not: a sample's bits must not depend on its address in memory
+_ADDRESS_OPS = {
+    "group_norm-masked": lambda x, m: F.group_norm(x, 2, mask=m),
+    "instance_norm-masked": lambda x, m: F.instance_norm(x, mask=m),
+    "group_norm": lambda x, m: F.group_norm(x, 2),
+    "layer_norm": lambda x, m: F.layer_norm(x, (x.shape[-1],)),
+    "rms_norm": lambda x, m: F.rms_norm(x, (x.shape[-1],)),
+}
+
+
+@pytest.mark.parametrize(
+    ("op", "backend"),
+    [(op, b) for op in sorted(_ADDRESS_OPS) for b in (None, "reference", "composite" if "masked" in op else "aten")],
+    ids=lambda v: v or "auto",
+)
+def test_a_sample_has_the_same_bits_wherever_it_lies_in_memory(op, backend):
+    # sample i of a batch starts i * C * L elements into the batch's memory, a sample alone at the
+    # allocator's aligned start: BLAS's products round by the data's alignment (MKL peels to an aligned
+    # address), so a sum taken as a matrix product gave a sample in a batch other bits than alone. Here
+    # the same sample at every 4-byte offset of a 64-byte line: the same output and input gradient bits
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 4, 1000, generator=g)
+    dy = torch.randn(1, 4, 1000, generator=g)
+    mask = torch.rand(1, 1000, generator=g) > 0.3
+    got = []
+    for offset in range(16):
+        buf = torch.zeros(offset + x.numel())
+        buf[offset:] = x.flatten()
+        buf.requires_grad_()
+        xv = buf[offset:].view(x.shape)
+        with normscope.use_backend(backend) if backend else contextlib.nullcontext():
+            y = _ADDRESS_OPS[op](xv, mask)
+        y.backward(dy)
+        got.append((y.detach(), buf.grad[offset:].view(x.shape)))
+    for offset, (y, gx) in enumerate(got[1:], 1):
+        assert _same(y, got[0][0]), f"output at an offset of {offset} elements"
+        assert _same(gx, got[0][1]), f"input gradient at an offset of {offset} elements"

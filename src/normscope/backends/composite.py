@@ -8,8 +8,10 @@ reference, with the work moved onto ops that are fast on any device:
 
 * the view: ``x`` as ``(O, C, I)`` -- ``O`` the axes before the channel axis, ``I`` those after --
   and the mask as one flag per position, ``(O, I)``;
-* **statistics**: masked sums are matrix products, ``bmm(x, mask)`` (one read of ``x`` in BLAS; the
-  mask is 0/1, so each product is exact). The variance is two-pass -- the sum of squared
+* **statistics**: masked sums -- per sample (InstanceNorm, GroupNorm) torch's reduction of
+  ``x * mask``, shared by the batch (BatchNorm) a matrix product ``bmm(x, mask)`` (one read of ``x``
+  in BLAS; the mask is 0/1, so each product is exact; BLAS rounds by the data's address, so it is
+  never a per-sample sum: :func:`_masked_sums`). The variance is two-pass -- the sum of squared
   deviations from the first mean -- with Chan's correction of that mean, so mean 1e4 / std 1e-2
   still normalizes to unit variance;
 * **apply**: one per-channel affine pass (:func:`_affine`: ATen's evaluation-mode BatchNorm kernel,
@@ -128,46 +130,56 @@ class _Stats(NamedTuple):
 
 
 #: masked sums over more positions than this are taken by blocks of this many, the blocks' sums added in
-#: float64: one batched GEMM accumulates its positions one after another, an error growing with their
-#: count -- masked InstanceNorm over 2^20 fp32 positions was rms 4.2e-6 off float64, torch's 9e-8; a
-#: block's sum is as accurate as torch's. The blocks depend on the scope's own length only (isolation)
+#: float64: one batched GEMM (BatchNorm's sums) accumulates its positions one after another, an error
+#: growing with their count -- masked InstanceNorm over 2^20 fp32 positions was rms 4.2e-6 off float64,
+#: torch's 9e-8; a block's sum is as accurate as torch's. Per-sample sums (torch's reduction of the
+#: products) take the same blocks: a block-sized temporary, and no row long enough for ATen to split
+#: across threads. The blocks depend on the scope's own length only (isolation)
 SUM_BLOCK = 16384
 
 
-def _masked_sums(t: Tensor, mf: Tensor, per_outer: bool) -> Tensor:
-    """``sum_i t[o, c, i] * mf[o, i]``, shaped (O, C) -- or (1, C) summed over O when not per_outer."""
+def _masked_sums(t: Tensor, mf: Tensor, per_outer: bool, square: bool = False) -> Tensor:
+    """``sum_i t[o, c, i] * mf[o, i]`` (``t[o, c, i] ** 2 * mf[o, i]`` with ``square``), shaped (O, C) --
+    or (1, C) summed over O when not per_outer."""
     o, c, i = t.shape
     long = i if per_outer or i > 1 else o // math.gcd(o, 16)  # the positions one product accumulates
     if long > SUM_BLOCK:
         wide = torch.float64 if t.dtype != torch.float64 else t.dtype
         if per_outer or i > 1:
             parts = (
-                _masked_sums(t[:, :, s : s + SUM_BLOCK], mf[:, s : s + SUM_BLOCK], per_outer)
+                _masked_sums(t[:, :, s : s + SUM_BLOCK], mf[:, s : s + SUM_BLOCK], per_outer, square)
                 for s in range(0, i, SUM_BLOCK)
             )
         else:  # (B*S, D) rows: blocks of rows, each one batch of 16 products as below
             step = 16 * SUM_BLOCK
-            parts = (_masked_sums(t[s : s + step], mf[s : s + step], False) for s in range(0, o, step))
+            parts = (_masked_sums(t[s : s + step], mf[s : s + step], False, square) for s in range(0, o, step))
         total = None
         for part in parts:
             total = part.to(wide) if total is None else total.add_(part)
         return total.to(t.dtype)
+    if per_outer:
+        # a sample's sums by torch's own reduction, not a BLAS product: MKL's GEMM rounds by the data's
+        # address (it peels to an aligned start), so a sample inside a batch -- at offset i * C * I --
+        # and the same sample alone summed differently in their last bits (measured: every 16-byte
+        # offset class of an AVX2 CPU's sgemm). torch's reduction orders a row's terms by their
+        # index only, and the blocks above keep the products' temporary small and every row shorter
+        # than ATen's split of one long reduction across threads (SPLIT_ELEMENTS): scope isolation.
+        # The square as (t * t) * m, in one temporary: padding too large to square makes the sum
+        # non-finite (inf * 0), which sends the call to the statistics with the padding set to 0 --
+        # and the backward then keeps that padding out of its masked term (see _MaskedApply)
+        m = mf.unsqueeze(1)
+        return (torch.mul(t, t).mul_(m) if square else torch.mul(t, m)).sum(-1)
+    t = t * t if square else t  # a block's squares (BatchNorm's sums), not the whole input's
     if not per_outer and i == 1:
         # (B*S, D) rows: one matrix-vector product, split into a batch of them -- BLAS runs a
         # batch of 16 several times faster than the single long product
         b = math.gcd(o, 16)
         return torch.bmm(mf.view(b, 1, o // b), t.view(b, o // b, c)).sum(0)
-    # mf as a transposed (O, I, 1) view: BLAS takes this layout as one batched GEMM, several times
-    # faster than the contiguous (O, I, 1) column it treats as O separate matrix-vector products
+    # statistics shared by the whole batch (BatchNorm): one scope, so no isolation to keep. mf as a
+    # transposed (O, I, 1) view: BLAS takes this layout as one batched GEMM, several times faster
+    # than the contiguous (O, I, 1) column it treats as O separate matrix-vector products
     col = mf.unsqueeze(1).transpose(1, 2)
-    if o == 1 and per_outer:
-        # torch runs a bmm of one matrix as a plain mm, another BLAS kernel with other roundings than
-        # the batched GEMM of every larger batch: a sample alone would differ in its last bits from the
-        # same sample in a batch (scope isolation). A stride-0 batch of two takes the batched kernel
-        # without a copy; its first result is the sample's
-        return torch.bmm(t.expand(2, c, i), col.expand(2, i, 1))[:1].view(o, c)
-    sums = torch.bmm(t, col).view(o, c)
-    return sums if per_outer else sums.sum(0, keepdim=True)
+    return torch.bmm(t, col).view(o, c).sum(0, keepdim=True)
 
 
 def _affine(t: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
@@ -218,9 +230,7 @@ def _stats(x3: Tensor, mf: Tensor, v: _View, eps: float, constant_bias: bool = F
     # corrected two-pass (as reference.moments): the deviations' own mean removes the rounding of
     # the first mean from both moments
     shift = _to_scopes(_masked_sums(d, mf, v.per_outer), v.groups) / denom
-    sq = d * d
-    s2 = _to_scopes(_masked_sums(sq, mf, v.per_outer), v.groups)
-    del sq  # freed before apply allocates the output
+    s2 = _to_scopes(_masked_sums(d, mf, v.per_outer, square=True), v.groups)
     # as reference.moments: shift^2 clamped finite, so a scope whose squares overflow has variance inf, not NaN
     var = (s2 / denom - (shift * shift).clamp_max(torch.finfo(shift.dtype).max)).clamp_min(0)
     valid = count > 0
