@@ -14,6 +14,7 @@ import pickle
 import pytest
 import torch
 
+import normscope.functional_modern as FM
 from normscope.integrations import transformers as hf
 
 transformers = pytest.importorskip("transformers")
@@ -167,15 +168,36 @@ def test_a_class_normscope_does_not_reproduce_is_refused_with_a_reason():
 
 
 def test_an_instance_built_with_other_options_keeps_the_original_forward():
+    from transformers.models.convnext import modeling_convnext as modeling
+
+    original = modeling.ConvNextLayerNorm
+    assert hf.patch_classes("convnext").replaced == {"ConvNextLayerNorm": 1}
+    as_probed = modeling.ConvNextLayerNorm(16, eps=1e-6)
+    other = modeling.ConvNextLayerNorm(16, eps=1e-6, data_format="channels_first")  # not what the probe saw
+    assert as_probed._normscope_exact and not other._normscope_exact
+    x = torch.randn(3, 16, 4, 4)
+    assert torch.equal(other(x), original.forward(other, x))
+
+
+def test_a_class_whose_gradient_bits_differ_is_left_alone():
+    # Gemma 3n's RMSNorm gives the output's bits but normalizes by pow(v, -0.5), whose gradient rounds
+    # otherwise than rsqrt's: a patched layer must train as the original does, so it is not patched
     from transformers.models.gemma3n import modeling_gemma3n as modeling
 
-    original = modeling.Gemma3nRMSNorm
-    assert hf.patch_classes("gemma3n").replaced == {"Gemma3nRMSNorm": 1}
-    as_probed = modeling.Gemma3nRMSNorm(16, eps=1e-6)
-    other = modeling.Gemma3nRMSNorm(16, eps=1e-6, with_scale=False)  # not what the probe saw
-    assert as_probed._normscope_exact and not other._normscope_exact
-    x = torch.randn(3, 16)
-    assert torch.equal(other(x), original.forward(other, x))
+    norm = modeling.Gemma3nRMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    ours = FM.rms_norm(x, 16, norm.weight, 1e-6, casting="gemma")
+    assert torch.equal(ours, norm(x))  # the output's bits ...
+    dy = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    g_ours = torch.autograd.grad(ours, x, dy)[0]
+    g_module = torch.autograd.grad(norm(x), x, dy)[0]
+    assert not torch.equal(g_ours, g_module)  # ... not the input gradient's
+    how, why = hf.probe_class(modeling.Gemma3nRMSNorm)
+    assert how is None and "gradient of input" in why
+    model = torch.nn.Sequential(norm)
+    assert "Gemma3nRMSNorm" in hf.patch(model).skipped and type(model[0]) is modeling.Gemma3nRMSNorm
 
 
 def test_patched_layer_pickles_and_trains():
