@@ -329,7 +329,10 @@ def test_batch_norm_forward_with_a_view_as_weight_is_torchs_bits(
 def test_batch_norm_evaluation_of_a_channel_slice_is_batch_invariant(dtype, shape, channels_last, backend):
     """Evaluation BatchNorm of ``h[:, :C]`` (a channel slice, ``chunk``'s halves): each sample's output
     and input gradient are the same bits alone as in its batch (torch.nn's own layer differs, taking
-    another kernel for the batch's strides), and no further from float64 than torch's (rms error)."""
+    another kernel for the batch's strides): torch.nn's bits for the same values made dense. Both of
+    torch's kernels round the same formula once; which lands nearer float64 depends on the CPU (on an
+    Intel Xeon the strided one was 1.3-2.4x further in rms, on an AMD EPYC 1.3x nearer at (24, 3)), so
+    the error against float64 is held within 1.5x of the strided kernel's."""
     torch.manual_seed(0)
     c = shape[1]
     big = torch.randn(shape[0], 2 * c, *shape[2:]) * 2 + 1
@@ -359,4 +362,6 @@ def test_batch_norm_evaluation_of_a_channel_slice_is_batch_invariant(dtype, shap
     def rms(a, t):
         return (a.double() - t).pow(2).mean().sqrt().item()
 
-    assert rms(y, y64) <= rms(yt, y64) * 1.0001 and rms(g, g64) <= rms(gt, g64) * 1.0001
+    yd = F.batch_norm(x.detach().contiguous(), rm, rv, w, b, False)
+    assert torch.equal(y, yd), "torch.nn's bits for the dense input"
+    assert rms(y, y64) <= rms(yt, y64) * 1.5 and rms(g, g64) <= rms(gt, g64) * 1.0001

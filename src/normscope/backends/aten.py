@@ -226,8 +226,9 @@ def _bn_layout(call: Call) -> tuple[Callable[..., tuple] | None, bool]:
       forward on torch.nn's kernel (:func:`_read_through_a_stride`). Elsewhere they are left as
       given: the half types' kernels read them right.
     * **Evaluation of an input in neither contiguous layout** (a channel slice of a larger batch,
-      ``h.chunk(2, dim=1)``'s halves; every dtype): ATen takes another kernel, measured 1.3-2.4x
-      further from float64 (rms error of output and input gradient, fp32/fp16/bf16), and a sample
+      ``h.chunk(2, dim=1)``'s halves; every dtype): ATen takes another kernel -- on an Intel Xeon
+      1.3-2.4x further from float64 (rms error of output and input gradient, fp32/fp16/bf16), on an AMD
+      EPYC about as near (its fp32 output 1.3x nearer at (24, 3)) -- and a sample
       alone -- contiguous: its one-sample batch stride is never read -- would take the contiguous
       one, so its result would depend on its batch (torch.nn's own layer gives it other bits in and
       out of its batch). Such an input runs as a contiguous copy: evaluation normalizes each element
