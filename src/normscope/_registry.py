@@ -420,9 +420,9 @@ def _paired(inner: Runner, alone: Runner, lone: bool = False) -> Runner:
     is one pass, whatever it reduces into: the sample alone (``alone``), half the work. ``lone``: paired
     only as a lone group (:func:`_lone_group`), whose order is ATen's contiguous GroupNorm kernel's
     backward's: where no input gradient is recorded (inference, a frozen input) the forward alone has the
-    batch's bits, and runs alone at half the work; a channels_last sample (torch's own test of its strides, decided per call -- a plan serves every
-    layout) runs the channels_last kernel alone as in a batch, and the stride-0 pair, which is not
-    channels_last, would take it to the contiguous one."""
+    batch's bits, and runs alone at half the work; a channels_last sample (torch's own test of its
+    strides, decided per call -- a plan serves every layout) runs the channels_last kernel alone as in
+    a batch, and the stride-0 pair, which is not channels_last, would take it to the contiguous one."""
 
     def run(c: Call):
         if _threads() == 1 or lone and (strides_like_channels_last(c.x) or not _input_grad(c)):

@@ -712,9 +712,9 @@ def convert(
         try:
             _resolve_name(to)  # fail fast on a bad name, before touching the model
         except ValueError as e:  # get_norm's message names its own argument, `spec`: name convert's
-            forms = str(e).removeprefix("get_norm: unknown norm in `spec`: expected ")
+            why = str(e).removeprefix("get_norm: ").replace("`spec`", "`to`")
             raise ValueError(
-                f"convert: unknown `to`: expected None, 'normscope', 'torch' or a normscope.get_norm spec -- {forms}"
+                f"convert: expected `to` to be None, 'normscope', 'torch' or a normscope.get_norm spec -- {why}"
             ) from None
     elif to is not None and not isinstance(to, str) and not callable(to):
         raise TypeError(
