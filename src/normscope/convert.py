@@ -709,13 +709,8 @@ def convert(
     lossless = to is None or (isinstance(to, str) and to in ("normscope", "torch"))
     reverse = to == "torch"
     if isinstance(to, str) and not lossless:
-        try:
-            _resolve_name(to)  # fail fast on a bad name, before touching the model
-        except ValueError as e:  # get_norm's message names its own argument, `spec`: name convert's
-            why = str(e).removeprefix("get_norm: ").replace("`spec`", "`to`")
-            raise ValueError(
-                f"convert: expected `to` to be None, 'normscope', 'torch' or a normscope.get_norm spec -- {why}"
-            ) from None
+        # fail fast on a bad name, before touching the model
+        _resolve_name(to, "convert", "to", also="None, 'normscope', 'torch' or ")
     elif to is not None and not isinstance(to, str) and not callable(to):
         raise TypeError(
             "convert: expected `to` to be None, 'normscope', 'torch' or a normscope.get_norm spec (a name, a class "

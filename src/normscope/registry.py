@@ -172,7 +172,12 @@ def _forms() -> str:
     return f"one of: {', '.join(norm_names())}, or 'group:G' with G a positive integer"
 
 
-def _resolve_name(name: str) -> tuple[Callable[..., nn.Module], dict[str, Any]]:
+def _resolve_name(
+    name: str, where: str = "get_norm", argument: str = "spec", also: str = ""
+) -> tuple[Callable[..., nn.Module], dict[str, Any]]:
+    """The factory and extra options ``name`` stands for; refusals name the caller (``where``), its
+    argument (``argument``) and the other forms it accepts (``also``, before the names):
+    :func:`get_norm`'s ``spec``, :func:`normscope.convert`'s ``to``."""
     key, sep, arg = name.partition(":")
     if key not in _REGISTRY:
         # timm's names as timm's get_norm_layer matches them: "Group_Norm", "LayerNorm2d"
@@ -183,16 +188,17 @@ def _resolve_name(name: str) -> tuple[Callable[..., nn.Module], dict[str, Any]]:
         hint = ""
         if key.strip().lower() in _REGISTRY or key.strip().lower().replace("_", "") in TIMM_NAMES:
             hint = " (names are exact: lower-case, no surrounding spaces)"
-        raise ValueError(f"get_norm: unknown norm in `spec`: expected {_forms()}{hint}; got {name!r}")
+        raise ValueError(f"{where}: unknown norm in `{argument}`: expected {also}{_forms()}{hint}; got {name!r}")
     extra: dict[str, Any] = {}
     if sep:
         if key not in ("group", "groupnorm"):
             raise ValueError(
-                f"get_norm: only 'group:G' takes an argument; expected `spec` {key!r} without ':', got {name!r}"
+                f"{where}: only 'group:G' takes an argument; expected `{argument}` {key!r} without ':', "
+                f"got {name!r}"
             )
         if not _GROUPS.fullmatch(arg):
             raise ValueError(
-                f"get_norm: expected `spec` 'group:G' with G a positive integer (ASCII digits, e.g. 'group:32'), "
+                f"{where}: expected `{argument}` 'group:G' with G a positive integer (ASCII digits, e.g. 'group:32'), "
                 f"got {name!r}"
             )
         extra["num_groups"] = int(arg)
@@ -202,7 +208,7 @@ def _resolve_name(name: str) -> tuple[Callable[..., nn.Module], dict[str, Any]]:
         try:
             target = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"get_norm: norm {key!r} needs {target}, which is not available: {e}") from e
+            raise ValueError(f"{where}: norm {key!r} needs {target}, which is not available: {e}") from e
     return target, extra
 
 
