@@ -338,10 +338,11 @@ def choose(call: Call, name: str) -> str:
 def prepare(name: str, call: Call, automatic: bool) -> tuple[str, Runner]:
     """``(name, runner)`` of backend ``name`` for ``call`` (an add_norm call on a backend that does
     not fuse the add: the add, then the backend's plain call). A CPU call of one large scope runs
-    as a batch of two (:func:`_pairs`)."""
-    if _pairs(call):
-        lone = math.prod(call.scope.shape) < SPLIT_ELEMENTS  # paired as a lone group only
-        return name, _paired(_prepare(name, _pair(call), automatic), _prepare(name, call, automatic), lone)
+    as a batch of two (:func:`_pairing`)."""
+    pairing = _pairing(call)
+    if pairing is not None:
+        inner, alone = _prepare(name, _pair(call), automatic), _prepare(name, call, automatic)
+        return name, _paired(inner, alone, lone=pairing == "lone")
     return name, _prepare(name, call, automatic)
 
 
@@ -363,21 +364,25 @@ SPLIT_ELEMENTS = 32768
 _threads = torch.get_num_threads
 
 
-def _pairs(call: Call) -> bool:
-    """Whether ``call`` is a CPU call of a single scope of :data:`SPLIT_ELEMENTS` elements or more
-    -- or a lone group of channels (:func:`_lone_group`), of any size -- whose first axis is a kept
-    axis of size 1 (a batch of one), without running statistics (the buffers' update reads the
-    batch). Not while tracing: sizes may be symbolic, and the bits of a compiled graph are the
-    compiler's."""
+def _pairing(call: Call) -> str | None:
+    """Why ``call`` runs as a stride-0 pair of its sample, or None: a CPU call of a single scope
+    whose first axis is a kept axis of size 1 (a batch of one), without running statistics (the
+    buffers' update reads the batch), of :data:`SPLIT_ELEMENTS` elements or more (``"large"``) -- or,
+    smaller, a lone group of channels (:func:`_lone_group`, ``"lone"``). Not while tracing: sizes may
+    be symbolic, and the bits of a compiled graph are the compiler's."""
     s = call.scope
     if call.x.device.type != "cpu" or call.running is not None or not s.shape or s.shape[0] != 1:
-        return False
+        return None
     if 0 in s.reduce or 0 in s.affine or tracing():
-        return False
+        return None
     n = math.prod(s.shape)
+    if s.count != n:
+        return None
+    if n >= SPLIT_ELEMENTS:
+        return "large"
     # a masked call never runs ATen's GroupNorm: a lone masked group runs alone (the composite path
     # lays a stride-0 pair out otherwise than the sample)
-    return s.count == n and (n >= SPLIT_ELEMENTS or call.mask is None and _lone_group(s))
+    return "lone" if call.mask is None and _lone_group(s) else None
 
 
 def _lone_group(s) -> bool:

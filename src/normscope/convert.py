@@ -464,13 +464,26 @@ def _grads_differ(ref: nn.Module, new: nn.Module, x: torch.Tensor) -> str | None
     in a training step on ``x``, else None: a conversion keeps the layer's training too. timm's
     ``LayerNormFp32`` in a bf16 model normalizes in fp32, and torch's LayerNorm on the bf16 tensors gives
     its output bits but bf16 weight and bias gradients ~8x further from float64 (0.22 vs 0.027)."""
-    with torch.enable_grad():
-        dy = _probe_input(tuple(x.shape), x.dtype, x.device).flip(-1)
-        found = []
-        for m in (ref, new):
-            xi = x.clone().requires_grad_()
-            named = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
-            grads = torch.autograd.grad(m(xi), [xi] + [p for _, p in named], dy, allow_unused=True)
+    dy = _probe_input(tuple(x.shape), x.dtype, x.device).flip(-1)
+    runs = [(m, [(n, p) for n, p in m.named_parameters() if p.requires_grad]) for m in (ref, new)]
+    return first_gradient_differing(runs, x, dy)
+
+
+def first_gradient_differing(
+    runs: list[tuple[Callable[[torch.Tensor], torch.Tensor], list[tuple[str, torch.Tensor]]]],
+    x: torch.Tensor,
+    dy: torch.Tensor,
+) -> str | None:
+    """Two training steps compared bit for bit: ``runs`` holds two ``(forward, named parameters)``, each
+    forward is run on a fresh copy of ``x`` requiring grad and differentiated with ``dy``; returns
+    ``"input"`` or the parameter's name where the first run's gradient differs from the second's (or
+    one of them has none), else None. A replacement layer -- a conversion, a patched class -- is
+    accepted only where its training is the original's too."""
+    found = []
+    with torch.inference_mode(False), torch.enable_grad():
+        for forward, named in runs:
+            xi = x.detach().clone().requires_grad_()
+            grads = torch.autograd.grad(forward(xi), [xi] + [p for _, p in named], dy, allow_unused=True)
             found.append(dict(zip(["input"] + [n for n, _ in named], grads)))
     want, got = found
     for name, a in want.items():

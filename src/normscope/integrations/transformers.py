@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from .. import _state, hot
 from .. import functional_modern as FM
-from ..convert import class_named, generated, named
+from ..convert import class_named, first_gradient_differing, generated, named
 from ..modules import LayerNorm, RMSNorm
 from ._probe import EPS_NAMES as _EPS_NAMES
 from ._probe import eps_of as _eps
@@ -420,29 +420,16 @@ def _agree(reference: Callable, m: nn.Module, x: Tensor, how: Exact) -> str | No
         return f"output {what} instead of {got.dtype} {tuple(got.shape)}"
     if not torch.equal(expected, got):
         return f"differs by {(expected.double() - got.double()).abs().max().item():.3g}"
-    return _grads_differ(reference, m, x, how)
-
-
-def _grads_differ(reference: Callable, m: nn.Module, x: Tensor, how: Exact) -> str | None:
-    """None if ``how`` gives the input's and the trainable parameters' gradients of ``reference(m, x)``
-    bit for bit, else which differs: a patched layer trains as the original does. Gemma 3n's RMSNorm
-    gives the output's bits but takes ``pow(v, -0.5)``, whose gradient rounds otherwise than
-    ``rsqrt``'s (an input gradient 2.4e-7 apart in fp32, as far from float64)."""
+    # the gradients too (input and trainable weights, bit for bit): a patched layer trains as the
+    # original does. Gemma 3n's RMSNorm gives the output's bits but takes ``pow(v, -0.5)``, whose
+    # gradient rounds otherwise than ``rsqrt``'s (an input gradient 2.4e-7 apart in fp32, as far from
+    # float64)
+    g = torch.Generator().manual_seed(3)
+    dy = torch.randn(tuple(expected.shape), generator=g).to(dtype=expected.dtype, device=expected.device)
     params = [(n, p) for n, p in m.named_parameters(recurse=False) if p.requires_grad]
-    found = []
-    with torch.inference_mode(False), torch.enable_grad():
-        dy = None
-        for fn in (reference, lambda m, x: _run(m, x, how)):
-            xi = x.detach().clone().requires_grad_()
-            y = fn(m, xi)
-            if dy is None:
-                g = torch.Generator().manual_seed(3)
-                dy = torch.randn(tuple(y.shape), generator=g).to(dtype=y.dtype, device=y.device)
-            found.append(torch.autograd.grad(y, [xi] + [p for _, p in params], dy, allow_unused=True))
-    for name, a, b in zip(["input"] + [n for n, _ in params], *found):
-        if (a is None) != (b is None) or a is not None and not torch.equal(a, b):
-            return f"differs in the gradient of {name}"
-    return None
+    runs = [(lambda xi: reference(m, xi), params), (lambda xi: _run(m, xi, how), params)]
+    name = first_gradient_differing(runs, x, dy)
+    return None if name is None else f"differs in the gradient of {name}"
 
 
 def _construct(cls: type) -> nn.Module:

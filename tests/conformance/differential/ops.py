@@ -1476,7 +1476,7 @@ THRESHOLDS = (
     Threshold("layer_norm", (600, 8), 1, F32, ("auto",), "ab", _BOUNDED, _row_stats),
     Threshold("group_norm", (300, 4, 2), 2, F32, ("auto",), "ab", _BOUNDED, _group_stats),
     Threshold("instance_norm", (200, 4, 3), 1, F32, ("auto",), "ab", _BOUNDED, _instance_stats),
-    # one sample alone past SPLIT_ELEMENTS runs as a stride-0 pair (_registry._pairs): the drawn inputs
+    # one sample alone past SPLIT_ELEMENTS runs as a stride-0 pair (_registry._pairing): the drawn inputs
     # (CAP) never hold such a sample, so this is the one case where the lone sample takes that road
     Threshold("layer_norm", (3, 33000), 1, F32, ("auto", "aten", "reference"), "ab", _SPLIT, _sample),
     Threshold("group_norm", (2, 4, 8500), 2, F32, ("auto", "aten", "reference"), "ab", _SPLIT, _sample),
