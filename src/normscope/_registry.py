@@ -149,7 +149,22 @@ class _UseBackend(contextlib.ContextDecorator):
         """As a decorator; a generator function's body runs in a block at each resumption (as
         torch.no_grad() does it), not only while the generator object is made -- the block closed
         before the body ever ran, which then ran on the automatic backend. Between resumptions the
-        consumer's code runs with its own backend."""
+        consumer's code runs with its own backend. A coroutine function's body runs in a block from
+        its start to its return, across its awaits: the block is the running task's own (a context
+        variable), so the tasks that run while it waits keep theirs."""
+        if inspect.isasyncgenfunction(func):
+            raise TypeError(
+                f"use_backend({self.name!r}) cannot decorate the async generator function {func.__qualname__}: "
+                "open a `with normscope.use_backend(...)` block inside its body instead"
+            )
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def coroutine(*args, **kwargs):
+                with self:
+                    return await func(*args, **kwargs)
+
+            return coroutine
         if not inspect.isgeneratorfunction(func):
             return super().__call__(func)
 

@@ -416,6 +416,52 @@ def test_use_backend_decorating_a_generator_function_forces_its_body_as_torch_no
     assert stop.value.value == "done" and engine.requested_backend() == "auto"
 
 
+def test_use_backend_decorating_a_coroutine_function_forces_its_body_across_its_awaits():
+    # ContextDecorator's block closed once the coroutine object was made, before its body ran: the body
+    # ran on the automatic backend. Now the body runs in a block of its own task, while another task
+    # running during its awaits keeps the automatic choice
+    x = torch.randn(4, 8)
+    expected = F.layer_norm(x, (8,))
+
+    @normscope.use_backend("reference")
+    async def forced(step: asyncio.Event, seen: list) -> torch.Tensor:
+        y = NF.layer_norm(x, (8,))
+        seen.append(("forced", normscope.last_backend(), engine.requested_backend()))
+        step.set()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        NF.layer_norm(x, (8,))
+        seen.append(("forced", normscope.last_backend(), engine.requested_backend()))
+        return y
+
+    async def free(step: asyncio.Event, seen: list) -> None:
+        await step.wait()  # runs while `forced` waits
+        NF.layer_norm(x, (8,))
+        seen.append(("free", normscope.last_backend(), engine.requested_backend()))
+
+    async def main():
+        step, seen = asyncio.Event(), []
+        y, _ = await asyncio.wait_for(asyncio.gather(forced(step, seen), free(step, seen)), _TIMEOUT)
+        return y, seen
+
+    y, seen = asyncio.run(main())
+    torch.testing.assert_close(y, expected)
+    assert seen == [
+        ("forced", "reference", "reference"),
+        ("free", "aten", "auto"),
+        ("forced", "reference", "reference"),
+    ], seen
+    assert engine.requested_backend() == "auto"
+
+
+def test_use_backend_refuses_to_decorate_an_async_generator_function():
+    async def agen():
+        yield NF.layer_norm(torch.randn(2, 4), (4,))
+
+    with pytest.raises(TypeError, match=r"use_backend\('reference'\) cannot decorate the async generator"):
+        normscope.use_backend("reference")(agen)
+
+
 def test_a_use_backend_block_left_in_another_thread_does_not_raise_from_its_exit():
     # a generator holding the block, started in one thread and finished in another: ContextVar.reset()
     # refuses a token of another context, and the exit raised that ValueError into the consumer. Now, as
