@@ -249,6 +249,19 @@ def all_masked(mask: Tensor | None) -> bool:
     returns the bias. An empty batch is not "all masked": it returns empty, as torch does."""
     if mask is None or not mask.numel() or mask.device.type == "meta":
         return False
-    if engine.tracing():
+    if engine.tracing() or _batched(mask):
         return False
     return not bool(mask.any())
+
+
+def _batched(t: Tensor) -> bool:
+    """Whether ``t`` is batched by a torch.func.vmap (at any of the transforms' levels it is wrapped in):
+    there a Python bool of its values is vmap's "data-dependent control flow" RuntimeError."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        if _functorch.is_batchedtensor(t):
+            return True
+        t = _functorch.get_unwrapped(t)
+    return False
+
+
+_functorch = torch._C._functorch

@@ -155,10 +155,15 @@ def update_running(call: Call, m: ref.Moments) -> None:
         if extra:
             mean, unbiased = mean.mean(extra, keepdim=True), unbiased.mean(extra, keepdim=True)
         f = run.momentum
+        # inside a torch.func grad transform (grad, vjp, jvp, jacrev, hessian) an in-place op on a buffer
+        # the transform captured raises ("would mutate a captured Tensor"); written through an alias of
+        # it -- a tensor of the transform's level, the buffer's memory -- it updates the buffer, as
+        # torch's instance_norm writes its running statistics (``at::alias(running_mean).copy_``)
+        alias = transformed()
         for buf, new in ((run.mean, mean), (run.var, unbiased)):
             acc = ref.acc_dtype(buf.dtype)
             upd = buf.to(acc) * (1 - f) + new.reshape(buf.shape).to(acc) * f
-            buf.copy_(upd)
+            (torch.ops.aten.alias(buf) if alias else buf).copy_(upd)
 
 
 def running_as_stats(call: Call) -> tuple[Tensor, Tensor]:

@@ -277,3 +277,32 @@ def test_ada_layer_norm_under_cpu_autocast_is_diffusers(kind, cls, x_dtype, cond
         got = ours(x, emb=cond) if kind == "zero" else ours(x, cond)
     for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "grad", "dual"])
+@pytest.mark.parametrize("backend", ["reference", None])
+def test_instance_norm_running_statistics_under_a_grad_transform_are_torchs(transform, backend):
+    # InstanceNorm with running statistics in training, under torch.func.grad/jvp or a forward-AD dual level:
+    # torch's instance_norm updates its buffers there (through an alias, a tensor of the transform's level);
+    # the reference backend copied into the captured buffer itself, and functorch raised "would mutate a
+    # captured Tensor". The oracle: torch.nn.InstanceNorm1d under the same transform
+    g = torch.Generator().manual_seed(7)
+    x, v = (torch.randn(3, 4, 6, generator=g, dtype=torch.float64) for _ in range(2))
+    theirs = nn.InstanceNorm1d(4, affine=True, track_running_stats=True).double()
+    ours = normscope.InstanceNorm1d(4, affine=True, track_running_stats=True).double()
+
+    def run(m):
+        if transform == "jvp":
+            return torch.func.jvp(m, (x,), (v,))[1]
+        if transform == "grad":
+            return torch.func.grad(lambda t: (m(t) ** 3).sum())(x)
+        with torch.autograd.forward_ad.dual_level():
+            return torch.autograd.forward_ad.unpack_dual(m(torch.autograd.forward_ad.make_dual(x, v))).tangent
+
+    want = run(theirs)
+    with normscope.use_backend(backend):
+        got = run(ours)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(theirs.running_mean, torch.zeros(4))  # the oracle did update them
+    torch.testing.assert_close(ours.running_mean, theirs.running_mean, rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(ours.running_var, theirs.running_var, rtol=1e-14, atol=1e-15)

@@ -696,3 +696,31 @@ class TestHostile:
 
     def test_powernorm_with_hostile_padding(self):
         _padding_has_no_influence(lambda: normscope.PowerNorm(C, warmup_iters=0), (4, 7, C), -1, "mixed")
+
+
+@pytest.mark.parametrize("backend_name", [None, "reference"])
+def test_masked_batch_norm_under_vmap_with_a_mask_per_member(backend_name):
+    # torch.func.vmap over an ensemble of batches, each with its own mask (and vmap of per-member gradients):
+    # the training check for an all-False mask asked bool(mask.any()) of the batched mask, and vmap raised
+    # its "data-dependent control flow" RuntimeError. The oracle: float64 masked statistics per member
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 4, 6, generator=g, dtype=torch.float64)
+    mask = torch.rand(2, 3, 6, generator=g) > 0.3
+    mask[:, 0, 0] = True
+
+    def masked_bn(xi, mi):
+        m = mi[:, None, :].double()
+        n = m.sum((0, 2), keepdim=True)
+        mean = (xi * m).sum((0, 2), keepdim=True) / n
+        var = ((xi - mean) ** 2 * m).sum((0, 2), keepdim=True) / n
+        return (xi - mean) / torch.sqrt(var + 1e-5) * m
+
+    bn = normscope.BatchNorm1d(4, track_running_stats=False).double()
+    with normscope.use_backend(backend_name):
+        y = torch.func.vmap(lambda xi, mi: bn(xi, mi) * mi[:, None, :])(x, mask)
+        gx = torch.func.vmap(torch.func.grad(lambda xi, mi: (bn(xi, mi) ** 3 * mi[:, None, :]).sum()))(x, mask)
+    want = torch.stack([masked_bn(x[i], mask[i]) for i in range(2)])
+    grad_want = torch.func.grad(lambda xi, mi: (masked_bn(xi, mi) ** 3).sum())
+    want_gx = torch.stack([grad_want(x[i], mask[i]) for i in range(2)])
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx, want_gx, rtol=1e-10, atol=1e-10)

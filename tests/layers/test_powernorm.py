@@ -468,3 +468,21 @@ def test_power_norm_training_refuses_before_its_state_moves(mutate, x, exc, frag
     good = torch.randn(4, 5, 6)
     m(good)
     refused_with_state_kept(m, mutate, good if x is None else x, exc, fragments)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_powernorm_made_on_meta_is_initialized_by_reset_parameters(affine):
+    # construction on device="meta", to_empty, reset_parameters: torch's way to build a large model without
+    # allocating it twice. PowerNorm had no reset_parameters: its weight and bias stayed uninitialized memory
+    pn = normscope.PowerNorm(4, affine=affine, device="meta").to_empty(device="cpu")
+    with torch.no_grad():
+        for t in pn.state_dict().values():
+            t.fill_(7)  # what uninitialized memory may hold
+    pn.reset_parameters()
+    want = {"running_phi": torch.ones(4), "ema_gz": torch.zeros(4), "num_batches_tracked": torch.tensor(0)}
+    if affine:
+        want.update(weight=torch.ones(4), bias=torch.zeros(4))
+    got = pn.state_dict()
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

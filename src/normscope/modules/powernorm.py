@@ -200,6 +200,14 @@ class PowerNorm(nn.Module):
         self.ema_gz.zero_()
         self.num_batches_tracked.zero_()
 
+    def reset_parameters(self) -> None:
+        """The state of a new layer, as torch's norms' ``reset_parameters``: what initializes a layer made on
+        ``device="meta"`` and moved with ``to_empty`` (whose memory is uninitialized)."""
+        self.reset_running_stats()
+        if self.affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
     def extra_repr(self) -> str:
         return (
             f"{self.num_features}, eps={self.eps}, alpha_fwd={self.alpha_fwd}, alpha_bkw={self.alpha_bkw}, "
