@@ -422,3 +422,29 @@ class TestHostile:
         x64 = x.double().requires_grad_()
         (want,) = torch.autograd.grad(fn64(x64), x64, c.double())
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
+
+    @pytest.mark.parametrize("default", (torch.float32, torch.float64), ids=str)
+    @pytest.mark.parametrize("path", ("evaluation", "training", "reference"))
+    def test_channels_op_keeps_the_custom_op_contract(self, path, default, monkeypatch):
+        """torch.library.opcheck's test_faketensor on the channels op, whatever torch's default dtype:
+        its valid-position count is fp32, as its fake says (the evaluation path and the reference built
+        it with ``torch.tensor(float)``: float64 after ``torch.set_default_dtype(torch.float64)``), and
+        no output aliases an input (the reference returned fp32 running statistics themselves as the
+        evaluation's mean and variance)."""
+        from normscope.kernels import channels as chn
+
+        if path == "reference":  # the plain-PyTorch fallback: a CPU tensor outside the interpreter
+            if DEV.type != "cpu":
+                pytest.skip("the fallback runs on CPU tensors")
+            monkeypatch.setenv("TRITON_INTERPRET", "0")
+        g = torch.Generator().manual_seed(14)
+        x = torch.randn(2, 3, 4, generator=g).to(DEV)
+        stats = (None, None) if path == "training" else (torch.zeros(3, device=DEV), torch.ones(3, device=DEV))
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            torch.library.opcheck(
+                chn.channels_fwd, (x, None, None, *stats, None, 1e-5), test_utils=("test_faketensor",)
+            )
+        finally:
+            torch.set_default_dtype(previous)
