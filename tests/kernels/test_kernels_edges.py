@@ -2,12 +2,15 @@
 each with their own optional affine in the one-launch QK-norm, empty input through every modern
 kernel op with autograd, masked BatchNorm with one valid position per channel or with padding that
 holds inf, NaN or values whose normalization overflows, and the fused add's residual sum rounded
-once. The oracle is the reference backend (plain PyTorch), torch.nn.functional or torch's own add."""
+once; running buffers that are views of a larger tensor and output cotangents of any strides
+(TestHostile). The oracle is the reference backend (plain PyTorch), torch.nn.functional (float64
+where the kernels' numbers are compared) or torch's own add."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import TEST_DEVICE
 
@@ -333,3 +336,115 @@ def test_a_channels_last_input_keeps_its_layout_on_the_kernels_as_on_the_referen
     for a, b in zip(want, got):
         assert b.stride() == a.stride(), (b.stride(), a.stride())
         torch.testing.assert_close(b, a)
+
+
+class TestHostile:
+    """Hostile layouts of the arguments the kernels do not own: running buffers that are views of a
+    larger tensor (the in-place update must land in the caller's view, as torch's does, and nowhere
+    else) and output cotangents of any strides (stride 0 from ``.sum()``, channels_last for an NCHW
+    output, transposed, offset storage). Oracles: torch.nn.functional in float64."""
+
+    @pytest.mark.parametrize("kind", ("strided", "offset"))
+    @pytest.mark.parametrize("masked", (False, True))
+    def test_running_buffers_as_views_are_updated_in_place(self, kind, masked):
+        g = torch.Generator().manual_seed(12)
+        c = 4
+        x = torch.randn(3, c, 5, generator=g) * 2 + 1
+        mask = torch.rand(3, 5, generator=g) < 0.6 if masked else None
+        if masked:
+            mask[0, :2] = True
+        base_m = torch.randn(2 * c + 3, generator=g).to(DEV)
+        base_v = (torch.rand(2 * c + 3, generator=g) + 0.5).to(DEV)
+        keep_m, keep_v = base_m.cpu().double(), base_v.cpu().double()
+        at = slice(None, 2 * c, 2) if kind == "strided" else slice(3, 3 + c)
+        rm, rv = base_m[at], base_v[at]
+        nf.batch_norm(x.to(DEV), rm, rv, None, None, True, 0.1, mask=None if mask is None else mask.to(DEV),
+                      backend="triton")  # fmt: skip
+        assert normscope.last_backend() == "triton"
+        # independent: the batch moments of the valid positions in float64, torch's update rule
+        valid = x.double().transpose(0, 1).reshape(c, -1)
+        if masked:
+            valid = valid[:, mask.reshape(-1)]
+        want_m, want_v = keep_m.clone(), keep_v.clone()
+        want_m[at] = 0.9 * keep_m[at] + 0.1 * valid.mean(1)
+        want_v[at] = 0.9 * keep_v[at] + 0.1 * valid.var(1, unbiased=True)
+        # the update lands in the caller's views, so in base; nothing outside the views moves
+        torch.testing.assert_close(base_m.cpu().double(), want_m, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(base_v.cpu().double(), want_v, rtol=1e-5, atol=1e-6)
+
+    _OPS = {
+        "layer_norm": (lambda x: nf.layer_norm(x, (x.shape[-1],), backend="triton"),
+                       lambda x: F.layer_norm(x, (x.shape[-1],))),
+        "rms_norm": (lambda x: nf.rms_norm(x, (x.shape[-1],), None, 1e-6, backend="triton"),
+                     lambda x: F.rms_norm(x, (x.shape[-1],), None, 1e-6)),
+        "group_norm": (lambda x: nf.group_norm(x, 2, backend="triton"), lambda x: F.group_norm(x, 2)),
+        "group_norm_cl": (
+            lambda x: nf.group_norm(x.contiguous(memory_format=torch.channels_last), 2, backend="triton"),
+            lambda x: F.group_norm(x, 2),
+        ),
+        "batch_norm": (lambda x: nf.batch_norm(x, None, None, None, None, True, backend="triton"),
+                       lambda x: F.batch_norm(x, None, None, None, None, True)),
+        "batch_norm_eval": (
+            lambda x: nf.batch_norm(x, torch.full((4,), 0.3, device=DEV), torch.full((4,), 2.0, device=DEV),
+                                    training=False, backend="triton"),
+            lambda x: F.batch_norm(x, torch.full((4,), 0.3, dtype=x.dtype, device=x.device),
+                                   torch.full((4,), 2.0, dtype=x.dtype, device=x.device)),
+        ),
+        "fused_add_rms_norm": (lambda x: nf.fused_add_rms_norm(x, x * 0.5, None, 1e-6, backend="triton")[0],
+                               lambda x: F.rms_norm(1.5 * x, (x.shape[-1],), None, 1e-6)),
+        "poly_norm": (
+            lambda x: FM.poly_norm(x, x.new_tensor([1.0, 2.0, 3.0]), x.new_tensor([0.5]), backend="triton"),
+            lambda x: sum(c * F.rms_norm(x**p, (x.shape[-1],), None, 1e-6) for c, p in ((1, 3), (2, 2), (3, 1))) + 0.5,
+        ),
+        "modulated_norm": (
+            lambda x: FM.modulated_norm(x, None, torch.full_like(x, 0.5), backend="triton"),
+            lambda x: F.layer_norm(x, (x.shape[-1],), None, None, 1e-6) * 1.5,
+        ),
+    }  # fmt: skip
+
+    @pytest.mark.parametrize("cot", ("stride0", "channels_last", "transposed", "offset"))
+    @pytest.mark.parametrize("op", list(_OPS))
+    def test_cotangent_of_any_strides(self, op, cot):
+        fn, fn64 = self._OPS[op]
+        g = torch.Generator().manual_seed(13)
+        x = torch.randn(2, 4, 3, 5, generator=g)
+        c = torch.randn(x.shape, generator=g)
+        c = {
+            "stride0": torch.tensor(1.3).expand(x.shape),  # what y.sum() hands back
+            "channels_last": c.contiguous(memory_format=torch.channels_last),
+            "transposed": c.transpose(0, -1).contiguous().transpose(0, -1),
+            "offset": torch.cat([torch.zeros(3), c.reshape(-1)])[3:].view(x.shape),
+        }[cot]
+        xl = x.to(DEV).requires_grad_()
+        y = fn(xl)
+        assert normscope.last_backend() == "triton"
+        (got,) = torch.autograd.grad(y, xl, c.to(DEV))
+        x64 = x.double().requires_grad_()
+        (want,) = torch.autograd.grad(fn64(x64), x64, c.double())
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
+
+    @pytest.mark.parametrize("default", (torch.float32, torch.float64), ids=str)
+    @pytest.mark.parametrize("path", ("evaluation", "training", "reference"))
+    def test_channels_op_keeps_the_custom_op_contract(self, path, default, monkeypatch):
+        """torch.library.opcheck's test_faketensor on the channels op, whatever torch's default dtype:
+        its valid-position count is fp32, as its fake says (the evaluation path and the reference built
+        it with ``torch.tensor(float)``: float64 after ``torch.set_default_dtype(torch.float64)``), and
+        no output aliases an input (the reference returned fp32 running statistics themselves as the
+        evaluation's mean and variance)."""
+        from normscope.kernels import channels as chn
+
+        if path == "reference":  # the plain-PyTorch fallback: a CPU tensor outside the interpreter
+            if DEV.type != "cpu":
+                pytest.skip("the fallback runs on CPU tensors")
+            monkeypatch.setenv("TRITON_INTERPRET", "0")
+        g = torch.Generator().manual_seed(14)
+        x = torch.randn(2, 3, 4, generator=g).to(DEV)
+        stats = (None, None) if path == "training" else (torch.zeros(3, device=DEV), torch.ones(3, device=DEV))
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(default)
+        try:
+            torch.library.opcheck(
+                chn.channels_fwd, (x, None, None, *stats, None, 1e-5), test_utils=("test_faketensor",)
+            )
+        finally:
+            torch.set_default_dtype(previous)

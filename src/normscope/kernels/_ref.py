@@ -204,9 +204,10 @@ def channels_fwd_ref(x3, weight, bias, mean_in, var_in, mask, eps):
     valid, or None) keeps, or the given ``mean_in``/``var_in`` (evaluation)."""
     acc = acc_dtype(x3.dtype)
     xf = x3.to(acc)
-    count = torch.tensor(float(x3.shape[0] * x3.shape[2]), device=x3.device)
+    count = torch.full((), float(x3.shape[0] * x3.shape[2]), dtype=torch.float32, device=x3.device)  # the fake's dtype
     if mean_in is not None:
-        mean, var = mean_in.to(acc), var_in.to(acc)
+        # copies, as the kernel's: a custom op's outputs never alias its inputs (fp32 buffers would)
+        mean, var = mean_in.to(acc, copy=True), var_in.to(acc, copy=True)
     elif mask is None:
         var, mean = torch.var_mean(xf, dim=(0, 2), correction=0)
     else:

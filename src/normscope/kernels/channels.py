@@ -274,7 +274,8 @@ def _channels_fwd_impl(
         rstd = torch.where(count > 0, torch.rsqrt(var + eps), torch.zeros_like(var))  # empty: y = bias
     else:
         mean, var = mean_in.float().clone(), var_in.float().clone()
-        count = torch.tensor(float(outer * inner), device=x3.device)
+        # fp32 as the fake says, whatever the default dtype; a fill on the device, not a host copy
+        count = torch.full((), float(outer * inner), dtype=torch.float32, device=x3.device)
         rstd = torch.rsqrt(var + eps)
     _, _, p, block_p, block_c, _ = _launch(x3)
     _apply_kernel[(triton.cdiv(p, block_p), triton.cdiv(c, block_c))](
