@@ -356,12 +356,14 @@ def prepare(name: str, call: Call, automatic: bool) -> tuple[str, Runner]:
     as a batch of two (:func:`_pairing`)."""
     pairing = _pairing(call)
     if pairing is not None:
-        inner, alone = _prepare(name, _pair(call), automatic), _prepare(name, call, automatic)
+        inner, alone = backend_runner(name, _pair(call), automatic), backend_runner(name, call, automatic)
         return name, _paired(inner, alone, lone=pairing == "lone")
-    return name, _prepare(name, call, automatic)
+    return name, backend_runner(name, call, automatic)
 
 
-def _prepare(name: str, call: Call, automatic: bool) -> Runner:
+def backend_runner(name: str, call: Call, automatic: bool) -> Runner:
+    """Backend ``name``'s runner for ``call`` as it stands (no pairing): an add_norm call on a backend
+    that does not fuse the add adds first, then runs the backend's plain call."""
     b = BACKENDS[name]
     if call.residual is None or b.fuses_residual:
         return b.prepare(call, automatic)

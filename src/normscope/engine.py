@@ -184,7 +184,7 @@ def recompute(call: Call, wide: bool = False) -> Tensor:
     :mod:`normscope.backends.aten`): there fp32 sums lose what float64 keeps -- measured, the output
     of mean 1e4, std 1e-2 fp32 input went from ~4e-2 off the float64 result to rounding."""
     report_backend("reference")
-    run = _BACKENDS["reference"].prepare(call, False)
+    run = _registry.backend_runner("reference", call, False)  # an add_norm call: the add, then the norm
     if not wide or call.x.dtype == torch.float64:
         return run(call)
 

@@ -36,7 +36,7 @@ from torch import Tensor
 from . import _checks as check
 from . import hot
 from .backends import TRITON
-from .engine import norm, requested_backend
+from .engine import compiling, norm, requested_backend, transformed
 from .reference import CASTINGS, acc_dtype
 from .scope import Scope
 
@@ -80,6 +80,20 @@ def _choice(value: object, name: str, options: Sequence[str], where: str) -> Non
         raise ValueError(f"{where}: expected `{name}` to be one of {tuple(options)}, got {value!r}")
 
 
+def _fused(backend: str | None) -> tuple[bool, str | None]:
+    """``(fused, backend)``: whether a modern op runs its fused Triton kernel -- ``backend="triton"``
+    requested (forced) -- and the backend its composition runs on otherwise. Inside torch.func transforms
+    and forward-mode AD the kernels have no batching or forward-derivative rules (functorch raised
+    "Cannot access storage of TensorWrapper"): there a forced ``"triton"`` runs the composition on the
+    reference (``last_backend()`` says so). While dynamo traces, ``transformed()`` answers True whatever
+    runs: the kernels' custom ops are traced."""
+    if requested_backend(backend) != "triton":
+        return False, backend
+    if compiling() or not transformed():
+        return True, backend
+    return False, "reference"
+
+
 def _prod(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:
@@ -114,8 +128,6 @@ class FamilySettings(NamedTuple):
     weight_offset: float
     offset_type: type
     casting: str
-
-
 
 
 def last_axes(
@@ -175,7 +187,8 @@ def _last_axes(settings: LastAxesSettings | FamilySettings, input, weight, bias,
     _choice(casting, "casting", CASTINGS, where)
     _optional(weight, "weight", shape, input, where)
     _optional(bias, "bias", shape, input, where)
-    if casting != "llama" and requested_backend(backend) == "triton":
+    fused, backend = _fused(backend)
+    if casting != "llama" and fused:
         # forced: one launch, the rows kernel forms w + offset in fp32 and rounds the result once
         return _triton_door.offset_rows_norm(input, _prod(shape), weight, bias, eps, centered, offset)
     return norm(input, scope, weight, bias, eps, backend=backend, weight_offset=offset, casting=casting)
@@ -378,7 +391,8 @@ def modulated_norm(
     if norm == "rms" and bias is not None:
         raise ValueError(f"{where}: norm='rms' takes no `bias` (got one of shape {tuple(bias.shape)})")
     shift, scale = mods
-    if requested_backend(backend) == "triton":  # forced: the fused kernel, or ValueError saying why
+    fused, backend = _fused(backend)
+    if fused:  # forced: the fused kernel, or ValueError saying why
         if casting == "eager":
             raise ValueError(
                 f"{where}: backend 'triton' cannot run casting='eager' (the fused kernel rounds once, as "
@@ -485,7 +499,8 @@ def qk_norm(
         pshape = (d,) if per_head else (heads, d)
         _optional(w, f"{name}_weight", pshape, t, where)
         _optional(b, f"{name}_bias", pshape, t, where)
-    if casting != "llama" and requested_backend(backend) == "triton" and (per_head or layout == "bshd"):
+    fused, backend = _fused(backend)
+    if casting != "llama" and fused and (per_head or layout == "bshd"):
         # q and k in one launch; rows of head_dim, or of H * head_dim (all heads of a token: adjacent
         # in (B, S, H, D)); the scale w + offset formed in fp32, the result rounded once
         n = q.shape[-1] if per_head else q.shape[-1] * q.shape[-2]
@@ -546,7 +561,8 @@ def poly_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-6, *, bac
         if t.device != x.device:
             raise ValueError(f"{where}: expected `{name}` on {x.device} (x's device), got {t.device}")
     eps = _eps(eps, where)
-    if requested_backend(backend) == "triton":  # forced: one fused launch, or ValueError saying why
+    fused, backend = _fused(backend)
+    if fused:  # forced: one fused launch, or ValueError saying why
         return _triton_door.poly_norm(x, weight, bias, eps)
     acc = acc_dtype(x.dtype)
     xf, w = x.to(acc), weight.to(acc)
@@ -609,7 +625,8 @@ def derf(
     c = x.shape[channel_dim]
     _optional(weight, "weight", (c,), x, where)
     _optional(bias, "bias", (c,), x, where)
-    if requested_backend(backend) == "triton":  # forced: the fused kernel, or ValueError saying why
+    fused, backend = _fused(backend)
+    if fused:  # forced: the fused kernel, or ValueError saying why
         if channel_dim not in (-1, x.dim() - 1) or not isinstance(alpha, Tensor) or not isinstance(shift, Tensor):
             raise ValueError(
                 f"{where}: backend 'triton' runs Derf with the features on the last axis and alpha/shift as "

@@ -448,3 +448,89 @@ class TestHostile:
             )
         finally:
             torch.set_default_dtype(previous)
+
+
+_TRANSFORMED = {
+    "layer_norm": (lambda: normscope.LayerNorm(8), lambda: torch.nn.LayerNorm(8), (3, 8)),
+    "rms_norm": (lambda: normscope.RMSNorm(8), lambda: torch.nn.RMSNorm(8), (3, 8)),
+    "group_norm": (lambda: normscope.GroupNorm(2, 4), lambda: torch.nn.GroupNorm(2, 4), (3, 4, 5)),
+    "batch_norm_eval": (lambda: normscope.BatchNorm1d(4).eval(), lambda: torch.nn.BatchNorm1d(4).eval(), (3, 4, 5)),
+    "instance_norm": (lambda: normscope.InstanceNorm1d(4), lambda: torch.nn.InstanceNorm1d(4), (3, 4, 5)),
+}
+
+
+def _transform(how: str, m, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if how == "jvp":
+        return torch.func.jvp(m, (x,), (v,))[1]
+    if how == "vmap":
+        return torch.func.vmap(m)(x.unsqueeze(1))
+    if how == "grad":
+        return torch.func.grad(lambda t: (m(t) * v).sum())(x)
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        return fwAD.unpack_dual(m(fwAD.make_dual(x, v))).tangent
+
+
+class TestTransforms:
+    """torch.func transforms and forward-mode AD with the Triton backend forced: the kernels are custom
+    ops and autograd.Functions with no batching or forward-derivative rules, and raised functorch's
+    "Cannot access storage of TensorWrapper", "must override the setup_context staticmethod" or "must
+    implement the jvp function" (and InstanceNorm's dual tangent came back None). There the call runs on
+    the reference and says so in last_backend(); the oracle is torch.nn's layer under the same transform."""
+
+    @pytest.mark.parametrize("how", ("jvp", "vmap", "grad", "dual"))
+    @pytest.mark.parametrize("op", sorted(_TRANSFORMED))
+    def test_a_forced_kernel_inside_a_transform_gives_torchs_result(self, op, how):
+        ours, theirs, shape = _TRANSFORMED[op]
+        g = torch.Generator().manual_seed(0)
+        x, v = (torch.randn(shape, generator=g).to(DEV) for _ in range(2))
+        m, tm = ours().to(DEV), theirs().to(DEV)
+        with normscope.use_backend("triton"):
+            got = _transform(how, m, x, v)
+            assert normscope.last_backend() == "reference"
+        torch.testing.assert_close(got, _transform(how, tm, x, v), rtol=1e-5, atol=1e-5)
+
+    @pytest.mark.parametrize("how", ("jvp", "vmap"))
+    def test_modern_ops_forced_on_the_kernels_inside_a_transform_run_their_composition(self, how):
+        g = torch.Generator().manual_seed(1)
+        x, v = (torch.randn(3, 8, generator=g).to(DEV) for _ in range(2))
+        w, b = torch.randn(3, generator=g).to(DEV), torch.randn((), generator=g).to(DEV)
+        shift, scale = torch.randn(3, 8, generator=g).to(DEV), torch.randn(3, 8, generator=g).to(DEV)
+        ops = {
+            "poly_norm": lambda t, sh, sc, backend: FM.poly_norm(t, w, b.reshape(1), backend=backend),
+            "modulated_norm": lambda t, sh, sc, backend: FM.modulated_norm(t, sh, sc, backend=backend),
+            "gemma rms_norm": lambda t, sh, sc, backend: FM.rms_norm(t, 8, None, 1e-6, weight_offset=1.0,
+                                                                  casting="gemma", backend=backend),
+        }  # fmt: skip
+
+        def run(op, backend):
+            if how == "vmap":
+                return torch.func.vmap(lambda t, sh, sc: op(t[None], sh[None], sc[None], backend)[0])(x, shift, scale)
+            return torch.func.jvp(lambda t: op(t, shift, scale, backend), (x,), (v,))[1]
+
+        for name, op in ops.items():
+            torch.testing.assert_close(run(op, "triton"), run(op, None), rtol=1e-5, atol=1e-5, msg=name)
+
+    def test_batch_norm_evaluation_double_backward(self):
+        """create_graph=True through BatchNorm's evaluation kernel differentiated its saved running
+        statistics -- the op's own outputs -- and reached its own backward again with no output gradient
+        (AttributeError: 'NoneType' object has no attribute 'to'). The oracle: torch.nn's layer."""
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(3, 4, 5, generator=g).to(DEV)
+        m, tm = normscope.BatchNorm1d(4).to(DEV).eval(), torch.nn.BatchNorm1d(4).to(DEV).eval()
+        with torch.no_grad():
+            for a in (m, tm):
+                a.running_mean.copy_(torch.linspace(-1, 1, 4))
+                a.running_var.copy_(torch.linspace(0.5, 2, 4))
+                a.weight.copy_(torch.linspace(0.5, 1.5, 4))
+
+        def second(layer):
+            xi = x.clone().requires_grad_()
+            (gx,) = torch.autograd.grad((layer(xi) ** 3).sum(), xi, create_graph=True)
+            return torch.autograd.grad((gx**2).sum(), [xi, layer.weight])
+
+        with normscope.use_backend("triton"):
+            got = second(m)
+        for a, b in zip(got, second(tm)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -121,17 +121,23 @@ def _kind(s) -> tuple[str, int] | None:
 
 
 def prepare(call: Call, automatic: bool) -> Runner:
-    run = _kernel_runner(call)
-    if ref.constant_gives_bias(call.scope, call.op, call.x.device):
-        kernel = run
+    kernel = _kernel_runner(call)
+    # torch's CPU batch_norm kernel (BatchNorm's, InstanceNorm's) gives a scope of zero variance rstd 0
+    # when eps == 0 -- the bias and zero gradients, not 1 / sqrt(0)'s NaN, which the kernels' rsqrt(var +
+    # eps) gives, as torch's CUDA kernels do (reference.constant_gives_bias: CPU tensors, the
+    # interpreter's). eps is no part of a plan's signature, so the call is told at run time, and runs on
+    # the reference, which computes it so
+    eps_zero_bias = ref.constant_gives_bias(call.scope, call.op, call.x.device)
 
-        def run(c: Call) -> Tensor:
-            # torch's CPU batch_norm kernel (BatchNorm's, InstanceNorm's) gives a scope of zero variance
-            # rstd 0 when eps == 0 -- the bias and zero gradients, not 1 / sqrt(0)'s NaN, which the kernels'
-            # rsqrt(var + eps) gives, as torch's CUDA kernels do (reference.constant_gives_bias: CPU tensors,
-            # the interpreter's). eps is no part of a plan's signature, so the call is told at run time, and
-            # runs on the reference, which computes it so
-            return engine.recompute(c) if c.eps == 0 else kernel(c)
+    def run(c: Call) -> Tensor:
+        # torch.func transforms (vmap, grad, jvp, ...) and forward-mode AD's dual tensors: the kernels are
+        # custom ops and autograd.Functions with neither batching nor forward-derivative rules (functorch's
+        # "Cannot access storage of TensorWrapper", "must implement the jvp function"); the reference's
+        # plain ops run there, as torch's own norms do. Asked at run time: one plan serves calls inside
+        # transforms and out of them
+        if _transformed() or eps_zero_bias and c.eps == 0:
+            return engine.recompute(c)
+        return kernel(c)
 
     if not automatic or call.residual is not None or aten.why_not(call) is not None:
         return run
@@ -142,12 +148,20 @@ def prepare(call: Call, automatic: bool) -> Runner:
         # bf16 LayerNorm gives fp32 output), which the kernels, custom ops, do not: a choice made for
         # speed hands such a call to torch's op, the same op autocast sees in torch.nn's layer. Asked at
         # run time: the plan of a signature is made once, inside autocast or out of it
-        if torch.is_autocast_enabled(c.x.device.type):
+        if torch.is_autocast_enabled(c.x.device.type) or _transformed():
+            # and under transforms (see run above) torch's op, the one torch.nn's layer runs there
             engine.report_backend(aten.NAME)
             return torch_op(c)
         return run(c)
 
     return run_auto
+
+
+def _transformed() -> bool:
+    """Whether a call runs inside a torch.func transform or forward-mode AD (:func:`normscope.engine.
+    transformed`), not while dynamo traces -- where that answers True whatever runs, and the kernels'
+    custom ops are what a compiled graph holds."""
+    return not engine.compiling() and engine.transformed()
 
 
 def _kernel_runner(call: Call) -> Runner:

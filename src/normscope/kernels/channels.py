@@ -394,6 +394,10 @@ def _backward_differentiable(ctx, dy, x3, weight, mean, rstd, mask):
                 y = _ref_fwd(xs, weight, None, None, None, mask, ctx.eps)[0]
             else:
                 acc = torch.float64 if x3.dtype == torch.float64 else torch.float32
+                # the running statistics are constants; detached, since the saved ``mean``/``rstd`` are
+                # this op's own outputs, through which the grad below reached this backward again, with
+                # no output gradient (None: AttributeError)
+                mean, rstd = mean.detach(), rstd.detach()
                 y = (x3.to(acc) - mean.to(acc)[:, None]) * rstd.to(acc)[:, None]
                 y = (y * weight.to(acc)[:, None] if weight is not None else y).to(x3.dtype)
             grads = list(torch.autograd.grad(y, wanted, dy.to(y.dtype), create_graph=True))
