@@ -101,6 +101,13 @@ CASES = [
      ["axis 5", "rank 3", "[-3, 2]"]),
     ("normalize_eps", lambda: normscope.normalize(x3, dims=-1, eps=-1), ValueError,
      ["`eps`", "non-negative", "got -1"]),
+    # not a real number: a TypeError, as every other op's eps (docs/differences.md); was a ValueError here
+    ("normalize_eps_tensor", lambda: normscope.normalize(x3, dims=-1, eps=torch.tensor(1e-5)), TypeError,
+     ["normalize", "`eps`", "got Tensor tensor(1.0000e-05)"]),
+    ("normalize_eps_str", lambda: normscope.normalize(x3, dims=-1, eps="1e-5"), TypeError,
+     ["normalize", "`eps`", "got str '1e-5'"]),
+    ("adain_eps_bool", lambda: F.adain(torch.randn(2, 3, 4), torch.randn(2, 3, 5), eps=True), TypeError,
+     ["adain", "`eps`", "got bool True"]),
     ("normalize_groups", lambda: normscope.normalize(x3, keep=0, groups=4), ValueError,
      ["axis 1, got 6", "groups=4"]),
     ("normalize_weight_shape", lambda: normscope.normalize(x3, dims=-1, weight=torch.ones(3)), ValueError,
