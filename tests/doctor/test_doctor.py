@@ -393,6 +393,27 @@ def test_bias_before_batchnorm_found_and_the_fix_keeps_eval_outputs():
         torch.testing.assert_close(fixed(x), before, rtol=1e-5, atol=1e-5)
 
 
+def test_bias_before_groupnorm_with_one_channel_per_group_found_and_fixed():
+    # GroupNorm(C, C) is InstanceNorm's scope: the per-(sample, channel) mean removes a conv's bias. It was
+    # not reported (only BatchNorm/InstanceNorm classes were), and the fix line read `norm.running_mean`,
+    # which a GroupNorm does not have. Oracle: the model's output with the bias zeroed, computed here.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(8, 8))
+    x = torch.randn(4, 3, 6, 6)
+    with torch.no_grad():
+        model[0].bias.uniform_(-2, 2)
+        before = model(x)
+        without = copy.deepcopy(model)
+        without[0].bias.zero_()
+        torch.testing.assert_close(without(x), before, rtol=1e-5, atol=1e-5)  # the bias cannot matter
+    f = _only(doctor(model, x, checks=["bias-before-norm"]), "bias-before-norm", "1")
+    assert f.measured["producer"] == "0"
+    fixed, lines = apply_fixes(model, doctor(model, x, checks=["bias-before-norm"]))
+    assert fixed[0].bias is None and lines
+    with torch.no_grad():
+        torch.testing.assert_close(fixed(x), before, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "healthy",
     [
