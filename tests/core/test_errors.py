@@ -42,6 +42,13 @@ CASES = [
     ("bn1d_ndim", lambda: normscope.BatchNorm1d(6)(torch.randn(2, 6, 5, 5)), ValueError, ["2D or 3D", "got 4D"]),
     ("bn1d_channels", lambda: normscope.BatchNorm1d(6)(torch.randn(2, 5, 3)), ValueError,
      ["BatchNorm1d(6)", "6 channels at dim 1", "got 5"]),
+    # the channels on the last axis: said, with the way out (BatchNorm1d takes channel_dim=-1; 2d/3d do not)
+    ("bn1d_channels_last", lambda: normscope.BatchNorm1d(6)(torch.randn(4, 10, 6)), ValueError,
+     ["BatchNorm1d(6)", "6 channels at dim 1", "got 10", "the last axis has 6", "channel_dim=-1"]),
+    ("brn1d_channels_last", lambda: normscope.BatchRenorm1d(6)(torch.randn(4, 10, 6)), ValueError,
+     ["BatchRenorm1d(6)", "got 10", "the last axis has 6", "channel_dim=-1"]),
+    ("bn2d_channels_last", lambda: normscope.BatchNorm2d(6)(torch.randn(2, 8, 8, 6)), ValueError,
+     ["BatchNorm2d(6)", "6 channels at dim 1", "got 8", "the last axis has 6", "movedim(-1, 1)"]),
     ("bn_one_value_per_channel", lambda: normscope.BatchNorm1d(3)(torch.randn(1, 3)), ValueError,
      ["more than 1 value per channel", "(1, 3)"]),
     ("bn_eval_without_running", lambda: F.batch_norm(x3, None, None), ValueError,
