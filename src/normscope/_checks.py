@@ -170,9 +170,13 @@ _FLOAT_MAX = sys.float_info.max
 
 
 def positive_eps(eps: float, where: str) -> None:
+    # a value that is not a real number (a string, a bool, a 0-d tensor) is a TypeError, as in every other
+    # op's check (:func:`eps`; docs/differences.md); NumPy's floats are real numbers
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
+        raise TypeError(f"{where}: expected `eps` to be a non-negative number, got {type(eps).__name__} {eps!r}")
     # ``not eps >= 0``, not ``eps < 0``: NaN compares False both ways, and a NaN eps makes every output
     # NaN (refused by every other op's check, :func:`eps`)
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0:  # NumPy's floats too
+    if not eps >= 0:
         raise ValueError(f"{where}: expected `eps` to be a non-negative number, got {eps!r}")
 
 

@@ -212,6 +212,17 @@ def _resolve_name(
     return target, extra
 
 
+def _module(built: object, spec: object) -> nn.Module:
+    """What a registered or given factory built, if it is a module: anything else (a factory that returns
+    None or a tensor) would otherwise fail far from its cause, in ``convert`` as "'str' object has no
+    attribute 'to'"."""
+    if not isinstance(built, nn.Module):
+        raise TypeError(
+            f"get_norm: expected `spec` {spec!r} to build an nn.Module, got {type(built).__name__} {built!r}"
+        )
+    return built
+
+
 def get_norm(spec: NormSpec, num_channels: int, **kwargs: Any) -> nn.Module:
     """Build a normalization layer for ``num_channels`` channels.
 
@@ -240,10 +251,10 @@ def get_norm(spec: NormSpec, num_channels: int, **kwargs: Any) -> nn.Module:
         factory, extra = _resolve_name(spec)
         if "num_groups" in extra and "num_groups" in kwargs:
             raise ValueError(f"get_norm: {spec!r} sets num_groups; got num_groups={kwargs['num_groups']!r} too")
-        return factory(num_channels, **extra, **kwargs)
+        return _module(factory(num_channels, **extra, **kwargs), spec)
     if callable(spec):
         if isinstance(spec, type) and issubclass(spec, nn.GroupNorm):  # the one class taking groups first
             groups = kwargs.pop("num_groups", None) or _largest_divisor(num_channels, 32)
             return spec(groups, num_channels, **kwargs)
-        return spec(num_channels, **kwargs)
+        return _module(spec(num_channels, **kwargs), spec)
     raise TypeError(f"get_norm: expected `spec` to be a name, a class or a callable, got {type(spec).__name__}")

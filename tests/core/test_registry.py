@@ -102,6 +102,22 @@ def test_register_norm_exact_name_round_trip():
         get_norm("X_Strict_Identity", 4)
 
 
+@pytest.mark.parametrize("via", ["name", "callable"])
+def test_a_factory_that_builds_no_module_is_a_type_error_naming_spec(via, monkeypatch):
+    """A registered factory returning something else than a module: get_norm handed it back and convert
+    then failed inside the model with "AttributeError: 'str' object has no attribute 'to'"."""
+    factory = lambda c, **kw: "not a module"  # noqa: E731
+    monkeypatch.setattr(normscope.registry, "_REGISTRY", dict(normscope.registry._REGISTRY))  # gone afterwards
+    register_norm("x_builds_no_module", factory)
+    spec = "x_builds_no_module" if via == "name" else factory
+    with pytest.raises(TypeError, match=r"get_norm: expected `spec` .* to build an nn.Module, got str 'not a module'"):
+        get_norm(spec, 4)
+    model = nn.Sequential(nn.BatchNorm2d(4))
+    with pytest.raises(TypeError, match="to build an nn.Module"):
+        normscope.convert(model, to=spec)
+    assert type(model[0]) is nn.BatchNorm2d  # refused before the model changed
+
+
 # -- registry --------------------------------------------------------------------------------------
 
 

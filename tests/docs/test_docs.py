@@ -185,6 +185,19 @@ def test_readme_is_a_front_page():
         assert f"| {peer} " in text or f" {peer} |" in text, peer  # a column of the comparison table
 
 
+def test_readme_says_where_a_cpu_torch_comes_from():
+    """constraints.txt pins a plain ``torch==X``: from PyPI that is the CUDA build on Linux (gigabytes of CUDA
+    packages), whatever the pin's comment says. Unless the pin itself names the CPU build (``+cpu``) or its
+    index, the README must say how to get the CPU one -- it said "constraints.txt pins the CPU build"."""
+    pins = (ROOT / "constraints.txt").read_text()
+    torch_pin = re.search(r"^torch==(\S+)", pins, re.M)
+    assert torch_pin, "constraints.txt pins no torch"
+    cpu_index = "download.pytorch.org/whl/cpu"
+    pinned_to_cpu = "+cpu" in torch_pin[1] or re.search(rf"^\s*--(extra-)?index-url\s+\S*{cpu_index}", pins, re.M)
+    if not pinned_to_cpu:
+        assert cpu_index in (ROOT / "README.md").read_text()
+
+
 def test_readme_extras_table_lists_every_extra():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]

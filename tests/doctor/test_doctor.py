@@ -393,6 +393,51 @@ def test_bias_before_batchnorm_found_and_the_fix_keeps_eval_outputs():
         torch.testing.assert_close(fixed(x), before, rtol=1e-5, atol=1e-5)
 
 
+def test_bias_before_groupnorm_with_one_channel_per_group_found_and_fixed():
+    # GroupNorm(C, C) is InstanceNorm's scope: the per-(sample, channel) mean removes a conv's bias. It was
+    # not reported (only BatchNorm/InstanceNorm classes were), and the fix line read `norm.running_mean`,
+    # which a GroupNorm does not have. Oracle: the model's output with the bias zeroed, computed here.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(8, 8))
+    x = torch.randn(4, 3, 6, 6)
+    with torch.no_grad():
+        model[0].bias.uniform_(-2, 2)
+        before = model(x)
+        without = copy.deepcopy(model)
+        without[0].bias.zero_()
+        torch.testing.assert_close(without(x), before, rtol=1e-5, atol=1e-5)  # the bias cannot matter
+    f = _only(doctor(model, x, checks=["bias-before-norm"]), "bias-before-norm", "1")
+    assert f.measured["producer"] == "0"
+    fixed, lines = apply_fixes(model, doctor(model, x, checks=["bias-before-norm"]))
+    assert fixed[0].bias is None and lines
+    with torch.no_grad():
+        torch.testing.assert_close(fixed(x), before, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bias_before_a_batchnorm_that_bn_elements_converts_is_kept():
+    # both fixes at once removed the conv's bias, then replaced the BatchNorm by GroupNorm(32, 64), whose
+    # group mean spans two channels of different biases: the bias then counts, and it was gone. Oracle:
+    # torch's own GroupNorm(32, 64) on the original conv's output (bias included).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.BatchNorm2d(64))
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        model[0].bias.uniform_(-2, 2)
+        model[1].weight.uniform_(0.5, 1.5)
+        model[1].bias.uniform_(-1, 1)
+    report = doctor(model, x, checks=["bias-before-norm", "bn-elements"])
+    assert {f.check for f in report.findings} == {"bias-before-norm", "bn-elements"}
+    gn = nn.GroupNorm(32, 64)
+    gn.load_state_dict({"weight": model[1].weight, "bias": model[1].bias})
+    with torch.no_grad():
+        expected = gn(model[0](x))
+    fixed, lines = apply_fixes(model, report)
+    assert fixed[0].bias is not None and len(lines) == 1, lines
+    assert isinstance(fixed[1], nn.GroupNorm) and fixed[1].num_groups == 32
+    with torch.no_grad():
+        torch.testing.assert_close(fixed(x), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "healthy",
     [

@@ -23,7 +23,9 @@ def apply_fixes(model: nn.Module, report: Report, batches: Any = None) -> tuple[
 
     ``batches`` is what ``normscope.recalibrate`` gets for the ``train-eval-drift`` fix; without it
     that fix is not applied. A layer that ``frozen-bn-updating`` freezes is not also converted by
-    ``bn-elements`` (a frozen layer has no batch statistics). Nothing is written anywhere.
+    ``bn-elements`` (a frozen layer has no batch statistics), and a bias before a layer that ``bn-elements``
+    converts is kept (a GroupNorm's group mean spans channels of different biases: there the bias counts).
+    Nothing is written anywhere.
 
     Example::
 
@@ -37,11 +39,14 @@ def apply_fixes(model: nn.Module, report: Report, batches: Any = None) -> tuple[
     import normscope
 
     frozen = {f.module for f in report.findings if f.check == "frozen-bn-updating"}
+    converted = set() if frozen else {f.module for f in report.findings if f.check == "bn-elements"}
     lines: list[str] = []
     for check in AUTOMATIC:
         for f in report.findings:
             if f.check != check or f.fix in lines:
                 continue
+            if check == "bias-before-norm" and f.module in converted:
+                continue  # the bias is removable under this BatchNorm, not under the GroupNorm replacing it
             if check == "bn-elements" and frozen:
                 continue  # freeze_batchnorm already took every BatchNorm with running statistics
             if check == "train-eval-drift" and batches is None:

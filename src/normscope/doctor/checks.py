@@ -724,11 +724,15 @@ _BIAS_SOURCE = "AllenNLP NormalizationBiasVerification: a bias directly before a
 
 def bias_before_norm(ctx: Context) -> list[Finding]:
     """A Linear/Conv bias feeding a norm that subtracts a per-channel mean over every axis the bias
-    is constant along (BatchNorm, InstanceNorm on the bias's channel axis): the norm removes it."""
+    is constant along (BatchNorm, InstanceNorm -- GroupNorm(C, C) included, the same scope -- on the bias's
+    channel axis): the norm removes it."""
     found = []
     for call in ctx.norms:
         s: NormScope = call.extra["scope"]
-        if call.producer is None or not s.centered or s.channel is None or s.kind not in ("batch", "instance"):
+        per_channel = s.kind in ("batch", "instance") or (
+            s.kind == "group" and s.channel is not None and s.groups == call.args[0].shape[s.channel]
+        )
+        if call.producer is None or not s.centered or s.channel is None or not per_channel:
             continue
         prod = ctx.model.get_submodule(call.producer)
         bias = getattr(prod, "bias", None)
@@ -747,7 +751,8 @@ def bias_before_norm(ctx: Context) -> list[Finding]:
     for call, bias in found:
         fix = (
             f"conv, norm = model.get_submodule({call.producer!r}), model.get_submodule({call.path!r}); "
-            "norm.running_mean.sub_(conv.bias.detach()) if norm.running_mean is not None else None; conv.bias = None"
+            "norm.running_mean.sub_(conv.bias.detach()) if getattr(norm, 'running_mean', None) is not None else None; "
+            "conv.bias = None"
         )
         out.append(
             Finding(

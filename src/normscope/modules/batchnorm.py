@@ -59,9 +59,16 @@ def _check_input(cls: type, num_features: int, channel_dim: int, input: object) 
         want = " or ".join(f"{d}D" for d in cls._dims)
         raise ValueError(f"{name}: expected {want} input, got {input.dim()}D input of shape {tuple(input.shape)}")
     if input.shape[channel_dim] != num_features:
+        hint = ""
+        if channel_dim == 1 and input.dim() > 2 and input.shape[-1] == num_features:  # the day-one mistake
+            hint = (
+                f"; the last axis has {num_features}: pass channel_dim=-1 for (B, S, D) input"
+                if issubclass(cls, BatchNorm1d)  # and BatchRenorm1d: the layers that take channel_dim
+                else f"; the last axis has {num_features}: move it to dim 1 (input.movedim(-1, 1))"
+            )
         raise ValueError(
             f"{name}({num_features}): expected input with {num_features} channels at dim {channel_dim}, "
-            f"got {input.shape[channel_dim]} (input shape {tuple(input.shape)})"
+            f"got {input.shape[channel_dim]} (input shape {tuple(input.shape)}){hint}"
         )
 
 
