@@ -169,6 +169,30 @@ def test_constant_input_returns_bias(case, backend):
         torch.testing.assert_close(y, expected, atol=bound, rtol=0)
 
 
+# scopes of one element: the float64 answer is 0 (then the bias). torch's batch_norm kernel -- the op of
+# BatchNorm-like and InstanceNorm-like scopes -- gave such a scope x - mean up to 1e-4 off 0 (its
+# one-value mean is not the value), torch's layer_norm gives 0: normalize over an axis of size 1 was 3e-5
+# off on the automatic choice, 5e-5 on aten, where torch's layer_norm over the same axis is exact
+ONE_ELEMENT = [
+    ("last axis of (N, C, 1)", (64, 16, 1), -1),
+    ("batch axis of (1, C)", (1, 16), 0),
+    ("(1, C, 1) but the channels", (1, 1024, 1), (0, 2)),
+]
+
+
+@pytest.mark.parametrize("backend", (None, *BACKENDS))
+@pytest.mark.parametrize("case", ONE_ELEMENT, ids=[c[0] for c in ONE_ELEMENT])
+def test_a_scope_of_one_element_normalizes_to_exactly_zero(case, backend):
+    _, shape, dims = case
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3 + 0.5
+    x64 = x.double()
+    expected = (x64 - x64.mean(dims, keepdim=True)) / (x64.var(dims, correction=0, keepdim=True) + 1e-5).sqrt()
+    assert not expected.any()  # the oracle: a value minus itself
+    with normscope.use_backend(backend):
+        y = normscope.normalize(x, dims=dims)
+    assert torch.equal(y, expected.float()), y.abs().max().item()
+
+
 def test_all_masked_scope_returns_bias():
     x = torch.randn(2, 3, 4)
     mask = torch.ones(2, 3, 4, dtype=torch.bool)

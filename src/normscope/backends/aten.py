@@ -52,6 +52,13 @@ def kind(call: Call) -> str | None:
     if call.mask is not None or not s.centered and call.running is not None:
         return None
     f, ndim = s.form, len(s.shape)
+    batch_stats = call.running is None or call.running.use_input_stats
+    if s.centered and s.count == 1 and batch_stats and call.op != "group_norm":
+        # a scope of one element (normalize over an axis of size 1): the exact answer is 0 before the
+        # affine. torch's batch_norm kernel (BatchNorm's, InstanceNorm's: batch_norm over (1, N * C, 1))
+        # gives such a scope's x - mean up to 1e-4 off 0 -- its one-value mean is not the value --
+        # where layer_norm and group_norm give 0. Over the last axes, layer_norm; else the reference
+        return "layer_norm" if f.rows else None
     one_per_channel = ndim == 2 and not s.reduce and s.affine in ((1,), ())  # GroupNorm(C, C) on (N, C)
     if (
         call.op == "group_norm"
