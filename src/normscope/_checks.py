@@ -183,9 +183,12 @@ def positive_eps(eps: float, where: str) -> None:
 def size(value: object, name: str, where: str, low: int = 1) -> int:
     """A size or count argument (``num_features``, ``num_groups``, ``head_dim``...) as a Python int: an
     integer of any kind torch.nn's constructors take -- NumPy's included, as ``numbers.Integral`` (what
-    ``torch.nn.LayerNorm`` tests) -- but not a bool, a float or a tensor; at least ``low``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        kind = "a positive" if low == 1 else "a non-negative" if low == 0 else f"an >= {low}"
+    ``torch.nn.LayerNorm`` tests) -- but not a bool, a float or a tensor (a TypeError, as torch's ops
+    give one), at least ``low`` (a ValueError)."""
+    kind = "a positive" if low == 1 else "a non-negative" if low == 0 else f"an >= {low}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: expected `{name}` to be {kind} int, got {type(value).__name__} {value!r}")
+    if value < low:
         raise ValueError(f"{where}: expected `{name}` to be {kind} int, got {value!r}")
     return int(value)
 

@@ -32,7 +32,8 @@ CASES = [
     # a wrong type is a TypeError, as torch's F.group_norm raises for a bool or float num_groups
     ("gn_functional_bool_groups", lambda: F.group_norm(x3, True), TypeError, ["num_groups", "positive int", "True"]),
     ("gn_functional_float_groups", lambda: F.group_norm(x3, 2.0), TypeError, ["num_groups", "positive int", "2.0"]),
-    ("gn_ctor_float_channels", lambda: normscope.GroupNorm(2, 6.0), ValueError, ["num_channels", "got 6.0"]),
+    ("gn_ctor_float_channels", lambda: normscope.GroupNorm(2, 6.0), TypeError, ["num_channels", "got float 6.0"]),
+    ("gn_ctor_float_groups", lambda: normscope.GroupNorm(2.0, 6), TypeError, ["num_groups", "got float 2.0"]),
     ("gn_functional_not_divisible", lambda: F.group_norm(x3, 4), ValueError,
      ["group_norm", "input.shape[1] = 6", "num_groups=4"]),
     ("gn_1d_input", lambda: normscope.GroupNorm(2, 4)(torch.randn(4)), ValueError,

@@ -434,20 +434,24 @@ def test_powernorm_warmup_matches_loop_formula():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
-        ({"warmup_iters": -5}, r"`warmup_iters` to be a non-negative int, got -5"),
-        ({"warmup_iters": "a"}, r"`warmup_iters` to be a non-negative int, got 'a'"),
-        ({"warmup_iters": 2.5}, r"`warmup_iters` to be a non-negative int, got 2.5"),
-        ({"group_scaling": True}, r"`group_scaling` to be None or a positive int dividing num_features=6, got True"),
-        ({"group_scaling": 4}, r"`group_scaling` .* got 4"),
-        ({"eps": -1.0}, r"`eps` to be a positive number, got -1.0"),
+        ({"warmup_iters": -5}, ValueError, r"`warmup_iters` to be a non-negative int, got -5"),
+        ({"warmup_iters": "a"}, TypeError, r"`warmup_iters` to be a non-negative int, got str 'a'"),
+        ({"warmup_iters": 2.5}, TypeError, r"`warmup_iters` to be a non-negative int, got float 2.5"),
+        (
+            {"group_scaling": True},
+            ValueError,
+            r"`group_scaling` to be None or a positive int dividing num_features=6, got True",
+        ),
+        ({"group_scaling": 4}, ValueError, r"`group_scaling` .* got 4"),
+        ({"eps": -1.0}, ValueError, r"`eps` to be a positive number, got -1.0"),
     ],
 )
-def test_powernorm_errors_name_the_argument(kwargs, match):
+def test_powernorm_errors_name_the_argument(kwargs, error, match):
     """warm-up errors showed warmup_iters + 1 (or a str concatenation error); group_scaling=True
-    fell through to the engine's 'Scope `groups`' message."""
-    with pytest.raises(ValueError, match=match):
+    fell through to the engine's 'Scope `groups`' message. A value of the wrong type is a TypeError."""
+    with pytest.raises(error, match=match):
         normscope.PowerNorm(6, **kwargs)
 
 
