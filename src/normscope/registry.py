@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -193,8 +194,7 @@ def _resolve_name(
     if sep:
         if key not in ("group", "groupnorm"):
             raise ValueError(
-                f"{where}: only 'group:G' takes an argument; expected `{argument}` {key!r} without ':', "
-                f"got {name!r}"
+                f"{where}: only 'group:G' takes an argument; expected `{argument}` {key!r} without ':', got {name!r}"
             )
         if not _GROUPS.fullmatch(arg):
             raise ValueError(
@@ -221,6 +221,22 @@ def _module(built: object, spec: object) -> nn.Module:
             f"get_norm: expected `spec` {spec!r} to build an nn.Module, got {type(built).__name__} {built!r}"
         )
     return built
+
+
+def _check_arguments(factory: Callable, spec: object, args: tuple, kwargs: dict) -> None:
+    """A TypeError naming ``spec`` and the constructor's signature where its arguments do not fit
+    (``get_norm("adaln", 8)`` without ``cond_dim``), before it is called: Python's own message named
+    ``AdaLayerNorm.__init__()`` and no way out."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call itself says what is wrong
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        name = getattr(factory, "__qualname__", type(factory).__name__)
+        signature = signature.replace(return_annotation=inspect.Signature.empty)
+        raise TypeError(f"get_norm: {spec!r} cannot be built so ({e}); its constructor is {name}{signature}") from None
 
 
 def get_norm(spec: NormSpec, num_channels: int, **kwargs: Any) -> nn.Module:
@@ -251,6 +267,7 @@ def get_norm(spec: NormSpec, num_channels: int, **kwargs: Any) -> nn.Module:
         factory, extra = _resolve_name(spec)
         if "num_groups" in extra and "num_groups" in kwargs:
             raise ValueError(f"get_norm: {spec!r} sets num_groups; got num_groups={kwargs['num_groups']!r} too")
+        _check_arguments(factory, spec, (num_channels,), {**extra, **kwargs})
         return _module(factory(num_channels, **extra, **kwargs), spec)
     if callable(spec):
         if isinstance(spec, type) and issubclass(spec, nn.GroupNorm):  # the one class taking groups first

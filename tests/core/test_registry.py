@@ -160,3 +160,20 @@ def test_registry_sync_is_lazy():
             normscope.get_norm("sync", 8)
     else:
         assert type(normscope.get_norm("sync", 8)).__name__ == "SyncBatchNorm"
+
+
+@pytest.mark.parametrize(
+    "spec, kwargs, missing",
+    [
+        ("adaln", {}, "missing a required argument: 'cond_dim'"),
+        ("layer", {"bogus": 1}, "unexpected keyword argument 'bogus'"),
+    ],
+)
+def test_get_norm_arguments_that_do_not_fit_the_constructor_name_spec_and_signature(spec, kwargs, missing):
+    """Python's own message named ``AdaLayerNorm.__init__()`` and no way out; the refusal names the spec,
+    what does not fit and the constructor's signature (which holds the argument to pass)."""
+    with pytest.raises(TypeError) as e:
+        normscope.get_norm(spec, 8, **kwargs)
+    message = str(e.value)
+    assert message.startswith(f"get_norm: {spec!r} cannot be built so") and missing in message
+    assert "eps: 'float' =" in message  # the constructor's signature
