@@ -534,3 +534,34 @@ class TestTransforms:
             got = second(m)
         for a, b in zip(got, second(tm)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+_EMPTY = {
+    "layer_norm": (lambda: normscope.LayerNorm(8), lambda: torch.nn.LayerNorm(8), (0, 8)),
+    "rms_norm": (lambda: normscope.RMSNorm(8), lambda: torch.nn.RMSNorm(8), (0, 3, 8)),
+    "group_norm": (lambda: normscope.GroupNorm(2, 4), lambda: torch.nn.GroupNorm(2, 4), (0, 4, 5)),
+    "group_norm_no_positions": (lambda: normscope.GroupNorm(2, 4), lambda: torch.nn.GroupNorm(2, 4), (2, 4, 0)),
+    "batch_norm_eval": (lambda: normscope.BatchNorm1d(4).eval(), lambda: torch.nn.BatchNorm1d(4).eval(), (0, 4, 5)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_EMPTY))
+def test_empty_input_on_the_forced_kernels_is_torchs(op):
+    """An empty batch (an MoE expert given no tokens) under ``use_backend("triton")`` was refused with a
+    ValueError -- a model failing on one batch in many -- where torch returns it. No kernel launches on it:
+    the reference gives torch's empty output and input gradient, and the weight gradient a sum over no
+    element is, zeros (torch's GroupNorm gives NaN there for groups of no positions)."""
+    ours, theirs, shape = _EMPTY[op]
+    m, tm = ours().to(DEV), theirs().to(DEV)
+    x = torch.randn(shape, device=DEV)
+    grads = []
+    for layer, forced in ((m, "triton"), (tm, None)):
+        xi = x.clone().requires_grad_()
+        with normscope.use_backend(forced):
+            y = layer(xi)
+        y.sum().backward()
+        grads.append((y, xi.grad, layer.weight.grad))
+    (y, gx, gw), (ty, tgx, tgw) = grads
+    for a, b in ((y, ty), (gx, tgx)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+    assert gw.shape == tgw.shape and torch.equal(gw, torch.zeros_like(gw))
