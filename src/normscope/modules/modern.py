@@ -254,6 +254,8 @@ class QKNorm(nn.Module):
         where = "QKNorm"
         self.head_dim = head_dim = _positive_int(head_dim, "head_dim", where)
         if not per_head:
+            if num_heads is None:  # an argument this option needs, not one of a wrong type
+                raise ValueError(f"{where}: per_head=False needs `num_heads` (a positive int), got None")
             num_heads = _positive_int(num_heads, "num_heads (needed with per_head=False)", where)
             num_kv_heads = num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads", where)
         for name, v, options in (
