@@ -26,7 +26,7 @@ from torch import Tensor
 from . import reference as ref
 from ._contract import ENV_VAR, Backend, Call, Runner
 from ._state import FORCED, TRACED_VIEW, compiling, environ_get, tracing
-from ._strides import strides_like_channels_last
+from ._strides import laid_out, strides_like_channels_last
 
 __all__ = [
     "BACKENDS",
@@ -353,12 +353,16 @@ def choose(call: Call, name: str) -> str:
 def prepare(name: str, call: Call, automatic: bool) -> tuple[str, Runner]:
     """``(name, runner)`` of backend ``name`` for ``call`` (an add_norm call on a backend that does
     not fuse the add: the add, then the backend's plain call). A CPU call of one large scope runs
-    as a batch of two (:func:`_pairing`)."""
+    as a batch of two (:func:`_pairing`). The runner's output is laid out as torch.nn's namesake lays
+    it out, whatever the backend (:func:`normscope._strides.output_layout`)."""
     pairing = _pairing(call)
     if pairing is not None:
         inner, alone = backend_runner(name, _pair(call), automatic), backend_runner(name, call, automatic)
-        return name, _paired(inner, alone, lone=pairing == "lone")
-    return name, backend_runner(name, call, automatic)
+        runner = _paired(inner, alone, lone=pairing == "lone")
+    else:
+        runner = backend_runner(name, call, automatic)
+    # whichever backend ran, the output in the layout torch.nn's namesake returns (one rule, here)
+    return name, laid_out(runner, call.scope, call.op, call.residual is not None)
 
 
 def backend_runner(name: str, call: Call, automatic: bool) -> Runner:
@@ -437,7 +441,7 @@ def _pair(call: Call) -> Call:
 
 def _paired(inner: Runner, alone: Runner, lone: bool = False) -> Runner:
     """The runner of a call of one sample, on its pair (:func:`_pair`): the first of the pair's
-    results, in the input's memory format (the stride-0 pair has none); its gradient reaches the
+    results (laid out as torch's by :func:`prepare`: the stride-0 pair has no layout); its gradient reaches the
     sample through the expand as ``g + 0``, the same bits. With one intra-op thread every reduction
     is one pass, whatever it reduces into: the sample alone (``alone``), half the work. ``lone``: paired
     only as a lone group (:func:`_lone_group`), whose order is ATen's contiguous GroupNorm kernel's
@@ -450,17 +454,12 @@ def _paired(inner: Runner, alone: Runner, lone: bool = False) -> Runner:
         if _threads() == 1 or lone and (strides_like_channels_last(c.x) or not _input_grad(c)):
             return alone(c)
         out = inner(_pair(c))
-        fmt = ref.channels_last(c.x)
-        if isinstance(out, tuple):  # add_norm: (y, h)
-            return tuple(_first(t, fmt) for t in out)
-        return _first(out, fmt)
+        if isinstance(out, tuple):  # add_norm: (y, h), h in x's channels_last layout where x has one
+            fmt = ref.channels_last(c.x)
+            return out[0][:1], out[1][:1] if fmt is None else out[1][:1].contiguous(memory_format=fmt)
+        return out[:1]
 
     return run
-
-
-def _first(t: Tensor, fmt: torch.memory_format | None) -> Tensor:
-    t = t[:1]
-    return t if fmt is None else t.contiguous(memory_format=fmt)
 
 
 def plan_call(call: Call, name: str) -> tuple[str, Runner]:

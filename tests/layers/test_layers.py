@@ -251,14 +251,9 @@ def test_non_contiguous_and_channels_last(cfg, layout, backend):
     torch.testing.assert_close(yn, yt, rtol=1e-4, atol=2e-5)
     for k, v in buffers(t).items():
         torch.testing.assert_close(buffers(n)[k], v)
-    if layout == "channels_last" and backend == "aten":
-        # the aten path keeps the memory format exactly as torch does
-        cl = torch.channels_last
-        assert yn.is_contiguous(memory_format=cl) == yt.is_contiguous(memory_format=cl)
-    if layout == "channels_last" and backend == "reference":
-        # the reference's elementwise ops follow the input's layout, so it returns channels_last
-        # for every layer here (torch's instance_norm returns a contiguous tensor instead)
-        assert yn.is_contiguous(memory_format=torch.channels_last)
+    # every backend returns torch's layout (channels_last kept by BatchNorm, GroupNorm and RMSNorm; made
+    # contiguous by InstanceNorm and LayerNorm): tests/core/test_output_layout.py sweeps the layouts
+    assert yn.stride() == yt.stride()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -10,8 +10,9 @@ contract so that a call either gives torch's numbers or is declined with its rea
   expanded (stride 0), offset storage -- are copied once by the kernel entry points, which also
   pass weights, biases and running buffers through :func:`normscope.kernels._common.dense` (a view
   such as ``base[::2]`` or ``g.expand(n)`` is materialised: C elements, not the activation); masks
-  are made contiguous here. Outputs keep a channels_last input's layout, as torch's do and as the
-  reference's do (:func:`_in_layout`: every op here, the modern ones included).
+  are made contiguous here. Outputs of the engine's calls are laid out by the engine as torch.nn's
+  namesake lays them out, whatever the backend (:func:`normscope._strides.output_layout`); the modern
+  ops here, which the engine does not run, keep a channels_last input's layout (:func:`_in_layout`).
 * **dtypes**: float32/float16/bfloat16 input (statistics in fp32); anything else is declined.
 * **scopes**: the last axes with a per-element affine (rows), (N, C, *) groups with a per-channel
   affine, per-channel statistics over every other axis (BatchNorm, masked too). Empty scopes, masks
@@ -221,7 +222,8 @@ def _kernel_runner(call: Call) -> Runner:
         return run_fused
 
     def run_rows(c: Call) -> Tensor:
-        return _in_layout(c.x, rows.rows_norm(c.x, c.weight, c.bias, c.eps, centered, n=n)[0])
+        # contiguous: the engine lays it out as torch's namesake (normscope._strides.output_layout)
+        return rows.rows_norm(c.x, c.weight, c.bias, c.eps, centered, n=n)[0]
 
     return run_rows
 
