@@ -61,6 +61,10 @@ def why_not(call: Call) -> str | None:
     if x.dtype not in _DTYPES:
         return f"the kernels take float32/float16/bfloat16 input, got {x.dtype} (they accumulate in fp32)"
     s = call.scope
+    if any(s.shape[d] == 0 for d in s.reduce if d != 0):
+        # as the rows backend: a layer's own size (RMSNorm(0)) -- a batch that came empty (axis 0, which
+        # BatchNorm's scope spans too) is taken, see prepare
+        return "scopes of zero elements (a normalized size of 0), which have nothing to normalize"
     kind = _kind(s)
     if kind is None:
         return (
@@ -127,10 +131,10 @@ def prepare(call: Call, automatic: bool) -> Runner:
     # interpreter's). eps is no part of a plan's signature, so the call is told at run time, and runs on
     # the reference, which computes it so
     eps_zero_bias = ref.constant_gives_bias(call.scope, call.op, call.x.device)
-    # empty input or scopes of zero elements: no kernel launches on them, and torch returns them (an
-    # MoE expert given no tokens): the reference gives the empty output, or the bias, and its gradients.
-    # A forced backend that refused them made a model fail on one batch in many
-    empty = call.scope.count == 0 or any(n == 0 for n in call.scope.shape)
+    # an empty batch (an MoE expert given no tokens): no kernel launches on it, and torch returns it; the
+    # reference gives the empty output and its gradients. A forced backend that refused it made a model
+    # fail on one batch in many (scopes of zero elements are declined: see why_not)
+    empty = any(n == 0 for n in call.scope.shape)
 
     def run(c: Call) -> Tensor:
         # torch.func transforms (vmap, grad, jvp, ...) and forward-mode AD's dual tensors: the kernels are
