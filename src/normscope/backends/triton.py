@@ -15,8 +15,9 @@ contract so that a call either gives torch's numbers or is declined with its rea
   ops here, which the engine does not run, keep a channels_last input's layout (:func:`_in_layout`).
 * **dtypes**: float32/float16/bfloat16 input (statistics in fp32); anything else is declined.
 * **scopes**: the last axes with a per-element affine (rows), (N, C, *) groups with a per-channel
-  affine, per-channel statistics over every other axis (BatchNorm, masked too). Empty scopes, masks
-  on other scopes, running statistics on other scopes are declined.
+  affine, per-channel statistics over every other axis (BatchNorm, masked too). Scopes of zero
+  elements, masks on other scopes, running statistics on other scopes are declined; an empty batch runs
+  on the reference, no kernel launched.
 * **devices**: CUDA tensors; CPU tensors only under ``TRITON_INTERPRET=1`` (how the tests run them).
 * **double backward**: the kernels' backward is a closed form; when autograd asks for a
   differentiable one (``create_graph=True``) the kernel modules differentiate their plain-PyTorch
