@@ -45,8 +45,19 @@ BatchNorm's scope spans the batch by definition: there the rule is about the cha
 
 **Per-thread state.** Whatever a call reads besides its arguments -- the forced backend
 (:func:`use_backend`), what ran last (:func:`last_backend`), what the planner captures while a call
-is traced (:func:`capture`, :func:`record`) -- lives in :mod:`contextvars` (:mod:`normscope._state`): per thread and per
-asyncio task, as torch's grad mode and autocast state are. A ``with use_backend(...)`` in one
+is traced (:func:`capture`, :func:`record`) -- lives in :mod:`contextvars` (:mod:`normscope._state`): per thread, as
+torch's grad mode and autocast state are, and per asyncio task too (torch's are not: a task's
+``torch.no_grad()`` open across an ``await`` holds for the tasks that run meanwhile). A new
+``threading.Thread`` -- a pool's worker too -- starts with no block open, as it starts with grad mode
+on, whatever blocks its creator had open; ``asyncio.to_thread`` and ``contextvars.copy_context().run``
+carry the caller's context, so the forced backend follows there (torch's grad mode does not).
+Activation checkpointing (``torch.utils.checkpoint``) recomputes a segment's forward during the
+backward, under the state the backward runs in: it restores autocast, not this. A forward inside
+``use_backend(name)`` whose backward runs outside the block recomputes on another backend -- the
+non-reentrant checkpoint then raises its CheckpointError (other tensors saved), the reentrant one
+differentiates the other backend's forward. Run the backward inside the block, or pass
+``context_fn=lambda: (contextlib.nullcontext(), normscope.use_backend(name))`` to the checkpoint.
+A ``with use_backend(...)`` in one
 thread never changes another's calls, and leaving it restores only its own thread's choice; a
 ``torch.compile`` in one thread plans on stand-ins in that thread and never captures or reroutes an
 eager call of another (:func:`compiling` asks about this thread; torch's own
