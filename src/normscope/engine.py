@@ -82,6 +82,7 @@ from ._state import (
     request_key,
     tracing,
     transformed,
+    transformed_eagerly,
 )
 from .scope import Resolved, Scope
 
@@ -109,6 +110,7 @@ __all__ = [
     "tracing",
     "compiling",
     "transformed",
+    "transformed_eagerly",
     "position_mask",
     "plan",
     "run",
