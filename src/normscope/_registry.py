@@ -166,7 +166,18 @@ class _UseBackend(contextlib.ContextDecorator):
 
             return coroutine
         if not inspect.isgeneratorfunction(func):
-            return super().__call__(func)
+            name = self.name
+
+            @functools.wraps(func)
+            def function(*args, **kwargs):
+                # a block of an object made here, not ``with self`` (ContextDecorator's): dynamo traces
+                # a block opened inside the code it compiles, and refuses one of an object made
+                # outside it ("Unsupported context manager"), so a decorated function compiled with
+                # fullgraph=True failed where one decorated by torch.no_grad() compiles
+                with _UseBackend(name):
+                    return func(*args, **kwargs)
+
+            return function
 
         @functools.wraps(func)
         def generator(*args, **kwargs):

@@ -41,6 +41,7 @@ __all__ = [
     "is_compiling",
     "tracing",
     "transformed",
+    "transformed_eagerly",
     "as_traced",
 ]
 
@@ -192,6 +193,14 @@ def transformed() -> bool:
     the rows path did). Asked at run time, never in ``why_not``: plans are cached per signature, and
     one signature is called both inside and outside transforms."""
     return torch._C._functorch.peek_interpreter_stack() is not None or _forward_ad._current_level >= 0
+
+
+def transformed_eagerly() -> bool:
+    """:func:`transformed`, not while dynamo traces. Dynamo runs its trace under a functorch
+    interpreter, so :func:`transformed` answers True there whatever runs; a compiled graph holds the
+    kernels' custom ops all the same. The Triton kernels (which have no batching or forward-derivative
+    rules) ask this one: an eager call inside a transform runs elsewhere, a traced call keeps them."""
+    return not compiling() and transformed()
 
 
 #: the module whose ``_current_level`` is the innermost dual level (-1 outside any); read per call,

@@ -93,6 +93,7 @@ from ._state import (
     request_key,
     tracing,
     transformed,
+    transformed_eagerly,
 )
 from .scope import Resolved, Scope
 
@@ -120,6 +121,7 @@ __all__ = [
     "tracing",
     "compiling",
     "transformed",
+    "transformed_eagerly",
     "position_mask",
     "plan",
     "run",

@@ -36,7 +36,7 @@ from torch import Tensor
 from . import _checks as check
 from . import hot
 from .backends import TRITON
-from .engine import compiling, norm, requested_backend, transformed
+from .engine import norm, requested_backend, transformed_eagerly
 from .reference import CASTINGS, acc_dtype
 from .scope import Scope
 
@@ -85,13 +85,13 @@ def _fused(backend: str | None) -> tuple[bool, str | None]:
     requested (forced) -- and the backend its composition runs on otherwise. Inside torch.func transforms
     and forward-mode AD the kernels have no batching or forward-derivative rules (functorch raised
     "Cannot access storage of TensorWrapper"): there a forced ``"triton"`` runs the composition on the
-    reference (``last_backend()`` says so). While dynamo traces, ``transformed()`` answers True whatever
-    runs: the kernels' custom ops are traced."""
+    reference (``last_backend()`` says so). A call dynamo traces keeps the kernels' custom ops
+    (:func:`normscope.engine.transformed_eagerly`)."""
     if requested_backend(backend) != "triton":
         return False, backend
-    if compiling() or not transformed():
-        return True, backend
-    return False, "reference"
+    if transformed_eagerly():
+        return False, "reference"
+    return True, backend
 
 
 def _prod(shape: Sequence[int]) -> int:

@@ -143,7 +143,7 @@ def prepare(call: Call, automatic: bool) -> Runner:
         # "Cannot access storage of TensorWrapper", "must implement the jvp function"); the reference's
         # plain ops run there, as torch's own norms do. Asked at run time: one plan serves calls inside
         # transforms and out of them
-        if empty or _transformed() or eps_zero_bias and c.eps == 0:
+        if empty or engine.transformed_eagerly() or eps_zero_bias and c.eps == 0:
             return engine.recompute(c)
         return kernel(c)
 
@@ -156,20 +156,13 @@ def prepare(call: Call, automatic: bool) -> Runner:
         # bf16 LayerNorm gives fp32 output), which the kernels, custom ops, do not: a choice made for
         # speed hands such a call to torch's op, the same op autocast sees in torch.nn's layer. Asked at
         # run time: the plan of a signature is made once, inside autocast or out of it
-        if torch.is_autocast_enabled(c.x.device.type) or _transformed():
+        if torch.is_autocast_enabled(c.x.device.type) or engine.transformed_eagerly():
             # and under transforms (see run above) torch's op, the one torch.nn's layer runs there
             engine.report_backend(aten.NAME)
             return torch_op(c)
         return run(c)
 
     return run_auto
-
-
-def _transformed() -> bool:
-    """Whether a call runs inside a torch.func transform or forward-mode AD (:func:`normscope.engine.
-    transformed`), not while dynamo traces -- where that answers True whatever runs, and the kernels'
-    custom ops are what a compiled graph holds."""
-    return not engine.compiling() and engine.transformed()
 
 
 def _kernel_runner(call: Call) -> Runner:
