@@ -638,15 +638,12 @@ def test_a_checkpointed_forward_inside_use_backend_recomputes_on_its_backend():
     torch.testing.assert_close(g, _torch_layer_norm_grad(x), rtol=1e-5, atol=1e-5)
 
 
-# -- not fixed (``_registry.py`` was another engineer's while probe 34 ran): a ``use_backend`` decorator
-# under ``torch.compile(fullgraph=True)``. ``torch.no_grad()`` as a decorator compiles in full; the
-# decorator of ``use_backend`` wraps the function in ``with self:`` (ContextDecorator), a block of an
-# object made outside the traced code, which dynamo refuses ("Unsupported context manager"). A block
-# opened inside the compiled code (``with normscope.use_backend(...)``) compiles (test_compile.py).
+# A ``use_backend`` decorator under ``torch.compile(fullgraph=True)``, as ``torch.no_grad()``'s: the
+# decorator opens a block of an object made inside the call (ContextDecorator's ``with self:``, a block
+# of an object made outside the traced code, was refused by dynamo: "Unsupported context manager").
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="dynamo refuses the block of a use_backend object made outside the trace")
 def test_a_function_decorated_by_use_backend_compiles_in_full_as_one_decorated_by_no_grad():
     torch._dynamo.reset()
     layer, x = normscope.RMSNorm(8), torch.randn(3, 8)
