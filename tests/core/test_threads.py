@@ -538,7 +538,7 @@ def test_a_use_backend_block_left_in_another_thread_does_not_raise_from_its_exit
 # ``use_backend`` code -- ``contextvars.copy_context().run``, an asyncio task resumed while another task's
 # block is open -- leaves the two apart, and a compiled graph then follows the thread's view, not the
 # context's forced backend that an eager call of the same context obeys. Dynamo cannot trace a
-# ``ContextVar.get`` (nor guard on one), so the fix is not local: see the report of probe 9.
+# ``ContextVar.get`` (nor guard on one), so the fix is not local (docs/guarantees.md says the limit).
 
 
 @pytest.mark.xfail(strict=True, reason="TRACED_VIEW is per thread: a copied context's forced backend is not seen")
@@ -589,8 +589,8 @@ def test_a_compiled_call_in_an_asyncio_task_ignores_another_tasks_forced_backend
 
 # Activation checkpointing recomputes a segment's forward during the backward, under the state the
 # backward runs in (torch restores autocast there, nothing of normscope's): a forward inside a
-# ``use_backend`` block whose backward runs outside it recomputes on the automatic backend. A fix needs
-# torch's checkpoint to carry the context (or a public ``context_fn`` helper): see the report of probe 34.
+# ``use_backend`` block whose backward runs outside it recomputes on the automatic backend. Documented,
+# with its workaround (``context_fn``), in the engine's docstring and docs/guarantees.md.
 
 
 def _checkpointed_layer_norm(x: torch.Tensor, context_fn=None) -> tuple[torch.Tensor, list]:
