@@ -98,6 +98,35 @@ def test_a_sample_has_the_same_bits_in_every_batch(op, n, dtype):
         assert torch.equal(g[at], g1[0]), f"{op} {dtype} N={n}: input gradient differs in a batch of {b}"
 
 
+#: fp16 and fp64 rows of 1024 (the batches above run fp32 and bf16): fp16 goes by blocks at every size like
+#: bf16; fp64 is whole-input below ``rms.BLOCKED_BYTES`` -- 2048 rows of 8-byte elements, half fp32's --
+#: and by blocks above; the automatic choice moves at 1024 rows
+_WIDE_BATCHES = (1, 3, 1023, 1025, 2049)
+
+
+def test_the_wide_batches_straddle_the_thresholds():
+    rows = [b * 1024 for b in _WIDE_BATCHES]
+    for threshold in (rms.MIN_AUTO_ELEMENTS, rms.BLOCKED_BYTES // 8, rms.BLOCK_ELEMENTS):
+        assert min(rows) < threshold <= max(rows)
+
+
+@pytest.mark.parametrize("op", ["RMSNorm", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=str)
+def test_a_sample_has_the_same_bits_in_every_batch_in_fp16_and_fp64(dtype, op):
+    torch.manual_seed(0)
+    fn = OPS[op](1024, dtype)
+    top = max(_WIDE_BATCHES)
+    xs, dys = (3 * torch.randn(top, 1024)).to(dtype), torch.randn(top, 1024).to(dtype)
+    y1, g1 = _run(fn, xs[:1], dys[:1])
+    for b in _WIDE_BATCHES:
+        at = b - 1  # the last row: in the last (possibly partial) block
+        x, dy = xs[:b].clone(), dys[:b].clone()
+        x[at], dy[at] = xs[0], dys[0]
+        y, g = _run(fn, x, dy)
+        assert torch.equal(y[at], y1[0]), f"{op} {dtype}: output differs in a batch of {b}"
+        assert torch.equal(g[at], g1[0]), f"{op} {dtype}: input gradient differs in a batch of {b}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [300, 2048])
 def test_weight_gradients_are_the_same_run_to_run(rows, dtype):

@@ -180,3 +180,42 @@ def test_patched_llama_is_as_batch_invariant_as_the_original():
         torch.set_num_threads(threads)
     assert torch.equal(p_alone, p_batched)
     assert torch.equal(p_alone, alone)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_patched_qk_norm_families_are_as_batch_invariant_as_the_original(family):
+    # the QK-norms (Qwen3, Gemma 3: RMSNorm over head_dim 128, Gemma's offset casting) run on rows of
+    # 128: 8 x 130 tokens x 8 heads cross rms.MIN_AUTO_ELEMENTS (the rows path), one sample does not
+    t = transformers
+    kw = dict(
+        hidden_size=1024, intermediate_size=256, num_hidden_layers=1, num_attention_heads=8,
+        num_key_value_heads=8, head_dim=128, vocab_size=64,
+    )
+    config = t.Qwen3Config(**kw) if family == "qwen3" else t.Gemma3TextConfig(**kw)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    cls = t.Qwen3ForCausalLM if family == "qwen3" else t.Gemma3ForCausalLM
+    model = cls(config).eval()
+    with torch.no_grad():  # weights other than the initial ones (ones / zeros)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    ids = torch.randint(0, 64, (8, 130), generator=torch.Generator().manual_seed(3))
+
+    def alone_and_batched(m):
+        with torch.no_grad():
+            return m(input_ids=ids[:1]).logits[0], m(input_ids=ids).logits[0]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # with two, torch's own matrix products split by the batch: not invariant
+    try:
+        alone, batched = alone_and_batched(model)
+        assert torch.equal(alone, batched), "the unpatched model is not batch-invariant here: nothing to compare"
+        patched = copy.deepcopy(model)
+        # the q_norm / k_norm layers are instances of the family's RMSNorm class: 2 of 5 (Qwen3), of 7 (Gemma 3)
+        assert hf.patch(patched).replaced == ({"Qwen3RMSNorm": 5} if family == "qwen3" else {"Gemma3RMSNorm": 7})
+        p_alone, p_batched = alone_and_batched(patched)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(p_alone, p_batched)
+    assert torch.equal(p_alone, alone)
