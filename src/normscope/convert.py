@@ -178,6 +178,8 @@ def _norm_like(m: nn.Module) -> bool:
     class named like one (the zoos' own norms subclass nothing in common)."""
     if isinstance(m, _norm_types()):
         return True
+    if type(m).__module__ == "torch.nn.utils.parametrizations":  # _WeightNorm, _SpectralNorm: weight maps, no layer
+        return False
     name = type(m).__name__
     return bool(_NORM_NAME.search(name)) and not _HOLDER_NAME.search(name)
 
