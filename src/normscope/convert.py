@@ -178,6 +178,8 @@ def _norm_like(m: nn.Module) -> bool:
     class named like one (the zoos' own norms subclass nothing in common)."""
     if isinstance(m, _norm_types()):
         return True
+    if type(m).__module__ == "torch.nn.utils.parametrizations":  # _WeightNorm, _SpectralNorm: weight maps, no layer
+        return False
     name = type(m).__name__
     return bool(_NORM_NAME.search(name)) and not _HOLDER_NAME.search(name)
 
@@ -404,6 +406,16 @@ def _probe_input(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return (torch.randn(shape, generator=g) * 2 + 0.5).to(device=device, dtype=dtype)
 
 
+def _same_draws(forward: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
+    """``forward(x)`` with the random generators seeded alike for every call and restored after: a layer
+    that draws (timm's NormAct with a ``drop_layer``: Dropout, DropBlock in training) is compared on the
+    same draws as its candidate, and a probe leaves the caller's random state as it found it."""
+    devices = [x.device] if x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        return forward(x)
+
+
 def _probe(old: nn.Module, cand: _Candidate) -> str | None:
     """Build ``cand`` from a copy of ``old`` and compare the two bit for bit on a sample input, in
     training and in evaluation (outputs and running statistics; in training the gradients of the input
@@ -433,11 +445,11 @@ def _probe(old: nn.Module, cand: _Candidate) -> str | None:
                 ref.train(training), new.train(training)
                 x = _probe_input(cand.sample, xdtype, device)
                 try:
-                    want = ref(x)
+                    want = _same_draws(ref, x)
                 except Exception:  # noqa: BLE001 -- the layer itself refuses this input: nothing to compare
                     continue
                 try:
-                    got = new(x)
+                    got = _same_draws(new, x)
                 except Exception as e:  # noqa: BLE001 -- a candidate that raises where the layer runs is a miss
                     return f"{cand.label} raised {type(e).__name__} on {xdtype} input where the layer runs"
                 mode = "training" if training else "evaluation"
@@ -483,7 +495,7 @@ def first_gradient_differing(
     with torch.inference_mode(False), torch.enable_grad():
         for forward, named in runs:
             xi = x.detach().clone().requires_grad_()
-            grads = torch.autograd.grad(forward(xi), [xi] + [p for _, p in named], dy, allow_unused=True)
+            grads = torch.autograd.grad(_same_draws(forward, xi), [xi] + [p for _, p in named], dy, allow_unused=True)
             found.append(dict(zip(["input"] + [n for n, _ in named], grads)))
     want, got = found
     for name, a in want.items():

@@ -18,6 +18,7 @@ budget of a 2-core CI machine; ``NORMSCOPE_ZOO_ALL=1`` adds one model of 52 more
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import pytest
@@ -314,3 +315,33 @@ def test_timm_norms_with_their_eps_and_the_ones_no_configuration_reproduces():
     _, report = normscope.convert(nn.Sequential(L.RmsNorm2d(8), L.SimpleNorm(8)))
     assert [s.path for s in report.skipped] == ["0", "1"]
     assert all("reproduces it" in s.reason for s in report.skipped)
+
+
+def test_timm_normact_with_a_drop_layer_converts_and_draws_as_the_original():
+    """A NormAct layer with a ``drop_layer`` (timm's ConvNormAct passes cspnet's and byobnet's DropBlock as
+    one) draws random numbers in training. The probe ran the layer and its candidate on different draws,
+    found them 6.2 apart and left every such layer unconverted; it also advanced the caller's random
+    generator. The probe now gives both sides the same draws and restores the generator. Oracle: the timm
+    layer itself, on the same seed, bit for bit (output, input and parameter gradients, running stats)."""
+    zoo_import("timm")
+    from timm import layers as L
+
+    for drop in (nn.Dropout, functools.partial(L.DropBlock2d, drop_prob=0.3, block_size=3)):
+        torch.manual_seed(0)
+        layer = L.BatchNormAct2d(8, act_layer=nn.SiLU, drop_layer=drop)
+        _randomize_norms(nn.Sequential(layer))
+        state = torch.get_rng_state()
+        converted, report = normscope.convert(nn.Sequential(copy.deepcopy(layer)))
+        assert torch.equal(torch.get_rng_state(), state), "convert consumed the caller's random numbers"
+        assert not report.skipped and isinstance(converted[0], normscope.BatchNorm2d), report
+        assert type(converted[0].drop) is type(layer.drop)
+        x = torch.randn(4, 8, 6, 6, generator=torch.Generator().manual_seed(1))
+        dy = torch.randn(4, 8, 6, 6, generator=torch.Generator().manual_seed(2))
+        results = []
+        for m in (layer, converted[0]):
+            xi = x.clone().requires_grad_()
+            torch.manual_seed(5)
+            y = m.train()(xi)
+            results.append((y, *torch.autograd.grad(y, (xi, m.weight, m.bias), dy), m.running_mean, m.running_var))
+        for what, a, b in zip(("output", "input grad", "weight grad", "bias grad", "mean", "var"), *results):
+            assert torch.equal(a, b), what

@@ -616,3 +616,25 @@ def test_a_bad_to_is_refused_in_converts_own_terms_before_any_layer_changes():
         assert message.startswith("convert: ") and "`to`" in message and "`spec`" not in message, message
         assert "'normscope', 'torch'" in message and (repr(to) in message or type(to).__name__ in message), message
         assert [type(m) for m in model.modules()] == before
+
+
+def test_weight_norm_and_spectral_norm_parametrizations_are_not_reported_as_norm_layers():
+    """torch's weight_norm / spectral_norm parametrizations of a conv next to a norm are modules named
+    ``_WeightNorm`` / ``_SpectralNorm``: convert listed them in ``report.skipped`` as normalization layers
+    it could not reproduce. They map a weight, they normalize no activation. Oracle: torch's parametrize
+    registry (the modules under ``parametrizations``), and the model's output, unchanged bit for bit."""
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        parametrizations.weight_norm(nn.Conv2d(3, 8, 3)),
+        nn.BatchNorm2d(8),
+        parametrizations.spectral_norm(nn.Conv2d(8, 4, 1)),
+    ).eval()
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        want = model(x)
+    model, report = normscope.convert(model)
+    assert [r.path for r in report] == ["1"] and report.skipped == []
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
