@@ -168,7 +168,7 @@ def _norm_types() -> tuple[type, ...]:
 # beside other layers (timm's ConvNormAct, LeViT's LinearNorm, NormMlpClassifierHead)
 _NORM_NAME = re.compile(r"Norm(?!ali[sz])")
 _HOLDER_NAME = re.compile(
-    r"Conv|Linear|Head|Block|Mlp|MLP|Attention|Stage|Stem|Model|Encoder|Decoder|Transformer|Embed"
+    r"Conv|Linear|Head|Block|Mlp|MLP|Attention|Stage|Stem|Model|Encoder|Decoder|Transformer|Embed|Net(?![a-z])"
 )
 _EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
 

@@ -638,3 +638,24 @@ def test_weight_norm_and_spectral_norm_parametrizations_are_not_reported_as_norm
     assert [r.path for r in report] == ["1"] and report.skipped == []
     with torch.no_grad():
         assert torch.equal(model(x), want)
+
+
+def test_a_network_named_like_a_norm_is_not_reported_as_a_norm_layer():
+    """timm's ``NormFreeNet`` (nfnet) holds layers and normalizes nothing itself: its name's "Norm" made
+    convert list the whole model (path ``''``) in ``report.skipped``. Oracle: the model's own modules
+    (no norm among them) and its output, unchanged bit for bit."""
+
+    class NormFreeNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.stem(x).relu()
+
+    torch.manual_seed(0)
+    model, x = NormFreeNet(), torch.randn(1, 3, 5, 5)
+    want = model(x)
+    model, report = normscope.convert(model)
+    assert list(report) == [] and report.skipped == []
+    assert torch.equal(model(x), want)
