@@ -71,6 +71,18 @@ def _moved(reduce: tuple[int, ...], ndim: int) -> Callable[[Tensor, Tensor], Ten
     return moved
 
 
+def like_input(x: Tensor, y: Tensor) -> Tensor:
+    """``y``, the output of an element-wise op of ``x`` (Derf), in the layout torch's element-wise ops give
+    it: ``x``'s own strides where ``x`` fills its memory (transposed, channels_last: ``empty_like``'s
+    ``preserve_format``), else contiguous (an expanded or strided view). A copy only where ``y``'s
+    layout differs; no value changes."""
+    if not fills_memory(x.shape, x.stride()):
+        return y.contiguous()
+    if y.stride() == x.stride():
+        return y
+    return torch.empty_like(x, dtype=y.dtype).copy_(y)
+
+
 def output_layout(scope, op: str | None) -> Callable[[Tensor, Tensor], Tensor]:
     """``fix(x, y)``: the output ``y`` of a norm of ``x`` over ``scope`` in the memory layout torch.nn's
     namesake returns for ``x`` -- the one rule every backend's output goes through (the engine applies

@@ -123,3 +123,91 @@ def test_output_and_input_gradient_strides_are_torch_nn(backend):
                 )
     assert ran, f"backend {backend!r} ran none of the calls"
     assert not mismatches, "\n".join(mismatches)
+
+
+# -- the modern ops: torch has no namesake; the oracle is each op's formula composed of torch's own ops, its
+# statistics by torch's norm op (F.layer_norm / F.rms_norm), so a modern op's output is laid out as the op
+# of its statistics lays it out -- every backend alike. (A PolyNorm written with a hand-made RMS,
+# ``t * rsqrt(t.pow(2).mean(-1) + eps)``, keeps a transposed input's strides where torch's rms_norm returns
+# contiguous output; normscope follows torch's op.)
+
+D = 8
+
+
+def _modern_cases():
+    """(name, normscope op, torch composition): each ``f(x)`` for x of shape (B, T, D)."""
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(D, generator=g), torch.randn(D, generator=g)
+    scale, shift = torch.randn(2, D, generator=g), torch.randn(2, D, generator=g)  # per sample (B, D)
+    poly_w, poly_b = torch.randn(3, generator=g), torch.randn(1, generator=g)
+    NF = normscope.functional
+
+    def rms(t: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(t, (D,), eps=1e-6)
+
+    return [
+        (
+            "modulated_norm layer",
+            lambda x, be: NF.modulated_norm(x, shift, scale, norm="layer", backend=be),
+            lambda x: F.layer_norm(x, (D,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None],
+        ),
+        (
+            "modulated_norm rms",
+            lambda x, be: NF.modulated_norm(x, shift, scale, norm="rms", backend=be),
+            lambda x: F.rms_norm(x, (D,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None],
+        ),
+        (
+            "poly_norm",
+            lambda x, be: NF.poly_norm(x, poly_w, poly_b, backend=be),
+            lambda x: poly_w[0] * rms(x**3) + poly_w[1] * rms(x**2) + poly_w[2] * rms(x) + poly_b,
+        ),
+        (
+            "derf",
+            lambda x, be: NF.derf(x, torch.tensor(0.5), torch.tensor(0.1), w, b, backend=be),
+            lambda x: w * torch.erf(0.5 * x + 0.1) + b,
+        ),
+        (
+            "fused_add_rms_norm",
+            lambda x, be: NF.fused_add_rms_norm(x, 0.5 * x, w, backend=be)[0],
+            lambda x: F.rms_norm(x + 0.5 * x, (D,), w, eps=1e-6),
+        ),
+        (
+            "rms_norm gemma",
+            lambda x, be: NF.rms_norm(x, (D,), w, weight_offset=1.0, casting="gemma", backend=be),
+            lambda x: F.rms_norm(x, (D,), w + 1.0, eps=1e-6),
+        ),
+    ]
+
+
+def _modern_layouts() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, D, generator=g)
+    return {
+        "contiguous": x,
+        "transposed": x.transpose(1, 2).contiguous().transpose(1, 2),
+        "strided": torch.randn(2, 3, 2 * D, generator=g)[..., ::2],
+        "expanded batch": x[:1].expand(x.shape),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_modern_ops_output_and_input_gradient_strides_are_their_torch_compositions(backend):
+    ran, mismatches = 0, []
+    for name, ours, theirs in _modern_cases():
+        for layout, x in _modern_layouts().items():
+            expected_y, expected_g = _forward_backward(theirs, x)
+            try:
+                y, g = _forward_backward(lambda t, f=ours: f(t, None if backend == "auto" else backend), x)
+            except ValueError as e:
+                if backend != "auto" and f"backend {backend!r}" in str(e):
+                    continue  # the backend declines this op: nothing of its to compare
+                raise
+            ran += 1
+            torch.testing.assert_close(y, expected_y, rtol=1e-4, atol=1e-4)
+            if y.stride() != expected_y.stride() or g.stride() != expected_g.stride():
+                mismatches.append(
+                    f"{name} on {layout} input: output strides {y.stride()}, torch's {expected_y.stride()}; "
+                    f"input gradient {g.stride()}, torch's {expected_g.stride()}"
+                )
+    assert ran, f"backend {backend!r} ran none of the calls"
+    assert not mismatches, "\n".join(mismatches)

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from .. import engine
 from .. import reference as ref
+from .._strides import like_input
 from ..engine import Backend, Call, Runner
 from . import aten, measured
 from ._layout import channels_last
@@ -347,4 +348,5 @@ def derf(x: Tensor, alpha: Tensor, shift: Tensor, weight: Tensor | None, bias: T
     if why is not None:
         raise _refuse("derf", why)
     engine.report_backend(NAME)
-    return _in_layout(x, mk.derf_rows(x, alpha, shift, weight, bias))
+    # element-wise: laid out as torch's element-wise ops lay out x's output (the other backends' composition)
+    return like_input(x, mk.derf_rows(x, alpha, shift, weight, bias))
