@@ -97,6 +97,17 @@ def _forward_backward(f, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y.detach(), x.grad
 
 
+def _strides_differ(what: str, ours: tuple, torchs: tuple) -> list[str]:
+    """``[what's mismatch]`` where the output's or the input gradient's strides differ from torch's, else []."""
+    (y, g), (ey, eg) = ours, torchs
+    if y.stride() == ey.stride() and g.stride() == eg.stride():
+        return []
+    return [
+        f"{what}: output strides {y.stride()}, torch's {ey.stride()}; "
+        f"input gradient {g.stride()}, torch's {eg.stride()}"
+    ]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_output_and_input_gradient_strides_are_torch_nn(backend):
     ran, mismatches = 0, []
@@ -116,11 +127,7 @@ def test_output_and_input_gradient_strides_are_torch_nn(backend):
             ran += 1
             if not masked:
                 torch.testing.assert_close(y, expected_y, rtol=1e-4, atol=1e-4)
-            if y.stride() != expected_y.stride() or g.stride() != expected_g.stride():
-                mismatches.append(
-                    f"{name} on {layout} input: output strides {y.stride()}, torch's {expected_y.stride()}; "
-                    f"input gradient {g.stride()}, torch's {expected_g.stride()}"
-                )
+            mismatches += _strides_differ(f"{name} on {layout} input", (y, g), (expected_y, expected_g))
     assert ran, f"backend {backend!r} ran none of the calls"
     assert not mismatches, "\n".join(mismatches)
 
@@ -204,10 +211,6 @@ def test_the_modern_ops_output_and_input_gradient_strides_are_their_torch_compos
                 raise
             ran += 1
             torch.testing.assert_close(y, expected_y, rtol=1e-4, atol=1e-4)
-            if y.stride() != expected_y.stride() or g.stride() != expected_g.stride():
-                mismatches.append(
-                    f"{name} on {layout} input: output strides {y.stride()}, torch's {expected_y.stride()}; "
-                    f"input gradient {g.stride()}, torch's {expected_g.stride()}"
-                )
+            mismatches += _strides_differ(f"{name} on {layout} input", (y, g), (expected_y, expected_g))
     assert ran, f"backend {backend!r} ran none of the calls"
     assert not mismatches, "\n".join(mismatches)

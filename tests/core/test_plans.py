@@ -25,33 +25,18 @@ LAYERS = [
 
 
 @contextlib.contextmanager
-def _default_float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+def _setting(get, set_, value):
+    """A global torch setting at ``value`` inside the block, as it was after it."""
+    before = get()
+    set_(value)
     try:
         yield
     finally:
-        torch.set_default_dtype(before)
+        set_(before)
 
 
-@contextlib.contextmanager
-def _deterministic():
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
-
-
-@contextlib.contextmanager
 def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return _setting(torch.get_num_threads, torch.set_num_threads, n)
 
 
 STATES = {
@@ -59,8 +44,10 @@ STATES = {
     "no_grad": torch.no_grad,
     "inference_mode": torch.inference_mode,
     "autocast-bf16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
-    "default-float64": _default_float64,
-    "deterministic": _deterministic,
+    "default-float64": lambda: _setting(torch.get_default_dtype, torch.set_default_dtype, torch.float64),
+    "deterministic": lambda: _setting(
+        torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms, True
+    ),
     "one-thread": lambda: _threads(1),
 }
 # a plan made in each state serves a plain call (autograd recording), and a plain call's plan serves each

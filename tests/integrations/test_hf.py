@@ -152,6 +152,29 @@ def test_torch_norms_keep_their_hooks_and_ties_when_patched():
     assert type(embeddings.LayerNorm) is normscope.LayerNorm and embeddings.tied is embeddings.LayerNorm
 
 
+def _assert_patched_as_batch_invariant_as_the_original(model, ids: torch.Tensor, replaced: dict) -> None:
+    """Sample 0's logits alone and inside the batch ``ids``: equal for the unpatched ``model`` (else there is
+    nothing to compare), and for a patched copy (which replaced ``replaced``) equal to each other and to the
+    original's."""
+
+    def alone_and_batched(m):
+        with torch.no_grad():
+            return m(input_ids=ids[:1]).logits[0], m(input_ids=ids).logits[0]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # with two, torch's own matrix products split by the batch: not invariant
+    try:
+        alone, batched = alone_and_batched(model)
+        assert torch.equal(alone, batched), "the unpatched model is not batch-invariant here: nothing to compare"
+        patched = copy.deepcopy(model)
+        assert hf.patch(patched).replaced == replaced
+        p_alone, p_batched = alone_and_batched(patched)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(p_alone, p_batched)
+    assert torch.equal(p_alone, alone)
+
+
 def test_patched_llama_is_as_batch_invariant_as_the_original():
     # sample 0's logits alone and inside a batch of 8: 8 x 130 tokens of hidden 1024 cross the CPU's
     # size threshold between torch's rms_norm and the rows path (rms.MIN_AUTO_ELEMENTS), one sample not
@@ -164,22 +187,7 @@ def test_patched_llama_is_as_batch_invariant_as_the_original():
     model = t.LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 64, (8, 130), generator=torch.Generator().manual_seed(3))
 
-    def alone_and_batched(m):
-        with torch.no_grad():
-            return m(input_ids=ids[:1]).logits[0], m(input_ids=ids).logits[0]
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # with two, torch's own matrix products split by the batch: not invariant
-    try:
-        alone, batched = alone_and_batched(model)
-        assert torch.equal(alone, batched), "the unpatched model is not batch-invariant here: nothing to compare"
-        patched = copy.deepcopy(model)
-        assert hf.patch(patched).replaced == {"LlamaRMSNorm": 5}
-        p_alone, p_batched = alone_and_batched(patched)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(p_alone, p_batched)
-    assert torch.equal(p_alone, alone)
+    _assert_patched_as_batch_invariant_as_the_original(model, ids, {"LlamaRMSNorm": 5})
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
@@ -202,20 +210,6 @@ def test_patched_qk_norm_families_are_as_batch_invariant_as_the_original(family)
                 p.add_(0.3 * torch.randn_like(p))
     ids = torch.randint(0, 64, (8, 130), generator=torch.Generator().manual_seed(3))
 
-    def alone_and_batched(m):
-        with torch.no_grad():
-            return m(input_ids=ids[:1]).logits[0], m(input_ids=ids).logits[0]
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # with two, torch's own matrix products split by the batch: not invariant
-    try:
-        alone, batched = alone_and_batched(model)
-        assert torch.equal(alone, batched), "the unpatched model is not batch-invariant here: nothing to compare"
-        patched = copy.deepcopy(model)
-        # the q_norm / k_norm layers are instances of the family's RMSNorm class: 2 of 5 (Qwen3), of 7 (Gemma 3)
-        assert hf.patch(patched).replaced == ({"Qwen3RMSNorm": 5} if family == "qwen3" else {"Gemma3RMSNorm": 7})
-        p_alone, p_batched = alone_and_batched(patched)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(p_alone, p_batched)
-    assert torch.equal(p_alone, alone)
+    # the q_norm / k_norm layers are instances of the family's RMSNorm class: 2 of 5 (Qwen3), of 7 (Gemma 3)
+    replaced = {"Qwen3RMSNorm": 5} if family == "qwen3" else {"Gemma3RMSNorm": 7}
+    _assert_patched_as_batch_invariant_as_the_original(model, ids, replaced)
