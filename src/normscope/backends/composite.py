@@ -271,7 +271,13 @@ class _MaskedApply(torch.autograd.Function):
         ctx.call = call  # for the reference recomputation of a double backward
         # per-sample scopes (InstanceNorm, GroupNorm) even for one sample, where rows == 1 as BatchNorm's
         ctx.per_outer = _view(call).per_outer
-        return _affine(d if d_out is None else d_out, scale, base).to(x3.dtype)
+        y = _affine(d if d_out is None else d_out, scale, base)
+        if y._base is not None and y._base.numel() == y.numel():
+            # the kernel's own result, not _affine's reshaping view of it (``run`` shapes it): autograd
+            # refuses in-place ops on an output that is a view made inside a Function, and torch's
+            # norms allow ``y.add_(1)``, ``y.relu_()`` on theirs
+            y = y._base
+        return y.to(x3.dtype)
 
     @staticmethod
     def backward(ctx, dy):
