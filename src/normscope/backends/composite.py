@@ -268,9 +268,15 @@ class _MaskedApply(torch.autograd.Function):
             base = base + bias.to(d.dtype).view(1, c)
         ctx.save_for_backward(x3, weight, bias, d, shift, rstd, count, mf, bad)
         ctx.groups = groups
-        ctx.call = call  # for the reference recomputation of a double backward
+        v = _view(call)
+        # for the reference recomputation of a double backward: the call without its tensors. A tensor
+        # kept on ctx bypasses saved-tensor hooks (offloading kept the input alive) and the version
+        # check (a mask changed in place after the forward gave a silently wrong gradient): the mask is
+        # rebuilt from the saved ``mf``
+        ctx.call = call._replace(x=None, weight=None, bias=None, mask=None, running=None, residual=None)
+        ctx.shape, ctx.channel_dim = tuple(call.x.shape), v.channel_dim
         # per-sample scopes (InstanceNorm, GroupNorm) even for one sample, where rows == 1 as BatchNorm's
-        ctx.per_outer = _view(call).per_outer
+        ctx.per_outer = v.per_outer
         y = _affine(d if d_out is None else d_out, scale, base)
         if y._base is not None and y._base.numel() == y.numel():
             # the kernel's own result, not _affine's reshaping view of it (``run`` shapes it): autograd
@@ -283,7 +289,7 @@ class _MaskedApply(torch.autograd.Function):
     def backward(ctx, dy):
         x3, weight, bias, d, shift, rstd, count, mf, bad = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiate the reference instead
-            return _reference_grads(ctx, dy, x3, weight, bias)
+            return _reference_grads(ctx, dy, x3, weight, bias, mf)
         o, c, i = d.shape
         rows = rstd.shape[0]  # O for per-sample scopes, 1 for BatchNorm
         g = dy.reshape(o, c, i).to(d.dtype)
@@ -339,19 +345,21 @@ class _MaskedApply(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
-def _reference_grads(ctx, dy, x3, weight, bias):
+def _reference_grads(ctx, dy, x3, weight, bias, mf):
     """Gradients of the reference computation of the same call, differentiable (double backward)."""
-    call = ctx.call
+    call, shape, d = ctx.call, ctx.shape, ctx.channel_dim
     inputs = (x3, weight, bias)
     need = [t is not None and n for t, n in zip(inputs, ctx.needs_input_grad[:3])]
+    # the mask from the saved flags (``mf``, one per position), broadcast along the channel axis as the call's
+    mask = (mf != 0).reshape(shape[:d] + (1,) + shape[d + 1 :])
     # the reference's two steps, the mask given to apply too (non-finite padding, reference.apply)
-    x = x3.reshape(call.x.shape)
+    x = x3.reshape(shape)
     xf = x.to(ref.acc_dtype(x.dtype))
-    m = ref.moments(xf, call.scope, call.mask)
-    r = ref.rstd(m.var, call.eps, m.count, ref.constant_gives_bias(call.scope, call.op, call.x.device))
-    y = ref.apply(xf, m.mean, r, call.scope, weight, bias, call.mask).to(x.dtype)
+    m = ref.moments(xf, call.scope, mask)
+    r = ref.rstd(m.var, call.eps, m.count, ref.constant_gives_bias(call.scope, call.op, x.device))
+    y = ref.apply(xf, m.mean, r, call.scope, weight, bias, mask).to(x.dtype)
     wanted = [t for t, n in zip(inputs, need) if n]
-    grads = iter(torch.autograd.grad(y, wanted, dy.reshape(call.x.shape), create_graph=True, allow_unused=True))
+    grads = iter(torch.autograd.grad(y, wanted, dy.reshape(shape), create_graph=True, allow_unused=True))
     out = [next(grads) if n else None for n in need]
     return (*out, None, None, None, None, None, None, None, None, None)
 
