@@ -3,8 +3,9 @@ does under autograd.
 
 For every op (LayerNorm, RMSNorm with the model families' options, GroupNorm, InstanceNorm, BatchNorm in
 training and evaluation, the masked norms, the modern ops of :mod:`normscope.functional_modern`) and
-every registered backend that takes it (``engine.backends()``, each forced; a backend the registry
-refuses for the call is skipped, so a new backend joins by registering), checked against torch's own
+every path the differential table (:mod:`.ops`) lists for it, each backend forced -- the table that
+``test_registry`` holds honest (each listed path runs the op, every other backend refuses it), so a new
+backend joins by being registered and listed, and no call here is skipped -- checked against torch's own
 functional op -- or, where torch has none, the same call on the ``reference`` backend (plain torch ops,
 differentiated by autograd itself):
 
@@ -32,6 +33,9 @@ import torch.nn.functional as F
 import normscope.functional as NF
 import normscope.functional_modern as FM
 from normscope import engine
+
+from .ops import OPS as TABLE
+from .ops import PATHS
 
 _RM = torch.linspace(-0.5, 0.5, 4, dtype=torch.float64)
 _RV = torch.linspace(0.5, 2.0, 4, dtype=torch.float64)
@@ -141,15 +145,44 @@ MASKED = ("group_norm", "instance_norm", "batch_norm_train")
 #: (case, masked): every op, and the masked forms of the three that take a mask
 OPS = [(name, False) for name in CASES] + [(name, True) for name in MASKED]
 MODERN = ("modulated_norm", "poly_norm", "derf", "qk_norm")
-BACKENDS = tuple(engine.backends())  # each forced: the automatic choice runs one of them
-#: (op, backend): the modern ops on their fused kernels (triton) and on aten's composition only -- on the
-#: other backends they are the same composition of the norms checked above
-PAIRS = [
-    pytest.param(op, be, id=f"{'masked_' if op[1] else ''}{op[0]}-{be}")
-    for op in OPS
-    for be in BACKENDS
-    if op[0] not in MODERN or be in ("triton", "aten")
-]
+#: each case's op in the differential table, whose paths are the backends that take it
+TABLE_NAME = {
+    "rms_norm_llama": "rms_norm_family",
+    "rms_norm_gemma": "rms_norm_family",
+    "batch_norm_train": "batch_norm",
+    "modulated_norm": "modulated_norm_layer",
+}
+
+
+def _backends(name: str, masked: bool) -> list[str]:
+    """The forced backends of the table's paths for a case (``auto`` runs one of them)."""
+    op = TABLE[TABLE_NAME.get(name, name) + ("_masked" if masked else "")]
+    named = [PATHS[p].backend for p in op.paths if PATHS[p].backend is not None]
+    return [b for b in named if b in engine.backends()]  # triton: registered where Triton is installed
+
+
+def _pairs(keep=lambda name, backend: True) -> list:
+    """(op, backend) for every listed path; the modern ops on their fused kernels (triton) and on aten's
+    composition only -- on the other backends they are the same composition of the norms checked above."""
+    return [
+        pytest.param(op, be, id=f"{'masked_' if op[1] else ''}{op[0]}-{be}")
+        for op in OPS
+        for be in _backends(*op)
+        if (op[0] not in MODERN or be in ("triton", "aten")) and (op[0], be) not in DECLINED and keep(op[0], be)
+    ]
+
+
+#: a path of the table's op that declines one of its forms, with the reason: the Triton kernels decline
+#: Llama's order (``test_registry.test_triton_declines_llamas_order`` holds them to it)
+DECLINED = {("rms_norm_llama", "triton")}
+
+
+PAIRS = _pairs()
+
+
+def test_every_case_is_an_op_of_the_table_with_a_path():
+    for name, masked in OPS:
+        assert _backends(name, masked), f"{name} (masked={masked}): no forced path in the differential table"
 
 
 def _make(shape, dtype, seed, requires_grad=True):
@@ -166,16 +199,11 @@ def _tensors(name, dtype, rx=True, rw=True, rb=True):
 
 
 def _ours(name, masked, backend):
-    """normscope's op on ``backend``, or a skip where the registry refuses that backend the call."""
+    """normscope's op forced on ``backend``."""
     fn = CASES[name][1]
 
     def run(x, w, b):
-        try:
-            return fn(x, w, b, backend, _MASK if masked else None)
-        except ValueError as e:
-            if "backend" in str(e) and "cannot run" in str(e) or "runs Derf" in str(e):
-                pytest.skip(f"{backend} does not take this call: {e}")
-            raise
+        return fn(x, w, b, backend, _MASK if masked else None)
 
     return run
 
@@ -254,32 +282,32 @@ def test_tensor_modified_in_place_after_forward(op, backend, dtype):
         _close(got, expected, dtype)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", MASKED)
+@pytest.mark.parametrize(("op", "backend"), [p for p in PAIRS if p.values[0][1]])
 @pytest.mark.parametrize("create_graph", [False, True], ids=["grad", "create_graph"])
-def test_mask_modified_in_place_after_forward(name, backend, create_graph):
+def test_mask_modified_in_place_after_forward(op, backend, create_graph):
     """The mask changed in place after the forward (a reused padding buffer): the gradient is the one
     of the mask the forward normalized with, as the reference's (plain ops) -- or autograd's error.
     The composite backend kept the call, mask included, on its ctx and, asked for a differentiable
     backward, recomputed with the modified mask: a gradient 57 off (fp64 masked InstanceNorm)."""
-    dtype = torch.float64
+    name = op[0]
+    dtype = torch.float64 if backend != "triton" else torch.float32  # the kernels take no fp64
     ours = CASES[name][1]
     x, w, b = _tensors(name, dtype)
     expected = _grads(ours(x, w, b, "reference", _mask()), (x, w, b))
     x, w, b = _tensors(name, dtype)
     mask = _mask()
-    try:
-        y = ours(x, w, b, backend, mask)
-    except ValueError as e:
-        pytest.skip(f"{backend} does not take this call: {e}")
+    y = ours(x, w, b, backend, mask)
     mask[1, 2:] = False
     try:
         got = _grads(y, (x, w, b), create_graph=create_graph)
     except RuntimeError as e:
         assert INPLACE in str(e)
         return
-    for p, q in zip(got, expected):
-        torch.testing.assert_close(p, q)
+    if dtype == torch.float32:  # triton against the fp32 reference: the kernels' tolerance
+        _close(got, expected, dtype)
+    else:
+        for p, q in zip(got, expected):
+            torch.testing.assert_close(p, q)
 
 
 @pytest.mark.parametrize(("op", "backend"), PAIRS)
@@ -335,10 +363,24 @@ def test_backward_twice_and_retain_graph(op, backend):
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize(("op", "backend"), PAIRS)
+def _jvp(name, masked, ours, x, w, b):
+    """Forward-mode AD's tangent of ``ours`` and, the oracle, ``torch.func.jvp`` of the reference's plain ops."""
+    xp, wp = x.detach(), w.detach()
+    bp = None if b is None else b.detach()
+    tangent = torch.randn(xp.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(x.dtype)
+    oracle = _oracle(name, masked) if CASES[name][0] is None or masked else None
+    ref = oracle or (lambda x_, w_, b_: CASES[name][1](x_, w_, b_, "reference", None))
+    _, expected = torch.func.jvp(lambda t: ref(t, wp, bp), (xp,), (tangent,))
+    with torch.autograd.forward_ad.dual_level():
+        y = ours(torch.autograd.forward_ad.make_dual(xp, tangent), wp, bp)
+        got = torch.autograd.forward_ad.unpack_dual(y).tangent
+    return got, expected
+
+
+@pytest.mark.parametrize(("op", "backend"), _pairs(lambda name, backend: backend != "triton"))
 def test_double_backward_and_forward_ad(op, backend):
     """fp64 ``gradgradcheck`` (finite differences, independent of every backward), and forward-mode AD's
-    tangent as ``torch.func.jvp`` of the reference's plain ops -- or a clear refusal."""
+    tangent as ``torch.func.jvp`` of the reference's plain ops. (The Triton kernels take no fp64: next test.)"""
     name, masked = op
     ours = _ours(name, masked, backend)
     x, w, b = _tensors(name, torch.float64)
@@ -347,21 +389,27 @@ def test_double_backward_and_forward_ad(op, backend):
     def f(*args):
         return ours(*args, None) if len(args) == 2 else ours(*args)
 
-    try:
-        f(*inputs)
-    except ValueError as e:  # the kernels take no fp64
-        pytest.skip(str(e))
     assert torch.autograd.gradgradcheck(f, inputs, atol=1e-5, rtol=1e-4, fast_mode=True)
-    xp, wp = x.detach(), w.detach()
-    bp = None if b is None else b.detach()
-    tangent = torch.randn(xp.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    oracle = _oracle(name, masked) if CASES[name][0] is None or masked else None
-    ref = oracle or (lambda x_, w_, b_: CASES[name][1](x_, w_, b_, "reference", None))
-    _, expected = torch.func.jvp(lambda t: ref(t, wp, bp), (xp,), (tangent,))
-    with torch.autograd.forward_ad.dual_level():
-        y = ours(torch.autograd.forward_ad.make_dual(xp, tangent), wp, bp)
-        got = torch.autograd.forward_ad.unpack_dual(y).tangent
-    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(*_jvp(name, masked, ours, x, w, b))
+
+
+@pytest.mark.parametrize(("op", "backend"), _pairs(lambda name, backend: backend == "triton"))
+def test_triton_double_backward_and_forward_ad_are_the_references(op, backend):
+    """fp32, the kernels' dtypes: the gradient of ``sum(u * dy/dinputs)`` (a double backward) and the
+    forward-mode tangent as the reference's (plain ops, differentiated by autograd itself)."""
+    name, masked = op
+    ours, ref = _ours(name, masked, backend), _ours(name, masked, "reference")
+    results = []
+    for fn in (ours, ref):
+        x, w, b = _tensors(name, torch.float32)
+        inputs = tuple(t for t in (x, w, b) if t is not None)
+        first = _grads(fn(x, w, b), inputs, create_graph=True)
+        u = [torch.randn(g.shape, generator=torch.Generator().manual_seed(7 + i)) for i, g in enumerate(first)]
+        total = sum((g * v).sum() for g, v in zip(first, u))
+        results.append(torch.autograd.grad(total, inputs, allow_unused=True, materialize_grads=True))
+    _close(*results, torch.float32)
+    x, w, b = _tensors(name, torch.float32)
+    _close(*_jvp(name, masked, ours, x, w, b), torch.float32)
 
 
 @pytest.mark.parametrize(("op", "backend"), PAIRS)
