@@ -41,18 +41,10 @@ class _TimmLayerNorm2d(nn.LayerNorm):
 # (id, normscope layer, torch.nn twin, input shape)
 TWINS = [
     ("LayerNorm", lambda: normscope.LayerNorm(6), lambda: nn.LayerNorm(6), (4, 3, 6)),
-    ("LayerNorm-nobias", lambda: normscope.LayerNorm(6, bias=False), lambda: nn.LayerNorm(6, bias=False), (4, 3, 6)),
     ("RMSNorm", lambda: normscope.RMSNorm(6), lambda: nn.RMSNorm(6), (4, 3, 6)),
-    ("RMSNorm-eps", lambda: normscope.RMSNorm(6, eps=1e-5), lambda: nn.RMSNorm(6, eps=1e-5), (4, 3, 6)),
     ("GroupNorm", lambda: normscope.GroupNorm(2, 6), lambda: nn.GroupNorm(2, 6), (4, 6, 5)),
     ("BatchNorm1d", lambda: normscope.BatchNorm1d(6), lambda: nn.BatchNorm1d(6), (4, 6, 5)),
     ("BatchNorm2d", lambda: normscope.BatchNorm2d(6), lambda: nn.BatchNorm2d(6), (4, 6, 3, 3)),
-    (
-        "BatchNorm2d-noaffine",
-        lambda: normscope.BatchNorm2d(6, affine=False),
-        lambda: nn.BatchNorm2d(6, affine=False),
-        (4, 6, 3, 3),
-    ),
     (
         "BatchNorm3d-cumulative",
         lambda: normscope.BatchNorm3d(6, momentum=None),
