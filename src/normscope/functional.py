@@ -400,10 +400,12 @@ def local_response_norm(input: Tensor, size: int, alpha: float = 1e-4, beta: flo
         # torch views the axes after the third as one (``view(N, 1, C, D, -1)``), which raises for
         # layouts where they cannot merge (a transposed 5-D input); the values are the same on a copy
         input = input.contiguous()
-    if input.dim() >= 4 and input.device.type == "cpu" and input.dtype in (torch.float16, torch.bfloat16):
+    half = input.dtype in (torch.float16, torch.bfloat16)
+    if input.dim() >= 4 and input.device.type == "cpu" and half and not torch.is_autocast_enabled("cpu"):
         # torch runs 4+ dims through avg_pool3d, which has no CPU half kernels (NotImplementedError
         # "avg_pool3d_out_frame" from inside, torch.nn's layer included): computed in fp32 and rounded once,
-        # no less accurate than torch's half computation of 3-D input (avg_pool2d, its own bits)
+        # no less accurate than torch's half computation of 3-D input (avg_pool2d, its own bits). Not under
+        # CPU autocast, where torch's own runs (in fp32, returning fp32): its bits and dtype, as torch.nn's
         return torch.nn.functional.local_response_norm(input.float(), size, alpha, beta, k).to(input.dtype)
     return torch.nn.functional.local_response_norm(input, size, alpha, beta, k)
 
