@@ -381,3 +381,47 @@ def test_llama_order_by_blocks_output_input_and_scale_gradients(monkeypatch, dty
     err = (w.grad.double() - exact).abs().max().item()
     ulp = torch.finfo(wdtype).eps * exact.abs().max().item()
     assert err <= 2 * ulp, (err, ulp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout,casting", [("last axis", "torch"), ("last axis", "llama"), ("inner axis", "torch")])
+def test_saved_tensor_hooks_pack_no_view_beside_its_base(dtype, layout, casting):
+    """Activation offloading (``save_on_cpu``) packs every saved tensor: the rows path saves each storage
+    once -- its rows, where they are a view of the input, are rebuilt in the backward, not packed a
+    second time (they were: 2.1x the input's bytes in fp32) -- and the gradients are torch's."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 6, 64, generator=g, dtype=torch.float64).to(dtype)
+    # inner axis: RMS over axis 1 of a transposed (8, 64, 6) leaf, whose moved rows are a view of it too
+    x = (x.transpose(1, 2) if layout == "inner axis" else x).requires_grad_()
+    w0 = (torch.randn(64, generator=g, dtype=torch.float64) * 0.1 + 1).to(dtype)
+    w = w0.clone().requires_grad_()
+    storages = []
+
+    def pack(t):
+        storages.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if layout == "inner axis":
+            y = normscope.normalize(x, dims=1, centered=False, weight=w, eps=1e-6, backend="rows")
+        else:
+            y = F.rms_norm(x, 64, w, 1e-6, casting=casting, backend="rows")
+    assert normscope.last_backend() == "rows"
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype)
+    got = torch.autograd.grad(y, (x, w), dy)
+    assert len(storages) == len(set(storages)), f"a storage packed twice: {storages}"
+    xr, wr = x.detach().clone().requires_grad_(), w0.clone().requires_grad_()
+    xm = xr.movedim(1, -1) if layout == "inner axis" else xr
+    if casting == "llama":  # transformers' LlamaRMSNorm: normalized in fp32, rounded, then scaled
+        x32 = xm.float()
+        yr = wr * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    else:
+        yr = tF.rms_norm(xm, (64,), wr, 1e-6)
+    yr = yr.movedim(-1, 1) if layout == "inner axis" else yr
+    expected = torch.autograd.grad(yr, (xr, wr), dy)
+    if layout == "last axis":
+        assert torch.equal(got[0], expected[0])  # dense rows in place: a row's input gradient is torch's bits
+    else:  # torch's op on the moved (strided) view reduces in its own order
+        torch.testing.assert_close(got[0], expected[0])
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got[1], expected[1], **tol)  # the weight's: the rows summed in another order

@@ -389,6 +389,14 @@ class _Rows(NamedTuple):
 # made outside would be an autograd node adding the two terms before the rest.
 
 
+def _copied(x2: Tensor, x: Tensor) -> Tensor | None:
+    """The rows to save beside ``x``: None where they are a view of it, rebuilt in the backward --
+    saved-tensor hooks (``save_on_cpu``, activation offloading) pack each saved tensor, and a view
+    saved beside its base is packed a second time (fp32: 2.1x the input's bytes, against 1.3x)."""
+    same = x2.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    return None if same else x2
+
+
 class _RMSRows(torch.autograd.Function):
     """``y = x * rsqrt(mean(x^2) + eps) * w`` over the rows of ``x`` (:class:`_Rows`), closed-form
     backward; ``x_again`` is ``x`` (see above)."""
@@ -397,13 +405,14 @@ class _RMSRows(torch.autograd.Function):
     def forward(ctx, x: Tensor, x_again: Tensor | None, weight: Tensor | None, eps: float, rows: _Rows) -> Tensor:
         x2 = rows.rows(x)
         y, r = _forward(x2, weight, eps)
-        ctx.save_for_backward(x, x2, weight, r)
+        ctx.save_for_backward(x, _copied(x2, x), weight, r)
         ctx.eps, ctx.rows = eps, rows  # eps: for the reference recomputation of a double backward
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, x2, weight, r = ctx.saved_tensors
+        x2 = ctx.rows.rows(x) if x2 is None else x2
         if torch.is_grad_enabled() or _batched(dy):  # see _reference_grads
             gx, gw = _reference_grads(ctx, dy, x, weight)
             return gx, None, gw, None, None
@@ -423,13 +432,14 @@ class _LlamaRows(torch.autograd.Function):
     def forward(ctx, x: Tensor, x_again: Tensor | None, scale: Tensor, eps: float, rows: _Rows) -> Tensor:
         x2 = rows.rows(x)
         y, r = _forward(x2, None, eps, scale=scale)
-        ctx.save_for_backward(x, x2, scale, r)
+        ctx.save_for_backward(x, _copied(x2, x), scale, r)
         ctx.eps, ctx.rows = eps, rows
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, x2, scale, r = ctx.saved_tensors
+        x2 = ctx.rows.rows(x) if x2 is None else x2
         if torch.is_grad_enabled() or _batched(dy):  # see _reference_grads
             gx, gs = _reference_grads(ctx, dy, x, scale, "llama")
             return gx, None, gs, None, None
