@@ -209,16 +209,7 @@ def checked_batch_norm(settings: BatchNormSettings, input, weight, bias, eps, ru
                 f"{where}: expected at least one valid (True) element in `mask` when training, got an "
                 f"all-False mask of shape {tuple(mask.squeeze(channel_dim).shape)}"
             )
-        if mask is not None and not _tracing():  # a question dynamo cannot trace (an int from C++)
-            for name, t in (("running_mean", running_mean), ("running_var", running_var)):
-                # ATen's kernel writes an expanded buffer element by element (the last write wins, as torch
-                # does unmasked); the masked update is one in-place op, which torch refuses from inside
-                if t is not None and torch._debug_has_internal_overlap(t) == 1:
-                    raise ValueError(
-                        f"{where}: expected `{name}` whose elements do not share memory with a mask when "
-                        f"training (its masked update writes them at once), got shape {tuple(t.shape)} with "
-                        f"strides {t.stride()}"
-                    )
+        _check_running_written(running_mean, running_var, where)
     elif running_mean is None or running_var is None:
         raise ValueError(f"{where}: evaluation (training=False) needs `running_mean` and `running_var`, got None")
     if not training:
@@ -313,9 +304,27 @@ def checked_instance_norm(
     if not use_input_stats and (running_mean is None or running_var is None):
         raise ValueError(f"{where}: use_input_stats=False needs `running_mean` and `running_var`, got None")
     mask = check.mask(mask, input, 1, where)
+    if use_input_stats:
+        _check_running_written(running_mean, running_var, where)
     if running is not None:
         running = Running(running_mean, running_var, float(momentum), use_input_stats)
     return norm(input, _INSTANCE, weight, bias, eps, mask=mask, running=running, backend=backend)
+
+
+def _check_running_written(running_mean: Tensor | None, running_var: Tensor | None, where: str) -> None:
+    """Running statistics a call updates in place hold one element per channel: an expanded buffer (its
+    channels sharing memory) would take every channel's update in one element -- torch's BatchNorm
+    writes it silently, the last channel's update winning, and its InstanceNorm refuses it from inside.
+    Refused by name. (The plan key holds the buffers' strides: a buffer replaced by an expanded one after
+    a planned call comes here too.)"""
+    if _tracing():  # a question dynamo cannot trace (an int from C++)
+        return
+    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
+        if t is not None and torch._debug_has_internal_overlap(t) == 1:
+            raise ValueError(
+                f"{where}: expected `{name}` whose elements do not share memory when its running statistics are "
+                f"updated (training), got shape {tuple(t.shape)} with strides {t.stride()} (an expanded tensor?)"
+            )
 
 
 INSTANCE_NORM = hot.Op("instance_norm", checked_instance_norm, InstanceNormSettings)

@@ -10,7 +10,8 @@ checked call, and remembers what that call dispatched.
 **A plan is reused only after comparing everything it reads.** The key of a call holds:
 
 * every tensor it reads -- input, weight, bias, running mean and variance -- as its shape, dtype,
-  device and layout (None for an absent one). Compared on every call: a parameter whose data
+  device and layout (None for an absent one), and the running statistics' strides (updated in place,
+  a buffer whose elements share memory is refused). Compared on every call: a parameter whose data
   was swapped (``p.data = ...``, ``resize_``, ``load_state_dict`` into a new shape) keeps its identity
   but not its signature, and takes the checked path, which refuses it in the op's terms -- never an
   unchecked native op reading or writing out of bounds (``torch.native_batch_norm`` checks nothing);
@@ -151,7 +152,14 @@ def call(
             None if bias is None else _sig(bias),
             None
             if r is None
-            else (r[3], type(r[2]), None if r[0] is None else _sig(r[0]), None if r[1] is None else _sig(r[1])),
+            # the running statistics' strides too: an update writes them in place, and a buffer whose
+            # elements share memory (an expanded one) is refused by the checks -- never planned past
+            else (
+                r[3],
+                type(r[2]),
+                None if r[0] is None else (_sig(r[0]), r[0].stride()),
+                None if r[1] is None else (_sig(r[1]), r[1].stride()),
+            ),
             _GEN,  # the registry's generation: a plan made before a backend was registered is not found
         )
         # the last call's key first: an equal tuple needs no hash (the common case, one signature)

@@ -489,3 +489,22 @@ class TestHostile:
         for mode in (True, False):
             m = copy.deepcopy(ours).train(mode)
             refused_with_state_kept(m, mutate, _randn(twin[3], 700), exc, fragments)
+
+    @pytest.mark.parametrize("twin", [t for t in TWINS if _has(t[2](), "running_mean")], ids=lambda t: t[0])
+    @pytest.mark.parametrize("name", ["running_mean", "running_var"])
+    def test_expanded_running_statistic_refused_where_updated_and_read_in_evaluation(self, twin, name):
+        """A running statistic replaced by an expanded tensor (its channels sharing one element) after
+        planned calls: training, which updates it in place, is refused naming it -- torch.nn's BatchNorm
+        writes every channel's update into the one element, the last winning, and its InstanceNorm raises
+        from inside -- while evaluation only reads it: torch.nn's twin's bits on the same buffer."""
+        ours, theirs = _pair(twin)
+        _warm(ours, theirs, twin[3])
+        value = getattr(theirs, name)[:1].clone().expand(6)
+        x = _randn(twin[3], 701)
+        trained = copy.deepcopy(ours).train(True)
+        refused_with_state_kept(trained, _buffer(name, value), x, ValueError, [f"`{name}`", "share memory", "(0,)"])
+        ours.eval()
+        theirs.eval()
+        setattr(ours, name, value)
+        setattr(theirs, name, value)
+        _assert_same_call(ours, theirs, x, f"evaluation on an expanded {name}")
