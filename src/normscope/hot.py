@@ -10,11 +10,12 @@ checked call, and remembers what that call dispatched.
 **A plan is reused only after comparing everything it reads.** The key of a call holds:
 
 * every tensor it reads -- input, weight, bias, running mean and variance -- as its shape, dtype,
-  device and layout (None for an absent one), and the running statistics' strides (updated in place,
-  a buffer whose elements share memory is refused). Compared on every call: a parameter whose data
-  was swapped (``p.data = ...``, ``resize_``, ``load_state_dict`` into a new shape) keeps its identity
-  but not its signature, and takes the checked path, which refuses it in the op's terms -- never an
-  unchecked native op reading or writing out of bounds (``torch.native_batch_norm`` checks nothing);
+  device and layout (None for an absent one), and the running statistics' strides where the call
+  updates them in place (a buffer whose elements share memory is refused there). Compared on every
+  call: a parameter whose data was swapped (``p.data = ...``, ``resize_``, ``load_state_dict`` into
+  a new shape) keeps its identity but not its signature, and takes the checked path, which refuses
+  it in the op's terms -- never an unchecked native op reading or writing out of bounds
+  (``torch.native_batch_norm`` checks nothing);
 * every other argument the checks read, by value and type (``eps``, ``normalized_shape``,
   ``num_groups``, ``training``, ``momentum``'s type, ``backend``, ...: ``True == 1`` in Python, so
   the types too), and the requested backend (:func:`normscope.engine.request_key`).
@@ -152,13 +153,14 @@ def call(
             None if bias is None else _sig(bias),
             None
             if r is None
-            # the running statistics' strides too: an update writes them in place, and a buffer whose
-            # elements share memory (an expanded one) is refused by the checks -- never planned past
             else (
                 r[3],
                 type(r[2]),
-                None if r[0] is None else (_sig(r[0]), r[0].stride()),
-                None if r[1] is None else (_sig(r[1]), r[1].stride()),
+                None if r[0] is None else _sig(r[0]),
+                None if r[1] is None else _sig(r[1]),
+                # where a call updates them in place (training), their strides too: a buffer whose elements
+                # share memory (an expanded one) is refused by the checks -- never planned past
+                (None if r[0] is None else r[0].stride(), None if r[1] is None else r[1].stride()) if r[3] else None,
             ),
             _GEN,  # the registry's generation: a plan made before a backend was registered is not found
         )
