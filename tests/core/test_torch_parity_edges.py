@@ -237,7 +237,6 @@ def test_local_response_norm_of_half_input_with_four_or_more_dims_on_cpu(dtype, 
     assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
 
 
-
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(2, 7, 3, 4), (1, 5, 2, 3, 2)])
@@ -254,6 +253,7 @@ def test_local_response_norm_of_half_input_under_cpu_autocast_is_torchs(autocast
     gy = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(want.dtype)
     y.backward(gy), want.backward(gy)
     assert torch.equal(xo.grad, xt.grad)
+
 
 _EMPTY_SCOPES = [
     ("LayerNorm(0)", lambda m: m.LayerNorm(0), (2, 0)),
