@@ -51,21 +51,21 @@ torch's grad mode and autocast state are, and per asyncio task too (torch's are 
 ``threading.Thread`` -- a pool's worker too -- starts with no block open, as it starts with grad mode
 on, whatever blocks its creator had open; ``asyncio.to_thread`` and ``contextvars.copy_context().run``
 carry the caller's context, so the forced backend follows there (torch's grad mode does not).
-Activation checkpointing (``torch.utils.checkpoint``) recomputes a segment's forward during the
+A ``with use_backend(...)`` in one thread never changes another's calls, and leaving it restores only
+its own thread's choice; a ``torch.compile`` in one thread plans on stand-ins in that thread and
+never captures or reroutes an eager call of another (:func:`compiling` asks about this thread;
+torch's own ``torch.compiler.is_compiling()`` answers for the process). The caches shared between threads --
+the plans by signature here and in :mod:`normscope.hot`, the traced plans -- hold values that
+depend only on their key and are never mutated once stored, so a read and a concurrent write of
+one dict (each one atomic in CPython) see either the old table or the new one, both right; the
+one publication that takes two steps (a traced plan and the token naming it) holds a lock.
+
+**Activation checkpointing** (``torch.utils.checkpoint``) recomputes a segment's forward during the
 backward, under the state the backward runs in: it restores autocast, not this. A forward inside
 ``use_backend(name)`` whose backward runs outside the block recomputes on another backend -- the
 non-reentrant checkpoint then raises its CheckpointError (other tensors saved), the reentrant one
 differentiates the other backend's forward. Run the backward inside the block, or pass
 ``context_fn=lambda: (contextlib.nullcontext(), normscope.use_backend(name))`` to the checkpoint.
-A ``with use_backend(...)`` in one
-thread never changes another's calls, and leaving it restores only its own thread's choice; a
-``torch.compile`` in one thread plans on stand-ins in that thread and never captures or reroutes an
-eager call of another (:func:`compiling` asks about this thread; torch's own
-``torch.compiler.is_compiling()`` answers for the process). The caches shared between threads --
-the plans by signature here and in :mod:`normscope.hot`, the traced plans -- hold values that
-depend only on their key and are never mutated once stored, so a read and a concurrent write of
-one dict (each one atomic in CPython) see either the old table or the new one, both right; the
-one publication that takes two steps (a traced plan and the token naming it) holds a lock.
 """
 
 from __future__ import annotations

@@ -161,6 +161,11 @@ def _backends(name: str, masked: bool) -> list[str]:
     return [b for b in named if b in engine.backends()]  # triton: registered where Triton is installed
 
 
+#: a path of the table's op that declines one of its forms, with the reason: the Triton kernels decline
+#: Llama's order (``test_registry.test_triton_declines_llamas_order`` holds them to it)
+DECLINED = {("rms_norm_llama", "triton")}
+
+
 def _pairs(keep=lambda name, backend: True) -> list:
     """(op, backend) for every listed path; the modern ops on their fused kernels (triton) and on aten's
     composition only -- on the other backends they are the same composition of the norms checked above."""
@@ -170,11 +175,6 @@ def _pairs(keep=lambda name, backend: True) -> list:
         for be in _backends(*op)
         if (op[0] not in MODERN or be in ("triton", "aten")) and (op[0], be) not in DECLINED and keep(op[0], be)
     ]
-
-
-#: a path of the table's op that declines one of its forms, with the reason: the Triton kernels decline
-#: Llama's order (``test_registry.test_triton_declines_llamas_order`` holds them to it)
-DECLINED = {("rms_norm_llama", "triton")}
 
 
 PAIRS = _pairs()
