@@ -11,6 +11,7 @@ import warnings as _warnings
 import torch as _torch
 
 from . import functional
+from ._version import __version__  # noqa: F401 - the package version, `normscope.__version__`
 from .convert import convert
 from .doctor import doctor, recalibrate  # the functions: ``normscope.doctor`` is the function, as ``convert``
 from .engine import last_backend, use_backend
@@ -44,8 +45,6 @@ from .modules import (
 )
 from .registry import get_norm, norm_names, register_norm
 from .scope import Scope
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Scope",

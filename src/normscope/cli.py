@@ -112,7 +112,7 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="normscope",
         description="Every normalization layer is mean, variance, normalize, affine over a different scope.",
     )
-    from . import __version__
+    from ._version import __version__
 
     parser.add_argument("--version", action="version", version=f"normscope {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -36,8 +37,13 @@ def apply_fixes(model: nn.Module, report: Report, batches: Any = None) -> tuple[
         >>> normscope.doctor(model, torch.randn(16, 4)).by_check("bias-before-norm")
         []
     """
-    import normscope
+    from ..convert import convert
+    from ..modules import freeze_batchnorm
+    from ._run import recalibrate
 
+    # the names the automatic fix lines call, as `normscope.<name>` (not the package itself: this module sits
+    # below it)
+    normscope = SimpleNamespace(convert=convert, freeze_batchnorm=freeze_batchnorm, recalibrate=recalibrate)
     frozen = {f.module for f in report.findings if f.check == "frozen-bn-updating"}
     converted = set() if frozen else {f.module for f in report.findings if f.check == "bn-elements"}
     lines: list[str] = []

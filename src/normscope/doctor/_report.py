@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from ._finding import Finding, plain
+from .checks import CHECKS
 
 __all__ = ["Finding", "Report", "SCHEMA", "SEVERITIES"]
 
@@ -15,41 +17,6 @@ SCHEMA = "normscope.doctor/1"
 
 #: most serious first: the order of the terminal table and of :attr:`Report.findings`
 SEVERITIES = ("error", "warning", "info")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem the doctor measured.
-
-    Attributes:
-        check: the check's stable identifier (``"bn-elements"``, ``"padding"``, ... see
-            :data:`normscope.doctor.CHECKS`).
-        module: the module's path in the model (``"layer1.0.bn1"``), ``""`` for the whole model.
-        severity: ``"error"``, ``"warning"`` or ``"info"``.
-        measured: the figures, by name (numbers, strings, short lists): what the verdict rests on.
-        threshold: the bounds the figures were held to, and ``"source"``: where they come from.
-        reason: one or two sentences: what this means for the model.
-        fix: a line of Python that fixes it, written for a model named ``model``.
-    """
-
-    check: str
-    module: str
-    severity: str
-    measured: dict[str, Any]
-    threshold: dict[str, Any]
-    reason: str
-    fix: str
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "check": self.check,
-            "module": self.module,
-            "severity": self.severity,
-            "measured": _plain(self.measured),
-            "threshold": _plain(self.threshold),
-            "reason": self.reason,
-            "fix": self.fix,
-        }
 
 
 @dataclass
@@ -79,8 +46,6 @@ class Report:
 
     def by_check(self, name: str) -> list[Finding]:
         """The findings of the check ``name`` (one of :data:`normscope.doctor.CHECKS`)."""
-        from .checks import CHECKS
-
         if name not in CHECKS:
             raise ValueError(f"Report.by_check: expected `name` to be one of {list(CHECKS)}, got {name!r}")
         return [f for f in self.findings if f.check == name]
@@ -99,7 +64,7 @@ class Report:
         """The JSON document of :meth:`to_json`, as Python objects."""
         import torch
 
-        from .. import __version__
+        from .._version import __version__
 
         return {
             "schema": SCHEMA,
@@ -110,7 +75,7 @@ class Report:
             "world_size": self.world_size,
             "seconds": round(self.seconds, 3),
             "summary": {s: self.count(s) for s in SEVERITIES},
-            "checks": _plain(self.checks),
+            "checks": plain(self.checks),
             "findings": [f.as_dict() for f in self.findings],
         }
 
@@ -128,24 +93,3 @@ class Report:
             lines.append(f"  {f.severity:<7} {f.check:<18} {f.module or '<model>'}: {f.reason}")
             lines.append(f"          fix: {f.fix}")
         return "\n".join(lines)
-
-
-def _plain(v: Any) -> Any:
-    """``v`` with every number a JSON number (non-finite ones as strings) and tuples as lists."""
-    if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    if isinstance(v, bool) or v is None or isinstance(v, str):
-        return v
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return v
-    if hasattr(v, "item") and getattr(v, "numel", lambda: 2)() == 1:  # a one-element tensor
-        return _plain(v.item())
-    return str(v)

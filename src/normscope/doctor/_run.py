@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._finding import Finding
 from ._observe import Recorder, Snapshot, is_norm, norm_scope
-from ._report import Finding, Report
+from ._report import Report
 from .checks import CHECKS, Context
 
 __all__ = ["doctor", "recalibrate"]

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._finding import Finding
 from ._observe import Call, NormScope, call_stats, channel_rows, probe, scope_rows, scope_stats
-from ._report import Finding
 
 __all__ = ["CHECKS", "Context"]
 
