@@ -599,6 +599,111 @@ def test_batch_invariance_batchnorm_by_design_and_per_sample_model_silent():
     assert [f for f in found if f.severity != "info"] == []
 
 
+class NormAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d: a BatchNorm2d subclass with children, its activation applied in place."""
+
+    def __init__(self, c):
+        super().__init__(c)
+        self.drop = nn.Identity()
+        self.act = nn.SiLU(inplace=True)
+
+    def forward(self, x):
+        return self.act(self.drop(super().forward(x)))
+
+
+class InPlaceAfterNorms(nn.Module):
+    """torchvision's ResNet pattern (bn, then ReLU(inplace=True) on its output) and timm's NormAct."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(8, 8, 3, bias=False)
+        self.bn2 = NormAct(8)
+
+    def forward(self, x):
+        return self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_batch_invariance_not_fooled_by_in_place_activations(training):
+    # the activations overwrite the tensors the hooks see; every sample stands alone in eval mode, and in
+    # training the BatchNorms -- the NormAct one itself, not its activation child -- mix the batch by design
+    torch.manual_seed(0)
+    model = InPlaceAfterNorms().train(training)
+    x = torch.randn(4, 3, 12, 12)
+    with torch.no_grad():  # the fact the check must agree with: eval mode is batch-invariant here
+        m = copy.deepcopy(model).eval()
+        assert (m(x)[:1] - m(x[:1])).abs().max() < 1e-5
+    found = doctor(model, x).by_check("batch-invariance")
+    assert [f for f in found if f.severity != "info"] == []
+    design = [f for f in found if f.measured["kind"] == "by design"]
+    assert (design[0].measured["paths"] if design else []) == (["bn1", "bn2"] if training else [])
+
+
+class MixesInItsOwnCode(nn.Module):
+    """A block whose children are per-sample but whose own forward subtracts the batch mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        return h - h.mean(0, keepdim=True)
+
+
+def test_batch_invariance_names_the_innermost_module_whose_input_agreed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Identity(), MixesInItsOwnCode()), nn.LayerNorm(8)).eval()
+    x = torch.randn(6, 8)
+    (f,) = [g for g in doctor(model, x).by_check("batch-invariance") if g.severity == "warning"]
+    # not the root, not the Sequential around it (their outputs differ because of it), not the LayerNorm
+    # after it (its input already differs), not its children (they agree)
+    assert f.module == "1.1" and f.measured["input_relative_difference"] <= 1e-5  # the Linear before: rounding
+    with torch.no_grad():
+        h = model[1][1].act(model[1][1].fc(model[0](x)))
+        inside, alone = (h - h.mean(0))[:1], h[:1] - h[:1]
+    assert f.measured["relative_difference"] == pytest.approx(float((inside - alone).abs().max() / inside.abs().max()))
+
+
+class WritesAfterTheNorm(nn.Module):
+    """A norm's input and output both written in place after the norm returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        h = self.conv(x)
+        y = self.bn(h)
+        y.mul_(0.0)  # the norm's output, overwritten
+        h.add_(1000.0)  # the norm's input, overwritten
+        return y + h
+
+
+def test_checks_read_what_the_norm_saw_not_what_was_written_later():
+    torch.manual_seed(0)
+    model, x = WritesAfterTheNorm(), torch.randn(8, 3, 10, 10) * 2 + 3
+    f = _only(doctor(model, x), "train-eval-drift", "bn")
+    with torch.no_grad():
+        h = model.conv(x).double()
+    mu, var = h.mean((0, 2, 3)), h.var((0, 2, 3), unbiased=False)
+    expected = float((mu.abs() / math.sqrt(1 + 1e-5)).mean() + (var / (1 + 1e-5) - 1).abs().mean())
+    assert f.measured["distance"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_casting_order_compares_the_output_the_norm_returned():
+    torch.manual_seed(0)
+    norm = nn.RMSNorm(64, eps=1e-6).half()
+    model = nn.Sequential(norm, nn.ReLU(inplace=True))  # overwrites the RMSNorm's output
+    f = _only(doctor(model, torch.randn(4, 8, 64).half()), "casting-order", "0")
+    assert f.measured["other_orders"]["torch"]["max_abs"] == 0.0  # its own order: the very same bits
+
+
 # ------------------------------------------------------------------------------------------ syncbn
 
 

@@ -256,91 +256,199 @@ def _numel(shape: torch.Size, dims: tuple[int, ...]) -> int:
 # ------------------------------------------------------------------------------------------ recording
 
 
+def copied(v: Any) -> Any:
+    """``v`` with every tensor in it (tuples, lists, dicts included) detached and copied: the values as
+    they are now, whatever in-place operation later writes into the original."""
+    if isinstance(v, Tensor):
+        return v.detach().clone()
+    if isinstance(v, (tuple, list)):
+        return type(v)(copied(x) for x in v) if type(v) in (tuple, list) else v
+    if isinstance(v, dict):
+        return {k: copied(x) for k, x in v.items()}
+    return v
+
+
+def first_sample(v: Any, n: int) -> Any:
+    """``v``'s first sample, copied: every tensor whose dim 0 is the batch (``n``) cut to ``[:1]``; other
+    tensors copied whole; containers (tuples, lists, dicts) followed."""
+    if isinstance(v, Tensor):
+        t = v.detach()
+        return (t[:1] if t.dim() and t.shape[0] == n else t).clone()
+    if type(v) in (tuple, list):
+        return type(v)(first_sample(x, n) for x in v)
+    if isinstance(v, dict):
+        return {k: first_sample(x, n) for k, x in v.items()}
+    return v
+
+
+def cut_first(v: Any, n: int) -> Any:
+    """``v`` for a batch of one: every tensor whose dim 0 is the batch (``n``) cut to ``[:1]`` (a view);
+    containers followed; everything else as it is. The inputs of the forward on the first sample alone."""
+    if isinstance(v, Tensor):
+        return v[:1] if v.dim() and v.shape[0] == n else v
+    if type(v) in (tuple, list):
+        return type(v)(cut_first(x, n) for x in v)
+    if isinstance(v, dict):
+        return {k: cut_first(x, n) for k, x in v.items()}
+    return v
+
+
+def tensors_in(v: Any) -> list[Tensor]:
+    """Every tensor in ``v`` (containers followed), in order."""
+    if isinstance(v, Tensor):
+        return [v]
+    if isinstance(v, (tuple, list)):
+        return [t for x in v for t in tensors_in(x)]
+    if isinstance(v, dict):
+        return [t for x in v.values() for t in tensors_in(x)]
+    return []
+
+
+def _version(t: Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place write); None for an inference tensor,
+    which has none."""
+    return None if t.is_inference() else t._version
+
+
 @dataclass
 class Call:
-    """One call of one module in the diagnosed forward."""
+    """One call of one module in a recorded forward.
+
+    Every tensor a check reads was copied when the module saw it -- the inputs before the module ran,
+    the output when it returned -- so that in-place operations after it (``ReLU(inplace=True)``,
+    ``x += residual``) cannot change what the checks measure."""
 
     path: str
     module: nn.Module
     training: bool
-    args: tuple
-    kwargs: dict
-    output: Any
+    index: int  # which call of this path (0: the first; a module called again gets 1, 2, ...)
+    order: int  # the call's place in the forward, counted when it started
+    args: tuple = ()  # norms: the positional inputs, copied before the call
+    kwargs: dict = field(default_factory=dict)  # norms: the keyword inputs, copied before the call
+    output: Any = None  # norms: the output, copied when the call returned
     producer: str | None = None  # the Linear/Conv whose output is this call's first input, unaltered
-    sample: tuple | None = None  # (args, kwargs, output) of the first sample, for batch invariance
+    sample: tuple | None = None  # (args, kwargs, output) of the first sample, copied, when recorded
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class SeenMask:
+    """A padding mask that some module of the forward received, read as (batch, positions) bool with
+    True = a real position; ``paths`` are the modules it was passed to (in forward order), ``order``
+    the first call that received it, ``source`` the argument's name and form."""
+
+    valid: Tensor
+    source: str
+    paths: list[str]
+    order: int
 
 
 _PRODUCERS = (nn.Linear, nn.modules.conv._ConvNd)
 
 
 class Recorder:
-    """Forward hooks on every module of a model (removed by :meth:`close`): each norm's call is kept
-    with its tensors; the other leaf modules keep only their first sample's input and output, so
-    the memory held is the norms' inputs and outputs plus one sample's worth of the rest."""
+    """Forward pre-hooks and hooks on every module of a model (removed by :meth:`close`).
 
-    def __init__(self, model: nn.Module, batch: int | None) -> None:
+    With ``norms``, each norm's call is kept with copies of its inputs (taken before it ran) and of its
+    output (taken when it returned). With ``samples``, every call keeps copies of its first sample's inputs and
+    output (``batch``: the samples in the forward), for the batch-invariance check. With ``masks``,
+    every padding mask a module receives by name (see :mod:`normscope.doctor._masks`) is collected in
+    :attr:`masks`. The memory held is the norms' inputs and outputs, plus one sample's worth of every
+    call with ``samples``."""
+
+    def __init__(
+        self, model: nn.Module, batch: int | None, *, norms: bool = True, samples: bool = False, masks: bool = True
+    ) -> None:
         self.calls: list[Call] = []
-        self.order: list[str] = []
+        self.norms = norms
+        self.masks: list[SeenMask] = []
         self.batch = batch
-        self.first_sample = False
-        self._outputs: dict[int, tuple[str, weakref.ref]] = {}
+        self.samples = samples and bool(batch)
+        self.watch_masks = masks
+        self._count: dict[str, int] = {}
+        self._started = 0
+        self._open: dict[str, list[tuple]] = {}
+        self._outputs: dict[int, tuple[str, weakref.ref, int | None]] = {}
         self._handles = []
-        for path, m in model.named_modules():
-            self._handles.append(m.register_forward_hook(self._hook(path), with_kwargs=True))
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                self._handles.append(m.register_forward_pre_hook(self._single_value(path)))
         #: (path, input shape) of a BatchNorm about to normalize one value per channel in training,
         #: which torch refuses ("Expected more than 1 value per channel when training")
         self.single_value: tuple[str, tuple[int, ...]] | None = None
+        for path, m in model.named_modules():
+            self._handles.append(m.register_forward_pre_hook(self._before(path), with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._after(path), with_kwargs=True))
 
-    def _single_value(self, path: str):
-        def hook(m: nn.Module, args: tuple) -> None:
-            x = args[0] if args and isinstance(args[0], Tensor) else None
-            if x is None or x.dim() < 2 or not (m.training or m.running_mean is None) or self.single_value:
-                return
-            c = getattr(m, "channel_dim", 1) % x.dim()
-            if x.shape[c] and x.numel() // x.shape[c] == 1:
-                self.single_value = (path, tuple(x.shape))
+    def _before(self, path: str):
+        def hook(m: nn.Module, args: tuple, kwargs: dict) -> None:
+            index = self._count.get(path, 0)
+            self._count[path] = index + 1
+            order, self._started = self._started, self._started + 1
+            call = Call(path, m, m.training, index, order)
+            x = next((a for a in args if isinstance(a, Tensor)), None)
+            if self.norms and is_norm(m):
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    self._one_value(path, m, x)
+                call.args, call.kwargs = copied(args), copied(kwargs)
+                if x is not None:
+                    call.extra["input_fn"] = x.grad_fn  # post-ln reads autograd's graph where x was made
+                    entry = self._outputs.get(id(x))
+                    if entry is not None and entry[1]() is x and entry[2] == _version(x):
+                        call.producer = entry[0]
+            if self.samples:
+                call.sample = (first_sample(args, self.batch), first_sample(kwargs, self.batch), None)
+            if self.watch_masks:
+                self._look_for_masks(path, m, args, kwargs, order)
+            self._open.setdefault(path, []).append(call)
 
         return hook
 
-    def _hook(self, path: str):
+    def _after(self, path: str):
         def hook(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            self.order.append(path)
-            x = next((a for a in args if isinstance(a, Tensor)), None)
-            producer = None
-            if x is not None:
-                entry = self._outputs.get(id(x))
-                if entry is not None and entry[1]() is x:
-                    producer = entry[0]
-            if isinstance(m, _PRODUCERS) and isinstance(output, Tensor):
-                self._outputs[id(output)] = (path, weakref.ref(output))
-            norm = is_norm(m)
-            leaf = not any(True for _ in m.children())
-            if not (norm or leaf):
+            started = self._open.get(path)
+            if not started:
                 return
-            call = Call(path, m, m.training, args if norm else (), kwargs if norm else {}, output if norm else None)
-            call.producer = producer
-            if self.first_sample and self.batch and self.batch > 1:
-                call.sample = _first_sample(args, kwargs, output, self.batch)
+            call = started.pop()
+            if self.norms and is_norm(m):
+                call.output = copied(output)
+                if isinstance(output, Tensor):
+                    call.extra["output_fn"] = output.grad_fn
+            if call.sample is not None:
+                call.sample = (*call.sample[:2], first_sample(output, self.batch))
+            if isinstance(m, _PRODUCERS) and isinstance(output, Tensor):
+                self._outputs[id(output)] = (path, weakref.ref(output), _version(output))
             self.calls.append(call)
 
         return hook
+
+    def _one_value(self, path: str, m: nn.Module, x: Tensor | None) -> None:
+        if x is None or x.dim() < 2 or not (m.training or m.running_mean is None) or self.single_value:
+            return
+        c = getattr(m, "channel_dim", 1) % x.dim()
+        if x.shape[c] and x.numel() // x.shape[c] == 1:
+            self.single_value = (path, tuple(x.shape))
+
+    def _look_for_masks(self, path: str, m: nn.Module, args: tuple, kwargs: dict, order: int) -> None:
+        from ._masks import named_inputs, padding_mask
+
+        for name, value in named_inputs(m, args, kwargs):
+            found = padding_mask(name, value)
+            if found is None:
+                continue
+            valid, form = found
+            for seen in self.masks:
+                if seen.valid.shape == valid.shape and torch.equal(seen.valid, valid):
+                    if path not in seen.paths:
+                        seen.paths.append(path)
+                    break
+            else:
+                self.masks.append(SeenMask(valid, f"{name} ({form})", [path], order))
+
+    def ordered(self) -> list[Call]:
+        """The calls in the order they started (a parent before its children)."""
+        return sorted(self.calls, key=lambda c: c.order)
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._outputs.clear()
-
-
-def _first_sample(args: tuple, kwargs: dict, output: Any, n: int) -> tuple | None:
-    """The first sample of a call's batched tensors (those whose dim 0 is the batch), cloned."""
-    x = next((a for a in args if isinstance(a, Tensor)), None)
-    if x is None or x.dim() == 0 or x.shape[0] != n or not isinstance(output, Tensor) or output.dim() == 0:
-        return None
-    if output.shape[0] != n:
-        return None
-    cut = lambda v: v[:1].detach().clone() if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == n else v  # noqa: E731
-    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}, output[:1].detach().clone()
+        self._open.clear()

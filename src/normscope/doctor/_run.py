@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..modules import PowerNorm
 from ._finding import Finding
-from ._observe import Recorder, Snapshot, is_norm, norm_scope
+from ._observe import Call, Recorder, Snapshot, cut_first, is_norm, norm_scope
 from ._report import Report
 from .checks import CHECKS, Context
 
@@ -177,7 +178,6 @@ def doctor(
         before = _running(model)
         say(f"forward with hooks on {sum(1 for _ in model.modules())} modules")
         recorder = Recorder(model, batch)
-        recorder.first_sample = "batch-invariance" in names
         # autograd's graph shows where residual adds meet norms (post-ln); it needs a parameter
         # that requires grad, and costs the memory of one training forward
         grad_graph = "post-ln" in names and any(p.requires_grad for p in model.parameters())
@@ -194,21 +194,8 @@ def doctor(
             return _single_value_report(model, recorder.single_value, names, inputs, kwargs, world_size, start)
         recorder.close()
         after = _running(model)
-        norms, leaves, seen, probes = [], [], set(), {}
-        for call in recorder.calls:
-            if call.path in seen:
-                continue  # a module called again (shared, recurrent): its first call speaks for it
-            seen.add(call.path)
-            if is_norm(call.module):
-                x = next((a for a in call.args if isinstance(a, Tensor)), None)
-                scope = None if x is None else norm_scope(call.module, x, probes)
-                if scope is None:
-                    continue
-                call.args = (x, *call.args[1:]) if call.args and call.args[0] is x else (x,)
-                call.extra["scope"] = scope
-                norms.append(call)
-            else:
-                leaves.append(call)
+        probes: dict = {}
+        norms = _norm_calls(recorder.ordered(), probes)
         # the forward may have moved running statistics; the checks that run modules again start
         # from the state the user had
         snapshot.restore()
@@ -235,10 +222,41 @@ def doctor(
                 snapshot.restore()
             return (y.detach(), other) if other is not None and other.shape == y.shape else None
 
+        def sample_pair() -> tuple[list[Call], list[Call]] | str:
+            say("forward on the batch and on its first sample alone")
+            try:
+                return _sample_pair(model, inputs, kwargs, batch)
+            finally:
+                snapshot.restore()
+
+        def call_alone(call: Call) -> Any:
+            # one module on the first sample's inputs it received in the batch, in the mode of the pair
+            try:
+                _pair_mode(model)
+                call.module.training = call.training
+                torch.manual_seed(_SEED)
+                with torch.no_grad():
+                    return call.module(*call.sample[0], **call.sample[1])
+            finally:
+                snapshot.restore()
+
         ctx = Context(
-            model, batch, norms, leaves, before, after, mask, mask_source, world_size, mode_outputs, grad_graph, probes
+            model,
+            batch,
+            norms,
+            before,
+            after,
+            mask,
+            mask_source,
+            world_size,
+            mode_outputs,
+            grad_graph,
+            probes,
+            masks=recorder.masks,
         )
         ctx.output_with = output_with
+        ctx.sample_pair = sample_pair
+        ctx.call_alone = call_alone
         findings = []
         for name in names:
             say(f"check {name}")
@@ -256,6 +274,60 @@ def doctor(
         world_size=world_size,
         seconds=time.perf_counter() - start,
     )
+
+
+def _norm_calls(calls: list[Call], probes: dict) -> list[Call]:
+    """Each norm's first call (a module called again -- shared, recurrent -- speaks by its first), in
+    forward order, with its scope in ``extra["scope"]`` and its normalized input first in ``args``;
+    norms whose layout the doctor does not know are left out."""
+    norms, seen = [], set()
+    for call in calls:
+        if call.path in seen or not call.args and not call.kwargs:
+            continue
+        seen.add(call.path)
+        x = next((a for a in call.args if isinstance(a, Tensor)), None)
+        scope = None if x is None else norm_scope(call.module, x, probes)
+        if scope is None:
+            continue
+        call.args = (x, *call.args[1:]) if call.args[0] is x else (x,)
+        call.extra["scope"] = scope
+        norms.append(call)
+    return norms
+
+
+def _pair_mode(model: nn.Module) -> None:
+    """The modes of the batch-invariance forwards: every module in eval mode (no dropout, whether a
+    module or ``F.dropout(..., training=self.training)`` inside one) but the norms, and of those the
+    BatchNorm-type ones with running statistics in eval too -- in training they mix the batch by design
+    (the check says so apart), and in eval each sample stands alone, so that a module after them that
+    mixes the batch can still be found."""
+    for m in model.modules():
+        if not is_norm(m):
+            m.training = False
+        elif isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None or isinstance(m, PowerNorm):
+            m.training = False
+
+
+def _sample_pair(model: nn.Module, inputs: tuple, kwargs: dict, batch: int) -> tuple[list[Call], list[Call]] | str:
+    """Every module call's first sample (inputs and output) in a forward on the batch, and in one on the
+    first sample alone, both in :func:`_pair_mode` with the same seed; a string saying why where the
+    model refuses the sample alone."""
+    _pair_mode(model)
+    recorded = []
+    for n, (args, kw) in ((batch, (inputs, kwargs)), (1, (cut_first(inputs, batch), cut_first(kwargs, batch)))):
+        rec = Recorder(model, n, norms=False, samples=True, masks=False)
+        torch.manual_seed(_SEED)
+        try:
+            with torch.no_grad():
+                _forward(model, args, kw)
+        except (RuntimeError, ValueError) as e:
+            if n == batch:
+                raise
+            return f"the model refused its first sample alone: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        finally:
+            rec.close()
+        recorded.append(rec.ordered())
+    return recorded[0], recorded[1]
 
 
 def _single_value_report(model, where, names, inputs, kwargs, world_size, start) -> Report:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ._finding import Finding
-from ._observe import Call, NormScope, call_stats, channel_rows, probe, scope_rows, scope_stats
+from ._observe import Call, NormScope, SeenMask, call_stats, channel_rows, probe, scope_rows, scope_stats, tensors_in
 
 __all__ = ["CHECKS", "Context"]
 
@@ -30,8 +30,7 @@ class Context:
 
     model: nn.Module
     batch: int | None  # the samples in the forward (dim 0 of the first tensor input)
-    norms: list[Call]  # each norm's first call, with extra["scope"]
-    leaves: list[Call]  # every other leaf module's first call, with its first sample
+    norms: list[Call]  # each norm's first call, in forward order, with extra["scope"]
     running_before: dict[str, tuple[Tensor | None, Tensor | None, Tensor | None]]
     running_after: dict[str, tuple[Tensor | None, Tensor | None, Tensor | None]]
     mask: Tensor | None  # (B, S) bool, True = a real position
@@ -45,6 +44,13 @@ class Context:
     # (the forward's output, the output with the named parameters/buffers replaced); None where the
     # model's output is not one floating tensor
     output_with: Callable[[dict[str, Tensor]], tuple[Tensor, Tensor] | None] = lambda tensors: None
+    # every padding mask a module of the forward received (see normscope.doctor._masks)
+    masks: list[SeenMask] = field(default_factory=list)
+    # (each call's first sample in a forward on the batch, the same on the first sample alone), or why not;
+    # runs on first use (see normscope.doctor._run._sample_pair)
+    sample_pair: Callable[[], tuple[list[Call], list[Call]] | str] = lambda: "not recorded"
+    # a call's module run again on the first sample's inputs it received in the batch
+    call_alone: Callable[[Call], Any] = lambda call: None
     notes: dict[str, str] = field(default_factory=dict)
 
     def note(self, check: str, text: str) -> None:
@@ -799,10 +805,6 @@ _POST_LN_SOURCE = (
 )
 
 
-def _grad_fn(t: Any):
-    return getattr(t, "grad_fn", None)
-
-
 def post_ln(ctx: Context) -> list[Finding]:
     """A norm after a residual add whose other branch starts from a norm's output -- the residual
     stream passes through the norm (Post-LN) -- read from autograd's graph of the forward; torch's
@@ -814,9 +816,11 @@ def post_ln(ctx: Context) -> list[Finding]:
         return []
     found: dict[str, str] = {}
     if ctx.grad_graph:
-        produced = {id(_grad_fn(c.output)): c.path for c in token if _grad_fn(c.output) is not None}
+        # the grad_fns as the hooks saw them: an in-place write after the norm (x += ...) gives the
+        # tensor another one
+        produced = {id(c.extra["output_fn"]): c.path for c in token if c.extra.get("output_fn") is not None}
         for c in token:
-            fn = _grad_fn(c.args[0])
+            fn = c.extra.get("input_fn")
             if fn is None or not type(fn).__name__.startswith("AddBackward"):
                 continue
             for nxt, _ in fn.next_functions:
@@ -953,58 +957,113 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-5
 
 
+def _difference(a: Any, b: Any) -> float | None:
+    """The largest relative difference of the tensors of ``b`` from those of ``a`` (max |a - b| over max |a|,
+    per tensor; NaN and inf equal where both hold the same); None where they do not pair up (another
+    number of tensors, shapes or dtypes); inf where an integer tensor differs or a NaN stands alone."""
+    ta, tb = tensors_in(a), tensors_in(b)
+    if len(ta) != len(tb):
+        return None
+    worst = 0.0
+    for x, y in zip(ta, tb):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return None
+        if torch.equal(x, y):
+            continue
+        if not x.is_floating_point():
+            return math.inf
+        xd, yd = x.double(), y.double()
+        same = (xd == yd) | (xd.isnan() & yd.isnan())
+        d = (xd - yd).abs().masked_fill(same, 0.0)
+        if bool(d.isnan().any()):
+            return math.inf
+        scale = float(xd.abs().masked_fill(~xd.isfinite(), 0.0).max())
+        worst = max(worst, float(d.max()) / max(scale, 1e-30))
+    return worst
+
+
+def _float_dtype(v: Any) -> torch.dtype | None:
+    return next((t.dtype for t in tensors_in(v) if t.is_floating_point()), None)
+
+
+def _mixes_by_design(m: nn.Module, training: bool) -> bool:
+    """A norm whose statistics span the batch in this mode: BatchNorm-type in training, or without running
+    statistics; PowerNorm in training."""
+    from ..modules import PowerNorm
+
+    if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        return training or m.running_mean is None
+    return isinstance(m, PowerNorm) and training
+
+
+def _inside(path: str, parent: str) -> bool:
+    return path != parent and (parent == "" or path.startswith(parent + "."))
+
+
 def batch_invariance(ctx: Context) -> list[Finding]:
-    """Each norm's and each leaf module's output for the first sample alone against the same sample
-    inside the batch, fed the same input (the module's own recorded input); of torch's own non-norm
-    layers, one per class."""
+    """The model on its first sample alone against the same sample inside the batch: a forward of each
+    (every module in eval mode but the norms, BatchNorm-type norms with running statistics in eval too:
+    dropout draws nothing, and each sample should stand alone), every module call's first sample recorded
+    in both. A module mixes the batch where its inputs agreed and its output did not; the finding goes to
+    the innermost such module (its parents' outputs differ because of it), after running it once more on
+    the exact inputs it received in the batch (a difference that was only its input's rounding,
+    amplified, is not its own). BatchNorm-type norms in training mix the batch by design: information."""
     if not ctx.batch or ctx.batch < 2:
         ctx.note("batch-invariance", "the batch has one sample")
         return []
-    out, rounding, by_design, torch_classes = [], [], [], set()
-    for call in [*ctx.norms, *ctx.leaves]:
-        m = call.module
-        s = call.extra.get("scope")
-        if s is not None and s.batch_stats and call.training:
-            by_design.append(call.path)
+    out, rounding = [], []
+    by_design = [c.path for c in ctx.norms if _mixes_by_design(c.module, c.training)]
+    pair = ctx.sample_pair()
+    if isinstance(pair, str):
+        ctx.note("batch-invariance", pair)
+        pair = ([], [])
+    in_batch, alone = pair
+    alone_at = {(c.path, c.index): c for c in alone}
+    candidates = []
+    for call in in_batch:
+        other = alone_at.get((call.path, call.index))
+        if other is None or call.sample is None or other.sample is None:
             continue
-        if call.sample is None or isinstance(m, nn.modules.dropout._DropoutNd) and call.training:
+        d_in = _difference(call.sample[:2], other.sample[:2])
+        d_out = _difference(call.sample[2], other.sample[2])
+        dtype = _float_dtype(call.sample[2])
+        if d_in is None or d_out is None or dtype is None or d_out == 0:
             continue
-        if s is None and type(m).__module__.startswith("torch.nn."):
-            # torch's own non-norm layers (conv, linear, activations, pooling) are per-sample by
-            # construction: one of each class shows the rounding level; the rest would cost a
-            # forward's worth of time and say the same
-            if type(m) in torch_classes:
-                continue
-            torch_classes.add(type(m))
-        args, kwargs, expected = call.sample
-        was = m.training
-        m.train(call.training)
-        try:
-            with torch.no_grad():
-                got = m(*args, **kwargs)
-        except (RuntimeError, ValueError):
-            continue  # the module refuses a batch of one (and says so itself in training code)
-        finally:
-            m.train(was)
-        if not isinstance(got, Tensor) or got.shape != expected.shape or not got.is_floating_point():
+        tol = _tolerance(dtype)
+        if d_in > _tolerance(_float_dtype(call.sample[:2]) or dtype):
+            continue  # its input already differs: the cause is before it
+        if d_out <= tol:
+            if d_in == 0:
+                rounding.append((call.path, d_out))
             continue
-        diff = float((got.double() - expected.double()).abs().max())
-        if diff == 0 or math.isnan(diff):
+        candidates.append((call, d_in, d_out, tol))
+    paths = [c.path for c, *_ in candidates]
+    for call, d_in, d_out, tol in candidates:
+        if any(_inside(p, call.path) for p in paths):
+            continue  # a module inside it is the cause
+        if _mixes_by_design(call.module, call.training):
+            if call.path not in by_design:
+                by_design.append(call.path)
             continue
-        rel = diff / max(float(expected.double().abs().max()), 1e-30)
-        tol = _tolerance(expected.dtype)
-        if rel <= tol:
-            rounding.append((call.path, rel))
-            continue
+        if d_in > 0:
+            again = _difference(call.sample[2], ctx.call_alone(call))
+            if again is not None and again <= tol:
+                continue  # on the very inputs it had in the batch it agrees: its input's rounding, amplified
         out.append(
             Finding(
                 "batch-invariance",
                 call.path,
                 "warning",
-                {"relative_difference": rel, "max_abs_difference": diff, "batch": ctx.batch},
+                {
+                    "relative_difference": d_out,
+                    "input_relative_difference": d_in,
+                    "batch": ctx.batch,
+                    "module_type": type(call.module).__name__,
+                },
                 {"warning_above": tol, "source": _INVARIANCE_SOURCE},
-                f"the first sample's output alone differs from the same sample in the batch by {_fmt(rel)} relative: "
-                "this module mixes data across the batch dimension",
+                f"the first sample's output alone differs from the same sample in the batch by {_fmt(d_out)} relative, "
+                f"while its input agreed{'' if d_in == 0 else f' (to {_fmt(d_in)})'}: this module's own computation "
+                "mixes data across the batch dimension",
                 f"print(type(model.get_submodule({call.path!r})))  # statistics over samples where each sample "
                 "should stand alone",
             )
@@ -1017,11 +1076,13 @@ def batch_invariance(ctx: Context) -> list[Finding]:
                 "info",
                 {"kind": "by design", "modules": len(by_design), "paths": by_design[:16]},
                 {"info": "statistics over the batch, by design", "source": _INVARIANCE_SOURCE},
-                f"{len(by_design)} BatchNorm-type layer(s) in training mode normalize each sample with the batch's "
-                "statistics: by design, a sample's output depends on the others (in eval mode it does not)",
+                f"{len(by_design)} BatchNorm-type layer(s) normalize each sample with the batch's statistics in this "
+                "mode: by design, a sample's output depends on the others (in eval mode with running statistics it "
+                "does not)",
                 "model.eval()  # inference: running statistics, each sample on its own",
             )
         )
+    rounding = [(p, r) for p, r in rounding if not any(_inside(q, p) for q, _ in rounding)]  # innermost, as above
     if rounding:
         worst = max(r for _, r in rounding)
         out.append(
@@ -1036,8 +1097,8 @@ def batch_invariance(ctx: Context) -> list[Finding]:
                     "max_relative_difference": worst,
                 },
                 {"rounding_up_to": "per dtype, see source", "source": _INVARIANCE_SOURCE},
-                f"{len(rounding)} module(s) give a sample other last bits alone than in the batch (up to {_fmt(worst)} "
-                "relative): rounding, from kernels chosen by batch size",
+                f"{len(rounding)} module(s) give a sample other last bits alone than in the batch from the same input "
+                f"(up to {_fmt(worst)} relative): rounding, from kernels chosen by batch size",
                 "torch.use_deterministic_algorithms(True)  # fixes run-to-run, not batch-size, differences",
             )
         )
