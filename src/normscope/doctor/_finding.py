@@ -4,10 +4,10 @@ modules (the checks make findings, the report holds them; neither imports the ot
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Finding", "plain"]
+__all__ = ["Finding", "Series", "plain"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,45 @@ class Finding:
             "threshold": plain(self.threshold),
             "reason": self.reason,
             "fix": self.fix,
+        }
+
+
+@dataclass
+class Series:
+    """A measured quantity over a model's norm layers (in forward order) or over training steps: what the
+    report draws, one picture per series.
+
+    Attributes:
+        check: the check it belongs to (its findings sit beside the picture).
+        title: what is drawn, in words.
+        y: the quantity's name and unit (the vertical axis).
+        x: ``"layer"`` (the norm layers in forward order, named by ``labels``) or ``"step"``.
+        lines: label -> points ``(x, y)``: for ``x == "layer"`` one line, x the layer's index in
+            ``labels``; for ``x == "step"`` a line per layer (or per quantity), x the step.
+        labels: for ``x == "layer"``, the layers' paths by index.
+        thresholds: name -> value, drawn as horizontal lines (``{"warning": 0.133}``).
+        log: a logarithmic vertical axis.
+    """
+
+    check: str
+    title: str
+    y: str
+    x: str = "layer"
+    lines: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    labels: list[str] = field(default_factory=list)
+    thresholds: dict[str, float] = field(default_factory=dict)
+    log: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "check": self.check,
+            "title": self.title,
+            "y": self.y,
+            "x": self.x,
+            "lines": {k: [[plain(a), plain(b)] for a, b in pts] for k, pts in self.lines.items()},
+            "labels": list(self.labels),
+            "thresholds": plain(self.thresholds),
+            "log": self.log,
         }
 
 

@@ -6,10 +6,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._finding import Finding, plain
+from ._finding import Finding, Series, plain
 from .checks import CHECKS
 
-__all__ = ["Finding", "Report", "SCHEMA", "SEVERITIES"]
+__all__ = ["Finding", "Report", "Series", "SCHEMA", "SEVERITIES"]
 
 #: the identifier and version of :meth:`Report.to_json`'s layout; the number changes whenever a key
 #: is renamed or removed (adding a key keeps it)
@@ -31,6 +31,8 @@ class Report:
         inputs: a short description of each input (shape and dtype, or type).
         world_size: as given to :func:`normscope.doctor`.
         seconds: wall time of the diagnosis.
+        series: the measured quantities per layer (or per step) that the HTML report draws, a
+            :class:`Series` each.
     """
 
     findings: list[Finding]
@@ -39,15 +41,18 @@ class Report:
     inputs: list[str] = field(default_factory=list)
     world_size: int | None = None
     seconds: float = 0.0
+    series: list[Series] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         rank = {s: i for i, s in enumerate(SEVERITIES)}
         self.findings = sorted(self.findings, key=lambda f: (rank[f.severity], f.check, f.module))
 
     def by_check(self, name: str) -> list[Finding]:
-        """The findings of the check ``name`` (one of :data:`normscope.doctor.CHECKS`)."""
-        if name not in CHECKS:
-            raise ValueError(f"Report.by_check: expected `name` to be one of {list(CHECKS)}, got {name!r}")
+        """The findings of the check ``name`` (one of :data:`normscope.doctor.CHECKS`, or of the checks
+        this report ran)."""
+        if name not in CHECKS and name not in self.checks:
+            known = list(CHECKS) + [c for c in self.checks if c not in CHECKS]
+            raise ValueError(f"Report.by_check: expected `name` to be one of {known}, got {name!r}")
         return [f for f in self.findings if f.check == name]
 
     def count(self, severity: str) -> int:
@@ -77,6 +82,7 @@ class Report:
             "summary": {s: self.count(s) for s in SEVERITIES},
             "checks": plain(self.checks),
             "findings": [f.as_dict() for f in self.findings],
+            "series": [v.as_dict() for v in self.series],
         }
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -273,6 +273,7 @@ def doctor(
         inputs=[_describe(v) for v in inputs] + [f"{k}={_describe(v)}" for k, v in kwargs.items()],
         world_size=world_size,
         seconds=time.perf_counter() - start,
+        series=ctx.series,
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._finding import Finding
+from ._finding import Finding, Series
 from ._observe import Call, NormScope, SeenMask, call_stats, channel_rows, probe, scope_rows, scope_stats, tensors_in
 
 __all__ = ["CHECKS", "Context"]
@@ -52,6 +52,8 @@ class Context:
     # a call's module run again on the first sample's inputs it received in the batch
     call_alone: Callable[[Call], Any] = lambda call: None
     notes: dict[str, str] = field(default_factory=dict)
+    # the per-layer quantities the checks measured, for the report's pictures
+    series: list[Series] = field(default_factory=list)
 
     def note(self, check: str, text: str) -> None:
         self.notes[check] = text
