@@ -96,6 +96,57 @@ def test_train_eval_drift_silent_when_running_statistics_fit_the_data():
     assert doctor(model, x).by_check("train-eval-drift") == []
 
 
+class SpatialBN(nn.Module):
+    """A BatchNorm whose input is known exactly: sample-level offsets (shared by a sample's positions, as
+    image brightness is) plus independent noise, N(mu_c, 1 + 0.5^2) per channel in the population."""
+
+    def __init__(self, c=32):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(c)
+        self.register_buffer("mu", torch.linspace(-1, 1, c))
+
+    def forward(self, x):  # x: (N, C, H, W) standard normal; the offset of each (sample, channel) is x's mean
+        return self.bn(self.mu[None, :, None, None] + x)
+
+
+def _population(model, c=32):
+    with torch.no_grad():
+        model.bn.running_mean.copy_(model.mu)
+        model.bn.running_var.fill_(1.0)
+
+
+@pytest.mark.parametrize("n", [2, 4, 16])
+def test_train_eval_drift_sampling_noise_is_what_the_batch_size_alone_gives(n):
+    # the running statistics are exactly the population's: the distance a batch gives is sampling noise,
+    # and the doctor's estimate of it (from the spread of per-sample statistics) must match its average
+    # over many batches -- the average computed here directly, from the formula
+    from normscope.doctor._observe import Call, NormScope
+    from normscope.doctor.checks import sampling_noise
+
+    torch.manual_seed(0)
+    model = SpatialBN().eval()
+    _population(model)
+    g = torch.Generator().manual_seed(1)
+    actual, estimated = [], []
+    for _ in range(200):
+        x = torch.randn(n, 32, 2, 2, generator=g)
+        h = (model.mu[None, :, None, None] + x).double()
+        mu, var = h.mean((0, 2, 3)), h.var((0, 2, 3), unbiased=False)
+        actual.append(float((mu - model.mu.double()).abs().mean() + (var / (1 + 1e-5) - 1).abs().mean()))
+        call = Call("bn", model.bn, False, 0, 0, args=(h.float(),))
+        call.extra["scope"] = NormScope("batch", (0, 2, 3), 1, None, True, 1e-5)
+        estimated.append(sum(sampling_noise(call, model.bn.running_var, 1e-5)))
+    assert sum(estimated) / len(estimated) == pytest.approx(sum(actual) / len(actual), rel=0.2)
+    # and a batch of this size gives no finding on these statistics, while stale ones are found
+    flagged = sum(
+        bool(doctor(model, torch.randn(n, 32, 2, 2, generator=g)).by_check("train-eval-drift")) for _ in range(20)
+    )
+    assert flagged <= 1
+    with torch.no_grad():  # stale: the data's mean moved by 3 standard deviations (1 is found from batch 16 on)
+        model.bn.running_mean.add_(3.0 if n < 16 else 1.0)
+    assert doctor(model, torch.randn(n, 32, 2, 2, generator=g)).by_check("train-eval-drift")
+
+
 # ------------------------------------------------------------------------------------------ padding
 
 

@@ -334,11 +334,13 @@ class Call:
 @dataclass
 class SeenMask:
     """A padding mask that some module of the forward received, read as (batch, positions) bool with
-    True = a real position; ``paths`` are the modules it was passed to (in forward order), ``order``
-    the first call that received it, ``source`` the argument's name and form."""
+    True = a real position: the argument's ``name`` and ``form`` (``"2-D"``, ``"4-D additive"``, ...),
+    the modules it was passed to (``paths``, in forward order) and the first call that received it
+    (``order``)."""
 
     valid: Tensor
-    source: str
+    name: str
+    form: str
     paths: list[str]
     order: int
 
@@ -440,7 +442,7 @@ class Recorder:
                         seen.paths.append(path)
                     break
             else:
-                self.masks.append(SeenMask(valid, f"{name} ({form})", [path], order))
+                self.masks.append(SeenMask(valid, name, form, [path], order))
 
     def ordered(self) -> list[Call]:
         """The calls in the order they started (a parent before its children)."""

@@ -17,12 +17,6 @@ from .checks import CHECKS, Context
 
 __all__ = ["doctor", "recalibrate"]
 
-_MASK_KWARGS = {  # name -> True when the tensor marks padding (torch), False when it marks real tokens
-    "attention_mask": False,
-    "src_key_padding_mask": True,
-    "key_padding_mask": True,
-}
-
 
 def _describe(v: Any) -> str:
     if isinstance(v, Tensor):
@@ -48,18 +42,15 @@ def _running(model: nn.Module) -> dict[str, tuple[Tensor | None, Tensor | None, 
     return out
 
 
-def _resolve_mask(mask: Tensor | None, kwargs: dict) -> tuple[Tensor | None, str]:
-    """The padding mask as (B, S) bool, True = a real position, and where it came from."""
-    if mask is not None:
-        if not isinstance(mask, Tensor) or mask.dim() != 2:
-            got = f"{mask.dtype} of shape {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
-            raise ValueError(f"doctor: expected `mask` to be a (batch, positions) tensor, True = real, got {got}")
-        return mask.bool(), "mask="
-    for name, marks_pads in _MASK_KWARGS.items():
-        v = kwargs.get(name)
-        if isinstance(v, Tensor) and v.dim() == 2:
-            return (~v.bool() if marks_pads else v.bool()), name
-    return None, ""
+def _resolve_mask(mask: Tensor | None) -> Tensor | None:
+    """``mask=`` as (B, S) bool, True = a real position (the masks the model's modules receive are found
+    by the recorder: see normscope.doctor._masks)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        got = f"{mask.dtype} of shape {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"doctor: expected `mask` to be a (batch, positions) tensor, True = real, got {got}")
+    return mask.bool()
 
 
 #: the seed of every forward the doctor runs (dropout gets the same masks in each)
@@ -167,7 +158,7 @@ def doctor(
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
         raise ValueError(f"doctor: expected `checks` from {list(CHECKS)}, got unknown {unknown}")
-    mask, mask_source = _resolve_mask(mask, kwargs)
+    mask = _resolve_mask(mask)
     say = progress or (lambda line: None)
     start = time.perf_counter()
     x0 = _first_tensor(inputs, kwargs)
@@ -247,7 +238,6 @@ def doctor(
             before,
             after,
             mask,
-            mask_source,
             world_size,
             mode_outputs,
             grad_graph,

@@ -33,8 +33,7 @@ class Context:
     norms: list[Call]  # each norm's first call, in forward order, with extra["scope"]
     running_before: dict[str, tuple[Tensor | None, Tensor | None, Tensor | None]]
     running_after: dict[str, tuple[Tensor | None, Tensor | None, Tensor | None]]
-    mask: Tensor | None  # (B, S) bool, True = a real position
-    mask_source: str
+    mask: Tensor | None  # mask= given to the doctor: (B, S) bool, True = a real position
     world_size: int | None
     # the model's output with its BatchNorms in train mode, then in eval mode (None: none to switch);
     # forwards run on first use only, as only a drifting model reports them
@@ -155,6 +154,14 @@ def bn_elements(ctx: Context) -> list[Finding]:
 # (Shen et al. 2020's Fig. 2 metric, docs/lab.md): 0.045 on images, where BN trains well, and 0.133
 # on padded text, where BN lost 4 points of accuracy to masked BN.
 DRIFT_WARNING = 0.133
+# The distance a batch gives even when the running statistics are exactly the data's grows as the batch
+# shrinks (8 values per channel at batch 2 in a 2x2 last stage: ~1.4 on a random-weight EfficientNet-B0).
+# A layer warns when its distance exceeds that sampling noise by the threshold and by twice the noise:
+# measured over 10 batches each of timm's resnet18 and efficientnet_b0 (random weights, statistics
+# calibrated on 256 images), a healthy layer warned at a rate of 0.4% at batch 2 and 0 at 4, 16 and 32,
+# and running statistics of inputs shifted by 0.3 and scaled by 1.3 were found on 38-75% of the layers
+# at batch 2-4 and 96-100% at 16-32 (the threshold alone: 23% of healthy layers at batch 2, 8-17% at 16-32).
+NOISE_MARGIN = 2.0
 _DRIFT_SOURCE = (
     "normscope lab padding (docs/lab.md), Shen et al. 2020 Fig. 2 metric mean_c |mu_B - mu|/sigma + "
     "mean_c |var_B/var - 1|: 0.045 for BN on images (trains well), 0.133 on padded text (4 points below masked BN)"
@@ -166,6 +173,37 @@ def _distance(call: Call, rm: Tensor, rv: Tensor, eps: float) -> tuple[Tensor, T
     mu, var, _ = call_stats(call)  # a BatchNorm's scopes are its channels
     sd = (rv.double() + eps).sqrt()
     return (mu - rm.double()).abs() / sd, (var / (rv.double() + eps) - 1).abs()
+
+
+def _c4(n: int) -> float:
+    """E[s] / sigma for the sample standard deviation of ``n`` normal draws (the usual unbiasing constant)."""
+    return math.sqrt(2 / (n - 1)) * math.exp(math.lgamma(n / 2) - math.lgamma((n - 1) / 2))
+
+
+def sampling_noise(call: Call, rv: Tensor, eps: float) -> tuple[float, float]:
+    """The two distance terms that this batch's size alone gives, for running statistics that are exactly
+    the data's: per channel, the standard errors of the batch mean and variance, estimated from the spread
+    of per-sample statistics (one sample: of 8 contiguous blocks of its positions) -- so that neighbouring
+    positions that move together count as what they are -- times E|Z| = sqrt(2/pi), plus the variance's
+    small-batch bias; averaged over channels like the distance itself."""
+    x = call.args[0].detach().double()
+    s = call.extra["scope"]
+    units = x.movedim(s.channel, 0).reshape(x.shape[s.channel], x.shape[0 if s.channel else 1], -1)
+    if units.shape[1] < 2:  # one sample: blocks of its positions stand in for samples
+        length = units.shape[2]
+        k = min(8, length)
+        if k < 2:
+            return 0.0, 0.0
+        units = units[:, 0, : length // k * k].reshape(units.shape[0], k, length // k)
+    n = units.shape[1]
+    m = units.mean(2)
+    mu = m.mean(1, keepdim=True)
+    sq = (units - mu[..., None]).square().mean(2)
+    se_mean = m.std(1) / (_c4(n) * math.sqrt(n))
+    se_var = sq.std(1) / (_c4(n) * math.sqrt(n))
+    k = math.sqrt(2 / math.pi)
+    var = rv.double() + eps
+    return float((k * se_mean / var.sqrt()).mean()), float(((k * se_var + se_mean.square()) / var).mean())
 
 
 def _compact(t: Tensor) -> list[float]:
@@ -186,7 +224,8 @@ def train_eval_drift(ctx: Context) -> list[Finding]:
         mean_z, var_z = _distance(call, rm, rv, s.eps)
         dm, dv = float(mean_z.mean()), float(var_z.mean())
         total = dm + dv
-        if total <= DRIFT_WARNING:
+        nm, nv = sampling_noise(call, rv, s.eps)
+        if total - (nm + nv) <= max(DRIFT_WARNING, NOISE_MARGIN * (nm + nv)):
             continue
         out.append(
             Finding(
@@ -197,13 +236,20 @@ def train_eval_drift(ctx: Context) -> list[Finding]:
                     "distance": total,
                     "mean_term": dm,
                     "var_term": dv,
+                    "sampling_noise": nm + nv,
+                    "beyond_noise": total - nm - nv,
                     "batches_tracked": None if nbt is None else int(nbt),
                     "per_channel_mean_shift": _compact(mean_z),
                     "per_channel_var_change": _compact(var_z),
                 },
-                {"warning_above": DRIFT_WARNING, "source": _DRIFT_SOURCE},
+                {
+                    "warning_above": DRIFT_WARNING,
+                    "beyond": f"the sampling noise, by the threshold and by {NOISE_MARGIN}x the noise",
+                    "source": _DRIFT_SOURCE,
+                },
                 f"the running statistics are {_fmt(total)} away from this batch's (mean term {_fmt(dm)}, "
-                f"variance term {_fmt(dv)}): eval() normalizes with other numbers than training did",
+                f"variance term {_fmt(dv)}; this batch's size alone explains {_fmt(nm + nv)}): eval() normalizes "
+                "with other numbers than training did",
                 "model = normscope.recalibrate(model, batches)  # a few training batches",
             )
         )
@@ -269,11 +315,47 @@ def _masked_arg(call: Call) -> bool:
     return len(call.args) > 1 and isinstance(call.args[1], Tensor) and call.args[1].dtype == torch.bool
 
 
+def _masks_for(ctx: Context, call: Call) -> list[SeenMask]:
+    """The masks that may describe a norm call's positions, most likely first: ``mask=`` given to the
+    doctor; then those passed to the norm's parents (the innermost parent first: an encoder given the
+    frame-level mask its model derived, before the model given the sample-level one), received before the
+    norm ran; then any other, the most recent before it first."""
+    seen = list(ctx.masks)
+    if ctx.mask is not None:
+        seen.insert(0, SeenMask(ctx.mask, "mask=", "2-D, True = real", [], -1))
+
+    def rank(m: SeenMask) -> tuple:
+        if not m.paths:  # mask= given to the doctor
+            return (3, 0, 0)
+        depth = max((len(p) for p in m.paths if p == "" or _inside(call.path, p)), default=-1)
+        before = m.order < call.order
+        return (2 if depth >= 0 and before else 1 if before else 0, depth, m.order if before else -m.order)
+
+    return sorted(seen, key=rank, reverse=True)
+
+
+def _position_axes(x: Tensor, s: NormScope) -> list[int]:
+    """The axes of a norm's statistics that hold positions (time, space): reduced, and neither the batch
+    axis nor a channel axis; none for token norms (LayerNorm/RMSNorm reduce features)."""
+    if s.kind not in ("batch", "instance", "group", "power"):
+        return []
+    skip = {0, 1} if s.kind == "group" else {0, s.channel}
+    return [a for a in s.reduce if a not in skip and x.shape[a] > 1]
+
+
 def padding(ctx: Context) -> list[Finding]:
-    """With a mask: the fraction of padded positions inside each statistic's scope, and the shift in
-    the statistics that the pads cause (with them against without them)."""
-    if ctx.mask is None:
-        ctx.note("padding", "no mask= and no attention_mask / key_padding_mask among the inputs")
+    """The fraction of padded positions inside each statistic's scope, and the shift in the statistics
+    that the pads cause (with them against without them), with the mask that matches the norm's
+    positions among those the model's modules received; where a norm's statistics span positions, the
+    input is padded and no mask matches them, information saying so."""
+    padded = [m for m in ([] if ctx.mask is None else [ctx.mask]) + [m.valid for m in ctx.masks] if not m.all()]
+    if not padded:
+        ctx.note(
+            "padding",
+            "no padded position: no mask= and no padding mask with a pad among the inputs of any module"
+            if ctx.mask is None and not ctx.masks
+            else "the masks the model received mark no position as padding",
+        )
         return []
     out = []
     for call in ctx.norms:
@@ -281,10 +363,19 @@ def padding(ctx: Context) -> list[Finding]:
         if s.kind == "frozen" or _masked_arg(call):
             continue
         x = call.args[0]
-        axes = _mask_axes(x.shape, ctx.mask, s.channel)
-        if axes is None or not set(axes) & set(s.reduce):
+        chosen = None
+        for m in _masks_for(ctx, call):
+            axes = _mask_axes(x.shape, m.valid, s.channel)
+            if axes is not None:
+                chosen = (m, axes)
+                break
+        if chosen is None:
+            out.extend(_unmatched(call, x, s, ctx))
+            continue
+        m, axes = chosen
+        if not set(axes) & set(s.reduce):
             continue  # the pads are not inside any statistic (LayerNorm per token, ...)
-        valid = _broadcast_mask(x, ctx.mask.to(x.device), axes).expand_as(x)
+        valid = _broadcast_mask(x, m.valid.to(x.device), axes).expand_as(x)
         all_mean, all_var, _ = scope_stats(x, s)
         rows_valid = scope_stats_masked(x, valid, s)
         if rows_valid is None:
@@ -309,7 +400,9 @@ def padding(ctx: Context) -> list[Finding]:
                     "pad_fraction_mean": float(frac.mean()),
                     "mean_shift_in_std": shift_mean,
                     "variance_ratio": shift_var,
-                    "mask": ctx.mask_source,
+                    "mask": m.name,
+                    "mask_form": m.form,
+                    "mask_passed_to": [p or "<model>" for p in m.paths[:4]],
                 },
                 {"warning_above": 0.0, "source": _PADDING_SOURCE},
                 f"up to {100 * float(frac.max()):.1f}% of the positions in a statistic are padding: they move its "
@@ -318,6 +411,34 @@ def padding(ctx: Context) -> list[Finding]:
             )
         )
     return out
+
+
+def _unmatched(call: Call, x: Tensor, s: NormScope, ctx: Context) -> list[Finding]:
+    """Information for a norm whose statistics span positions that no mask the model passed around fits."""
+    axes = _position_axes(x, s)
+    if not axes:
+        return []
+    lengths = sorted(
+        {int(m.valid.shape[1]) for m in ctx.masks} | ({int(ctx.mask.shape[1])} if ctx.mask is not None else set())
+    )
+    axis = axes[-1]
+    return [
+        Finding(
+            "padding",
+            call.path,
+            "info",
+            {"axis": axis, "length": int(x.shape[axis]), "input_shape": list(x.shape), "mask_lengths_seen": lengths},
+            {
+                "info": "padded input, and a norm whose statistics span positions no mask describes",
+                "source": _PADDING_SOURCE,
+            },
+            f"this {s.kind} norm's statistics span axis {axis} (length {x.shape[axis]}) and the model's input is "
+            f"padded, but no padding mask of that length reached it (masks seen: lengths {lengths}): padded positions "
+            "may be inside its statistics, and the doctor cannot tell how many",
+            f"normscope.doctor(model, ..., mask=valid)  # valid: (batch, {x.shape[axis]}) bool, True = real, for "
+            f"{call.path!r}'s axis {axis}",
+        )
+    ]
 
 
 def scope_stats_masked(x: Tensor, valid: Tensor, s: NormScope):
