@@ -109,7 +109,7 @@ class SpatialBN(nn.Module):
         return self.bn(self.mu[None, :, None, None] + x)
 
 
-def _population(model, c=32):
+def _exact_statistics(model):
     with torch.no_grad():
         model.bn.running_mean.copy_(model.mu)
         model.bn.running_var.fill_(1.0)
@@ -125,7 +125,7 @@ def test_train_eval_drift_sampling_noise_is_what_the_batch_size_alone_gives(n):
 
     torch.manual_seed(0)
     model = SpatialBN().eval()
-    _population(model)
+    _exact_statistics(model)
     g = torch.Generator().manual_seed(1)
     actual, estimated = [], []
     for _ in range(200):
@@ -858,45 +858,98 @@ def test_state_restored_when_the_forward_raises():
 # ------------------------------------------------------------------------------------------ recalibrate
 
 
-def _fvcore_precise_bn(model, batches):
-    """fvcore.nn.precise_bn.update_bn_stats, its loop written out: momentum 1 so each forward leaves
-    that batch's statistics in the buffers, a running average of those, then restore momentum."""
-    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    momentum = [bn.momentum for bn in bns]
-    for bn in bns:
-        bn.momentum = 1.0
-    mean = [torch.zeros_like(bn.running_mean) for bn in bns]
-    var = [torch.zeros_like(bn.running_var) for bn in bns]
-    with torch.no_grad():
-        for ind, x in enumerate(batches):
-            model(x)
-            for i, bn in enumerate(bns):
-                mean[i] += (bn.running_mean - mean[i]) / (ind + 1)
-                var[i] += (bn.running_var - var[i]) / (ind + 1)
-    for i, bn in enumerate(bns):
-        bn.running_mean, bn.running_var, bn.momentum = mean[i], var[i], momentum[i]
+def _population(tensors, dims):
+    """The direct formula: mean and unbiased variance of every element of ``tensors`` together, float64."""
+    flat = torch.cat([t.double().movedim(1, 0).reshape(t.shape[1], -1) for t in tensors], 1)
+    return flat.mean(1), flat.var(1, unbiased=True)
 
 
-def test_recalibrate_equals_fvcore_and_the_direct_formula():
+def test_recalibrate_is_the_population_mean_and_variance_of_all_the_batches():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4))
-    batches = [torch.randn(4, 3, 10, 10) * (i + 1) + i for i in range(5)]
-    theirs = copy.deepcopy(model).train()
-    _fvcore_precise_bn(theirs, batches)
+    # six batches of different sizes and means: the spread between the batches' means is part of the
+    # population's variance (fvcore's first PreciseBN, averaging per-batch variances, missed it)
+    batches = [torch.randn(2 + i, 3, 10, 10) + 2 * i for i in range(6)]
     model.eval()
     nbt = model[1].num_batches_tracked.clone()
     out = recalibrate(model, batches)
     assert out is model and not model[1].training and model[1].momentum == 0.1
     assert torch.equal(model[1].num_batches_tracked, nbt)
-    for i in (1, 4):
-        torch.testing.assert_close(model[i].running_mean, theirs[i].running_mean, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(model[i].running_var, theirs[i].running_var, rtol=1e-6, atol=1e-6)
-    with torch.no_grad():  # the population estimate by hand, first BatchNorm
-        hs = [model[0](x).double() for x in batches]
-    mean = sum(h.mean((0, 2, 3)) for h in hs) / len(hs)
-    var = sum(h.var((0, 2, 3), unbiased=True) for h in hs) / len(hs)
-    torch.testing.assert_close(model[1].running_mean.double(), mean, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(model[1].running_var.double(), var, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # the BatchNorms' inputs, the first normalizing each batch with its own statistics
+        h1 = [model[0](x).double() for x in batches]
+        h2, conv2 = [], copy.deepcopy(model[3]).double()
+        for h in h1:
+            mu, var = h.mean((0, 2, 3), keepdim=True), h.var((0, 2, 3), unbiased=False, keepdim=True)
+            w, b = model[1].weight.double()[:, None, None], model[1].bias.double()[:, None, None]
+            h2.append(conv2(torch.relu((h - mu) / (var + 1e-5).sqrt() * w + b)))
+    for bn, hs in ((model[1], h1), (model[4], h2)):
+        mean, var = _population(hs, (0, 2, 3))
+        torch.testing.assert_close(bn.running_mean.double(), mean, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(bn.running_var.double(), var, rtol=1e-6, atol=1e-6)
+    # the average of the batches' variances is far from it here
+    averaged = sum(h.var((0, 2, 3), unbiased=True) for h in h1) / len(h1)
+    assert float((averaged / _population(h1, (0, 2, 3))[1]).min()) < 0.9
+
+
+def test_recalibrate_counts_only_the_valid_elements_of_a_masked_batchnorm():
+    torch.manual_seed(0)
+    bn = normscope.BatchNorm1d(4)
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for n, t in ((2, 7), (5, 3), (3, 11)):
+        x = torch.randn(n, 4, t, generator=g) * 3 + 1
+        mask = torch.rand(n, t, generator=g) < 0.6
+        x = x.masked_fill(~mask[:, None], 100.0)  # padding that must not count
+        batches.append((x, mask))
+    recalibrate(bn, batches)
+    valid = torch.cat([x.double().transpose(1, 2)[m] for x, m in batches])  # (valid positions, C)
+    # float32 buffers: one rounding of the float64 result
+    torch.testing.assert_close(bn.running_mean.double(), valid.mean(0), rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(bn.running_var.double(), valid.var(0, unbiased=True), rtol=1e-7, atol=1e-7)
+
+
+def _recalibrate_rank(rank, world, store, shards, out):
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        bn = normscope.SyncBatchNorm(3)
+        recalibrate(bn, shards[rank])
+        torch.save((bn.running_mean, bn.running_var), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_recalibrate_a_syncbatchnorm_over_every_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    g = torch.Generator().manual_seed(5)
+    # unequal shards: rank 0 holds 2 batches, rank 1 holds 2 of other sizes and means
+    shards = [
+        [torch.randn(3, 3, 4, generator=g) + 1, torch.randn(5, 3, 4, generator=g)],
+        [torch.randn(2, 3, 4, generator=g) - 2, torch.randn(4, 3, 4, generator=g) * 2],
+    ]
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_recalibrate_rank, args=(r, 2, str(tmp_path / "store"), shards, str(tmp_path)))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0, f"a rank failed (exit code {p.exitcode})"
+    # each step's statistics span both ranks' batches of that step: together, every element of every shard
+    mean, var = _population([x for shard in shards for x in shard], (0, 2))
+    for r in range(2):
+        rm, rv = torch.load(tmp_path / f"rank{r}.pt")
+        torch.testing.assert_close(rm.double(), mean, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(rv.double(), var, rtol=1e-6, atol=1e-6)
 
 
 def test_recalibrate_removes_the_drift_finding_and_checks_its_arguments():

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..modules import PowerNorm
@@ -356,16 +357,71 @@ def _batchnorms(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-def recalibrate(model: nn.Module, batches: Iterable[Any]) -> nn.Module:
-    """Set every BatchNorm's running statistics to precise estimates over ``batches``.
+class _Population:
+    """One BatchNorm's population statistics over every call it gets, per channel, in float64: the element
+    count, the mean and the sum of squared deviations from it (M2), merged call by call with Chan, Golub &
+    LeVeque's pairwise update -- each call weighted by the elements it contributes to each statistic. A
+    call's own statistics are over its valid elements (``mask``, as normscope's BatchNorms take it) and, for
+    a SyncBatchNorm in a process group, over every rank's (all-reduced)."""
 
-    The estimator of fvcore's PreciseBN (Wu & Johnson 2021, "Rethinking 'Batch' in BatchNorm"): each
-    BatchNorm computes each batch's statistics as in training (momentum 1: running = this batch's
-    mean and unbiased variance, masks and synchronization included, as the layer itself does it);
-    the new running statistics are the plain averages of those over the batches. The BatchNorms run
-    in training mode during the passes, every other module in its own mode (dropout off in an eval
-    model); afterwards each BatchNorm's mode, momentum and ``num_batches_tracked`` are as before.
-    Runs without gradients. In place; returns ``model``.
+    def __init__(self, m: nn.Module) -> None:
+        c = m.num_features
+        self.module = m
+        self.n = torch.zeros(c, dtype=torch.float64, device=m.running_mean.device)
+        self.mean = torch.zeros_like(self.n)
+        self.m2 = torch.zeros_like(self.n)
+
+    def __call__(self, m: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0].detach().double()
+        c = getattr(m, "channel_dim", 1) % x.dim()
+        mask = args[1] if len(args) > 1 else kwargs.get("mask")
+        rows = x.movedim(c, 0).reshape(x.shape[c], -1)
+        valid = None if mask is None else mask.unsqueeze(c).expand_as(x).movedim(c, 0).reshape(x.shape[c], -1)
+        weights = torch.ones_like(rows) if valid is None else valid.to(rows.dtype)
+        n, total = weights.sum(1), (rows * weights).sum(1)
+        group = self._group(m)
+        if group is not None:
+            both = torch.stack([n, total])
+            dist.all_reduce(both, group=group)
+            n, total = both.unbind(0)
+        mean = total / n.clamp_min(1)
+        m2 = ((rows - mean[:, None]).square() * weights).sum(1)
+        if group is not None:
+            dist.all_reduce(m2, group=group)
+        n, mean, m2 = n.to(self.n.device), mean.to(self.n.device), m2.to(self.n.device)
+        # Chan et al.: merge (n_a, mean_a, M2_a) and (n_b, mean_b, M2_b) exactly
+        total_n = self.n + n
+        delta = mean - self.mean
+        share = torch.where(total_n > 0, n / total_n.clamp_min(1), torch.zeros_like(n))
+        self.m2 += m2 + delta.square() * self.n * share
+        self.mean += delta * share
+        self.n = total_n
+
+    @staticmethod
+    def _group(m: nn.Module):
+        from ..modules import SyncBatchNorm
+
+        if not isinstance(m, (nn.SyncBatchNorm, SyncBatchNorm)) or not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = m.process_group or dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
+
+
+def recalibrate(model: nn.Module, batches: Iterable[Any]) -> nn.Module:
+    """Set every BatchNorm's running statistics to the population statistics of ``batches``.
+
+    The mean and the variance of all the batches' elements together, per channel -- each batch weighted
+    by the elements it contributes to each statistic (a mask's valid elements, for normscope's masked
+    BatchNorms; every rank's, for a SyncBatchNorm in a process group) -- computed in float64 and written
+    as torch's running statistics are (the unbiased variance). This is fvcore's ``update_bn_stats``
+    (Wu & Johnson 2021, "Rethinking 'Batch' in BatchNorm"): averaging each batch's variance instead, as
+    fvcore's first PreciseBN did, misses the spread between the batches' means and under-estimates the
+    variance the model meets in evaluation.
+
+    The BatchNorms run in training mode during the passes (each later layer sees what it sees in
+    training, as in fvcore), every other module in its own mode (dropout off in an eval model);
+    afterwards each BatchNorm's mode, momentum and ``num_batches_tracked`` are as before. A BatchNorm
+    that no batch reaches keeps its statistics. Runs without gradients. In place; returns ``model``.
 
     Args:
         model: the model.
@@ -391,19 +447,15 @@ def recalibrate(model: nn.Module, batches: Iterable[Any]) -> nn.Module:
         (m, m.training, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
         for m in bns
     ]
-    sums = [
-        (torch.zeros_like(m.running_mean, dtype=torch.float64), torch.zeros_like(m.running_var, dtype=torch.float64))
-        for m in bns
-    ]
-    seen = [0] * len(bns)
+    populations = [_Population(m) for m in bns]
+    handles = [m.register_forward_pre_hook(p, with_kwargs=True) for m, p in zip(bns, populations)]
     n = 0
     try:
         for m in bns:
             m.train()
-            m.momentum = 1.0
+            m.momentum = 1.0  # the training-mode forward normalizes with this batch's statistics
         with torch.no_grad():
             for batch in batches:
-                marks = [m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None for m in bns]
                 if isinstance(batch, dict):
                     model(**batch)
                 elif isinstance(batch, (tuple, list)):
@@ -411,23 +463,19 @@ def recalibrate(model: nn.Module, batches: Iterable[Any]) -> nn.Module:
                 else:
                     model(batch)
                 n += 1
-                for i, m in enumerate(bns):
-                    ran = marks[i] is None or not torch.equal(marks[i], m.num_batches_tracked)
-                    if ran:  # a layer the batch did not reach keeps its sum
-                        sums[i][0].add_(m.running_mean.double())
-                        sums[i][1].add_(m.running_var.double())
-                        seen[i] += 1
         if n == 0:
             raise ValueError("recalibrate: expected `batches` to hold at least one batch, got none")
     finally:
+        for h in handles:
+            h.remove()
         for m, training, momentum, nbt in saved:
             m.train(training)
             m.momentum = momentum
             if nbt is not None:
                 m.num_batches_tracked.copy_(nbt)
     with torch.no_grad():
-        for m, (s_mean, s_var), k in zip(bns, sums, seen):
-            if k:
-                m.running_mean.copy_(s_mean / k)
-                m.running_var.copy_(s_var / k)
+        for m, p in zip(bns, populations):
+            if bool((p.n > 0).all()):
+                m.running_mean.copy_(p.mean)
+                m.running_var.copy_(p.m2 / (p.n - 1).clamp_min(1))  # torch's running variance is unbiased
     return model
