@@ -129,9 +129,8 @@ def test_html_is_self_contained(models, capsys, tmp_path):
     rc, _, _ = _run(capsys, "doctor_cli_models:small", "--html", str(page))
     text = page.read_text()
     assert rc == 0 and text.startswith("<!doctype html>") and "bn-elements" in text
-    assert "http://" not in text and "https://" not in text  # nothing fetched
-    pytest.importorskip("matplotlib")
-    assert "data:image/png;base64," in text  # the elements-per-statistic chart, inline
+    assert "http://" not in text and "https://" not in text and "<script" not in text  # nothing fetched or run
+    assert "<svg" in text and "data-check='bn-elements'" in text  # the elements-per-statistic picture, inline
 
 
 def test_fix_converts_in_memory_and_the_finding_is_gone(models, capsys, tmp_path):
@@ -139,7 +138,7 @@ def test_fix_converts_in_memory_and_the_finding_is_gone(models, capsys, tmp_path
     state = {k: v.clone() for k, v in models.SMALL.state_dict().items()}
     rc, out, _ = _run(capsys, "doctor_cli_models:small", "--json", "--fix")
     doc = json.loads(out)
-    assert rc == 0 and any("to='group:8'" in line for line in doc["fix"]["applied"])
+    assert rc == 0 and any("to='group'" in line for line in doc["fix"]["applied"])
     assert not [f for f in doc["fix"]["after"]["findings"] if f["check"] == "bn-elements"]
     assert (tmp_path / "doctor_cli_models.py").read_bytes() == source  # nothing written
     assert type(models.SMALL[1]).__name__ == "BatchNorm2d"  # the user's model is not the converted one

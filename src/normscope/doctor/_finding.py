@@ -7,7 +7,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Finding", "Series", "plain"]
+__all__ = ["Finding", "Series", "SEVERITIES", "plain"]
+
+#: most serious first: the order of the report and of :attr:`Report.findings`
+SEVERITIES = ("error", "warning", "info")
 
 
 @dataclass(frozen=True)

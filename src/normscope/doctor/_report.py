@@ -6,17 +6,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._finding import Finding, Series, plain
+from ._finding import SEVERITIES, Finding, Series, plain
+from ._group import Group, group_findings
 from .checks import CHECKS
 
-__all__ = ["Finding", "Report", "Series", "SCHEMA", "SEVERITIES"]
+__all__ = ["Finding", "Group", "Report", "Series", "SCHEMA", "SEVERITIES"]
 
 #: the identifier and version of :meth:`Report.to_json`'s layout; the number changes whenever a key
 #: is renamed or removed (adding a key keeps it)
 SCHEMA = "normscope.doctor/1"
 
-#: most serious first: the order of the terminal table and of :attr:`Report.findings`
-SEVERITIES = ("error", "warning", "info")
 
 
 @dataclass
@@ -33,6 +32,8 @@ class Report:
         seconds: wall time of the diagnosis.
         series: the measured quantities per layer (or per step) that the HTML report draws, a
             :class:`Series` each.
+        layers: the model's norm layers the diagnosis measured, ``(path, class name)`` in forward
+            order: the order of the groups' layers and of the pictures.
     """
 
     findings: list[Finding]
@@ -42,6 +43,7 @@ class Report:
     world_size: int | None = None
     seconds: float = 0.0
     series: list[Series] = field(default_factory=list)
+    layers: list[tuple[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         rank = {s: i for i, s in enumerate(SEVERITIES)}
@@ -60,6 +62,12 @@ class Report:
         if severity not in SEVERITIES:
             raise ValueError(f"Report.count: expected `severity` to be one of {list(SEVERITIES)}, got {severity!r}")
         return sum(f.severity == severity for f in self.findings)
+
+    def groups(self) -> list[Group]:
+        """The findings grouped for reading: one :class:`~normscope.doctor.Group` per check and severity
+        (most serious first), its layers in forward order and collapsed where they share a prefix, the
+        range of its headline figure, and one fix line that covers the group."""
+        return group_findings(self.findings, self.layers)
 
     def worst(self) -> str | None:
         """The most serious severity found, None when nothing was."""
@@ -82,6 +90,8 @@ class Report:
             "summary": {s: self.count(s) for s in SEVERITIES},
             "checks": plain(self.checks),
             "findings": [f.as_dict() for f in self.findings],
+            "groups": [g.as_dict() for g in self.groups()],
+            "layers": [{"path": p, "type": t} for p, t in self.layers],
             "series": [v.as_dict() for v in self.series],
         }
 
@@ -92,10 +102,13 @@ class Report:
         return json.dumps(self.as_dict(), indent=indent, allow_nan=False)
 
     def __str__(self) -> str:
-        if not self.findings:
-            return f"normscope doctor: {self.model}: nothing found ({len(self.checks)} checks)"
-        lines = [f"normscope doctor: {self.model}: " + ", ".join(f"{self.count(s)} {s}" for s in SEVERITIES)]
-        for f in self.findings:
-            lines.append(f"  {f.severity:<7} {f.check:<18} {f.module or '<model>'}: {f.reason}")
-            lines.append(f"          fix: {f.fix}")
-        return "\n".join(lines)
+        from ._render import text_lines
+
+        return "\n".join(text for text, _ in text_lines(self))
+
+    def to_html(self) -> str:
+        """A self-contained HTML page of the report: a summary, the groups with their fixes, and a picture
+        per measured quantity (inline SVG; nothing is fetched)."""
+        from ._render import to_html
+
+        return to_html(self)

@@ -265,6 +265,7 @@ def doctor(
         world_size=world_size,
         seconds=time.perf_counter() - start,
         series=ctx.series,
+        layers=[(c.path, type(c.module).__name__) for c in norms],
     )
 
 

@@ -57,6 +57,23 @@ class Context:
     def note(self, check: str, text: str) -> None:
         self.notes[check] = text
 
+    def plot(
+        self,
+        check: str,
+        title: str,
+        y: str,
+        lines: dict[str, list[tuple[str, float]]],
+        thresholds: dict[str, float] | None = None,
+        log: bool = False,
+    ) -> None:
+        """Keep a picture for the report: each line's (layer path, value) against the norm layers in
+        forward order; nothing when no layer was measured."""
+        labels = [c.path for c in self.norms]
+        index = {p: i for i, p in enumerate(labels)}
+        points = {k: [(index[p], float(v)) for p, v in pts if p in index] for k, pts in lines.items()}
+        if any(points.values()):
+            self.series.append(Series(check, title, y, "layer", points, labels, dict(thresholds or {}), log))
+
 
 def _is_sync(m: nn.Module) -> bool:
     from ..modules import SyncBatchNorm
@@ -98,7 +115,7 @@ def bn_elements(ctx: Context) -> list[Finding]:
     """Elements per statistic of each BatchNorm that normalizes with batch statistics in this forward
     (N x spatial per channel; per device under ``world_size``: a plain BatchNorm sees one rank's
     share, a SyncBatchNorm all of them)."""
-    out = []
+    out, measured = [], []
     world = ctx.world_size or 1
     seen = False
     for call in ctx.norms:
@@ -113,16 +130,17 @@ def bn_elements(ctx: Context) -> list[Finding]:
         per_rank = min(_split(x.shape[0], world)) if world > 1 else x.shape[0]
         n = x.shape[0] if sync or world == 1 else per_rank
         elements = n * spatial
+        measured.append((call.path, elements))
         if elements >= BN_ELEMENTS_WARNING:
             continue
         severity = "error" if elements < BN_ELEMENTS_ERROR else "warning"
         c = x.shape[s.channel]
-        groups = next(g for g in (32, 16, 8, 4, 2, 1) if c % g == 0)
         if world > 1 and not sync:
             fix = f"model, _ = normscope.convert(model, to='sync', where={_where(call.path)})"
             why = f"statistics over all {world} ranks ({x.shape[0] * spatial} elements)"
         else:
-            fix = f"model, _ = normscope.convert(model, to='group:{groups}', where={_where(call.path)})"
+            # 'group': GroupNorm with the largest divisor of the channel count up to 32 groups (the registry's rule)
+            fix = f"model, _ = normscope.convert(model, to='group', where={_where(call.path)})"
             why = "GroupNorm's statistics do not depend on the batch (or freeze_batchnorm(model) when fine-tuning)"
         out.append(
             Finding(
@@ -145,6 +163,14 @@ def bn_elements(ctx: Context) -> list[Finding]:
         )
     if not seen:
         ctx.note("bn-elements", "no BatchNorm normalizes with batch statistics in this forward")
+    ctx.plot(
+        "bn-elements",
+        "values per BatchNorm statistic (samples x positions per channel), each BatchNorm using batch statistics",
+        "values per statistic",
+        {"values per statistic": measured},
+        {"error below": BN_ELEMENTS_ERROR, "warning below": BN_ELEMENTS_WARNING},
+        log=True,
+    )
     return out
 
 
@@ -214,7 +240,7 @@ def _compact(t: Tensor) -> list[float]:
 def train_eval_drift(ctx: Context) -> list[Finding]:
     """Each BatchNorm's running statistics against this batch's, and the model's output with its
     norms in eval mode against train mode."""
-    out = []
+    out, distances, bounds = [], [], []
     for call in ctx.norms:
         s = call.extra["scope"]
         before = ctx.running_before.get(call.path)
@@ -225,7 +251,10 @@ def train_eval_drift(ctx: Context) -> list[Finding]:
         dm, dv = float(mean_z.mean()), float(var_z.mean())
         total = dm + dv
         nm, nv = sampling_noise(call, rv, s.eps)
-        if total - (nm + nv) <= max(DRIFT_WARNING, NOISE_MARGIN * (nm + nv)):
+        bound = nm + nv + max(DRIFT_WARNING, NOISE_MARGIN * (nm + nv))
+        distances.append((call.path, total))
+        bounds.append((call.path, bound))
+        if total <= bound:
             continue
         out.append(
             Finding(
@@ -270,6 +299,13 @@ def train_eval_drift(ctx: Context) -> list[Finding]:
         )
     if not any(c.extra["scope"].kind == "batch" for c in ctx.norms):
         ctx.note("train-eval-drift", "no BatchNorm with running statistics")
+    ctx.plot(
+        "train-eval-drift",
+        "distance of each BatchNorm's running statistics from this batch's (mean_c |mu_B - mu|/sigma + "
+        "mean_c |var_B/var - 1|), and where it warns: the batch's sampling noise plus max(0.133, twice the noise)",
+        "distance",
+        {"distance": distances, "warns above": bounds},
+    )
     return out
 
 
@@ -357,7 +393,7 @@ def padding(ctx: Context) -> list[Finding]:
             else "the masks the model received mark no position as padding",
         )
         return []
-    out = []
+    out, fractions = [], []
     for call in ctx.norms:
         s: NormScope = call.extra["scope"]
         if s.kind == "frozen" or _masked_arg(call):
@@ -382,6 +418,7 @@ def padding(ctx: Context) -> list[Finding]:
             continue
         v_mean, v_var, v_count, count = rows_valid
         frac = 1.0 - v_count.double() / count
+        fractions.append((call.path, float(frac.max())))
         if float(frac.max()) <= 0:
             continue
         ok = v_count > 1
@@ -410,6 +447,13 @@ def padding(ctx: Context) -> list[Finding]:
                 f"model, _ = normscope.convert(model, where={_where(call.path)})  # then pass mask= to it: {kind}",
             )
         )
+    ctx.plot(
+        "padding",
+        "largest fraction of padded positions in a statistic, each norm whose statistics a mask describes",
+        "padded fraction",
+        {"padded fraction": fractions},
+        {"warning above": 0.0},
+    )
     return out
 
 
@@ -461,7 +505,7 @@ _FROZEN_SOURCE = (
 def frozen_bn_updating(ctx: Context) -> list[Finding]:
     """BatchNorms whose affine parameters are frozen (``requires_grad=False``) while their running
     statistics still move, because they are in training mode; the movement in this one forward."""
-    out = []
+    out, moves = [], []
     trainable = any(p.requires_grad for p in ctx.model.parameters())
     for call in ctx.norms:
         m = call.module
@@ -475,6 +519,7 @@ def frozen_bn_updating(ctx: Context) -> list[Finding]:
             continue
         moved = float(((rm1.double() - rm0.double()).abs() / (rv0.double() + m.eps).sqrt()).max())
         var_moved = float(((rv1.double() / rv0.double().clamp_min(1e-30)).log().abs()).max().exp())
+        moves.append((call.path, moved))
         if moved == 0 and var_moved == 1:
             continue
         out.append(
@@ -494,12 +539,20 @@ def frozen_bn_updating(ctx: Context) -> list[Finding]:
                 "model = normscope.freeze_batchnorm(model)",
             )
         )
+    ctx.plot(
+        "frozen-bn-updating",
+        "how far one forward moved the running mean (in running std), each frozen BatchNorm in training mode",
+        "running mean moved (std)",
+        {"moved": moves},
+        {"warning above": 0.0},
+    )
     return out
 
 
 # -------------------------------------------------------------------------------------- half-overflow, eps-underflow
 
 _HALF = (torch.float16, torch.bfloat16)
+_F16_MAX = torch.finfo(torch.float16).max
 _OVERFLOW_SOURCE = (
     "torch.finfo(dtype).max (65504 for float16); T5 in float16 overflows to inf in its feed-forward output before "
     "the LayerNorm (huggingface/transformers#9295), and squaring in float16 overflows for |x| > 255.9"
@@ -538,7 +591,7 @@ def half_overflow(ctx: Context) -> list[Finding]:
     input that already overflowed; where x^2 or a sum of squares exceeds the range, whether the layer
     loses its result (its output against a float32 copy's: a layer that squares in the input dtype
     does); |x| within 2x of the largest value; float32 input beyond float16's range."""
-    out = []
+    out, ranges = [], []
     for call in ctx.norms:
         x = call.args[0]
         s = call.extra["scope"]
@@ -552,6 +605,8 @@ def half_overflow(ctx: Context) -> list[Finding]:
         finite = math.isfinite(xmax)
         if math.isnan(xmax):
             xmax = float(x.abs().nan_to_num(nan=0.0).amax())
+        # against the half-precision maximum: its own dtype's, float16's for wider input (would it fit there?)
+        ranges.append((call.path, xmax / (big if x.dtype in _HALF else _F16_MAX) if finite else math.inf))
         if finite and x.dtype not in _HALF and xmax < torch.finfo(torch.float16).max:
             continue  # nothing below can be found: skip the float64 pass over a large activation
         if s.reduce:
@@ -626,6 +681,15 @@ def half_overflow(ctx: Context) -> list[Finding]:
                     fix,
                 )
             )
+    ctx.plot(
+        "half-overflow",
+        "largest |x| each norm receives, as a fraction of the half-precision maximum: its own dtype's for "
+        "float16/bfloat16 input, float16's (65504) for wider input",
+        "max |x| / half max",
+        {"max |x| / half max": ranges},
+        {"warning above": 0.5, "error above": 1.0},
+        log=True,
+    )
     return out
 
 
@@ -662,7 +726,7 @@ def eps_underflow(ctx: Context) -> list[Finding]:
     or rounds to 0 there, the layer runs on a near-constant probe (each scope's mean square = eps)
     beside a float32 copy of itself -- a layer that adds eps in float32 agrees, one that adds it in
     the input dtype does not."""
-    out = []
+    out, probes = [], []
     for call in ctx.norms:
         x, eps = call.args[0], call.extra["scope"].eps
         if eps is None or x.dtype not in _HALF or _computes_in_fp32(call.module) or eps <= 0:
@@ -672,6 +736,8 @@ def eps_underflow(ctx: Context) -> list[Finding]:
         if eps >= info.tiny:
             continue
         probed = _near_constant(call, eps)
+        if probed is not None:
+            probes.append((call.path, probed[0]))
         if probed is None or probed[0] <= 0.05:
             continue  # the layer adds eps where it is representable
         rel, finite = probed
@@ -711,6 +777,14 @@ def eps_underflow(ctx: Context) -> list[Finding]:
                     fix,
                 )
             )
+    ctx.plot(
+        "eps-underflow",
+        "a near-constant probe through each half-precision layer that may add eps in its dtype, against a "
+        "float32 copy",
+        "relative difference",
+        {"relative difference": probes},
+        {"warning above": 0.05},
+    )
     return out
 
 
@@ -750,7 +824,7 @@ def _one_pass(call: Call) -> bool | None:
 def cancellation(ctx: Context) -> list[Finding]:
     """|mean| / std per statistic of each centered norm, and whether the implementation in use
     computes the variance in one pass (probed)."""
-    out = []
+    out, errors = [], []
     for call in ctx.norms:
         s: NormScope = call.extra["scope"]
         if not s.centered or s.kind == "frozen" or not s.reduce:
@@ -765,6 +839,7 @@ def cancellation(ctx: Context) -> list[Finding]:
         acc = torch.float64 if call.args[0].dtype == torch.float64 else torch.float32
         u = torch.finfo(acc).eps / 2
         err = u * (1 + ratio * ratio)
+        errors.append((call.path, err))
         if err < CANCEL_WARNING:
             continue
         one_pass = _one_pass(call)
@@ -786,6 +861,14 @@ def cancellation(ctx: Context) -> list[Finding]:
             )
             fix = f"# keep a two-pass implementation for {call.path!r} when exporting or swapping kernels"
         out.append(Finding("cancellation", call.path, sev, measured, threshold, reason, fix))
+    ctx.plot(
+        "cancellation",
+        "relative error a one-pass variance (E[x^2] - E[x]^2) would have on each norm's input: u (1 + (mean/std)^2)",
+        "one-pass relative error",
+        {"one-pass relative error": errors},
+        {"warning above": CANCEL_WARNING, "error above": CANCEL_ERROR},
+        log=True,
+    )
     return out
 
 
@@ -794,18 +877,37 @@ def cancellation(ctx: Context) -> list[Finding]:
 _DEAD_SOURCE = "the layer's own eps: below it, eps and not the data sets the channel's scale"
 
 
+def _padded_rows(ctx: Context, call: Call, x: Tensor, s: NormScope) -> Tensor | None:
+    """For a per-position norm (its positions are not reduced), which of its statistics (rows, in the
+    order of :func:`scope_rows`) sit at padded positions, by the mask that fits its axes; None if none fits."""
+    for m in _masks_for(ctx, call):
+        axes = _mask_axes(x.shape, m.valid, s.channel)
+        if axes is None:
+            continue
+        if set(axes) & set(s.reduce):
+            return None
+        valid = _broadcast_mask(x, m.valid.to(x.device), axes).expand_as(x)
+        return scope_rows(valid.to(torch.float64), s).min(1).values < 0.5
+    return None
+
+
 def dead_channels(ctx: Context) -> list[Finding]:
     """Channels (of per-channel norms) whose variance over this batch is below eps -- constant or
-    dead -- and constant scopes of per-sample norms; what eps then does to them."""
-    out = []
+    dead -- and constant scopes of per-sample norms (padded positions, where a mask says so, left out);
+    what eps then does to them: with batch statistics it sets their scale, with running statistics
+    (BatchNorm in eval) they carry nothing to the layers after."""
+    out, fractions = [], []
     for call in ctx.norms:
         s: NormScope = call.extra["scope"]
         if s.eps is None or s.kind == "frozen":
             continue
         x = call.args[0]
+        running = None
         if s.kind == "batch":
             var = call_stats(call)[1]
             unit = "channels"
+            if not call.training and ctx.running_before.get(call.path, (None, None))[1] is not None:
+                running = ctx.running_before[call.path][1].double()
         elif s.channel is not None and s.kind in ("instance", "power"):
             rows = channel_rows(x, s.channel)
             var = rows.var(1, unbiased=False) if s.centered else rows.square().mean(1)
@@ -817,12 +919,29 @@ def dead_channels(ctx: Context) -> list[Finding]:
         else:
             var = call_stats(call)[1] if s.centered else scope_stats(x.square(), s)[0]
             unit = "scopes"
-        dead = (var < s.eps).nonzero().flatten()
+        low = var < s.eps
+        padded = _padded_rows(ctx, call, x, s) if unit == "scopes" else None
+        if padded is not None and padded.shape == low.shape:
+            low = low & ~padded
+        considered = int(var.numel() - (0 if padded is None or padded.shape != low.shape else int(padded.sum())))
+        dead = low.nonzero().flatten()
+        fractions.append((call.path, dead.numel() / max(considered, 1)))
         if dead.numel() == 0:
             continue
-        gain = float((var[dead] + s.eps).rsqrt().max())
+        scale = (running[dead] if running is not None else var[dead]) + s.eps
+        gain = float(scale.rsqrt().max())
         sev = "warning" if unit == "channels" else "info"
         idx = [int(i) for i in dead[:16]]
+        if running is None:
+            why = (
+                f"nearly constant, so eps sets their scale -- deviations are multiplied by up to {_fmt(gain)} "
+                "instead of normalized"
+            )
+        else:
+            why = (
+                "nearly constant over this batch while the layer divides by its running std: they carry no "
+                "information to the layers after"
+            )
         out.append(
             Finding(
                 "dead-channels",
@@ -830,19 +949,26 @@ def dead_channels(ctx: Context) -> list[Finding]:
                 sev,
                 {
                     unit: int(dead.numel()),
-                    "of": int(var.numel()),
+                    "of": considered,
                     "indices": idx,
                     "max_variance": float(var[dead].max()),
                     "eps": s.eps,
                     "gain": gain,
+                    **({} if padded is None else {"padded_left_out": int(padded.sum())}),
                 },
                 {"warning_below": s.eps, "source": _DEAD_SOURCE},
-                f"{dead.numel()} of {var.numel()} {unit} have variance below eps={s.eps:g}: nearly constant, "
-                f"so eps sets their scale -- deviations are multiplied by up to {_fmt(gain)} instead of normalized",
+                f"{dead.numel()} of {considered} {unit} have variance below eps={s.eps:g}: {why}",
                 f"print(model.get_submodule({call.path!r}))  # {unit} {idx[:8]}: check the layer before (dead ReLU, "
                 "zero weights)",
             )
         )
+    ctx.plot(
+        "dead-channels",
+        "fraction of each norm's channels (per-sample norms: scopes) with variance below eps on this batch",
+        "fraction below eps",
+        {"fraction below eps": fractions},
+        {"warning above": 0.0},
+    )
     return out
 
 
@@ -899,6 +1025,13 @@ def bias_before_norm(ctx: Context) -> list[Finding]:
                 fix,
             )
         )
+    ctx.plot(
+        "bias-before-norm",
+        "largest |bias| of the Linear/Conv before each norm that subtracts it again",
+        "max |bias|",
+        {"max |bias|": [(call.path, float(bias.detach().abs().max())) for call, bias in found]},
+        {"warning above": 0.0},
+    )
     return out
 
 
@@ -969,6 +1102,13 @@ def post_ln(ctx: Context) -> list[Finding]:
                 "scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=4000)",
             )
         )
+    ctx.plot(
+        "post-ln",
+        "each LayerNorm/RMSNorm: on the residual stream (1, Post-LN) or on a branch (0)",
+        "on the residual stream",
+        {"on the residual stream": [(c.path, float(c.path in found)) for c in token]},
+        {"info above": 0.5},
+    )
     return out
 
 
@@ -1006,7 +1146,7 @@ def casting_order(ctx: Context) -> list[Finding]:
     defaults -- round from it on this very input."""
     from .. import functional_modern as FM
 
-    out = []
+    out, fractions = [], []
     for call in ctx.norms:
         s = call.extra["scope"]
         x = call.args[0]
@@ -1035,6 +1175,7 @@ def casting_order(ctx: Context) -> list[Finding]:
         kind = "layer_norm" if centered else "rms_norm"
         layer = "LayerNorm" if centered else "RMSNorm"
         others = [c for c in diffs if c != casting and diffs[c]["fraction_different"] > 0]
+        fractions.append((call.path, max((diffs[c]["fraction_different"] for c in diffs if c != casting), default=0.0)))
         out.append(
             Finding(
                 "casting-order",
@@ -1060,6 +1201,13 @@ def casting_order(ctx: Context) -> list[Finding]:
                 f"casting={casting!r})  # the same bits",
             )
         )
+    ctx.plot(
+        "casting-order",
+        "fraction of each half-precision RMS/LayerNorm's outputs that another casting order rounds differently "
+        "(the most different order)",
+        "fraction of outputs",
+        {"fraction of outputs": fractions},
+    )
     return out
 
 
@@ -1142,7 +1290,7 @@ def batch_invariance(ctx: Context) -> list[Finding]:
         pair = ([], [])
     in_batch, alone = pair
     alone_at = {(c.path, c.index): c for c in alone}
-    candidates = []
+    candidates, norm_diffs, norm_paths = [], [], {c.path for c in ctx.norms}
     for call in in_batch:
         other = alone_at.get((call.path, call.index))
         if other is None or call.sample is None or other.sample is None:
@@ -1150,6 +1298,8 @@ def batch_invariance(ctx: Context) -> list[Finding]:
         d_in = _difference(call.sample[:2], other.sample[:2])
         d_out = _difference(call.sample[2], other.sample[2])
         dtype = _float_dtype(call.sample[2])
+        if call.path in norm_paths and call.index == 0 and d_out is not None:
+            norm_diffs.append((call.path, d_out))
         if d_in is None or d_out is None or dtype is None or d_out == 0:
             continue
         tol = _tolerance(dtype)
@@ -1225,6 +1375,16 @@ def batch_invariance(ctx: Context) -> list[Finding]:
                 "torch.use_deterministic_algorithms(True)  # fixes run-to-run, not batch-size, differences",
             )
         )
+    dtypes = [c.args[0].dtype for c in ctx.norms if c.args and isinstance(c.args[0], Tensor)]
+    ctx.plot(
+        "batch-invariance",
+        "each norm's output for the first sample alone against the same sample in the batch (relative "
+        "difference; 0 not drawn on the log scale): where in the depth the samples start to mix",
+        "relative difference",
+        {"relative difference": norm_diffs},
+        {"warning above": _tolerance(dtypes[0])} if dtypes else {},
+        log=True,
+    )
     return out
 
 
@@ -1244,6 +1404,15 @@ def syncbn(ctx: Context) -> list[Finding]:
         ctx.note("syncbn", "no SyncBatchNorm")
         return []
     world = ctx.world_size
+    ranks = world or 1
+    ctx.plot(
+        "syncbn",
+        f"samples on the rank with the fewest, each SyncBatchNorm, the batch split over {ranks} rank(s)"
+        + ("" if world else " (pass world_size= for the real split)"),
+        "samples on the smallest rank",
+        {"smallest rank": [(c.path, min(_split(c.args[0].shape[0], ranks))) for c in syncs]},
+        {"warning below": 1},
+    )
     for call in syncs:
         n = call.args[0].shape[0]
         fix_one = f"model, _ = normscope.convert(model, to='batch', where={_where(call.path)})"
