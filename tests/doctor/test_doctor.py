@@ -76,7 +76,7 @@ def test_train_eval_drift_is_the_lab_distance_and_the_output_difference():
         h = model[0](x).double()
     mu, var = h.mean((0, 2, 3)), h.var((0, 2, 3), unbiased=False)
     sd = math.sqrt(1 + 1e-5)  # fresh running statistics: mean 0, variance 1
-    expected = float((mu.abs() / sd).mean() + (var / (1 + 1e-5) - 1).abs().mean())
+    expected = float((mu.abs() / sd).mean() + ((var + 1e-5) / (1 + 1e-5) - 1).abs().mean())
     assert f.measured["distance"] == pytest.approx(expected, rel=1e-9)
     whole = _only(report, "train-eval-drift", "")
     with torch.no_grad():  # each from the user's state: the train-mode forward moves the running statistics
@@ -132,7 +132,7 @@ def test_train_eval_drift_sampling_noise_is_what_the_batch_size_alone_gives(n):
         x = torch.randn(n, 32, 2, 2, generator=g)
         h = (model.mu[None, :, None, None] + x).double()
         mu, var = h.mean((0, 2, 3)), h.var((0, 2, 3), unbiased=False)
-        actual.append(float((mu - model.mu.double()).abs().mean() + (var / (1 + 1e-5) - 1).abs().mean()))
+        actual.append(float((mu - model.mu.double()).abs().mean() + ((var + 1e-5) / (1 + 1e-5) - 1).abs().mean()))
         call = Call("bn", model.bn, False, 0, 0, args=(h.float(),))
         call.extra["scope"] = NormScope("batch", (0, 2, 3), 1, None, True, 1e-5)
         estimated.append(sum(sampling_noise(call, model.bn.running_var, 1e-5)))
@@ -743,7 +743,7 @@ def test_checks_read_what_the_norm_saw_not_what_was_written_later():
     with torch.no_grad():
         h = model.conv(x).double()
     mu, var = h.mean((0, 2, 3)), h.var((0, 2, 3), unbiased=False)
-    expected = float((mu.abs() / math.sqrt(1 + 1e-5)).mean() + (var / (1 + 1e-5) - 1).abs().mean())
+    expected = float((mu.abs() / math.sqrt(1 + 1e-5)).mean() + ((var + 1e-5) / (1 + 1e-5) - 1).abs().mean())
     assert f.measured["distance"] == pytest.approx(expected, rel=1e-9)
 
 

@@ -120,6 +120,8 @@ def is_norm(m: nn.Module) -> bool:
     if isinstance(m, known):
         return True
     name = type(m).__name__
+    if name.endswith("FrozenBatchNorm2d"):  # torchvision.ops' and timm's: fixed statistics as buffers
+        return isinstance(getattr(m, "running_mean", None), Tensor)
     return name.endswith(("RMSNorm", "LayerNorm")) and isinstance(getattr(m, "weight", None), Tensor)
 
 
@@ -176,8 +178,10 @@ def norm_scope(m: nn.Module, x: Tensor, cache: dict) -> NormScope | None:
 
     d = x.dim()
     eps = _eps(m)
-    if isinstance(m, M.FrozenBatchNorm2d):
-        c = m.channel_dim % d
+    if isinstance(m, M.FrozenBatchNorm2d) or type(m).__name__.endswith("FrozenBatchNorm2d"):
+        if d < 2:
+            return None
+        c = getattr(m, "channel_dim", 1) % d
         return NormScope("frozen", (), c, None, True, eps)
     if isinstance(m, M.PowerNorm):  # (B, S, D): a quadratic mean per feature over the positions
         return NormScope("power", tuple(range(d - 1)), d - 1, None, False, eps)

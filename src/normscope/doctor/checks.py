@@ -195,10 +195,13 @@ _DRIFT_SOURCE = (
 
 
 def _distance(call: Call, rm: Tensor, rv: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """Per channel: |mu_B - mu| / sigma and |var_B / var - 1| (the lab's terms, before the means)."""
+    """Per channel: |mu_B - mu| / sigma and |var_B / var - 1| (the lab's terms, before the means), with eps on
+    both variances as the layer adds it: the ratio of the squared scales it divides by in training and in
+    evaluation. (Without eps on var_B, a channel whose variance is far below eps -- torchvision's MobileNetV3
+    depthwise BatchNorms, eps 1e-3 -- read as a variance term of 1 although both scales are eps's.)"""
     mu, var, _ = call_stats(call)  # a BatchNorm's scopes are its channels
     sd = (rv.double() + eps).sqrt()
-    return (mu - rm.double()).abs() / sd, (var / (rv.double() + eps) - 1).abs()
+    return (mu - rm.double()).abs() / sd, ((var + eps) / (rv.double() + eps) - 1).abs()
 
 
 def _c4(n: int) -> float:
@@ -779,8 +782,7 @@ def eps_underflow(ctx: Context) -> list[Finding]:
             )
     ctx.plot(
         "eps-underflow",
-        "a near-constant probe through each half-precision layer that may add eps in its dtype, against a "
-        "float32 copy",
+        "a near-constant probe through each half-precision layer that may add eps in its dtype, against a float32 copy",
         "relative difference",
         {"relative difference": probes},
         {"warning above": 0.05},
@@ -874,7 +876,14 @@ def cancellation(ctx: Context) -> list[Finding]:
 
 # -------------------------------------------------------------------------------------- dead-channels
 
-_DEAD_SOURCE = "the layer's own eps: below it, eps and not the data sets the channel's scale"
+_DEAD_SOURCE = (
+    "the layer's own eps: below it, eps and not the data sets the channel's scale; a channel is dead where it is "
+    "also below 1% of the layer's median channel variance (constant among active peers) or exactly constant"
+)
+# a channel below eps is dead only where its peers are not: random or small-scale layers whose every channel sits
+# below eps (torchvision's MobileNetV3 depthwise BatchNorms: eps 1e-3, variances ~1e-4 at random weights) are a
+# matter of scale, said as information about the layer
+DEAD_AMONG_PEERS = 0.01
 
 
 def _padded_rows(ctx: Context, call: Call, x: Tensor, s: NormScope) -> Tensor | None:
@@ -896,7 +905,7 @@ def dead_channels(ctx: Context) -> list[Finding]:
     dead -- and constant scopes of per-sample norms (padded positions, where a mask says so, left out);
     what eps then does to them: with batch statistics it sets their scale, with running statistics
     (BatchNorm in eval) they carry nothing to the layers after."""
-    out, fractions = [], []
+    out, fractions, scale = [], [], []
     for call in ctx.norms:
         s: NormScope = call.extra["scope"]
         if s.eps is None or s.kind == "frozen":
@@ -919,17 +928,22 @@ def dead_channels(ctx: Context) -> list[Finding]:
         else:
             var = call_stats(call)[1] if s.centered else scope_stats(x.square(), s)[0]
             unit = "scopes"
-        low = var < s.eps
         padded = _padded_rows(ctx, call, x, s) if unit == "scopes" else None
-        if padded is not None and padded.shape == low.shape:
-            low = low & ~padded
-        considered = int(var.numel() - (0 if padded is None or padded.shape != low.shape else int(padded.sum())))
+        keep = torch.ones_like(var, dtype=torch.bool)
+        if padded is not None and padded.shape == var.shape:
+            keep = ~padded
+        typical = float(var[keep].median()) if bool(keep.any()) else 0.0
+        if typical < s.eps and bool(keep.any()):
+            scale.append((call, typical, unit, var))
+        low = (var < s.eps) & ((var <= DEAD_AMONG_PEERS * typical) | (var == 0))
+        low = low & keep
+        considered = int(keep.sum())
         dead = low.nonzero().flatten()
         fractions.append((call.path, dead.numel() / max(considered, 1)))
         if dead.numel() == 0:
             continue
-        scale = (running[dead] if running is not None else var[dead]) + s.eps
-        gain = float(scale.rsqrt().max())
+        denom = (running[dead] if running is not None else var[dead]) + s.eps
+        gain = float(denom.rsqrt().max())
         sev = "warning" if unit == "channels" else "info"
         idx = [int(i) for i in dead[:16]]
         if running is None:
@@ -956,10 +970,32 @@ def dead_channels(ctx: Context) -> list[Finding]:
                     "gain": gain,
                     **({} if padded is None else {"padded_left_out": int(padded.sum())}),
                 },
-                {"warning_below": s.eps, "source": _DEAD_SOURCE},
-                f"{dead.numel()} of {considered} {unit} have variance below eps={s.eps:g}: {why}",
+                {"warning_below": s.eps, "and_below_median_times": DEAD_AMONG_PEERS, "source": _DEAD_SOURCE},
+                f"{dead.numel()} of {considered} {unit} have variance below eps={s.eps:g} (and far below the "
+                f"layer's other {unit}): {why}",
                 f"print(model.get_submodule({call.path!r}))  # {unit} {idx[:8]}: check the layer before (dead ReLU, "
                 "zero weights)",
+            )
+        )
+    for call, typical, unit, var in scale:
+        s = call.extra["scope"]
+        out.append(
+            Finding(
+                "dead-channels",
+                call.path,
+                "info",
+                {
+                    "median_variance": typical,
+                    "eps": s.eps,
+                    unit: int(var.numel()),
+                    "scale_kept": typical / (typical + s.eps),
+                },
+                {"info_below": s.eps, "source": _DEAD_SOURCE},
+                f"the layer's typical {unit[:-1]} variance ({_fmt(typical)}, the median) is below eps={s.eps:g}: eps, "
+                f"not the data, sets its scale -- its outputs keep {100 * typical / (typical + s.eps):.0f}% of a unit "
+                "variance",
+                f"print(model.get_submodule({call.path!r}).eps)  # the activations' scale is below it: a smaller eps, "
+                "or look at the layers before",
             )
         )
     ctx.plot(
