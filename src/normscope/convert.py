@@ -505,9 +505,12 @@ def first_gradient_differing(
     return None
 
 
-def _exact_config(old: nn.Module) -> tuple[_Candidate | None, str]:
-    """The first candidate configuration that reproduces ``old`` bit for bit, or ``(None, why not)``."""
+def _exact_config(old: nn.Module, kind: type | None = None) -> tuple[_Candidate | None, str]:
+    """The first candidate configuration that reproduces ``old`` bit for bit, or ``(None, why not)``;
+    ``kind``: among those that build a layer of that normscope class only (:func:`_kind`)."""
     cands = _candidates(old)
+    if kind is not None:
+        cands = [cand for cand in cands if _builds(cand, old) is kind]
     if not cands:
         return None, "no normscope configuration applies (no channel count or eps attribute to build one from)"
     misses = []
@@ -517,6 +520,84 @@ def _exact_config(old: nn.Module) -> tuple[_Candidate | None, str]:
             return cand, ""
         misses.append(why)
     return None, "no normscope configuration reproduces it bit for bit: " + "; ".join(misses[:3])
+
+
+def _kind(cls: type) -> type:
+    """The layer class a conversion's class is: itself, or the one a :func:`_then` class runs before its
+    child modules (the classes made here are the only ones of this module in its method order)."""
+    return next(c for c in cls.__mro__ if c.__module__ != __name__)
+
+
+def _builds(cand: _Candidate, m: nn.Module) -> type | None:
+    """The layer class (:func:`_kind`) ``cand`` builds for ``m`` (on the meta device; ``m`` is only read),
+    or None where it cannot be built from it."""
+    try:
+        return _kind(type(cand.build(m)))
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+# the constructor arguments that size a layer: convert passes the old layer's channel count there, not a
+# setting of the spec's
+_SIZES = frozenset(("num_features", "num_channels", "normalized_shape"))
+_ABSENT = object()  # a setting a layer does not keep as an attribute
+
+
+def _agrees(layer: nn.Module, new: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether ``layer`` has every setting that ``new`` -- what ``to`` builds, with ``kwargs`` -- was given:
+    the caller's keywords, and each constructor argument the spec set away from the constructor's default
+    (``"group"``'s number of groups, timm's eps). A setting no one gave (a default: ``fold``, ``casting``,
+    ``track_running_stats``) is ``layer``'s; the channel count is the old layer's anyway, and so are the
+    device and dtype (a layer of another kind takes them from the old one's weights too)."""
+    for name, p in inspect.signature(type(new).__init__).parameters.items():
+        if name in ("self", "device", "dtype") or name in _SIZES or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        value = getattr(new, name, _ABSENT)
+        if value is _ABSENT:  # not kept as such: only a keyword can say what it was asked to be
+            if name in kwargs:
+                return False
+            continue
+        if isinstance(value, torch.Tensor) or (value is None and isinstance(p.default, bool)):
+            # a bool option kept as a tensor or None (``bias``; None too when ``affine=False``): state
+            if name in kwargs and (getattr(layer, name, None) is not None) != bool(kwargs[name]):
+                return False
+            continue
+        given = name in kwargs or p.default is p.empty or value != p.default
+        if given and getattr(layer, name, _ABSENT) != value:
+            return False
+    return True
+
+
+def _same_kind(old: nn.Module, new: nn.Module, kwargs: dict[str, Any]) -> tuple[nn.Module, bool] | None:
+    """The lossless conversion of ``old`` where ``to`` asks for the kind of layer ``old`` already is: the
+    layer ``to`` built (``new``, before its tensors come) is of the class the lossless conversion builds, and
+    agrees with it on every setting it was given (:func:`_agrees`). ``(layer, keep_source)``: the lossless
+    layer (``old`` itself where it is that normscope layer already) and whether ``old`` is kept for
+    ``to="torch"``; None otherwise.
+
+    Asked for the layer it is, a layer keeps its numbers: built anew from the spec, it lost what the probe
+    had found -- torchvision's FrozenBatchNorm2d folded (2e-6 off), timm's ``LayerNormFp32`` with its fp32
+    gradients -- and what the spec does not carry (``track_running_stats=False``, a LayerNorm over two axes).
+    """
+    kind = type(new)
+    if _parametrized(old):
+        return None
+    if _is_normscope(old):
+        return (old, False) if _kind(type(old)) is kind and _agrees(old, new, kwargs) else None
+    make = _namesakes().get(type(old))
+    if make is not None:
+        built, keep_source = make(old), False
+    else:
+        cand, _ = _exact_config(old, kind)
+        if cand is None:
+            return None
+        built, keep_source = cand.build(old), True
+    if _kind(type(built)) is not kind or not _agrees(built, new, kwargs):
+        return None
+    for slot in ("_parameters", "_buffers"):  # weight_norm's hook renamed the weight: not that layer's state
+        if set(getattr(old, slot)) != set(getattr(built, slot)):
+            return None
+    return built, keep_source
 
 
 _HOOKS = (
@@ -704,7 +785,10 @@ def convert(
             them, and ``**kwargs`` (which win); the state entries that fit move as objects (dtype and
             ``requires_grad`` kept), the hooks move too. A layer that does more than normalize (a
             NormAct: norm, drop, activation) keeps its extra modules after the new norm, when a probe
-            shows that is what it does; otherwise it is skipped.
+            shows that is what it does; otherwise it is skipped. A spec for the kind of layer the
+            old one already is (``"frozen"`` on torchvision's ``FrozenBatchNorm2d``, ``"batch"`` on a
+            BatchNorm2d) converts it as ``to=None`` does, its numbers and configuration kept, unless
+            the spec or ``**kwargs`` set something else (``"group:2"`` on a ``GroupNorm(3, C)``).
         where: which layers to replace: a type or tuple of types (``isinstance``), or a predicate
             ``f(module)`` or ``f(path, module)``. Default: every normalization layer (torch.nn's,
             normscope's, and any module whose class is named like a norm).
@@ -771,29 +855,30 @@ def convert(
             return None, False
         return cand.build(old), True
 
-    def other_layer(path: str, old: nn.Module) -> nn.Module | None:
+    def other_layer(path: str, old: nn.Module) -> tuple[nn.Module | None, tuple[nn.Module, bool] | None]:
+        """(new layer or None, the lossless conversion where ``to`` is the kind ``old`` is: :func:`_same_kind`)."""
         c = _channels(old)
         if c is None:  # nothing to size the new layer by (LocalResponseNorm)
             skip(path, old, "no channel count to size the new layer by")
-            return None
-        then = False
-        if old._modules:  # more than a norm: keep its extra modules only where a probe shows norm-then-modules
-            cand, why = _exact_config(old)
-            if cand is None or " then " not in cand.label:
-                why = why or "they are not applied after the norm"
-                skip(path, old, f"it holds modules {list(old._modules)} besides the norm, and {why}")
-                return None
-            then = True
+            return None, None
         try:
             built = type(get_norm(to, c, **kwargs))  # which class the spec builds, to learn what it takes
             new = get_norm(to, c, **{**_options(old, built), **kwargs})
         except ValueError as e:  # e.g. group:32 on 6 channels: say which layer of the model it was
             raise ValueError(f"convert: at {_at(path)} ({_describe(old)}): {e}") from None
-        if then:
+        same = _same_kind(old, new, kwargs)
+        if same is not None:
+            return new, same
+        if old._modules:  # more than a norm: keep its extra modules only where a probe shows norm-then-modules
+            cand, why = _exact_config(old)
+            if cand is None or " then " not in cand.label:
+                why = why or "they are not applied after the norm"
+                skip(path, old, f"it holds modules {list(old._modules)} besides the norm, and {why}")
+                return None, None
             new.__class__ = _then(type(new))
             for name, child in old._modules.items():
                 new.add_module(name, child)
-        return new
+        return new, None
 
     def replace(path: str, old: nn.Module) -> nn.Module | None:
         if lossless:
@@ -808,13 +893,22 @@ def convert(
             if keep_source:
                 new.__dict__[_SOURCE] = old
         else:
-            new = other_layer(path, old)
+            new, same = other_layer(path, old)
             if new is None:
                 return None
-            ref = _reference_tensor(old)
-            if ref is not None:
-                new = new.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
-            carried, dropped = _carry(old, new)
+            if same is not None:  # the kind it is: converted losslessly
+                new, keep_source = same
+                if new is old:  # a normscope layer of that kind already: it stays, the same object
+                    report.append(Replacement(path, _describe(old), _describe(old), tuple(_state_names(old)), ()))
+                    return old
+                carried, dropped = _move(path, old, new, only_missing=keep_source)
+                if keep_source:
+                    new.__dict__[_SOURCE] = old
+            else:
+                ref = _reference_tensor(old)
+                if ref is not None:
+                    new = new.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
+                carried, dropped = _carry(old, new)
         _move_hooks(old, new)
         new.train(old.training)
         report.append(Replacement(path, _describe(old), _describe(new), carried, dropped))
