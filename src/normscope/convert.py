@@ -30,9 +30,6 @@ conversion never strips what a layer does, and never skips one silently.
 
 from __future__ import annotations
 
-import copy
-import copyreg
-import importlib
 import inspect
 import re
 from collections import OrderedDict
@@ -42,7 +39,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from . import _surgery
+from ._surgery import HOOKS, bare_copy, channels, probe_input, sample, then
 from .registry import NormSpec, _resolve_name, get_norm
+
+# a converted NormAct layer saved whole (pickled) before its class came from _surgery names this function
+_then = then
 
 __all__ = ["convert", "Replacement", "Report", "Skipped"]
 
@@ -196,20 +198,6 @@ def _eps(m: nn.Module) -> float | None:
     return None
 
 
-def _channels(m: nn.Module) -> int | None:
-    for attr in ("num_features", "num_channels"):
-        v = getattr(m, attr, None)
-        if isinstance(v, int):
-            return v
-    shape = getattr(m, "normalized_shape", None)
-    if shape:
-        return int(shape[-1])
-    w = getattr(m, "weight", None)  # torchvision's FrozenBatchNorm2d, timm's RmsNorm: sized by their weight
-    if isinstance(w, torch.Tensor) and w.dim() == 1:
-        return int(w.shape[0])
-    return None
-
-
 def _predicate(where: Any) -> Callable[[str, nn.Module], bool]:
     if where is None:
         return lambda name, m: _norm_like(m)
@@ -238,17 +226,6 @@ class _Candidate(NamedTuple):
     sample: tuple[int, ...]
 
 
-def _sample(base: type, m: nn.Module) -> tuple[int, ...]:
-    c = _channels(m) or 1
-    if issubclass(base, (nn.LayerNorm, nn.RMSNorm)):
-        return (3, 5, *m.normalized_shape)
-    if base in (nn.BatchNorm1d, nn.InstanceNorm1d):
-        return (4, c, 3)
-    if base in (nn.BatchNorm3d, nn.InstanceNorm3d):
-        return (2, c, 2, 3, 2)
-    return (2, c, 3, 5)
-
-
 def _candidates(m: nn.Module) -> list[_Candidate]:
     """The normscope configurations to probe for a layer that is not exactly a torch.nn norm: the
     namesake of its torch.nn base class, the channels-first LayerNorm (timm's and torchvision's
@@ -259,18 +236,18 @@ def _candidates(m: nn.Module) -> list[_Candidate]:
 
     found: list[_Candidate] = []
     bases = [t for t, _ in _pairs() if isinstance(m, t)]
-    c, eps = _channels(m), _eps(m)
+    c, eps = channels(m), _eps(m)
     w, b = getattr(m, "weight", None), getattr(m, "bias", None)
     if bases:
         base = bases[-1]  # the most derived: SyncBatchNorm before BatchNorm's base
         ns = dict((t, n) for t, n in _pairs())[base]
-        found.append(_Candidate(f"{ns.__name__} (its torch.nn base {base.__name__})", _builder(ns), _sample(base, m)))
+        found.append(_Candidate(f"{ns.__name__} (its torch.nn base {base.__name__})", _builder(ns), sample(base, m)))
         if base is nn.LayerNorm:
             found.append(_Candidate(
                 "LayerNorm(casting='gemma'): normalized and scaled in fp32",
                 lambda m: M.LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, m.bias is not None,
                                       device="meta", casting="gemma"),
-                _sample(base, m),
+                sample(base, m),
             ))  # fmt: skip
     elif c is not None and eps is not None:
         names = set(m._parameters) | set(m._buffers)
@@ -308,102 +285,14 @@ def _candidates(m: nn.Module) -> list[_Candidate]:
     return found
 
 
-class _Generated(type):
-    """The metaclass of the classes normscope makes at run time (:func:`_then`'s, the integrations' exact
-    subclasses). By name such a class exists only in the process that made it, so a model saved whole
-    (``torch.save(model)``, a worker process started by spawn) would not load anywhere else: it is pickled
-    as the call that makes it again (``_normscope_rebuild``: a function of this package and its arguments)."""
-
-
-copyreg.pickle(_Generated, lambda cls: cls.__dict__["_normscope_rebuild"])
-
-
-def generated(name: str, bases: tuple[type, ...], namespace: dict[str, Any], rebuild: tuple | None) -> type:
-    """``type(name, bases, namespace)``, pickled as ``rebuild`` (``(function, args)``: the call that
-    returns this class in any process). Without one (a class made from a class defined inside a
-    function), or with bases of another metaclass, the class is pickled by name, as any class."""
-    if rebuild is None or not all(issubclass(_Generated, type(b)) for b in bases):  # type, or a generated base
-        return type(name, bases, namespace)
-    return _Generated(name, bases, {**namespace, "_normscope_rebuild": rebuild})
-
-
-def named(cls: type) -> tuple[str, str] | None:
-    """Where another process finds the class ``cls`` (module, qualified name), for a rebuild's arguments;
-    None for a class defined inside a function (found by no name)."""
-    return None if "<locals>" in cls.__qualname__ else (cls.__module__, cls.__qualname__)
-
-
-def class_named(module: str, qualname: str) -> type:
-    """The class :func:`named` names, as its library defines it: where a ``patch_classes`` put a generated
-    subclass in its place, the original that subclass was made from."""
-    found: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        found = getattr(found, part)
-    return getattr(found, "_normscope_original", found)
-
-
-_THEN: dict[tuple[type, type | None], type] = {}
-
-
-def _then(cls: type, source: type | None = None) -> type:
-    """``cls`` followed by its child modules in order: timm's NormAct layers (norm, drop, activation)
-    as a normscope layer with the same submodules under the same names.
-
-    ``source``: the class converted losslessly (timm's ``BatchNormAct2d``), a second base after ``cls``: code
-    that tells such a layer by its class -- timm's ``freeze_batch_norm_2d`` and ``convert_sync_batchnorm``,
-    which carry its ``act`` and ``drop`` over, a model's own ``isinstance`` -- still does. Without it they
-    took the layer for a plain BatchNorm2d and dropped its activation (a frozen EfficientNet 3.5 off). The
-    source's methods come after ``cls``'s in the method order, and the forward is this one. Not where the
-    two bases admit no method order (or metaclass): then ``cls`` alone."""
-    key = (cls, source)
-    if key not in _THEN:
-
-        def forward(self, input: torch.Tensor) -> torch.Tensor:
-            y = cls.forward(self, input)
-            for module in self._modules.values():
-                y = module(y)
-            return y
-
-        name = f"_Then_{cls.__name__}" + ("" if source is None else f"_{source.__name__}")
-        ns = {"forward": forward, "__module__": __name__, "__qualname__": name}
-        made = None
-        if source is not None and not issubclass(cls, source) and named(source) is not None:
-            try:
-                made = generated(cls.__name__, (cls, source), ns, (_then, (cls, source)))
-            except TypeError:  # no consistent method order (or metaclass) for the two
-                made = None
-        if made is None:
-            ns["__qualname__"] = name = f"_Then_{cls.__name__}"
-            made = _THEN.get((cls, None)) or generated(cls.__name__, (cls,), ns, (_then, (cls,)))
-            _THEN[(cls, None)] = made
-        _THEN[key] = made
-        globals()[name] = made  # found by pickle
-    return _THEN[key]
-
-
 def _then_built(build: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module], nn.Module]:
     def make(m: nn.Module) -> nn.Module:
         new = build(m)
         # a lossless conversion: the converted class stays a base (not for a layer of another kind, other_layer)
-        new.__class__ = _then(type(new), type(m))
+        new.__class__ = then(type(new), type(m))
         return new
 
     return make
-
-
-def _bare_copy(m: nn.Module) -> nn.Module:
-    """A copy of ``m`` to probe: no hooks (a user's hook must not run on probe input)."""
-    twin = copy.deepcopy(m)
-    for sub in twin.modules():
-        for attr in _HOOKS:
-            if getattr(sub, attr, None):
-                setattr(sub, attr, OrderedDict())
-    return twin
-
-
-def _probe_input(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    return (torch.randn(shape, generator=g) * 2 + 0.5).to(device=device, dtype=dtype)
 
 
 def _same_draws(forward: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
@@ -421,7 +310,7 @@ def _probe(old: nn.Module, cand: _Candidate) -> str | None:
     training and in evaluation (outputs and running statistics; in training the gradients of the input
     and the parameters too), in the layer's dtype and with both cast to bf16.
     None if they agree, else how they differ."""
-    src = _bare_copy(old)
+    src = bare_copy(old)
     try:
         new = cand.build(src)
     except (TypeError, ValueError, AttributeError) as e:
@@ -431,7 +320,7 @@ def _probe(old: nn.Module, cand: _Candidate) -> str | None:
             have, want = sorted(getattr(src, kind)), sorted(getattr(new, kind))
             return f"{cand.label} holds {kind[1:]} {want}, the layer {have}"
     _move("", src, new, only_missing=True)
-    ref = _bare_copy(old)
+    ref = bare_copy(old)
     t = _reference_tensor(old)
     device = t.device if t is not None else torch.device("cpu")
     dtype = t.dtype if t is not None and t.is_floating_point() else torch.float32
@@ -443,7 +332,7 @@ def _probe(old: nn.Module, cand: _Candidate) -> str | None:
                 ref, new = ref.to(xdtype), new.to(xdtype)
             for training in (True, False):
                 ref.train(training), new.train(training)
-                x = _probe_input(cand.sample, xdtype, device)
+                x = probe_input(cand.sample, xdtype, device)
                 try:
                     want = _same_draws(ref, x)
                 except Exception:  # noqa: BLE001 -- the layer itself refuses this input: nothing to compare
@@ -476,7 +365,7 @@ def _grads_differ(ref: nn.Module, new: nn.Module, x: torch.Tensor) -> str | None
     in a training step on ``x``, else None: a conversion keeps the layer's training too. timm's
     ``LayerNormFp32`` in a bf16 model normalizes in fp32, and torch's LayerNorm on the bf16 tensors gives
     its output bits but bf16 weight and bias gradients ~8x further from float64 (0.22 vs 0.027)."""
-    dy = _probe_input(tuple(x.shape), x.dtype, x.device).flip(-1)
+    dy = probe_input(tuple(x.shape), x.dtype, x.device).flip(-1)
     runs = [(m, [(n, p) for n, p in m.named_parameters() if p.requires_grad]) for m in (ref, new)]
     return first_gradient_differing(runs, x, dy)
 
@@ -505,9 +394,12 @@ def first_gradient_differing(
     return None
 
 
-def _exact_config(old: nn.Module) -> tuple[_Candidate | None, str]:
-    """The first candidate configuration that reproduces ``old`` bit for bit, or ``(None, why not)``."""
+def _exact_config(old: nn.Module, kind: type | None = None) -> tuple[_Candidate | None, str]:
+    """The first candidate configuration that reproduces ``old`` bit for bit, or ``(None, why not)``;
+    ``kind``: among those that build a layer of that normscope class only (:func:`_kind`)."""
     cands = _candidates(old)
+    if kind is not None:
+        cands = [cand for cand in cands if _builds(cand, old) is kind]
     if not cands:
         return None, "no normscope configuration applies (no channel count or eps attribute to build one from)"
     misses = []
@@ -519,25 +411,88 @@ def _exact_config(old: nn.Module) -> tuple[_Candidate | None, str]:
     return None, "no normscope configuration reproduces it bit for bit: " + "; ".join(misses[:3])
 
 
-_HOOKS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
+def _kind(cls: type) -> type:
+    """The layer class a conversion's class is: itself, or the one a :func:`then` class runs before its
+    child modules (the classes made here are the only ones of this module in its method order)."""
+    return next(c for c in cls.__mro__ if c.__module__ != _surgery.__name__)
+
+
+def _builds(cand: _Candidate, m: nn.Module) -> type | None:
+    """The layer class (:func:`_kind`) ``cand`` builds for ``m`` (on the meta device; ``m`` is only read),
+    or None where it cannot be built from it."""
+    try:
+        return _kind(type(cand.build(m)))
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+# the constructor arguments that size a layer: convert passes the old layer's channel count there, not a
+# setting of the spec's
+_SIZES = frozenset(("num_features", "num_channels", "normalized_shape"))
+_ABSENT = object()  # a setting a layer does not keep as an attribute
+
+
+def _agrees(layer: nn.Module, new: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether ``layer`` has every setting that ``new`` -- what ``to`` builds, with ``kwargs`` -- was given:
+    the caller's keywords, and each constructor argument the spec set away from the constructor's default
+    (``"group"``'s number of groups, timm's eps). A setting no one gave (a default: ``fold``, ``casting``,
+    ``track_running_stats``) is ``layer``'s; the channel count is the old layer's anyway, and so are the
+    device and dtype (a layer of another kind takes them from the old one's weights too)."""
+    for name, p in inspect.signature(type(new).__init__).parameters.items():
+        if name in ("self", "device", "dtype") or name in _SIZES or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        value = getattr(new, name, _ABSENT)
+        if value is _ABSENT:  # not kept as such: only a keyword can say what it was asked to be
+            if name in kwargs:
+                return False
+            continue
+        if isinstance(value, torch.Tensor) or (value is None and isinstance(p.default, bool)):
+            # a bool option kept as a tensor or None (``bias``; None too when ``affine=False``): state
+            if name in kwargs and (getattr(layer, name, None) is not None) != bool(kwargs[name]):
+                return False
+            continue
+        given = name in kwargs or p.default is p.empty or value != p.default
+        if given and getattr(layer, name, _ABSENT) != value:
+            return False
+    return True
+
+
+def _same_kind(old: nn.Module, new: nn.Module, kwargs: dict[str, Any]) -> tuple[nn.Module, bool] | None:
+    """The lossless conversion of ``old`` where ``to`` asks for the kind of layer ``old`` already is: the
+    layer ``to`` built (``new``, before its tensors come) is of the class the lossless conversion builds, and
+    agrees with it on every setting it was given (:func:`_agrees`). ``(layer, keep_source)``: the lossless
+    layer (``old`` itself where it is that normscope layer already) and whether ``old`` is kept for
+    ``to="torch"``; None otherwise.
+
+    Asked for the layer it is, a layer keeps its numbers: built anew from the spec, it lost what the probe
+    had found -- torchvision's FrozenBatchNorm2d folded (2e-6 off), timm's ``LayerNormFp32`` with its fp32
+    gradients -- and what the spec does not carry (``track_running_stats=False``, a LayerNorm over two axes).
+    """
+    kind = type(new)
+    if _parametrized(old):
+        return None
+    if _is_normscope(old):
+        return (old, False) if _kind(type(old)) is kind and _agrees(old, new, kwargs) else None
+    make = _namesakes().get(type(old))
+    if make is not None:
+        built, keep_source = make(old), False
+    else:
+        cand, _ = _exact_config(old, kind)
+        if cand is None:
+            return None
+        built, keep_source = cand.build(old), True
+    if _kind(type(built)) is not kind or not _agrees(built, new, kwargs):
+        return None
+    for slot in ("_parameters", "_buffers"):  # weight_norm's hook renamed the weight: not that layer's state
+        if set(getattr(old, slot)) != set(getattr(built, slot)):
+            return None
+    return built, keep_source
 
 
 def _move_hooks(old: nn.Module, new: nn.Module) -> None:
     """The old layer's hooks onto the new one. The dicts themselves move when the new layer has no
     hook of its own (always, for the built-in layers), so the user's RemovableHandles still remove them."""
-    for attr in _HOOKS:
+    for attr in HOOKS:
         mine, theirs = getattr(new, attr, None), getattr(old, attr, None)
         if not isinstance(theirs, dict) or not theirs:
             continue
@@ -704,7 +659,10 @@ def convert(
             them, and ``**kwargs`` (which win); the state entries that fit move as objects (dtype and
             ``requires_grad`` kept), the hooks move too. A layer that does more than normalize (a
             NormAct: norm, drop, activation) keeps its extra modules after the new norm, when a probe
-            shows that is what it does; otherwise it is skipped.
+            shows that is what it does; otherwise it is skipped. A spec for the kind of layer the
+            old one already is (``"frozen"`` on torchvision's ``FrozenBatchNorm2d``, ``"batch"`` on a
+            BatchNorm2d) converts it as ``to=None`` does, its numbers and configuration kept, unless
+            the spec or ``**kwargs`` set something else (``"group:2"`` on a ``GroupNorm(3, C)``).
         where: which layers to replace: a type or tuple of types (``isinstance``), or a predicate
             ``f(module)`` or ``f(path, module)``. Default: every normalization layer (torch.nn's,
             normscope's, and any module whose class is named like a norm).
@@ -771,29 +729,30 @@ def convert(
             return None, False
         return cand.build(old), True
 
-    def other_layer(path: str, old: nn.Module) -> nn.Module | None:
-        c = _channels(old)
+    def other_layer(path: str, old: nn.Module) -> tuple[nn.Module | None, tuple[nn.Module, bool] | None]:
+        """(new layer or None, the lossless conversion where ``to`` is the kind ``old`` is: :func:`_same_kind`)."""
+        c = channels(old)
         if c is None:  # nothing to size the new layer by (LocalResponseNorm)
             skip(path, old, "no channel count to size the new layer by")
-            return None
-        then = False
-        if old._modules:  # more than a norm: keep its extra modules only where a probe shows norm-then-modules
-            cand, why = _exact_config(old)
-            if cand is None or " then " not in cand.label:
-                why = why or "they are not applied after the norm"
-                skip(path, old, f"it holds modules {list(old._modules)} besides the norm, and {why}")
-                return None
-            then = True
+            return None, None
         try:
             built = type(get_norm(to, c, **kwargs))  # which class the spec builds, to learn what it takes
             new = get_norm(to, c, **{**_options(old, built), **kwargs})
         except ValueError as e:  # e.g. group:32 on 6 channels: say which layer of the model it was
             raise ValueError(f"convert: at {_at(path)} ({_describe(old)}): {e}") from None
-        if then:
-            new.__class__ = _then(type(new))
+        same = _same_kind(old, new, kwargs)
+        if same is not None:
+            return new, same
+        if old._modules:  # more than a norm: keep its extra modules only where a probe shows norm-then-modules
+            cand, why = _exact_config(old)
+            if cand is None or " then " not in cand.label:
+                why = why or "they are not applied after the norm"
+                skip(path, old, f"it holds modules {list(old._modules)} besides the norm, and {why}")
+                return None, None
+            new.__class__ = then(type(new))
             for name, child in old._modules.items():
                 new.add_module(name, child)
-        return new
+        return new, None
 
     def replace(path: str, old: nn.Module) -> nn.Module | None:
         if lossless:
@@ -808,13 +767,22 @@ def convert(
             if keep_source:
                 new.__dict__[_SOURCE] = old
         else:
-            new = other_layer(path, old)
+            new, same = other_layer(path, old)
             if new is None:
                 return None
-            ref = _reference_tensor(old)
-            if ref is not None:
-                new = new.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
-            carried, dropped = _carry(old, new)
+            if same is not None:  # the kind it is: converted losslessly
+                new, keep_source = same
+                if new is old:  # a normscope layer of that kind already: it stays, the same object
+                    report.append(Replacement(path, _describe(old), _describe(old), tuple(_state_names(old)), ()))
+                    return old
+                carried, dropped = _move(path, old, new, only_missing=keep_source)
+                if keep_source:
+                    new.__dict__[_SOURCE] = old
+            else:
+                ref = _reference_tensor(old)
+                if ref is not None:
+                    new = new.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
+                carried, dropped = _carry(old, new)
         _move_hooks(old, new)
         new.train(old.training)
         report.append(Replacement(path, _describe(old), _describe(new), carried, dropped))

@@ -275,6 +275,17 @@ def test_adaln_errors_name_the_argument_passed():
         normscope.AdaLayerNorm(8, 4, gate=True, chunks=2)
 
 
+def test_a_patched_layer_whose_projection_weight_was_set_to_none_is_refused_by_name():
+    """A patched diffusers layer runs AdaLayerNorm's forward on its own ``linear``: a weight set to None
+    raised AttributeError ('NoneType' object has no attribute 'dtype'), naming nothing."""
+    layer = DN.AdaLayerNormZero(16).eval()
+    ND.patch(layer)
+    layer.linear.weight = None
+    named = r"AdaLayerNormZero: expected `linear.weight` to be a tensor of shape \(96, 16\)"
+    with pytest.raises(TypeError, match=named):
+        layer(torch.randn(2, 5, 16), emb=torch.randn(2, 16))
+
+
 def test_a_condition_diffusers_does_not_treat_per_sample_runs_diffusers_code():
     """diffusers chunks the projection along dim 1: a (B, S, C) condition is not AdaLayerNorm's per-token one."""
     layer = DN.AdaLayerNormZeroSingle(8).eval()

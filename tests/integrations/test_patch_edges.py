@@ -168,7 +168,7 @@ def _timm_normact():
 
     import normscope
 
-    C = importlib.import_module("normscope.convert")  # the module (normscope.convert is the function)
+    C = importlib.import_module("normscope._surgery")  # where the classes convert makes at run time live
     layers = zoo_import("timm").layers
     model, _ = normscope.convert(torch.nn.Sequential(layers.BatchNormAct2d(8, act_layer=torch.nn.SiLU).eval()))
     x = torch.randn(2, 8, 3, 3, generator=torch.Generator().manual_seed(3))

@@ -214,6 +214,94 @@ def test_torchvision_models_and_detection_backbone():
     assert type(back.body.bn1).__module__ == "torchvision.ops.misc"
 
 
+def test_convert_to_frozen_keeps_torchvisions_frozen_batchnorm_bit_for_bit():
+    """A detection backbone built with torchvision's FrozenBatchNorm2d, converted with ``to="frozen"``:
+    convert built FrozenBatchNorm2d's default (unfolded) formula, 4.5e-5 off torchvision's output (2e-6
+    relative), where ``convert(model)`` finds the folded one and is bit for bit. Asked for the kind of
+    layer it already is, a layer keeps its numbers. Oracle: the torchvision backbone itself."""
+    tv = zoo_import("torchvision")
+    from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+
+    backbone = resnet_fpn_backbone(backbone_name="resnet18", weights=None, norm_layer=tv.ops.FrozenBatchNorm2d)
+    _randomize_norms(backbone.eval())
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = backbone(x)
+    for spec in ("frozen", "frozenbatchnorm2d", normscope.FrozenBatchNorm2d):
+        converted, report = normscope.convert(copy.deepcopy(backbone), to=spec, where=tv.ops.FrozenBatchNorm2d)
+        assert len(report) == 20 and not report.skipped, spec
+        assert isinstance(converted.body.bn1, normscope.FrozenBatchNorm2d), spec
+        with torch.no_grad():
+            got = converted(x)
+        assert all(torch.equal(got[k], want[k]) for k in want), spec
+    back, _ = normscope.convert(converted, to="torch")  # the same layer: torchvision's comes back
+    assert type(back.body.bn1) is tv.ops.FrozenBatchNorm2d
+    # a setting given is a setting asked for: fold=False is the unfolded formula, as asked
+    unfolded, _ = normscope.convert(copy.deepcopy(backbone), to="frozen", where=tv.ops.FrozenBatchNorm2d, fold=False)
+    assert not unfolded.body.bn1.fold
+
+
+def _same_kind_cases():
+    """(a zoo layer, the specs naming its kind, an input): timm's and torchvision's classes that convert
+    maps to a normscope layer, under the registry's names for that layer (timm's names included)."""
+    from timm import layers as L
+    from timm.layers.norm_act import FrozenBatchNormAct2d
+    from torchvision.models.convnext import LayerNorm2d as TorchvisionLayerNorm2d
+    from torchvision.ops import FrozenBatchNorm2d as TorchvisionFrozenBatchNorm2d
+
+    nchw, nlc = (4, 8, 5, 5), (4, 5, 8)
+    return [
+        (TorchvisionFrozenBatchNorm2d(8), ("frozen", "frozenbatchnorm2d"), nchw),
+        (FrozenBatchNormAct2d(8, act_layer=nn.SiLU), ("frozen",), nchw),
+        (TorchvisionLayerNorm2d(8, eps=1e-6), ("layer2d", "layernorm2d"), nchw),
+        (L.LayerNorm2d(8), ("layer2d", "layernorm2d"), nchw),
+        (L.LayerNormAct2d(8, act_layer=nn.SiLU), ("layer2d",), nchw),
+        (L.LayerNorm(8, eps=1e-3), ("layer", "layernorm"), nlc),
+        (L.LayerNormFp32(8).to(torch.bfloat16), ("layer", "layernorm"), nlc),  # fp32 gradients in bf16
+        (L.RmsNorm(8), ("rms", "rmsnorm"), nlc),
+        (L.GroupNorm1(8), ("group:1", "groupnorm1"), nchw),
+        (L.GroupNorm(8, num_groups=4), ("group:4",), nchw),
+        (L.GroupNormAct(8, num_groups=2, act_layer=nn.GELU), ("group:2",), nchw),
+        (L.BatchNormAct2d(8, act_layer=nn.SiLU), ("batch", "batchnorm2d"), nchw),
+        (L.BatchNormAct2d(8, act_layer=nn.SiLU, track_running_stats=False), ("batch",), nchw),
+    ]
+
+
+def test_convert_to_the_kind_a_zoo_layer_is_keeps_its_numbers():
+    """``to=`` the normscope layer a zoo layer already converts to (by any of the registry's names for
+    it) gives what ``convert(model)`` gives: the layer's numbers bit for bit -- a training step's output,
+    gradients and running statistics, and evaluation. Built anew from the spec, the layer lost what the
+    probe finds: FrozenBatchNorm's folding (1e-7 off), LayerNormFp32's fp32 gradients in bf16,
+    ``track_running_stats=False`` (0.56 off in evaluation). A spec that sets something else (timm's
+    "groupnorm": 32 groups, clipped to 8 here) builds what it says. Oracle: the zoo layer itself."""
+    zoo_import("timm")
+    zoo_import("torchvision")
+    from timm import layers as L
+
+    for layer, specs, shape in _same_kind_cases():
+        _randomize_norms(nn.Sequential(layer))
+        dtype = next(iter(layer.state_dict().values())).dtype
+        g = torch.Generator().manual_seed(2)
+        x, dy = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+        for spec in specs:
+            label = f"{type(layer).__module__}.{type(layer).__name__} to={spec!r}"
+            converted, report = normscope.convert(nn.Sequential(copy.deepcopy(layer)), to=spec)
+            assert len(report) == 1 and not report.skipped and report[0].dropped == (), label
+            results = []
+            for m in (copy.deepcopy(layer), converted[0]):
+                params = [p for p in m.parameters() if p.requires_grad]
+                xi = x.clone().requires_grad_()
+                y = m.train()(xi)
+                grads = torch.autograd.grad(y, [xi, *params], dy) if y.requires_grad else ()
+                with torch.no_grad():
+                    results.append((y, *grads, *m.buffers(), m.eval()(x)))
+            assert len(results[0]) == len(results[1]), label
+            for i, (a, b) in enumerate(zip(*results)):
+                assert a.dtype == b.dtype and torch.equal(a, b), f"{label}: result {i}"
+    converted, _ = normscope.convert(nn.Sequential(L.GroupNorm(8, num_groups=4)), to="groupnorm")
+    assert converted[0].num_groups == 8
+
+
 def test_timm_normact_freeze_and_convert_to_another_norm():
     """efficientnet_b0: BatchNormAct2d lost its SiLU (off by 0.57 after convert(to="group:8"), by 1.18 after
     freeze_batchnorm) and unfreeze brought back a ReLU."""

@@ -478,6 +478,48 @@ def test_convert_to_another_norm_carries_eps_momentum_and_affine():
     assert model[0].eps == 1e-7  # the caller's keyword wins
 
 
+@pytest.mark.parametrize(
+    "make, to, shape",
+    [
+        (lambda: nn.BatchNorm2d(4, track_running_stats=False), "batch", (3, 4, 2, 2)),  # eval: batch statistics
+        (lambda: nn.LayerNorm((3, 5)), "layer", (4, 3, 5)),  # was LayerNorm(5), its weight dropped
+        (lambda: nn.LayerNorm(5, bias=False), "layer", (4, 5)),
+        (lambda: nn.GroupNorm(3, 6, eps=1e-3), "group:3", (2, 6, 5)),
+        (lambda: nn.InstanceNorm1d(5, affine=True, track_running_stats=True), "instance1d", (3, 5, 7)),
+        (lambda: normscope.FrozenBatchNorm2d(4, fold=True), "frozen", (3, 4, 2, 2)),  # was fold=False
+        (lambda: normscope.RMSNorm(5, casting="gemma", weight_offset=1.0), "rms", (4, 5)),
+        (lambda: normscope.BatchNorm1d(5, channel_dim=-1), "batch1d", (4, 3, 5)),
+    ],
+)
+def test_convert_to_the_kind_a_layer_is_keeps_the_layer(make, to, shape):
+    """Asked for the kind of layer it already is, a layer keeps its numbers and configuration (as the
+    lossless conversion does): built anew from the spec, it lost what the spec does not say --
+    track_running_stats=False, a LayerNorm over two axes, a normscope layer's fold, casting, weight
+    offset or channel axis. Oracle: the original layer, on the same state."""
+    layer = _randomized(make)
+    ref = copy.deepcopy(layer)
+    (new,), report = normscope.convert(nn.Sequential(layer), to=to)
+    assert len(report) == 1 and report[0].dropped == ()
+    assert type(new).__name__ == type(ref).__name__ and new.extra_repr() == ref.extra_repr()
+    if type(ref).__module__.startswith("normscope"):
+        assert new is layer  # already that layer: it stays, the same object
+    _assert_same_state(ref, new)
+    _assert_same_behaviour(ref, new, shape)
+
+
+def test_convert_to_the_kind_a_layer_is_with_other_settings_builds_what_is_asked():
+    """A setting given -- by the spec (``"group:2"``, ``"group"``'s default groups) or as a keyword -- is
+    asked for: the layer is built anew with it."""
+    (new,), _ = normscope.convert(nn.Sequential(nn.GroupNorm(3, 6)), to="group:2")
+    assert new.num_groups == 2
+    (new,), _ = normscope.convert(nn.Sequential(nn.GroupNorm(3, 6)), to="group")
+    assert new.num_groups == 6
+    (new,), _ = normscope.convert(nn.Sequential(normscope.FrozenBatchNorm2d(4, fold=True)), to="frozen", fold=False)
+    assert not new.fold
+    (new,), _ = normscope.convert(nn.Sequential(nn.BatchNorm2d(4)), to="batch", track_running_stats=False)
+    assert not new.track_running_stats and new.running_mean is None
+
+
 def test_report_paths_are_quoted_and_skips_listed():
     model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.LayerNorm(4))
     _, report = normscope.convert(model, to="group:2", where=nn.BatchNorm2d)

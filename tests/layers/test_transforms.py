@@ -299,3 +299,85 @@ def test_masked_layers_compile_fullgraph_in_training(name):
         torch.testing.assert_close(bc, be, msg=k)
     with pytest.raises(ValueError, match="at least one valid"):  # eager still refuses an all-False mask
         eager(x, mask=torch.zeros_like(mask))
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile after eager training calls: the layers that keep state between calls
+
+
+def _stateful():
+    """Every layer whose calls leave state for the next: running statistics and their batch count
+    (a momentum=None factor is read from it), a warm-up step, PowerNorm's backward state, BatchRenorm's
+    corrections kept for checkpointed recomputation, SyncBatchNorm on one process (no group: BatchNorm's
+    path). ``(make, input shape, mask shape or None)``. Not BatchNorm with momentum=None: its factor
+    ``1 / count`` is read off the count as a Python float, which fullgraph refuses, fresh or not, as it
+    refuses torch.nn.BatchNorm's (a data-dependent guard)."""
+    return {
+        "BatchNorm1d": (lambda: normscope.BatchNorm1d(4), (6, 4), None),
+        "BatchNorm1d_masked": (lambda: normscope.BatchNorm1d(4), (3, 4, 5), (3, 5)),
+        "BatchNorm2d": (lambda: normscope.BatchNorm2d(4), (3, 4, 5, 5), None),
+        "BatchNorm3d": (lambda: normscope.BatchNorm3d(4), (2, 4, 3, 3, 3), None),
+        "BatchRenorm1d": (lambda: normscope.BatchRenorm1d(4), (6, 4), None),
+        "BatchRenorm1d_last_masked": (lambda: normscope.BatchRenorm1d(4, channel_dim=-1), (3, 5, 4), (3, 5)),
+        "BatchRenorm2d_warmup": (lambda: normscope.BatchRenorm2d(4, warmup_iters=5), (3, 4, 5, 5), None),
+        "BatchRenorm3d": (lambda: normscope.BatchRenorm3d(4, momentum=None), (2, 4, 3, 3, 3), None),
+        "PowerNorm": (lambda: normscope.PowerNorm(4, warmup_iters=5), (3, 5, 4), None),
+        "PowerNorm_masked": (lambda: normscope.PowerNorm(4), (3, 5, 4), (3, 5)),
+        "InstanceNorm1d_tracked": (
+            lambda: normscope.InstanceNorm1d(4, affine=True, track_running_stats=True),
+            (3, 4, 5),
+            None,
+        ),
+        "InstanceNorm2d_tracked": (lambda: normscope.InstanceNorm2d(4, track_running_stats=True), (3, 4, 5, 5), None),
+        "InstanceNorm3d_tracked": (
+            lambda: normscope.InstanceNorm3d(4, affine=True, track_running_stats=True, momentum=None),
+            (2, 4, 3, 3, 3),
+            None,
+        ),
+        "SyncBatchNorm_one_process": (lambda: normscope.SyncBatchNorm(4), (3, 4, 5, 5), None),
+    }
+
+
+@pytest.mark.parametrize("name", list(_stateful()))
+def test_compile_fullgraph_after_eager_training_calls_matches_eager(name):
+    """A layer trained eagerly for a few steps, then compiled (fullgraph, aot_eager): what its eager calls
+    left behind -- BatchRenorm's corrections kept for checkpointed recomputation, once read through an
+    untraceable ``_current_graph_task_id`` -- must neither break the trace nor change the numbers. The
+    compile tests above start from fresh layers. Checked against a copy of the layer that goes on eagerly:
+    outputs, the input's and parameters' gradients, and the state after each step."""
+    make, shape, mask_shape = _stateful()[name]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = make()
+    g = torch.Generator().manual_seed(5)
+
+    def batch():
+        x = torch.randn(shape, generator=g) * 2 + 0.5
+        if mask_shape is None:
+            return x, {}
+        mask = torch.rand(mask_shape, generator=g) > 0.3
+        mask.view(-1)[0] = True
+        return x, {"mask": mask}
+
+    for _ in range(3):  # eager training steps, forward and backward
+        x, kw = batch()
+        layer(x.requires_grad_(), **kw).square().sum().backward()
+    layer.zero_grad(set_to_none=True)
+    eager = copy.deepcopy(layer)  # what the eager steps left, on both sides
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")  # a graph break raises
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, kw = batch()
+            xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ye, yc = eager(xe, **kw), compiled(xc, **kw)
+            torch.testing.assert_close(yc, ye, msg=lambda m, s=step: f"step {s}: {m}")
+            dy = torch.randn(ye.shape, generator=g)
+            (ye * dy).sum().backward()
+            (yc * dy).sum().backward()
+            torch.testing.assert_close(xc.grad, xe.grad, msg=lambda m, s=step: f"step {s}, input grad: {m}")
+            for (k, be), (_, bc) in zip(eager.named_buffers(), layer.named_buffers()):
+                torch.testing.assert_close(bc, be, msg=lambda m, k=k, s=step: f"step {s}, {k}: {m}")
+    assert not _ours(ws), _ours(ws)
+    for (k, pe), (_, pc) in zip(eager.named_parameters(), layer.named_parameters()):
+        torch.testing.assert_close(pc.grad, pe.grad, msg=lambda m, k=k: f"{k}.grad: {m}")

@@ -11,6 +11,7 @@ import pickle
 
 import pytest
 import torch
+from torch import nn
 
 import normscope
 from normscope import functional_modern as FM
@@ -338,6 +339,43 @@ def test_errors(call, error, words):
         call()
     for w in words:
         assert w in str(info.value), (w, str(info.value))
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (lambda m: setattr(m.linear, "weight", None), TypeError, ["`linear.weight`", "(24, 4)", "NoneType"]),
+        (lambda m: setattr(m, "linear", None), TypeError, ["`linear`", "nn.Linear(4, 24)", "NoneType"]),
+        (lambda m: setattr(m, "linear", nn.Identity()), TypeError, ["`linear.weight`", "no `weight`"]),
+        (lambda m: setattr(m.linear, "weight", nn.Parameter(torch.zeros(16, 4))), ValueError, ["(24, 4)", "(16, 4)"]),
+        (lambda m: setattr(m.linear, "weight", nn.Parameter(torch.zeros(24, 5))), ValueError, ["(24, 4)", "(24, 5)"]),
+        (lambda m: setattr(m.linear, "bias", nn.Parameter(torch.zeros(5))), ValueError, ["bias", "(24,)", "(5,)"]),
+        (
+            lambda m: setattr(m.linear, "weight", nn.Parameter(torch.zeros(24, 4).long(), requires_grad=False)),
+            TypeError,
+            ["`linear.weight`", "floating-point", "torch.int64"],
+        ),
+        (lambda m: setattr(m, "norm", None), TypeError, ["`norm`", "`weight` and `bias`", "NoneType"]),
+    ],
+)
+def test_adaln_projection_changed_after_construction_is_refused_by_name_before_any_work(change, error, words):
+    """A projection whose weight was set to None raised ``AttributeError: 'NoneType' object has no attribute
+    'dtype'`` from the forward (a replaced ``linear`` or ``norm`` likewise), a weight or bias of another
+    shape a RuntimeError from inside the matmul or the chunking: each is named now, with what was expected
+    and what was found, before the projection runs."""
+    ada = normscope.AdaLayerNorm(8, 4, gate=True, elementwise_affine=True)
+    change(ada)
+    ran = []
+    if isinstance(ada.linear, nn.Module):
+        ada.linear.register_forward_pre_hook(lambda *a: ran.append(1))
+    with pytest.raises(error) as info:
+        ada(torch.randn(2, 3, 8), torch.randn(2, 4))
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    assert not ran, "the projection ran before the refusal"
+    ada = normscope.AdaLayerNorm(8, 4, bias=False)  # no bias is a projection as built
+    ada.linear.bias = None
+    assert ada(torch.randn(2, 3, 8), torch.randn(2, 4)).shape == (2, 3, 8)
 
 
 # -- sandwich / Peri-LN placement in the lab's transformer block ------------------------------------

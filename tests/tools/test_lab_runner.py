@@ -194,30 +194,58 @@ def _dead(pid: int) -> bool:
     return "State:\tZ" in state  # a zombie has exited; only its parent's bookkeeping is left
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc to see whether the ranks are gone")
-@pytest.mark.parametrize("finished", [False, True])
-def test_sigint_stops_the_ranks_and_keeps_a_finished_run(tmp_path, finished):
+def _launch(tmp_path: Path, finished: bool, sigint) -> tuple[subprocess.Popen, list[int]]:
+    """The script above in a child process started with SIGINT's disposition ``sigint`` (as the shell
+    would start it: ``SIG_DFL`` in the foreground, ``SIG_IGN`` as a background job), and its ranks' pids.
+    Not inherited from the test's own process: a suite run as a background job (some CI runners) ignores
+    SIGINT, and so did the child of a test standing for Ctrl-C in a terminal -- it waited its 60 s."""
     script = tmp_path / "launch.py"
     script.write_text(_SCRIPT)
     env = {**ENV, "FINISHED": "1" if finished else "0"}
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path / "out")], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, str(script), str(tmp_path / "out")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
     )
+    pids: list[int] = []  # four ranks print to one pipe: two lines can interleave ("rank 1rank 2")
     try:
-        pids: list[int] = []  # four ranks print to one pipe: two lines can interleave ("rank 1rank 2")
         while len(pids) < 4:
             line = proc.stdout.readline()
             assert line, f"the ranks' output ended after {len(pids)} pids"
             pids += [int(p) for p in re.findall(r"rank (\d+)", line)]
+    except BaseException:
+        _end(proc, pids)
+        raise
+    return proc, pids
+
+
+def _end(proc: subprocess.Popen, pids: list[int]) -> None:
+    """Kill what a failed test left running: the child, then any rank of it still alive."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in pids:
+        if not _dead(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc to see whether the ranks are gone")
+@pytest.mark.parametrize("finished", [False, True])
+def test_sigint_stops_the_ranks_and_keeps_a_finished_run(tmp_path, finished):
+    proc, pids = _launch(tmp_path, finished, signal.SIG_DFL)  # Ctrl-C in a terminal: a foreground run
+    try:
         time.sleep(0.5)  # rank 0 has written its file before printing
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         elapsed = time.monotonic() - t0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _end(proc, pids)
     assert elapsed < 30, f"the main process lived {elapsed:.0f} s after SIGINT"
     assert proc.returncode == 0 and f"interrupted computed={int(finished)}" in rest
     assert all(_dead(p) for p in pids), "rank processes still running after SIGINT"
@@ -226,3 +254,26 @@ def test_sigint_stops_the_ranks_and_keeps_a_finished_run(tmp_path, finished):
         assert len(runs) == 1 and json.loads(runs[0].read_text())["result"]["batch"]["err"] == 12.5
     else:
         assert runs == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc to see whether the ranks are gone")
+def test_a_background_run_keeps_ignoring_sigint_and_its_ranks_die_with_it(tmp_path):
+    """Started with SIGINT ignored -- how a shell starts a background job (``normscope lab &`` in a script,
+    ``nohup``) so that Ctrl-C in the terminal does not reach it -- the lab keeps ignoring it, as Python
+    itself and every Unix program do; such a job is stopped with SIGTERM (``kill``). Then its ranks must go
+    too: torch asks the kernel to send them SIGINT when their parent dies, which they ignored as well, and
+    they trained on, orphaned. Oracle: /proc, each rank's state."""
+    proc, pids = _launch(tmp_path, False, signal.SIG_IGN)
+    try:
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert proc.poll() is None, "a background run stopped on SIGINT, which its shell had it ignore"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while not all(_dead(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = [p for p in pids if not _dead(p)]
+    finally:
+        _end(proc, pids)
+    assert not alive, f"ranks {alive} still running after their parent was stopped with SIGTERM"

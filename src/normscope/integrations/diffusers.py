@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional_modern as FM
-from ..convert import class_named, generated, named
+from .._surgery import class_named, generated, named
 from ..modules.modern import AdaLayerNorm
 from ._probe import eps_of, probe_input, randomized, restore_classes
 from .transformers import CONFIGURATIONS, Exact, PatchReport

@@ -52,7 +52,8 @@ from torch import Tensor, nn
 
 from .. import _state, hot
 from .. import functional_modern as FM
-from ..convert import class_named, first_gradient_differing, generated, named
+from .._surgery import class_named, generated, named
+from ..convert import first_gradient_differing
 from ..modules import LayerNorm, RMSNorm
 from ._probe import EPS_NAMES as _EPS_NAMES
 from ._probe import eps_of as _eps

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .. import _checks as check
 from .. import functional as F
+from .._surgery import bare_copy, probe_input, sample, then
 
 
 class FrozenBatchNorm2d(nn.Module):
@@ -163,18 +164,16 @@ def _frozen_like(bn: nn.Module) -> tuple[FrozenBatchNorm2d | None, str | None]:
     """A frozen layer for a BatchNorm from elsewhere (timm's ``BatchNormAct2d``: norm, drop,
     activation), probed bit for bit against the layer in evaluation: its child modules run after
     the frozen norm under the same names. ``(None, why)`` when it does not reproduce the layer."""
-    from ..convert import _bare_copy, _probe_input, _sample, _then
-
-    frozen = _frozen_from(_bare_copy(bn))
+    frozen = _frozen_from(bare_copy(bn))
     if bn._modules:
-        frozen.__class__ = _then(FrozenBatchNorm2d)
-        for name, child in _bare_copy(bn)._modules.items():
+        frozen.__class__ = then(FrozenBatchNorm2d)
+        for name, child in bare_copy(bn)._modules.items():
             frozen.add_module(name, child)
-    ref = _bare_copy(bn).eval()
+    ref = bare_copy(bn).eval()
     base = next(t for t in (nn.BatchNorm1d, nn.BatchNorm3d, nn.BatchNorm2d) if isinstance(bn, t))
     dtype = frozen.running_mean.dtype
     with torch.no_grad():
-        x = _probe_input(_sample(base, bn), dtype, frozen.running_mean.device)
+        x = probe_input(sample(base, bn), dtype, frozen.running_mean.device)
         want, got = ref(x), frozen(x)
     if not isinstance(want, Tensor) or want.dtype != got.dtype or not torch.equal(want, got):
         return (

@@ -154,24 +154,25 @@ class AdaLayerNorm(nn.Module):
         """Normalize ``x`` and modulate it by the projection of ``cond`` (``emb=`` is the same
         argument under diffusers' name)."""
         cond, arg = _condition(self, x, cond, emb)
+        weight, norm = _projection(self), _norm_holder(self)
         h = TF.silu(cond)
         if self.order == "scale_shift":  # diffusers' AdaLayerNormContinuous: SiLU(cond) in x's dtype
             h = h.to(x.dtype)
         # under autocast the projection (nn.Linear) casts its input and weight alike, as in diffusers' modules
-        if h.dtype != self.linear.weight.dtype and not ref.autocasting(h.device):
+        if h.dtype != weight.dtype and not ref.autocasting(h.device):
             if self.order == "scale_shift":  # the cast to x's dtype is what misfits, not cond's own dtype
                 raise TypeError(
                     f"AdaLayerNorm(order='scale_shift'): expected `x` of the projection's dtype "
-                    f"{self.linear.weight.dtype} (SiLU({arg}) is cast to x's dtype before the projection, as "
+                    f"{weight.dtype} (SiLU({arg}) is cast to x's dtype before the projection, as "
                     f"diffusers' AdaLayerNormContinuous does), got x of dtype {x.dtype}"
                 )
             raise TypeError(
-                f"AdaLayerNorm: expected `{arg}` of the projection's dtype {self.linear.weight.dtype}, got {cond.dtype}"
+                f"AdaLayerNorm: expected `{arg}` of the projection's dtype {weight.dtype}, got {cond.dtype}"
             )
         chunks = self.linear(h).chunk(self.chunks, dim=-1)
         shift, scale = chunks[:2] if self.order == "shift_scale" else chunks[1::-1]
         y = FM.modulated_norm(
-            x, shift, scale, self.norm.weight, self.norm.bias, self.eps, norm=self.norm_type, casting=self.casting
+            x, shift, scale, norm.weight, norm.bias, self.eps, norm=self.norm_type, casting=self.casting
         )
         return (y, *chunks[2:]) if len(chunks) > 2 else y
 
@@ -204,6 +205,50 @@ def _condition(layer: AdaLayerNorm, x: Tensor, cond: Tensor | None, emb: Tensor 
     if cond.device != x.device:
         raise ValueError(f"{where}: expected `{arg}` on {x.device} (x's device), got {cond.device}")
     return cond, arg
+
+
+def _projection(layer: AdaLayerNorm) -> Tensor:
+    """The projection's weight, once its module, weight and bias are checked as what the forward reads:
+    a ``linear`` whose weight was set to None (or replaced by a module without one) raised AttributeError
+    from a read of its dtype, a weight or bias of another shape a RuntimeError from inside the matmul or the
+    chunking -- neither naming the attribute. Not its device: an offloading hook (accelerate's) moves the
+    weight when the projection itself is called."""
+    where, out, c = type(layer).__name__, layer.chunks * layer.embedding_dim, layer.cond_dim
+    shape = f"({out}, {c}) (chunks * embedding_dim, cond_dim)"
+    linear = layer.linear
+    if not isinstance(linear, nn.Module):
+        raise TypeError(
+            f"{where}: expected `linear` to be the projection module (an nn.Linear({c}, {out})), got "
+            f"{type(linear).__name__}"
+        )
+    weight = getattr(linear, "weight", None)
+    if not isinstance(weight, Tensor):
+        got = "no `weight` attribute" if not hasattr(linear, "weight") else type(weight).__name__
+        raise TypeError(f"{where}: expected `linear.weight` to be a tensor of shape {shape}, got {got}")
+    if not weight.is_floating_point():
+        raise TypeError(f"{where}: expected `linear.weight` to be a floating-point tensor, got {weight.dtype}")
+    if tuple(weight.shape) != (out, c):
+        raise ValueError(f"{where}: expected `linear.weight` of shape {shape}, got {tuple(weight.shape)}")
+    bias = getattr(linear, "bias", None)
+    if bias is not None and not isinstance(bias, Tensor):
+        raise TypeError(
+            f"{where}: expected `linear.bias` to be a tensor of shape ({out},) or None, got {type(bias).__name__}"
+        )
+    if bias is not None and tuple(bias.shape) != (out,):
+        raise ValueError(f"{where}: expected `linear.bias` of shape ({out},) or None, got {tuple(bias.shape)}")
+    return weight
+
+
+def _norm_holder(layer: AdaLayerNorm) -> nn.Module:
+    """The ``norm`` submodule that holds the norm's own weight and bias (each a tensor or None)."""
+    norm = layer.norm
+    if not isinstance(norm, nn.Module) or not (hasattr(norm, "weight") and hasattr(norm, "bias")):
+        got = type(norm).__name__ if not isinstance(norm, nn.Module) else f"{type(norm).__name__} without them"
+        raise TypeError(
+            f"{type(layer).__name__}: expected `norm` to be a module holding the norm's `weight` and `bias` "
+            f"(tensors or None), got {got}"
+        )
+    return norm
 
 
 class QKNorm(nn.Module):

@@ -108,7 +108,14 @@ class _BatchRenormMixin(BatchNormMixin):
         during a backward is a recomputation. Which call it recomputes is told by its batch statistics: the
         recomputation runs the same ops on the same input, so they are the forward's bit for bit. Not by
         order alone: a layer called inside a checkpointed segment and again after it has the later call
-        kept after the one recomputed. Of calls with equal statistics, the latest."""
+        kept after the one recomputed. Of calls with equal statistics, the latest.
+
+        Never while traced: a compiled graph saves its own r and d (and keeps none here), and the
+        question itself cannot be traced -- dynamo refuses ``_current_graph_task_id`` (a torch op that
+        returns an int) under ``fullgraph=True``, which a layer's eager calls before its compile used to
+        reach through the corrections they kept."""
+        if _state.tracing():
+            return None
         kept = self.__dict__.get("_corrections")
         if not kept or not _in_backward() or not torch.is_grad_enabled():
             return None

@@ -28,25 +28,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .core import MODES, Context, deterministic, versions, write_json
+from .core import EXPERIMENTS, MODES, Context, deterministic, versions, write_json
 from .verdicts import NOT_JUDGED, Verdict, skipped
 
 __all__ = ["EXPERIMENTS", "MAX_SEEDS", "run", "main"]
 
 #: seeds are 0..K-1, each a full training run: more than this is a typo, not an experiment
 MAX_SEEDS = 1000
-
-# experiment name -> module (imported lazily: an experiment's import cost is paid only if it runs)
-EXPERIMENTS = {
-    "batch-size": "exp_batch_size",
-    "padding": "exp_padding",
-    "smoothness": "exp_smoothness",
-    "prenorm": "exp_prenorm",
-    "rms-vs-layer": "exp_rms_vs_layer",
-    "contrast-style": "exp_contrast_style",
-    "sync": "exp_sync",
-    "modern": "exp_modern",
-}
 
 
 def _module(name: str):

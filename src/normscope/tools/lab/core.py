@@ -25,6 +25,19 @@ from typing import Any
 import torch
 
 MODES = ("smoke", "quick", "full")
+# experiment name -> module of this package (imported lazily: an experiment's import cost is paid only if it
+# runs). Here, below the package and its report, which both read it: the report took it from the package,
+# which imports the report
+EXPERIMENTS = {
+    "batch-size": "exp_batch_size",
+    "padding": "exp_padding",
+    "smoothness": "exp_smoothness",
+    "prenorm": "exp_prenorm",
+    "rms-vs-layer": "exp_rms_vs_layer",
+    "contrast-style": "exp_contrast_style",
+    "sync": "exp_sync",
+    "modern": "exp_modern",
+}
 
 
 def config_hash(obj: Any) -> str:

@@ -83,6 +83,24 @@ def _worker(rank: int, port: int, cfg: dict, variants: list[str], seed: int, out
     dist.destroy_process_group()
 
 
+def _rank(rank: int, parent: int, *args) -> None:
+    """A rank: :func:`_worker` (looked up when the rank starts), in a process that dies with its parent.
+
+    torch's start_processes asks the kernel for SIGINT when the parent dies, which a rank ignores where it
+    was started with SIGINT ignored -- the shell's way of starting a background job (``normscope lab &`` in a
+    script, ``nohup``), which the lab keeps: SIGINT is for the foreground. Stopped as a background job is
+    (SIGTERM, or killed), the parent died and its ranks went on training, orphaned, for minutes. SIGKILL
+    cannot be ignored; a rank whose parent is gone has nothing left to finish."""
+    import signal
+
+    import torch.multiprocessing as mp
+
+    mp._prctl_pr_set_pdeathsig(signal.SIGKILL)  # Linux's prctl; nothing elsewhere (as torch's own call)
+    if os.getppid() != parent:  # the parent died before the request: nothing will send it
+        os._exit(1)
+    _worker(rank, *args)
+
+
 def _launch(cfg: dict, variants: list[str], seed: int) -> dict:
     import torch.multiprocessing as mp
 
@@ -90,9 +108,8 @@ def _launch(cfg: dict, variants: list[str], seed: int) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rank0.json")
-        ctx = mp.start_processes(
-            _worker, args=(_free_port(), cfg, variants, seed, out), nprocs=WORLD, join=False, start_method=_START
-        )
+        args = (os.getpid(), _free_port(), cfg, variants, seed, out)
+        ctx = mp.start_processes(_rank, args=args, nprocs=WORLD, join=False, start_method=_START)
         try:
             while not ctx.join():
                 pass
