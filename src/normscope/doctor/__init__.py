@@ -13,8 +13,19 @@ statistics that drifted from the data (fvcore's PreciseBN estimator). See docs/d
 """
 
 from ._fix import apply_fixes
-from ._report import SCHEMA, SEVERITIES, Finding, Report, Series
+from ._report import SCHEMA, SEVERITIES, Finding, Group, Report, Series
 from ._run import doctor, recalibrate
 from .checks import CHECKS
 
-__all__ = ["doctor", "recalibrate", "apply_fixes", "Report", "Finding", "Series", "CHECKS", "SCHEMA", "SEVERITIES"]
+__all__ = [
+    "doctor",
+    "recalibrate",
+    "apply_fixes",
+    "Report",
+    "Finding",
+    "Group",
+    "Series",
+    "CHECKS",
+    "SCHEMA",
+    "SEVERITIES",
+]

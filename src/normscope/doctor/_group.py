@@ -92,6 +92,8 @@ def collapse(paths: list[str], layers: list[str], limit: int = 6) -> str:
     them, at most ``limit`` entries then how many more; ``<model>`` for the whole model."""
     named = [p for p in paths if p]
     known = [q for q in layers if q] or named
+    if len(known) > 1 and sorted(named) == sorted(known):
+        return f"every norm layer ({len(known)})"
     items = ["<model>"] if "" in paths else []
     for prefix in _prefixes(named, known):
         below = any(x != prefix and _under(x, prefix) for x in known)

@@ -182,11 +182,11 @@ def bn_elements(ctx: Context) -> list[Finding]:
 DRIFT_WARNING = 0.133
 # The distance a batch gives even when the running statistics are exactly the data's grows as the batch
 # shrinks (8 values per channel at batch 2 in a 2x2 last stage: ~1.4 on a random-weight EfficientNet-B0).
-# A layer warns when its distance exceeds that sampling noise by the threshold and by twice the noise:
-# measured over 10 batches each of timm's resnet18 and efficientnet_b0 (random weights, statistics
-# calibrated on 256 images), a healthy layer warned at a rate of 0.4% at batch 2 and 0 at 4, 16 and 32,
-# and running statistics of inputs shifted by 0.3 and scaled by 1.3 were found on 38-75% of the layers
-# at batch 2-4 and 96-100% at 16-32 (the threshold alone: 23% of healthy layers at batch 2, 8-17% at 16-32).
+# A layer warns when its distance exceeds that sampling noise by the threshold and by twice the noise.
+# benchmarks/doctor_drift_noise.py (timm's resnet18 and efficientnet_b0, random weights, statistics fitted on
+# 256 images, 10 batches each): a healthy layer warned at 0.4% at batch 2 and never at 4, 16 and 32 (the
+# threshold alone: up to 8.4%), and statistics the inputs no longer fit (x 1.3 + 0.3) were found on 34-74% of
+# the layers at batch 2-4 and 94-100% at 16-32.
 NOISE_MARGIN = 2.0
 _DRIFT_SOURCE = (
     "normscope lab padding (docs/lab.md), Shen et al. 2020 Fig. 2 metric mean_c |mu_B - mu|/sigma + "
