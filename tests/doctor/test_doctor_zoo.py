@@ -180,6 +180,11 @@ def test_timm_efficientnet_norm_act_and_in_place_activations(timm):
     report = _small_batch_findings(model, 64)
     (design,) = [f for f in report.by_check("batch-invariance") if f.measured.get("kind") == "by design"]
     assert "bn1" in design.measured["paths"] and not any(p.endswith(".act") for p in design.measured["paths"])
+    # dozens of findings at batch 2, one screen in the terminal; every one with --all
+    from normscope.doctor._render import text_lines
+
+    assert len(report.findings) > 40 and len(text_lines(report)) <= 40
+    assert len([t for t, _ in text_lines(report, all=True) if t[:1].isdigit()]) == len(report.findings)
 
 
 def test_timm_convnext_layernorm2d(timm):
