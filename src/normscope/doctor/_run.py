@@ -112,12 +112,15 @@ def doctor(
 ) -> Report:
     """Diagnose ``model``'s normalization layers on a real batch: ``model(*inputs, **kwargs)``.
 
-    One forward in the model's own mode, with forward hooks on every module, records what each norm
-    sees; the checks (:data:`normscope.doctor.CHECKS`) measure it. Some checks run more: the model
-    with its BatchNorms in train and then eval mode (two forwards, ``train-eval-drift``), each leaf
-    module once more on the first sample alone (``batch-invariance``), copies of norm layers on
-    probe inputs (``cancellation``), and the model once more without the biases a norm would remove
-    (``bias-before-norm``: the output must not change, so the bias feeds nothing else). The model's
+    One forward in the model's own mode, with hooks on every module, records what each norm sees --
+    its inputs copied before it runs and its output when it returns, so in-place code after it cannot
+    change them (the memory of one more copy of every norm's input and output) -- and the padding masks
+    every module receives; the checks (:data:`normscope.doctor.CHECKS`) measure it. Some checks run
+    more: the model with its BatchNorms in train and then eval mode (two forwards,
+    ``train-eval-drift``), the model on the batch and on its first sample alone (two forwards,
+    ``batch-invariance``), copies of norm layers on probe inputs (``cancellation``), and the model once
+    more without the biases a norm would remove (``bias-before-norm``: the output must not change, so
+    the bias feeds nothing else). The model's
     parameters and buffers (the same tensor objects, bit for bit), gradients, ``requires_grad`` and
     ``training`` flags, its other plain attributes, and the random number generators (torch, CUDA,
     ``random``, NumPy) are put back afterwards, also when the forward raises.
@@ -130,8 +133,9 @@ def doctor(
         *inputs: the positional inputs of one forward (one device's batch unless ``world_size``
             says otherwise).
         mask: (batch, positions) bool, True = a real position, for the padding check. Default: the
-            ``attention_mask`` (1 = real) or ``src_key_padding_mask`` / ``key_padding_mask``
-            (True = pad) among ``kwargs``, else None.
+            padding masks the model's modules receive (``attention_mask``, 1 = real, in its 2-D form
+            and the 3-D/4-D forms transformers builds; ``*_padding_mask``, True = pad), each norm
+            using the one that fits its positions.
         world_size: the number of data-parallel processes the batch is split over (as
             ``torch.tensor_split`` cuts it): a BatchNorm then sees one rank's share, a SyncBatchNorm
             all of it. Default: None (one process).
