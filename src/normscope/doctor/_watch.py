@@ -37,7 +37,17 @@ from ._finding import Finding, Series
 from ._observe import Call, NormScope, Recorder, is_norm, norm_scope
 from ._report import Report
 from ._run import _describe, _first_tensor, _norm_calls, _resolve_mask, _running, _single_value_report
-from .checks import _DEAD_SOURCE, _DRIFT_SOURCE, _HALF, _OVERFLOW_SOURCE, CHECKS, DRIFT_WARNING, Context, _distance
+from .checks import (
+    _DEAD_SOURCE,
+    _DRIFT_SOURCE,
+    _HALF,
+    _OVERFLOW_SOURCE,
+    CHECKS,
+    DRIFT_WARNING,
+    Context,
+    _computes_in_fp32,
+    _distance,
+)
 
 __all__ = ["watch", "Watch", "WATCH_CHECKS"]
 
@@ -67,6 +77,12 @@ _MASSIVE_SOURCE = (
     "and about 1,000 times the median magnitude of the hidden state; the median estimated here from an evenly "
     "strided sample of at most 16,384 values"
 )
+#: the parameters and buffers whose sum the non-finite check takes on every step (what a norm's output
+#: depends on besides its input)
+_STATE_PARAMS = ("weight", "bias")
+_STATE_BUFFERS = ("running_mean", "running_var")
+#: steps kept on the device before their values are read (one transfer), when no watched step comes first
+_RESOLVE_EVERY = 64
 MASSIVE_ABS = 100.0
 MASSIVE_RATIO = 1000.0
 _MEDIAN_SAMPLE = 16384
@@ -327,6 +343,8 @@ class Watch:
         vals: Tensor | list[Tensor] = torch.stack(self._vals) if len(devices) == 1 else list(self._vals)
         self._pending.append((self._step, keys, vals))
         self._keys, self._vals = [], []
+        if len(self._pending) >= _RESOLVE_EVERY:
+            self._resolve()
 
     # ------------------------------------------------------------------------------ hooks
 
@@ -384,18 +402,22 @@ class Watch:
             keys, vals = self._keys, self._vals
             if x is not None and x.is_floating_point() and x.numel():
                 xd = x.detach()
-                vals.append(xd.amax())
+                vals.append(xd.amax())  # with amin: max |x|, and NaN and inf propagate
                 vals.append(xd.amin())
                 keys.append((path, index, "input", xd.dtype))
-            if isinstance(out, Tensor) and out.is_floating_point() and out.numel():
+            if not _computes_in_fp32(m) and isinstance(out, Tensor) and out.is_floating_point() and out.numel():
+                # a layer of another library may compute its statistics in the input's precision and overflow
+                # inside; torch's and normscope's compute them in float32, so their output is finite wherever
+                # their input, weight, bias and running statistics are (the one sum below)
                 yd = out.detach()
                 vals.append(yd.amax())
                 vals.append(yd.amin())
                 keys.append((path, index, "output", yd.dtype))
-            if m.training and isinstance(getattr(m, "running_var", None), Tensor):
-                vals.append(m.running_mean.detach().sum())
-                vals.append(m.running_var.detach().sum())
-                keys.append((path, index, "running statistics", m.running_var.dtype))
+            state = [t.detach().reshape(-1) for t in map(m.__dict__["_parameters"].get, _STATE_PARAMS) if t is not None]
+            state += [t.detach().reshape(-1) for t in map(m.__dict__["_buffers"].get, _STATE_BUFFERS) if t is not None]
+            if state:
+                vals.append(torch.cat(state).sum() if len(state) > 1 else state[0].sum())
+                keys.append((path, index, "state", state[0].dtype))
             if self._watched and index == 0 and x is not None and x.is_floating_point() and x.numel():
                 self._measure(path, m, x.detach())
 
@@ -499,8 +521,12 @@ class Watch:
         for step, keys, _ in pending:
             bad, previous, last = [], None, None
             for path, index, what, dtype in keys:
-                a, b = flat[i], flat[i + 1]
-                i += 2
+                if what == "state":  # one sum of the weight, bias and running statistics
+                    a = b = flat[i]
+                    i += 1
+                else:  # the largest and smallest value
+                    a, b = flat[i], flat[i + 1]
+                    i += 2
                 if path != last:
                     previous, last = last, path
                 if not (math.isfinite(a) and math.isfinite(b)):
@@ -686,11 +712,16 @@ class Watch:
             fix = f"model.get_submodule({path!r}).float()  # statistics in float32"
         else:
             reason = (
-                f"the first inf/NaN of the run: this norm's running statistics held {nf['value']} after step {step} "
-                "while its input was finite -- they overflowed in their own dtype"
+                f"the first inf/NaN of the run: at step {step} this norm's input was finite but its weight, bias "
+                f"or running statistics held {nf['value']} -- an optimizer step wrote it into the weights, or the "
+                "running statistics overflowed in their own dtype"
                 + (" (a variance above 65504 in float16)" if half else "")
             )
-            fix = f"model.get_submodule({path!r}).float()  # running statistics in float32"
+            fix = (
+                f"model.get_submodule({path!r}).float()  # weights and running statistics in float32"
+                if half
+                else "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # before each optimizer.step()"
+            )
         measured = dict(nf)
         threshold = {"error": "any inf or NaN", "source": _NON_FINITE_SOURCE}
         return [Finding("non-finite", path, "error", measured, threshold, reason, fix)], "", []
