@@ -744,14 +744,26 @@ class Watch:
                 continue
             run.reverse()
             first, last = run[0], run[-1]
-            # catching up (from a fresh model's initial statistics, at the momentum's pace) is no drift: the
-            # distance halves within ~7 forwards at momentum 0.1. Stale statistics stay where they are or move away
+            # Stale statistics stay off; statistics catching up (a fresh model's initial ones, at the momentum's
+            # pace) fall. Which one the trend can tell only over a span in which the running average could move
+            # most of the way: (1 - momentum)^span, the weight the average still gives to where it stood at the
+            # span's start, below 1/2. Over a shorter span a momentum below 0.01 is stale by design (it needs
+            # over 70 forwards to move half way); any other is too early to judge.
             peak = max(d for _, d in run)
-            falling = len(run) > 1 and last[1] <= 0.5 * peak
             m = self._layers[path].module
+            momentum = m.momentum if isinstance(m.momentum, float) else 1 / max(1, int(m.num_batches_tracked or 1))
+            span = last[0] - first[0]
+            kept = (1 - momentum) ** span
+            falling = last[1] <= 0.5 * peak
             ratio = last[1] / first[1]
             trend = "falling" if falling or ratio < 2 / 3 else ("rising" if ratio > 1.5 else "flat")
-            severity = "warning" if len(run) > 1 and not falling else "info"
+            if len(run) < 2:
+                severity, why = "info", " (one watched step so far)"
+            elif kept < 0.5:
+                severity, why = ("info", " and catching up (falling)") if falling else ("warning", "")
+            else:
+                severity = "warning" if momentum < 0.01 else "info"
+                why = "" if severity == "warning" else f" (momentum {momentum:g}: too few steps yet to tell a trend)"
             measured = {
                 "step": first[0],
                 "distance": last[1],
@@ -760,19 +772,20 @@ class Watch:
                 "max_distance": peak,
                 "watched_steps_above": len(run),
                 "trend": trend,
-                "momentum": getattr(m, "momentum", None),
+                "momentum": m.momentum,
+                "start_weight_left": kept,
             }
             if severity == "warning":
                 reason = (
                     f"the running statistics have stayed {_fmt(last[1])} away from the training batches' since step "
-                    f"{first[0]} ({len(run)} watched steps, {trend}): they do not follow the weights, so eval() "
-                    "normalizes with other numbers than training does"
+                    f"{first[0]} ({len(run)} watched steps, {trend}; momentum {momentum:g} keeps {100 * kept:.0f}% of "
+                    "where they stood then): they do not follow the weights, so eval() normalizes with other numbers "
+                    "than training does"
                 )
             else:
                 reason = (
-                    f"the running statistics are {_fmt(last[1])} away from the training batch's at step {last[0]}"
-                    + (" and catching up (falling)" if falling else " (one watched step so far)")
-                    + ": eval() now would normalize with other numbers than training does"
+                    f"the running statistics are {_fmt(last[1])} away from the training batch's at step {last[0]}{why}"
+                    ": eval() now would normalize with other numbers than training does"
                 )
             fix = "model = normscope.recalibrate(model, batches)  # a few training batches" + (
                 f"; model.get_submodule({path!r}).momentum = 0.1"
