@@ -4,7 +4,7 @@
                                                         [--json benchmarks/results/watch_overhead.json]
 
 Two small models, each trained with SGD on random batches: a CNN (four conv + BatchNorm2d + ReLU
-stages, 32 x 3 x 32 x 32 per step) and a Pre-LN transformer (4 layers, d = 128, 4 heads, 32 x 64
+stages, 32 x 3 x 32 x 32 per step) and a Pre-LN transformer (4 layers, d = 128, 4 heads, 16 x 64
 tokens, LayerNorm). Three copies of each model, with identical weights, train side by side: unwatched,
 watched at the default ``every=50`` and at ``every=1``. A sample is the wall time of a block of
 ``--block`` steps (one block holds exactly one watched step at ``every=50``); the blocks of the three
@@ -81,7 +81,7 @@ def cases():
     g = torch.Generator().manual_seed(0)
     images = [torch.randn(32, 3, 32, 32, generator=g) for _ in range(4)]
     labels = [torch.randint(0, 10, (32,), generator=g) for _ in range(4)]
-    tokens = [torch.randint(0, 256, (32, 64), generator=g) for _ in range(4)]
+    tokens = [torch.randint(0, 256, (16, 64), generator=g) for _ in range(4)]
     return {
         "cnn": (CNN, images, labels, lambda y, t: nn.functional.cross_entropy(y, t)),
         "transformer": (

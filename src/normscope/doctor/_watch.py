@@ -93,23 +93,23 @@ def watch(
 ) -> Watch:
     """Watch ``model``'s normalization layers during training: a context manager around the loop.
 
-    Each forward of ``model`` in training mode is a step, numbered from 0 (call :meth:`Watch.step`
+    Each forward of ``model`` in training mode is a step, numbered from 0 (call :meth:`~normscope.doctor.Watch.step`
     for another count: optimizer steps under gradient accumulation, a trainer's global step). On
     every step each norm's input, output and running statistics are checked for inf/NaN (and the
     largest |x| kept); on every ``every``-th step each norm's statistics are recorded
-    (:attr:`Watch.history`); on the first of those the doctor's one-batch checks run. Forward hooks
+    (:attr:`~normscope.doctor.Watch.history`); on the first of those the doctor's one-batch checks run. Forward hooks
     only: a watched run is bitwise the unwatched one -- losses, parameters, buffers, gradients,
     modes and random number generators. The hooks are removed on exit, also when the loop raises.
 
     Args:
         model: the ``nn.Module`` whose forward the loop calls.
         every: record the statistics every ``every`` steps (the first step always). Default: 50.
-        checks: the identifiers to run: :data:`WATCH_CHECKS` over time and the doctor's
+        checks: the identifiers to run: :data:`~normscope.doctor.WATCH_CHECKS` over time and the doctor's
             (:data:`normscope.doctor.CHECKS`) on the first watched step. Default: all.
         world_size: as :func:`normscope.doctor`'s, for its ``bn-elements`` check. Default: None.
 
     Returns:
-        a :class:`Watch`: ``with normscope.watch(model) as w: ...``, then ``w.report()``.
+        a :class:`~normscope.doctor.Watch`: ``with normscope.watch(model) as w: ...``, then ``w.report()``.
 
     Example::
 
@@ -729,7 +729,7 @@ class Watch:
     def _check_drift(self, rows):
         by: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
-            if r.get("drift") is not None:
+            if r.get("drift") is not None and math.isfinite(r["drift"]):  # inf/NaN: the non-finite check's
                 by.setdefault(r["layer"], []).append((r["step"], r["drift"]))
         if not by:
             return [], "no BatchNorm with running statistics", []
