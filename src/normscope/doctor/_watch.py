@@ -10,12 +10,13 @@ number generator -- and turns what the layers saw over the steps into the doctor
             loss = model(batch).loss; loss.backward(); opt.step(); opt.zero_grad()
     print(w.report())       # each finding with measured["step"], the step it was first seen
 
-What it costs, per norm and step: the largest and smallest value of the layer's input and output (two
-reductions each, which give max |x| with NaN and inf propagating), plus a sum of each running statistic of
-a BatchNorm in training, kept on the tensors' device and read in one batch at each watched step -- the
-non-finite and half-overflow checks see every step, to the exact step and layer. On every ``every``-th step
-each norm's statistics are measured once more (two-pass mean and variance over its scope, float32), and on
-the first watched step the doctor's one-batch checks run on copies of what the layers received.
+What it costs, per norm and step: the largest and smallest value of the layer's input (two reductions,
+which give max ``|x|`` with NaN and inf propagating) and one sum of its weight, bias and running statistics
+(the output's extremes too for a layer that does not compute its statistics in float32), kept on the
+tensors' device and read in one transfer at the next watched step -- the non-finite and half-overflow checks
+see every step, to the exact step and layer. On every ``every``-th step each norm's statistics are measured
+once more (two-pass mean and variance over its scope, float32), and on the first watched step the doctor's
+one-batch checks run on copies of what the layers received.
 """
 
 from __future__ import annotations
@@ -77,10 +78,6 @@ _MASSIVE_SOURCE = (
     "and about 1,000 times the median magnitude of the hidden state; the median estimated here from an evenly "
     "strided sample of at most 16,384 values"
 )
-#: the parameters and buffers whose sum the non-finite check takes on every step (what a norm's output
-#: depends on besides its input)
-_STATE_PARAMS = ("weight", "bias")
-_STATE_BUFFERS = ("running_mean", "running_var")
 #: steps kept on the device before their values are read (one transfer), when no watched step comes first
 _RESOLVE_EVERY = 64
 MASSIVE_ABS = 100.0
@@ -96,7 +93,7 @@ def watch(
     Each forward of ``model`` in training mode is a step, numbered from 0 (call :meth:`~normscope.doctor.Watch.step`
     for another count: optimizer steps under gradient accumulation, a trainer's global step). On
     every step each norm's input, output and running statistics are checked for inf/NaN (and the
-    largest |x| kept); on every ``every``-th step each norm's statistics are recorded
+    largest ``|x|`` kept); on every ``every``-th step each norm's statistics are recorded
     (:attr:`~normscope.doctor.Watch.history`); on the first of those the doctor's one-batch checks run. Forward hooks
     only: a watched run is bitwise the unwatched one -- losses, parameters, buffers, gradients,
     modes and random number generators. The hooks are removed on exit, also when the loop raises.
@@ -413,9 +410,11 @@ class Watch:
                 vals.append(yd.amax())
                 vals.append(yd.amin())
                 keys.append((path, index, "output", yd.dtype))
-            state = [t.detach().reshape(-1) for t in map(m.__dict__["_parameters"].get, _STATE_PARAMS) if t is not None]
-            state += [t.detach().reshape(-1) for t in map(m.__dict__["_buffers"].get, _STATE_BUFFERS) if t is not None]
+            params, buffers = m._parameters, m._buffers
+            state = [t for t in (params.get("weight"), params.get("bias")) if t is not None and t.is_floating_point()]
+            state += [t for t in (buffers.get("running_mean"), buffers.get("running_var")) if t is not None]
             if state:
+                state = [t.detach() if t.dim() == 1 else t.detach().reshape(-1) for t in state]
                 vals.append(torch.cat(state).sum() if len(state) > 1 else state[0].sum())
                 keys.append((path, index, "state", state[0].dtype))
             if self._watched and index == 0 and x is not None and x.is_floating_point() and x.numel():
