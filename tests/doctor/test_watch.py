@@ -478,3 +478,13 @@ class TestHostile:
         with pytest.raises(RuntimeError, match="already started"):
             w.start()
         w.close()
+
+
+def test_a_first_forward_torch_refuses_is_the_doctors_bn_elements_error():
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    w = normscope.watch(model, every=1)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"), w:
+        model(torch.randn(1, 4))
+    (f,) = w.report().findings
+    assert (f.check, f.module, f.severity, f.measured["step"]) == ("bn-elements", "1", "error", 0)
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0

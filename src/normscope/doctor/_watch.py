@@ -377,6 +377,14 @@ class Watch:
         if self._depth == 0 and self._trained and output is not None and self._recorder is not None:
             self._finish_first()
 
+    def _forward_done(self) -> None:
+        """The loop's forward is over (a framework's hook before the backward, where the model's own forward
+        never runs): the first watched step's checks run now, while the weights are still the ones the
+        forward used."""
+        if self._recorder is not None and not self._depth:
+            self._flush()
+            self._finish_first()
+
     def _recording(self) -> bool:
         if self._busy or self._step is None:
             return False

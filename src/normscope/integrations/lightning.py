@@ -82,6 +82,10 @@ class DoctorCallback(_Callback):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._watcher.step(trainer.global_step)
 
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if self._watcher.watch is not None:  # the first watched step's checks, before the weights change
+            self._watcher.watch._forward_done()
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._watcher.should_stop():
             trainer.should_stop = True
