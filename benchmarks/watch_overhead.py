@@ -15,7 +15,9 @@ one untimed warm-up block each -- which holds the first watched step, where the 
 run once (timed apart, ``first_step_s``). Prints, per model, the median block time of each copy and the
 median of the per-round ratios watched / unwatched -- in this process's CPU time, which other tenants of a
 shared machine disturb less than the wall time (also saved) -- against the goals (<= 1.03 at ``every=50``,
-<= 1.25 at ``every=1``); saves the samples, the machine and the command as JSON.
+<= 1.25 at ``every=1``). Then, per model and ``every``, the CPU time spent inside the watch's own hooks over
+two blocks, as a fraction of the steps' (``inside_watch``): a direct measure without the two runs' noise.
+Saves the samples, the machine and the command as JSON.
 """
 
 from __future__ import annotations
@@ -182,6 +184,46 @@ def measure(name: str, rounds: int, block: int) -> dict:
     return out
 
 
+def inside_watch(name: str, every: int, steps: int) -> dict:
+    """The CPU time spent inside the watch's own hooks (its reductions, its bookkeeping, its checks), per step,
+    against the whole step's: the watch's cost without the noise of a comparison between two runs (it leaves
+    out what the hooks cost torch's module call and the caches)."""
+    from normscope.doctor import Watch
+
+    build, xs, ts, loss_fn = cases()[name]
+    torch.manual_seed(0)
+    model = build().train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    spent = [0.0]
+
+    def timed(f):
+        def g(*a, **k):
+            c0 = time.process_time()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[0] += time.process_time() - c0
+
+        return g
+
+    names = ("_root_before", "_root_after", "_first_after")
+    saved = {n: getattr(Watch, n) for n in (*names, "_norm_hook", "_bn_before")}
+    try:
+        for n in names:
+            setattr(Watch, n, timed(saved[n]))
+        Watch._norm_hook = lambda self, path: timed(saved["_norm_hook"](self, path))
+        Watch._bn_before = lambda self, path: timed(saved["_bn_before"](self, path))
+        w = normscope.watch(model, every=every).start()
+        run_block(model, opt, loss_fn, xs, ts, every, 0)  # the first watched step and a full cycle after it
+        spent[0] = 0.0
+        _, total = run_block(model, opt, loss_fn, xs, ts, steps, every)
+        w.close()
+    finally:
+        for n, f in saved.items():
+            setattr(Watch, n, f)
+    return {"steps": steps, "watch_cpu_s": spent[0], "step_cpu_s": total, "fraction": spent[0] / total}
+
+
 def cpu_model() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -226,6 +268,9 @@ def main() -> None:
             print(f"  {label:>9}: {r['median']:.3f} x unwatched, CPU time (goal <= {r['goal']}) {ok}; wall {wall:.3f}")
         print(f"  first watched step: {got['first_step_s']['every=50']:.3f} s (unwatched step 0: "
               f"{got['first_step_s']['unwatched']:.3f} s)")  # fmt: skip
+        got["inside_watch"] = {f"every={k}": inside_watch(name, k, 2 * args.block) for k in (50, 1)}
+        for label, r in got["inside_watch"].items():
+            print(f"  {label:>9}: {100 * r['fraction']:.2f}% of the step's CPU time inside the watch's hooks")
     result["machine"]["load_average_at_end"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as f:
