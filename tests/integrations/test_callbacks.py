@@ -209,3 +209,19 @@ def test_lightning_stops_in_the_step_a_planted_inf_reaches_a_norm(tmp_path):
     assert trainer.global_step == 3
     (f,) = [f for f in json.loads(callback.report_path.read_text())["findings"] if f["check"] == "non-finite"]
     assert (f["module"], f["measured"]["step"], f["measured"]["where"]) == ("net.2", 2, "input")
+
+
+def test_without_lightning_the_callback_says_what_to_install():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys; sys.modules['lightning'] = None; sys.modules['lightning.pytorch'] = None\n"
+        "from normscope.integrations.lightning import DoctorCallback\n"
+        "assert DoctorCallback.__doc__\n"
+        "try:\n    DoctorCallback()\nexcept ImportError as e:\n    print(e)\n"
+    )
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": src})
+    assert "pip install normscope[lightning]" in out.stdout, out.stderr
