@@ -64,8 +64,8 @@ _NOT_ON_FIRST_STEP = {
 
 _NON_FINITE_SOURCE = (
     "IEEE 754 arithmetic: inf and NaN survive every sum and product after them, so one that reaches a norm "
-    "reaches the loss; checked on every step (max and min of each norm's input and output, a sum of each "
-    "running statistic)"
+    "reaches the loss; checked on every step (max and min of each norm's input, one sum of its weight, bias "
+    "and running statistics; the output's max and min where the layer's statistics are not float32)"
 )
 _GROWTH_SOURCE = (
     "Xiong et al. 2020 (On Layer Normalization in the Transformer Architecture), Lemma 2: in a Pre-LN transformer "
@@ -92,7 +92,7 @@ def watch(
 
     Each forward of ``model`` in training mode is a step, numbered from 0 (call :meth:`~normscope.doctor.Watch.step`
     for another count: optimizer steps under gradient accumulation, a trainer's global step). On
-    every step each norm's input, output and running statistics are checked for inf/NaN (and the
+    every step each norm's input, weight, bias and running statistics are checked for inf/NaN (and the
     largest ``|x|`` kept); on every ``every``-th step each norm's statistics are recorded
     (:attr:`~normscope.doctor.Watch.history`); on the first of those the doctor's one-batch checks run. Forward hooks
     only: a watched run is bitwise the unwatched one -- losses, parameters, buffers, gradients,
@@ -568,8 +568,9 @@ class Watch:
 
     @property
     def non_finite(self) -> dict[str, Any] | None:
-        """The first inf/NaN the watch saw: ``{"step", "layer", "where"`` (input, output or running
-        statistics), ``"value"`` ("nan" or "inf"), ...``}``, or None. Reading it reads the pending steps."""
+        """The first inf/NaN the watch saw: ``{"step", "layer", "where"`` (``"input"``, ``"output"``, or
+        ``"state"``: its weight, bias or running statistics), ``"value"`` ("nan" or "inf"), ...``}``, or None.
+        Reading it reads the pending steps."""
         self._flush()
         self._resolve()
         return self._non_finite
