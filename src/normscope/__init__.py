@@ -13,7 +13,7 @@ import torch as _torch
 from . import functional
 from ._version import __version__  # noqa: F401 - the package version, `normscope.__version__`
 from .convert import convert
-from .doctor import doctor, recalibrate  # the functions: ``normscope.doctor`` is the function, as ``convert``
+from .doctor import doctor, recalibrate, watch  # the functions: ``normscope.doctor`` is the function, as ``convert``
 from .engine import last_backend, use_backend
 from .functional import normalize
 from .modules import (
@@ -84,6 +84,7 @@ __all__ = [
     "convert",
     "doctor",
     "recalibrate",
+    "watch",
 ]
 
 # every backend, registered with the engine in the automatic order named in normscope/backends/. Then

@@ -9,23 +9,28 @@ normalization into a number, a threshold with its source, a severity and a fix::
     report.to_json()                          # schema "normscope.doctor/1"
 
 The model's state is put back bit for bit afterwards. :func:`recalibrate` is the fix for running
-statistics that drifted from the data (fvcore's PreciseBN estimator). See docs/doctor.md.
+statistics that drifted from the data (fvcore's PreciseBN estimator). :func:`watch` is the doctor during
+training: forward hooks around a training loop, findings with the step they were first seen (docs/watch.md).
 """
 
 from ._fix import apply_fixes
 from ._report import SCHEMA, SEVERITIES, Finding, Group, Report, Series
 from ._run import doctor, recalibrate
+from ._watch import WATCH_CHECKS, Watch, watch
 from .checks import CHECKS
 
 __all__ = [
     "doctor",
     "recalibrate",
     "apply_fixes",
+    "watch",
+    "Watch",
     "Report",
     "Finding",
     "Group",
     "Series",
     "CHECKS",
+    "WATCH_CHECKS",
     "SCHEMA",
     "SEVERITIES",
 ]

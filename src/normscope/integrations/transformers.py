@@ -40,6 +40,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 import os
 import re
 import sys
@@ -75,6 +76,7 @@ __all__ = [
     "families",
     "probe_class",
     "CONFIGURATIONS",
+    "DoctorCallback",
 ]
 
 
@@ -789,3 +791,91 @@ def patch_classes(*model_types: str) -> PatchReport:
 def unpatch_classes() -> list[str]:
     """Undo :func:`patch_classes`: put the original classes back; returns their names (once each)."""
     return restore_classes(_ORIGINAL_CLASSES)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+class DoctorCallback:
+    """A ``transformers.TrainerCallback`` that watches the model's norms during ``Trainer.train()``.
+
+    A thin wrapper over :func:`normscope.watch`, counted in the Trainer's optimizer steps
+    (``state.global_step``: the forwards of gradient accumulation belong to one step). Each finding is
+    logged once through transformers' logging (the ``transformers.normscope`` logger, at the Trainer's
+    log level) when the Trainer logs (``on_log``), and the counts per severity join the logs
+    (``normscope/errors``, ``normscope/warnings``, ``normscope/infos``, and ``normscope/non_finite_step``
+    once an inf/NaN was seen) for the callbacks after this one and ``trainer.state.log_history``. At the
+    end of training the report is written to ``args.output_dir`` (``filename``, and the same name with
+    ``.html``), by the main process. With ``stop_on="non-finite"`` training stops at the end of the step
+    in which a norm first saw inf or NaN.
+
+    transformers is not imported here: the Trainer calls every ``on_*`` method a callback has, and this
+    class answers the events it does not use with nothing.
+
+    Args:
+        every: record the norms' statistics every ``every`` optimizer steps. Default: 50.
+        stop_on: None, or ``"non-finite"``. Default: None.
+        checks: the checks to run, as :func:`normscope.watch` takes them. Default: all.
+        filename: the report's file name in the output directory, None for none. Default:
+            ``"normscope-watch.json"``.
+
+    With ``model``, ``args`` and ``data`` of your own::
+
+        from normscope.integrations.transformers import DoctorCallback
+
+        callback = DoctorCallback(every=50, stop_on="non-finite")
+        trainer = transformers.Trainer(model, args, train_dataset=data, callbacks=[callback])
+        trainer.train()   # the report: args.output_dir/normscope-watch.json and .html
+    """
+
+    def __init__(
+        self,
+        every: int = 50,
+        *,
+        stop_on: str | None = None,
+        checks: list[str] | None = None,
+        filename: str | None = "normscope-watch.json",
+    ) -> None:
+        from ._callback import Watcher, check_options
+
+        check_options("DoctorCallback", every, stop_on, filename)
+        self.filename = filename
+        self.report_path = None
+        logger = logging.getLogger("transformers.normscope")
+        self._watcher = Watcher("DoctorCallback", every, checks, stop_on, logger)
+
+    @property
+    def watch(self):
+        """The :class:`normscope.doctor.Watch` of the current (or last) training run, None before one."""
+        return self._watcher.watch
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._watcher.start(model, state.global_step)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._watcher.step(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._watcher.should_stop():
+            control.should_training_stop = True
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        figures = self._watcher.log()
+        if logs is not None:
+            logs.update(figures)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(figures)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        write = bool(getattr(state, "is_world_process_zero", True))
+        self.report_path = self._watcher.finish(getattr(args, "output_dir", None), self.filename, write)
+
+    def __getattr__(self, name: str):
+        if name.startswith("on_"):  # an event this callback does not use (the Trainer calls them all)
+            return _no_event
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def _no_event(*args, **kwargs) -> None:
+    return None
