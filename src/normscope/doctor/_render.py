@@ -33,6 +33,8 @@ DESCRIPTIONS = {
     "casting-order": "the casting order of half-precision RMS/LayerNorms",
     "batch-invariance": "a sample's output depends on the others in the batch",
     "syncbn": "SyncBatchNorm over uneven or single-process groups",
+    "non-finite": "inf or NaN reached a norm",
+    "residual-growth": "the residual stream grows with depth or over the steps",
 }
 
 

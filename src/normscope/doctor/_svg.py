@@ -17,7 +17,8 @@ from ._finding import Series
 __all__ = ["chart"]
 
 _W, _H = 760, 270  # the picture's size in CSS pixels
-_LEFT, _RIGHT, _TOP, _BOTTOM = 64, 16, 14, 84  # margins: tick labels left, layer names below
+_LEFT, _RIGHT, _TOP = 64, 16, 14  # margins: tick labels left
+_BOTTOM = {"layer": 84, "step": 40}  # below: slanted layer names, or step numbers
 _COLORS = ("#3b6fb6", "#7a9a3a", "#8c5aa8", "#c0703a", "#3a9a9a", "#9a3a5a")
 _LEVELS = {"error": "#b00020", "warning": "#c77c00", "info": "#1f5fa8"}
 
@@ -52,7 +53,9 @@ def chart(series: Series, width: int = _W, height: int = _H, standalone: bool = 
     """``series`` as an ``<svg>`` element (a string), ``width`` x ``height`` CSS pixels; ``standalone``
     adds the SVG namespace that a ``.svg`` file needs (an HTML page's inline SVG does not)."""
     e = html.escape
-    pw, ph = width - _LEFT - _RIGHT, height - _TOP - _BOTTOM
+    if series.x != "layer":
+        height -= _BOTTOM["layer"] - _BOTTOM["step"]  # no layer names to make room for
+    pw, ph = width - _LEFT - _RIGHT, height - _TOP - _BOTTOM["layer" if series.x == "layer" else "step"]
     points = [(x, y) for pts in series.lines.values() for x, y in pts]
     finite = [y for _, y in points if isinstance(y, (int, float)) and math.isfinite(y)]
     values = finite + [t for t in series.thresholds.values() if math.isfinite(t)]

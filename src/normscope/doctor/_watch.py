@@ -37,13 +37,14 @@ from torch import Tensor, nn
 from ._finding import Finding, Series
 from ._observe import Call, NormScope, Recorder, is_norm, norm_scope
 from ._report import Report
-from ._run import _describe, _first_tensor, _norm_calls, _resolve_mask, _running, _single_value_report
+from ._run import _describe, _first_tensor, _norm_calls, _running, _single_value_report
 from .checks import (
     _DEAD_SOURCE,
     _DRIFT_SOURCE,
     _HALF,
     _OVERFLOW_SOURCE,
     CHECKS,
+    DEAD_AMONG_PEERS,
     DRIFT_WARNING,
     Context,
     _computes_in_fp32,
@@ -464,7 +465,9 @@ class Watch:
                     dead_var = var + mean.square()
                 else:  # instance, group: per channel over every other axis, as the doctor measures it
                     dead_var = _channel_dead_var(xf, s.channel if s.channel is not None else 1, s.centered)
-                dead = dead_var < s.eps
+                # the doctor's rule: below eps, and far below the layer's other channels (or exactly constant)
+                peers = dead_var.flatten().median() * DEAD_AMONG_PEERS
+                dead = (dead_var < s.eps) & ((dead_var <= peers) | (dead_var == 0))
                 got["dead"] = dead.sum()
                 got["of"] = torch.tensor(dead.numel())
                 got["_mask"] = dead
@@ -615,7 +618,6 @@ class Watch:
                 self._first_findings = [_at(f, step) for f in found.findings]
                 self._first_ran = ["bn-elements"]
                 return
-            mask, mask_source = _resolve_mask(None, kwargs)
             norms = _norm_calls(recorder.ordered(), self._probes)
             ctx = Context(
                 self.model,
@@ -623,8 +625,7 @@ class Watch:
                 norms,
                 self._first_running or {},
                 after,
-                mask,
-                mask_source,
+                None,  # mask=: the masks the model's modules receive are the recorder's
                 self.world_size,
                 lambda: None,
                 self._first_grad and any(p.requires_grad for p in self.model.parameters()),
@@ -693,6 +694,7 @@ class Watch:
             world_size=self.world_size,
             seconds=seconds,
             series=series,
+            layers=[(p, type(layer.module).__name__) for p, layer in self._layers.items()],
         )
 
     def _check_non_finite(self, rows):

@@ -111,7 +111,7 @@ class Watcher:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / filename
         path.write_text(report.to_json())
-        from ..doctor.cli import to_html  # pictures with matplotlib, bars in HTML without
+        from ..doctor._render import to_html  # the report with its pictures (inline SVG)
 
         path.with_suffix(".html").write_text(to_html(report))
         self.logger.info("normscope watch: the report is in %s", path)
