@@ -389,6 +389,20 @@ def test_custom_op_registrations(small):
     torch.library.opcheck(torch.ops.normscope.rows_once_bwd.default, args, test_utils=utils)
 
 
+def test_eager_path_and_custom_op_are_bitwise_equal(small):
+    """Eager mode launches through a plain autograd.Function (kernels/_eager.py), a trace through the custom
+    op: the same launches, the same bits -- output, input and weight gradients."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 40, generator=g).to(DEV).requires_grad_()
+    w, b = (torch.randn(40, generator=g).to(DEV).requires_grad_() for _ in range(2))
+    dy = torch.randn(5, 40, generator=g).to(DEV)
+    y, _ = RO.rows_norm(x, w, b, 1e-5, True)
+    y_op = torch.ops.normscope.rows_once_fwd(x, w, b, None, 1e-5, True, 0.0, False)[0]
+    assert torch.equal(y, y_op)
+    for a, e in zip(torch.autograd.grad(y, (x, w, b), dy), torch.autograd.grad(y_op, (x, w, b), dy)):
+        assert torch.equal(a, e)
+
+
 def test_double_backward_routes_to_a_differentiable_form(small):
     """create_graph=True (a gradient penalty): second derivatives through the read-once op, against float64."""
     g = torch.Generator().manual_seed(9)
@@ -515,3 +529,28 @@ def test_rows_once_is_batch_invariant_at_bench_sizes(op, n, dtype):
     with variants.use_rows_kernel("rows_once"):
         sample_alone_and_in_batches(fn, sample, ((7, 3), (255, 254), (256, 0), (257, 128), (300, 299)))
     assert RO.timeouts(DEV) == before
+
+
+@cuda_only
+def test_rows_once_past_2_31_elements():
+    """Offsets past 2**31 elements (bf16, 4.3 GB per tensor) in the split kernels, forward and backward:
+    the rows around element 2**31 against float64."""
+    if torch.cuda.get_device_properties(DEV).total_memory < (60 << 30):
+        pytest.skip("needs a GPU with at least 60 GB")
+    torch.manual_seed(18)
+    n = 262144
+    m = 2**31 // n + 2
+    x = torch.randn(m, n, device=DEV, dtype=torch.bfloat16).requires_grad_()
+    rows = [0, m - 3, m - 2, m - 1]  # the rows before and after element 2**31
+    y, _ = RO.rows_norm(x, None, None, 1e-5, True)
+    want = F.layer_norm(x[rows].detach().double(), (n,), eps=1e-5)
+    torch.testing.assert_close(y[rows].double(), want, atol=2e-2, rtol=1e-2)
+    dy = torch.zeros_like(y)
+    dy[rows] = torch.randn(len(rows), n, device=DEV, dtype=torch.bfloat16)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = x[rows].detach().double().requires_grad_()
+    (dx64,) = torch.autograd.grad(F.layer_norm(x64, (n,), eps=1e-5), x64, dy[rows].double())
+    torch.testing.assert_close(dx[rows].double(), dx64, atol=2e-2, rtol=1e-2)
+    assert RO.timeouts(DEV) == 0
+    del x, y, dy, dx
+    torch.cuda.empty_cache()
