@@ -269,6 +269,38 @@ def test_long_rows_with_default_settings():
             torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(not ON_CPU, reason="on a GPU every program of the launch is resident: every wait ends")
+def test_a_wait_that_cannot_end_gives_up_and_is_counted(small, monkeypatch):
+    """The synchronised launch in the interpreter, which runs programs one after another: a program waits
+    for chunks whose programs run after it, so the wait cannot end -- it must give up (no hang) and be
+    counted (``timeouts``). The last program of each row waits for nobody: its chunk checks the
+    synchronised path's own arithmetic (its prefetch, its combine) -- bitwise equal to the two-launch
+    form's, as the GPU test holds for every chunk, and right against float64."""
+    g = torch.Generator().manual_seed(13)
+    m = 7  # 4 groups of programs: some take two rows, the second one prefetched
+    x = (torch.randn(m, 40, generator=g) * 2 + 1).to(DEV)
+    w, b = (torch.randn(40, generator=g).to(DEV) for _ in range(2))
+    dy = torch.randn(m, 40, generator=g).to(DEV)
+    mean, rstd = x.mean(-1), torch.rsqrt(x.var(-1, unbiased=False) + 1e-5)
+    y2 = RO._fwd_impl(x, w, b, None, 1e-5, True, 0.0, False)[0]  # the two-launch form first
+    dx2 = RO._bwd_impl(dy, None, x, w, mean, rstd, True, True, 0.0)[0]
+    monkeypatch.setattr(RO, "_two_phase", lambda x: False)
+    monkeypatch.setattr(RO, "_MAX_SPINS", 3)
+    before = RO.timeouts(DEV)
+    y = RO._fwd_impl(x, w, b, None, 1e-5, True, 0.0, False)[0]
+    assert RO.timeouts(DEV) - before == m * 2  # per row, chunks 0 and 1 (of 3) gave up
+    assert torch.equal(y[:, 32:], y2[:, 32:])  # the last chunk
+    want = F.layer_norm(x.double(), (40,), w.double(), b.double(), 1e-5)
+    torch.testing.assert_close(y[:, 32:].double(), want[:, 32:], atol=2e-5, rtol=1e-5)
+    before = RO.timeouts(DEV)
+    dx = RO._bwd_impl(dy, None, x, w, mean, rstd, True, True, 0.0)[0]
+    assert RO.timeouts(DEV) - before == m * 4  # chunks 0 to 3 (of 5)
+    assert torch.equal(dx[:, 32:], dx2[:, 32:])
+    x64 = x.double().requires_grad_()
+    (dx64,) = torch.autograd.grad(F.layer_norm(x64, (40,), w.double(), b.double(), 1e-5), x64, dy.double())
+    torch.testing.assert_close(dx[:, 32:].double(), dx64[:, 32:], atol=5e-5, rtol=1e-4)
+
+
 def test_rows_today_kernel_covers_when_the_plan_declines(small, launches):
     """Rows within today's single block (the read-once kernels would read them once the same way) run
     today's kernel: no read-once launch, today's bits."""

@@ -477,17 +477,26 @@ def _launch_options(warps: int, split: bool) -> dict:
 _ERR: dict[torch.device, Tensor] = {}
 
 
+def _device_key(device: torch.device | str) -> torch.device:
+    """``device`` with its index spelled out ("cuda" and "cuda:0" are one counter)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _err(device: torch.device) -> Tensor:
-    if device not in _ERR:
-        _ERR[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _ERR[device]
+    key = _device_key(device)
+    if key not in _ERR:
+        _ERR[key] = torch.zeros(1, dtype=torch.int32, device=key)
+    return _ERR[key]
 
 
 def timeouts(device: torch.device | str) -> int:
     """How many times a program on ``device`` gave up waiting for the others of its row (each one a
     wrong row): 0 unless something is broken. The tests check it after the synchronised kernels run."""
-    device = torch.device(device)
-    return int(_ERR[device].item()) if device in _ERR else 0
+    key = _device_key(device)
+    return int(_ERR[key].item()) if key in _ERR else 0
 
 
 def _two_phase(x: Tensor) -> bool:
