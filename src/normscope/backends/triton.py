@@ -40,6 +40,7 @@ from .. import engine
 from .. import reference as ref
 from .._strides import like_input
 from ..engine import Backend, Call, Runner
+from ..kernels import variants  # which rows kernel runs: imports no Triton (the kernels load lazily)
 from . import aten, measured
 from ._layout import channels_last
 
@@ -232,8 +233,6 @@ def _kernel_runner(call: Call) -> Runner:
 def _rows_kernel(measured_kernel: str | None):
     """The module of the rows kernel to run: :func:`normscope.kernels.variants.use_rows_kernel`'s
     override, else the measured choice, else today's ``rows`` (its import reads TRITON_INTERPRET)."""
-    from ..kernels import variants
-
     name = variants.forced_rows_kernel() or measured_kernel or variants.DEFAULT_ROWS_KERNEL
     if name == "rows_once":
         from ..kernels import rows_once
