@@ -4,10 +4,19 @@ The CPU tests run the kernels in Triton's interpreter, which is more lenient tha
 (loop-carried types, scalar stores, constexpr branches); this catches what only compiling would.
 
     PYTHONPATH=src python benchmarks/compile_check.py          # about a minute or two
+
+The read-once rows candidates (kernels/rows_once.py) are lowered at the settings they launch with
+(block, warps and launch options from kernels/config.py, cooperative launch included), and for each
+the registers and spill bytes ptxas reports for sm_90 are printed (``regs=64 spill=0``): what their
+settings were chosen by, and a check that a changed setting or kernel does not start spilling.
 """
 
 import itertools
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import triton
@@ -19,19 +28,54 @@ from normscope.kernels import config as KC
 from normscope.kernels import groups as G
 from normscope.kernels import modern as MK
 from normscope.kernels import rows as R
+from normscope.kernels import rows_once as RO
 
 TARGET = GPUTarget("cuda", 90, 32)
 #: the BatchNorm kernels' tile as launched (kernels/config.py) for C >= CHANNELS_MAX_BLOCK_C channels
 BP, BC = KC.CHANNELS_BLOCK_P, KC.CHANNELS_MAX_BLOCK_C
 failures = 0
+#: (label, registers, spill bytes) of every kernel lowered with stats=True
+resources = []
 
 
-def check(fn, sig, consts, label):
+def _ptxas() -> str | None:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(90).path
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        return path if os.path.exists(path) else None
+
+
+def ptxas_stats(compiled) -> tuple[int, int] | None:
+    """(registers a thread, spill-store bytes) ptxas reports for the kernel's PTX on sm_90a, or None."""
+    ptxas = _ptxas()
+    if ptxas is None:
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=False).stderr  # fmt: skip
+    finally:
+        os.unlink(f.name)
+    regs, spill = re.search(r"Used (\d+) registers", out), re.search(r"(\d+) bytes spill stores", out)
+    return (int(regs.group(1)), int(spill.group(1))) if regs and spill else None
+
+
+def check(fn, sig, consts, label, options=None, stats=False):
     global failures
     t = time.time()
     try:
-        triton.compile(ASTSource(fn, sig, consts), target=TARGET, options={"num_warps": 4})
-        print(f"ok   {label} ({time.time() - t:.1f}s)")
+        compiled = triton.compile(ASTSource(fn, sig, consts), target=TARGET, options=options or {"num_warps": 4})
+        extra = ""
+        if stats:
+            found = ptxas_stats(compiled)
+            if found is not None:
+                resources.append((label, *found))
+                extra = f" regs={found[0]} spill={found[1]}"
+        print(f"ok   {label}{extra} ({time.time() - t:.1f}s)")
     except Exception as exc:  # noqa: BLE001
         failures += 1
         print(f"FAIL {label}: {type(exc).__name__}: {str(exc)[:2000]}")
@@ -160,7 +204,59 @@ for dt in ("fp32", "bf16"):
                "stride_dy": "i32", "stride_x": "i32", "stride_dx": "i32", "M": "i32", "N": "i32",
                "rows_per_prog": "i32", **csig}
         check(MK._derf_bwd_kernel, sig, cval, f"derf bwd {dt} {cval}")
+
+    # the read-once rows candidates (kernels/rows_once.py) at the settings they launch with: the one-row
+    # forward, the split forward and backward synchronised (every flag; a cooperative launch where this
+    # Triton has one), and the two-launch modes of the interpreter and of config.ROWS_ONCE_TWO_PHASE
+    fwd_sig = {"X": p, "R": p, "W": p, "B": p, "Y": p, "RES": p, "MEAN": "*fp32", "RSTD": "*fp32", "PART": "*fp32",
+               "CNT": "*i32", "ERR": "*i32", "stride_x": "i32", "stride_r": "i32", "stride_y": "i32",
+               "stride_res": "i32", "M": "i32", "N": "i32", "S": "i32", "G": "i32", "eps": "fp32",
+               "w_offset": "fp32", "max_spins": "i32"}
+    bwd_sig = {"DY": p, "DRES": p, "X": p, "W": p, "MEAN": "*fp32", "RSTD": "*fp32", "DX": p, "DW": "*fp32",
+               "DB": "*fp32", "PART": "*fp32", "CNT": "*i32", "ERR": "*i32", "stride_dy": "i32",
+               "stride_dres": "i32", "stride_x": "i32", "stride_dx": "i32", "M": "i32", "N": "i32", "S": "i32",
+               "G": "i32", "w_offset": "fp32", "max_spins": "i32"}
+    s_block = 32  # partials of up to 32 chunks (a 256K row: 32 forward chunks of 8K)
+    one = (KC.ROWS_ONCE_MAX_N, 1, RO.ONE.value, KC.ROWS_ONCE_WARPS, False)
+    modes = {
+        "one": one,
+        "sync": (KC.ROWS_ONCE_FWD_CHUNK, s_block, RO.SYNC.value, KC.ROWS_ONCE_SPLIT_WARPS, True),
+        "partials": (KC.ROWS_ONCE_FWD_CHUNK, s_block, RO.PARTIALS.value, KC.ROWS_ONCE_SPLIT_WARPS, False),
+        "finish": (KC.ROWS_ONCE_FWD_CHUNK, s_block, RO.FINISH.value, KC.ROWS_ONCE_SPLIT_WARPS, False),
+    }
+    for kind, (bn, sb, mode, warps, split) in modes.items():
+        for centered, has_w, has_b, has_r in itertools.product([False, True], repeat=4):
+            if kind in ("partials", "finish") and not (centered and has_w and has_b):
+                continue  # the two-launch modes: tests on a GPU only; every flag of the arithmetic is in "sync"
+            names = ("BLOCK_N", "S_BLOCK", "MODE", "CENTERED", "HAS_WEIGHT", "HAS_BIAS", "HAS_RESIDUAL")
+            csig, cval = const(names, (bn, sb, mode, centered, has_w, has_b, has_r))
+            check(RO._once_fwd_kernel, {**fwd_sig, **csig}, cval, f"rows_once fwd {kind} {dt} {cval} warps={warps}",
+                  RO._launch_options(warps, split), stats=True)  # fmt: skip
+    bwd_chunk = KC.ROWS_ONCE_BWD_CHUNK
+    modes = {
+        "one": (bwd_chunk, 1, RO.ONE.value, False),
+        "sync": (bwd_chunk, 2 * s_block, RO.SYNC.value, True),  # 64 chunks of 4K: a 256K row
+        "partials": (bwd_chunk, 2 * s_block, RO.PARTIALS.value, False),
+        "finish": (bwd_chunk, 2 * s_block, RO.FINISH.value, False),
+    }
+    for kind, (bn, sb, mode, split) in modes.items():
+        for centered, has_w, has_b, has_d in itertools.product([False, True], repeat=4):
+            if kind != "sync" and not (centered and has_w and has_b):
+                continue
+            names = ("BLOCK_N", "S_BLOCK", "MODE", "CENTERED", "HAS_WEIGHT", "HAS_BIAS", "HAS_DRES")
+            csig, cval = const(names, (bn, sb, mode, centered, has_w, has_b, has_d))
+            warps = KC.ROWS_ONCE_BWD_WARPS
+            check(RO._once_bwd_kernel, {**bwd_sig, **csig}, cval, f"rows_once bwd {kind} {dt} {cval} warps={warps}",
+                  RO._launch_options(warps, split), stats=True)  # fmt: skip
 # fmt: on
 
+if resources:
+    worst = max(resources, key=lambda r: (r[2], r[1]))
+    spilling = sum(1 for r in resources if r[2])
+    print(
+        f"rows_once at its launch settings: {len(resources)} specialisations, registers "
+        f"{min(r[1] for r in resources)}-{max(r[1] for r in resources)}, {spilling} spill "
+        f"(most: {worst[2]} bytes, {worst[0]})"
+    )
 print(f"triton {triton.__version__}: {failures} failures")
 sys.exit(1 if failures else 0)

@@ -29,6 +29,10 @@
 #   GPU_CHECK_CASES   the bench's cases (default: the core cases, then the group "modern")
 #   GPU_CHECK_TESTS_S, GPU_CHECK_SANITIZE_S  time limits of the tests and of the sanitizer run
 #                     (default 420 and 240)
+#   GPU_CHECK_TESTS   the test files or folders the tests step runs (default tests/kernels/), e.g.
+#                     "tests/kernels/test_kernels_rows_once.py tests/kernels/test_kernels.py"
+#   GPU_CHECK_K       a pytest -k expression that narrows them further (default: none), e.g. "rows"
+#   GPU_CHECK_SANITIZE_ONLY  run only the sanitizer cases whose label contains this (e.g. rows_once)
 #   GPU_CHECK_WORKERS pytest-xdist processes of the CUDA tests (default 8; 0: one process)
 #   GPU_CHECK_PEERS   the bench's peers (default torch,compile,liger; e.g. torch,liger when device
 #                     time is short: torch.compile's compiling is most of the bench's time)
@@ -139,15 +143,21 @@ if [[ "$mode" == tests || "$mode" == all ]]; then
     workers=(-n "${GPU_CHECK_WORKERS:-8}")
   fi
   # the > 2**31-element tests (4-17 GB each) after the others, one at a time: side by side in several
-  # workers they ran the GPU out of memory
-  timeout "${GPU_CHECK_TESTS_S:-420}" "${test_env[@]}" python3 -m pytest tests/kernels/ \
-    -q -rfEs --durations=15 -p no:cacheprovider -k "not 2_31 and not 2_pow_31" ${workers[@]+"${workers[@]}"} 2>&1 | tee "$outdir/tests.log"
+  # workers they ran the GPU out of memory. GPU_CHECK_TESTS / GPU_CHECK_K select a part of the suite
+  read -r -a test_paths <<<"${GPU_CHECK_TESTS:-tests/kernels/}"
+  narrow="${GPU_CHECK_K:+ and (${GPU_CHECK_K})}"
+  timeout "${GPU_CHECK_TESTS_S:-420}" "${test_env[@]}" python3 -m pytest "${test_paths[@]}" \
+    -q -rfEs --durations=15 -p no:cacheprovider -k "not 2_31 and not 2_pow_31${narrow}" ${workers[@]+"${workers[@]}"} 2>&1 | tee "$outdir/tests.log"
   rc=$?
-  timeout "${GPU_CHECK_TESTS_S:-420}" "${test_env[@]}" python3 -m pytest tests/kernels/ \
-    -q -rfEs -p no:cacheprovider -k "2_31 or 2_pow_31" 2>&1 | tee -a "$outdir/tests.log"
-  rc=$((rc | $?))
+  timeout "${GPU_CHECK_TESTS_S:-420}" "${test_env[@]}" python3 -m pytest "${test_paths[@]}" \
+    -q -rfEs -p no:cacheprovider -k "(2_31 or 2_pow_31)${narrow}" 2>&1 | tee -a "$outdir/tests.log"
+  rc2=${PIPESTATUS[0]}
+  if ((rc2 == 5)); then rc2=0; fi # pytest's "no tests collected": the selection has none of these
+  rc=$((rc | rc2))
   if ((rc)); then status=1; fi
-  say "tests: $( ((rc)) && echo "FAILED (rc=$rc)" || echo ok): $(tail -n 1 "$outdir/tests.log")"
+  # both pytest runs' closing lines (the second: the > 2**31-element tests)
+  said=$(grep -E '^[0-9]+ (passed|failed|skipped|deselected|error)|no tests ran' "$outdir/tests.log" | paste -sd ';' -)
+  say "tests: $( ((rc)) && echo "FAILED (rc=$rc)" || echo ok): ${said:-$(tail -n 1 "$outdir/tests.log")}"
 
   # compute-sanitizer memcheck on one small case of every kernel (PYTORCH_NO_CUDA_MEMORY_CACHING: see
   # benchmarks/sanitize_kernels.py); the dry run rehearses the cases in the interpreter
@@ -156,7 +166,8 @@ if [[ "$mode" == tests || "$mode" == all ]]; then
   else
     sanitize=(env -u TRITON_INTERPRET PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9)
   fi
-  timeout "${GPU_CHECK_SANITIZE_S:-240}" "${sanitize[@]}" python3 benchmarks/sanitize_kernels.py 2>&1 | tee "$outdir/sanitize.log"
+  SANITIZE_ONLY="${GPU_CHECK_SANITIZE_ONLY:-}" timeout "${GPU_CHECK_SANITIZE_S:-240}" "${sanitize[@]}" \
+    python3 benchmarks/sanitize_kernels.py 2>&1 | tee "$outdir/sanitize.log"
   rc=$?
   if ((rc)); then status=1; fi
   say "sanitize: $( ((rc)) && echo "FAILED (rc=$rc)" || echo ok): $(grep -m1 'ERROR SUMMARY' "$outdir/sanitize.log" || tail -n 1 "$outdir/sanitize.log")"
@@ -214,12 +225,13 @@ if [[ "$mode" == bench || "$mode" == all ]]; then
   fi
   json=("$outdir"/bench-*.json)
   if ((${#json[@]})); then
-    python3 - "${json[0]}" <<'EOF' 2>&1 | tee -a "$summary"
+    python3 - "${json[0]}" "$cases" "${GPU_CHECK_DTYPES:-bf16 fp32}" <<'EOF' 2>&1 | tee -a "$summary"
 import json, sys
 from normscope.tools import bench
 r = json.load(open(sys.argv[1]))
 found = bench.problems(r)
-want = bench.plan(bench.CASES, ["bf16", "fp32"], r["level"])  # what gpu_check's bench runs, all of it
+cases = list(dict.fromkeys(c for name in sys.argv[2].split(",") for c in bench.CASE_GROUPS.get(name, (name,))))
+want = bench.plan(cases, sys.argv[3].split(), r["level"])  # what this gpu_check bench runs, all of it
 have = {(x["case"], x["dtype"], tuple(x["shape"])) for x in r["results"] if x["mode"] == "fwd+bwd"}
 left = [c for c in want if c not in have]
 print(f"bench: {len(want) - len(left)} of {len(want)} configurations in {sys.argv[1]}, "
@@ -227,6 +239,16 @@ print(f"bench: {len(want) - len(left)} of {len(want)} configurations in {sys.arg
 if left:
     print(f"bench: not yet measured: {', '.join(f'{c} {d} {chr(120).join(map(str, s))}' for c, d, s in left)}")
     print("bench: run `benchmarks/gpu_check.sh bench OUTDIR PREVIOUS` with this bench-*.json in PREVIOUS")
+# the candidate kernels (bench.VARIANTS) against today's: today's time / the candidate's, fwd and fwd+bwd
+for v in bench.VARIANTS:
+    pairs = {}
+    for x in r["results"]:
+        e, ours = x["impls"].get(v), x["impls"].get("normscope", {})
+        if e and e.get("ms") and ours.get("ms"):
+            pairs.setdefault((x["case"], x["dtype"], x.get("n")), {})[x["mode"]] = ours["ms"] / e["ms"]
+    if pairs:
+        cells = [f"{c} {d} {n}: {m.get('fwd', 0):.2f}/{m.get('fwd+bwd', 0):.2f}" for (c, d, n), m in sorted(pairs.items())]
+        print(f"bench: {v} speedup over today's kernel (fwd/fwd+bwd, above 1 faster): " + "; ".join(cells))
 for line in found:
     print("PROBLEM", line)
 EOF

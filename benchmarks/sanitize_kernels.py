@@ -9,6 +9,10 @@ tensor its own allocation. Sizes are odd (masked lanes, partial tiles), small (t
 every access a hundredfold) and still take each kernel's multi-program paths: the looped rows path
 (rows longer than ``kernels.config.ROWS_MAX_FUSED_N``), the channels_last GroupNorm split, BatchNorm's
 two-stage reduction. ``TRITON_INTERPRET=1`` (no GPU) runs the same cases in the interpreter, a rehearsal.
+
+The read-once rows candidates (kernels/rows_once.py, off by default) are forced here (``rows_once``
+cases): one row a program, and rows split over programs that synchronise. ``SANITIZE_ONLY=rows_once``
+(any substring of the labels) runs only the matching cases.
 """
 
 import os
@@ -30,7 +34,12 @@ def rand(*shape, dtype=torch.float32, grad=True):
     return torch.randn(shape, generator=g).to(DEV, dtype).requires_grad_(grad)
 
 
+ONLY = os.environ.get("SANITIZE_ONLY", "")
+
+
 def case(label, fn, *inputs):
+    if ONLY and ONLY not in label:
+        return
     t = time.time()
     with normscope.use_backend("triton"):
         out = fn(*inputs)
@@ -157,4 +166,34 @@ for dt in (torch.float32, torch.bfloat16):
         rand(300, dtype=dt),
         rand(300, dtype=dt),
     )
-print("sanitize_kernels: every case ran")
+
+# the read-once rows candidates, forced: a row read whole by one program (20000: past ROWS_MAX_FUSED_N),
+# and rows split over programs that meet on their partial sums (40000: 5 forward chunks, 10 backward)
+from normscope.kernels import variants  # noqa: E402
+
+if INTERPRETED:  # shrink the settings so that tiny rows take the same paths
+    KC.ROWS_MAX_FUSED_N, KC.ROWS_ONCE_MAX_N, KC.ROWS_ONCE_FWD_CHUNK, KC.ROWS_ONCE_BWD_CHUNK = 8, 16, 16, 8
+for dt in (torch.float32, torch.bfloat16):
+    d = str(dt).split(".")[-1]
+    for n in (20000, 40000) if not INTERPRETED else (13, 40):
+        with variants.use_rows_kernel("rows_once"):
+            case(
+                f"rows_once layer_norm {d} 37x{n}",
+                lambda x, w, b, n=n: nf.layer_norm(x, (n,), w, b),
+                rand(37, n, dtype=dt),
+                rand(n, dtype=dt),
+                rand(n, dtype=dt),
+            )
+            case(
+                f"rows_once fused_add_rms_norm {d} 37x{n}",
+                lambda x, r, w: nf.fused_add_rms_norm(x, r, w),
+                rand(37, n, dtype=dt),
+                rand(37, n, dtype=dt),
+                rand(n, dtype=dt),
+            )
+if DEV.type == "cuda":
+    from normscope.kernels import rows_once  # noqa: E402
+
+    if rows_once.timeouts(DEV):
+        sys.exit(f"rows_once: {rows_once.timeouts(DEV)} programs gave up waiting for the others of their row")
+print("sanitize_kernels: every case ran" + (f" (matching {ONLY!r})" if ONLY else ""))

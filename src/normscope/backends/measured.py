@@ -12,11 +12,14 @@ Schema (version 1)::
     {"schema": 1, "device_class": "cuda-sm90", "device_name": "...", "torch": "...", "triton": "...",
      "command": "...", "date": "YYYY-MM-DD",
      "choices": [{"op": "layer_norm", "dtype": "bfloat16", "n_min": 4096, "n_max": 262144,
-                  "speedup_fwd": 1.31, "speedup_fwdbwd": 1.2}]}
+                  "speedup_fwd": 1.31, "speedup_fwdbwd": 1.2, "kernel": "rows_once"}]}
 
 ``op`` is one of :data:`OPS`; ``n`` counts the elements of one normalized scope (the row length
 for LayerNorm/RMSNorm, C/G * H * W for GroupNorm, N * H * W for BatchNorm); the range is closed and
-holds only measured end points (no extrapolation).
+holds only measured end points (no extrapolation). ``kernel`` (optional) names which of the op's
+Triton kernels the range was measured on (:data:`KERNELS`; absent: the op's first, today's kernel):
+the ``"triton"`` backend runs that kernel there -- automatically or forced -- so a candidate such as
+``rows_once`` runs only inside a range a measurement gave it (:mod:`normscope.kernels.variants`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,14 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["OPS", "Choice", "device_class", "table", "load", "why_not"]
+from ..kernels.variants import ROWS_KERNELS
+
+__all__ = ["KERNELS", "OPS", "Choice", "device_class", "kernel", "table", "load", "why_not"]
 
 OPS = ("layer_norm", "rms_norm", "group_norm", "batch_norm", "masked_batch_norm", "fused_add_rms_norm")
+#: the ops whose Triton backend has more than one kernel, and their names (the first: what runs
+#: where no entry names one)
+KERNELS = {op: ROWS_KERNELS for op in ("layer_norm", "rms_norm", "fused_add_rms_norm")}
 
 
 class Choice(NamedTuple):
@@ -37,6 +45,8 @@ class Choice(NamedTuple):
     dtype: str
     n_min: int
     n_max: int
+    #: the kernel the range was measured on; None: the op's only (or first) kernel
+    kernel: str | None = None
 
 
 # per device index / per class; filled on first use (a plain dict, not lru_cache: torch.compile
@@ -85,13 +95,33 @@ def load(path) -> tuple[Choice, ...]:
                 f"normscope: measured-choice table {path}: unknown op {c.get('op')!r}; expected one of {OPS}"
             )
         try:
-            choice = Choice(c["op"], str(c["dtype"]), int(c["n_min"]), int(c["n_max"]))
+            choice = Choice(c["op"], str(c["dtype"]), int(c["n_min"]), int(c["n_max"]), c.get("kernel"))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"normscope: measured-choice table {path}: bad entry {c!r} ({e!r})") from e
+        if choice.kernel is not None and choice.kernel not in KERNELS.get(choice.op, ()):
+            raise ValueError(
+                f"normscope: measured-choice table {path}: unknown kernel {choice.kernel!r} for {choice.op} in "
+                f"{c!r}; expected one of {KERNELS.get(choice.op, ())} (or no 'kernel')"
+            )
         if choice.n_min > choice.n_max:
             raise ValueError(f"normscope: measured-choice table {path}: n_min > n_max in {c!r}")
         out.append(choice)
     return tuple(out)
+
+
+def _entry(op: str, dtype: torch.dtype, n: int, device: torch.device) -> Choice | None:
+    name = str(dtype).removeprefix("torch.")
+    for c in table(device_class(device)):
+        if c.op == op and c.dtype == name and c.n_min <= n <= c.n_max:
+            return c
+    return None
+
+
+def kernel(op: str, dtype: torch.dtype, n: int, device: torch.device) -> str | None:
+    """The Triton kernel a committed measurement names for this op, dtype and scope size on
+    ``device``'s class (``"rows_once"``, say), or None where no entry names one: the op's first kernel runs."""
+    c = _entry(op, dtype, n, device)
+    return None if c is None else c.kernel
 
 
 def why_not(op: str, dtype: torch.dtype, n: int, device: torch.device) -> str | None:

@@ -40,6 +40,7 @@ from .. import engine
 from .. import reference as ref
 from .._strides import like_input
 from ..engine import Backend, Call, Runner
+from ..kernels import variants  # which rows kernel runs: imports no Triton (the kernels load lazily)
 from . import aten, measured
 from ._layout import channels_last
 
@@ -199,13 +200,15 @@ def _kernel_runner(call: Call) -> Runner:
             return grp.group_norm(c.x, arg, c.weight, c.bias, c.eps, centered)
 
         return run_groups
-    from ..kernels import rows
-
     n = call.scope.count
+    # which rows kernel: the one a committed measurement names for this op, dtype and row length on this
+    # device class (kernels/variants.py; today's "rows" where none does), unless use_rows_kernel
+    # overrides it -- asked per call, so the override reaches plans made before it
+    measured_kernel = measured.kernel(op_name(call), call.x.dtype, n, call.x.device)
     if call.residual is not None:
 
         def run_fused(c: Call) -> tuple[Tensor, Tensor]:
-            y, s = rows.rows_norm(
+            y, s = _rows_kernel(measured_kernel).rows_norm(
                 c.x,
                 c.weight,
                 None,
@@ -222,9 +225,22 @@ def _kernel_runner(call: Call) -> Runner:
 
     def run_rows(c: Call) -> Tensor:
         # contiguous: the engine lays it out as torch's namesake (normscope._strides.output_layout)
-        return rows.rows_norm(c.x, c.weight, c.bias, c.eps, centered, n=n)[0]
+        return _rows_kernel(measured_kernel).rows_norm(c.x, c.weight, c.bias, c.eps, centered, n=n)[0]
 
     return run_rows
+
+
+def _rows_kernel(measured_kernel: str | None):
+    """The module of the rows kernel to run: :func:`normscope.kernels.variants.use_rows_kernel`'s
+    override, else the measured choice, else today's ``rows`` (its import reads TRITON_INTERPRET)."""
+    name = variants.forced_rows_kernel() or measured_kernel or variants.DEFAULT_ROWS_KERNEL
+    if name == "rows_once":
+        from ..kernels import rows_once
+
+        return rows_once
+    from ..kernels import rows
+
+    return rows
 
 
 BACKEND = Backend(NAME, why_not, prepare, why_not_auto, fuses_residual=True)

@@ -65,6 +65,39 @@ ROWS_LOOP_LAUNCH: dict[int, tuple[int, int, int, int, int]] = {
     262144: (16384, 16, 8192, 8, 1),
 }
 
+# ---- rows read once (kernels/rows_once.py): candidates, off until a measurement picks them
+# (kernels/variants.py). They take over only rows longer than ROWS_MAX_FUSED_N, which today's kernels
+# walk twice. None is measured: each was chosen by lowering the kernels for sm_90 with Triton 3.6 and
+# reading ptxas's register and spill counts (benchmarks/compile_check.py prints them), 2026-11-28.
+
+#: Longest row (``next_pow2(N)``) the read-once forward reads whole, one row a program (no second pass
+#: at all); longer rows are split over several programs. At 32768 with 32 warps (32 fp32 values a
+#: thread, 64 registers at most) ptxas spills 68-124 bytes a thread (to L1); 16384 spills nothing but
+#: sends 32K rows to the split path. Unmeasured.
+ROWS_ONCE_MAX_N = 32768
+#: Warps of that one-row program.
+ROWS_ONCE_WARPS = 32
+#: Elements of a row one program of the split forward holds (a power of two): a row of N takes
+#: ``cdiv(N, chunk)`` programs that meet once per row on their partial sums. 8192 at 32 warps: 52-64
+#: registers, no spill, with the next row's chunk in flight beside this one's (16384: 4-20 bytes
+#: spilled). Unmeasured.
+ROWS_ONCE_FWD_CHUNK = 8192
+#: The same for the backward, which holds x, dy, the weight and the dW/dB partials of its columns, and
+#: the next row's x and dy: 4096 at 32 warps, 55-64 registers, no spill (8192: 56-124 bytes). Unmeasured.
+ROWS_ONCE_BWD_CHUNK = 4096
+#: Warps of a split forward program and of a backward program.
+ROWS_ONCE_SPLIT_WARPS = 32
+ROWS_ONCE_BWD_WARPS = 32
+#: Split programs resident per SM: the launch is one cooperative grid of at most ``SMs x this``
+#: programs (all resident at once: a program waits for the others of its row). Above 1 the kernels are
+#: compiled with at most ``65536 / (this x 32 x warps)`` registers a thread so that they fit -- at 16
+#: warps and 64 registers ptxas spills 228-524 bytes, hence 1. Unmeasured.
+ROWS_ONCE_BLOCKS_PER_SM = 1
+#: Run the split kernels as two launches (partial sums, then the rest, reading the row again) instead
+#: of one synchronised launch: what the CPU interpreter always does (it runs programs one at a time, so
+#: no program can wait for another); on a GPU only for tests, which hold the two bitwise equal.
+ROWS_ONCE_TWO_PHASE = False
+
 # ---- groups: GroupNorm / InstanceNorm on (N, C, *) (kernels/groups.py)
 
 #: Elements per tile of the contiguous (NCHW) kernels: one program walks its whole group in tiles of

@@ -407,31 +407,38 @@ def _setup_context(ctx, inputs, output):
     ctx.has_r = has_r
 
 
-def _backward(ctx, dy, dres, dmean, drstd):
-    xs, weight, mean, rstd = ctx.saved_tensors
-    if dy is None:
-        dy = torch.zeros_like(xs)
-    if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
-        return _backward_differentiable(ctx, dy, dres, xs, weight)
-    dres = dres.contiguous() if ctx.has_r and dres is not None else None
-    ds, dw, db = _eager.pick(
-        rows_bwd,
-        _rows_bwd_impl,
-        dy.contiguous(),
-        dres,
-        xs,
-        weight,
-        mean,
-        rstd,
-        ctx.centered,
-        ctx.b_dtype is not None,
-        ctx.weight_offset,
-    )
-    dx = ds.to(ctx.x_dtype)
-    dr = ds.to(ctx.r_dtype) if ctx.has_r else None
-    dw = dw.to(weight.dtype) if weight is not None else None
-    db = db.to(ctx.b_dtype) if ctx.b_dtype is not None else None
-    return dx, dw, db, dr, None, None, None, None
+def make_backward(bwd_op, bwd_impl):
+    """The registered backward of a rows forward op whose backward op is ``bwd_op`` (launching
+    ``bwd_impl`` in eager mode): this module's, and the read-once kernels' (:mod:`.rows_once`), which
+    save the same tensors (:func:`_setup_context`) and share the differentiable form."""
+
+    def backward(ctx, dy, dres, dmean, drstd):
+        xs, weight, mean, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(xs)
+        if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
+            return _backward_differentiable(ctx, dy, dres, xs, weight)
+        dres = dres.contiguous() if ctx.has_r and dres is not None else None
+        ds, dw, db = _eager.pick(
+            bwd_op,
+            bwd_impl,
+            dy.contiguous(),
+            dres,
+            xs,
+            weight,
+            mean,
+            rstd,
+            ctx.centered,
+            ctx.b_dtype is not None,
+            ctx.weight_offset,
+        )
+        dx = ds.to(ctx.x_dtype)
+        dr = ds.to(ctx.r_dtype) if ctx.has_r else None
+        dw = dw.to(weight.dtype) if weight is not None else None
+        db = db.to(ctx.b_dtype) if ctx.b_dtype is not None else None
+        return dx, dw, db, dr, None, None, None, None
+
+    return backward
 
 
 def _backward_differentiable(ctx, dy, dres, xs, weight):
@@ -458,6 +465,7 @@ def _backward_differentiable(ctx, dy, dres, xs, weight):
     return dx, dw, db, dr, None, None, None, None
 
 
+_backward = make_backward(rows_bwd, _rows_bwd_impl)
 rows_fwd.register_autograd(_backward, setup_context=_setup_context)
 #: rows_fwd with the same functions, for eager mode (see kernels/_eager.py)
 _RowsEager = _eager.function(_rows_fwd_impl, _setup_context, _backward)
@@ -483,13 +491,16 @@ def rows_norm(
     weight_offset: float = 0.0,
     residual_fp32: bool = False,
     n: Optional[int] = None,
+    ops: Optional[tuple] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Normalize every row of the last ``n`` elements of ``x`` (default: the weight's size, else
     the last axis): LayerNorm (``centered``) or RMSNorm, optionally after adding ``residual``.
 
     Returns ``(y, s)``: ``y`` shaped and typed like ``x``; ``s = x + residual`` (None without a
-    residual). Inputs are assumed valid (the public wrappers check them).
+    residual). Inputs are assumed valid (the public wrappers check them). ``ops``: the forward's
+    (custom op, eager Function, launch) -- this module's by default; :mod:`.rows_once` passes its own.
     """
+    ops = ops or (rows_fwd, _RowsEager, _rows_fwd_impl)
     if n is None:
         n = weight.numel() if weight is not None else x.shape[-1]
     shape = x.shape
@@ -502,5 +513,5 @@ def rows_norm(
         r2 = _unit_rows(residual, n)
     w, b = dense(weight), dense(bias)
     args = (x2, w, b, r2, float(eps), bool(centered), float(weight_offset), bool(residual_fp32))
-    y, s, _, _ = _eager.call(rows_fwd, _RowsEager, _rows_fwd_impl, *args)
+    y, s, _, _ = _eager.call(*ops, *args)
     return y.view(shape), (s.view(shape) if residual is not None else None)

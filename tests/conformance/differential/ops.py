@@ -1508,6 +1508,12 @@ SIZES_MET_ELSEWHERE = {
     # crossed in tests/kernels/test_kernels.py, not here
     "kernels.config.CHANNELS_BLOCK_P": "BatchNorm's channels kernel: tests/kernels/test_kernels.py (not this suite)",
     "kernels.config.CHANNELS_MAX_BLOCK_C": "as CHANNELS_BLOCK_P",
+    # the read-once rows kernels: candidates the "triton" path runs only where forced or measured
+    # (kernels/variants.py), crossed with every flag, dtype, stride and batch in their own file
+    **{
+        f"kernels.config.{n}": "the read-once rows candidates: tests/kernels/test_kernels_rows_once.py (off here)"
+        for n in ("ROWS_ONCE_MAX_N", "ROWS_ONCE_FWD_CHUNK", "ROWS_ONCE_BWD_CHUNK")
+    },
     # launch parameters that the interpreter never reads (warps, programs per SM of a GPU)
     **{
         f"kernels.config.{n}": "a GPU launch parameter (warps or programs per SM): not read in the interpreter"
@@ -1521,6 +1527,10 @@ SIZES_MET_ELSEWHERE = {
             "ROWS_LOOP_WARP_ELEMS",
             "ROWS_MAX_WARPS",
             "ROWS_WARP_ELEMS",
+            "ROWS_ONCE_WARPS",
+            "ROWS_ONCE_SPLIT_WARPS",
+            "ROWS_ONCE_BWD_WARPS",
+            "ROWS_ONCE_BLOCKS_PER_SM",
         )
     },
 }

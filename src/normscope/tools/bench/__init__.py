@@ -95,6 +95,7 @@ from .cases import (
     GROUPS,
     MODERN_CASES,
     ROW_CASES,
+    VARIANTS,
     plan,
 )
 from .peers import LIGER_CHECKED, PEER_NAMES, PEERS
@@ -111,6 +112,7 @@ __all__ = [
     "MODERN_CASES",
     "PEERS",
     "ROW_CASES",
+    "VARIANTS",
     "choice_table",
     "copy_bandwidth",
     "device_class",
@@ -274,6 +276,13 @@ def _main(argv: list[str]) -> int:
         help=f"comma-separated subset of: {', '.join(PEERS)} (default: all on CUDA and with --interpret; torch on "
         "plain CPU, where inductor needs a C++ toolchain and minutes, and Liger's kernels cannot run)",
     )
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"normscope's candidate kernels to time beside today's where they differ from it, comma-separated "
+        f"subset of: {', '.join(VARIANTS)}; 'none' for none (default: all). Each is a column of its own; the "
+        "measured-choice table names one where it beats today's kernel and torch eager in both modes",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes (the default on CPU)")
     p.add_argument(
         "--interpret",
@@ -320,6 +329,9 @@ def _main(argv: list[str]) -> int:
         )
     if [q for q in peers if q not in PEERS]:
         p.error(f"unknown peer {[q for q in peers if q not in PEERS]}; expected a subset of: {', '.join(PEERS)}")
+    variants = [v.strip() for v in a.variants.split(",") if v.strip() and v.strip() != "none"]
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        p.error(f"unknown variant {unknown}; expected a subset of: {', '.join(VARIANTS)}, or none")
     if a.interpret and a.device not in (None, "cpu"):
         p.error(f"--interpret runs on the CPU; got --device {a.device}")
     if a.interpret:
@@ -382,7 +394,7 @@ def _main(argv: list[str]) -> int:
         )
     report = run(
         cases, dtypes, level, device, peers=peers, previous=previous, budget_s=a.budget_s,
-        on_config=lambda rep: write_json(path, dict(rep, load=load)),
+        on_config=lambda rep: write_json(path, dict(rep, load=load)), variants=variants,
     )  # fmt: skip
     report["load"] = load  # the conditions of the measurement travel with its numbers
     write_json(path, report)

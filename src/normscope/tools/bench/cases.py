@@ -21,8 +21,13 @@ import torch.nn.functional as F
 import normscope
 from normscope import functional as nf
 from normscope import functional_modern as fm
+from normscope.kernels.variants import use_rows_kernel
 
 ROW_CASES = ("layer_norm", "rms_norm", "add_rms_norm")
+#: normscope's candidate kernels, timed beside today's where they differ from it (a column of their own in
+#: every row case: the read-once rows kernels, kernels/rows_once.py, for rows past today's single block).
+#: ``normscope`` itself is today's kernel, forced so, whatever a measured-choice table says.
+VARIANTS = ("rows_once",)
 CASES = (*ROW_CASES, "group_norm", "group_norm_cl", "batch_norm", "masked_batch_norm")
 #: the modern norms (normscope.functional_modern), a group of their own (``--cases modern``): not in the
 #: default selection, which measures the ops the engine chooses automatically (and feeds the choice table)
@@ -88,21 +93,33 @@ def _randn(shape, g: torch.Generator, device, dtype) -> torch.Tensor:
     return torch.randn(shape, generator=g, device=device).to(dtype)
 
 
-def _ns(fn: Callable, kernels: bool) -> Callable:
+def _ns(fn: Callable, kernels: bool, rows_kernel: str | None = None) -> Callable:
     """normscope as called in the run: forced onto the Triton backend where its kernels can run (CUDA, or
     ``--interpret``): the run measures the kernels against ATen, so it must not depend on the automatic
-    choice that its own measurements decide. Elsewhere (plain CPU) the automatic choice."""
+    choice that its own measurements decide. Elsewhere (plain CPU) the automatic choice. ``rows_kernel``:
+    which rows kernel (:func:`normscope.kernels.variants.use_rows_kernel`), for the same reason."""
     if not kernels:
         return fn
 
     def forced(*args):
-        with normscope.use_backend("triton"):
+        with normscope.use_backend("triton"), use_rows_kernel(rows_kernel):
             return fn(*args)
 
     return forced
 
 
-def _rows_case(case: str, m: int, n: int, dtype, device, peers: dict, kernels: bool):
+def _variant_differs(name: str, n: int, device) -> bool:
+    """Whether candidate ``name`` runs other kernels than today's for rows of ``n`` on ``device`` (where it
+    does not, it would time today's kernel twice)."""
+    if name == "rows_once":
+        from normscope.kernels import rows_once
+
+        probe = torch.empty(0, device=device)
+        return rows_once.fwd_plan(n, probe) is not None or rows_once.bwd_plan(n, probe) is not None
+    raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS}")
+
+
+def _rows_case(case: str, m: int, n: int, dtype, device, peers: dict, kernels: bool, variants=()):
     g = torch.Generator(device=device).manual_seed(0)
     x = _randn((m, n), g, device, dtype)
     w = (torch.rand(n, generator=g, device=device) + 0.5).to(dtype)
@@ -113,12 +130,12 @@ def _rows_case(case: str, m: int, n: int, dtype, device, peers: dict, kernels: b
     if case == "layer_norm":
         inputs = [x, w, b]
         eager = lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS)  # noqa: E731
-        impls["normscope"] = _ns(lambda x, w, b: nf.layer_norm(x, (n,), w, b, EPS), kernels)
+        ours = lambda x, w, b: nf.layer_norm(x, (n,), w, b, EPS)  # noqa: E731
         nbytes = (2 * m * n * e, 5 * m * n * e)
     elif case == "rms_norm":
         inputs = [x, w]
         eager = lambda x, w: F.rms_norm(x, (n,), w, EPS)  # noqa: E731
-        impls["normscope"] = _ns(lambda x, w: nf.rms_norm(x, (n,), w, EPS), kernels)
+        ours = lambda x, w: nf.rms_norm(x, (n,), w, EPS)  # noqa: E731
         nbytes = (2 * m * n * e, 5 * m * n * e)
     else:  # add_rms_norm: the unfused peer is "h = x + r; rms_norm(h)"
         r = _randn((m, n), g, device, dtype)
@@ -130,9 +147,13 @@ def _rows_case(case: str, m: int, n: int, dtype, device, peers: dict, kernels: b
 
         # name the backend: the call fails rather than quietly running something else than the label says
         backend = "triton" if kernels else "reference"
-        impls["normscope"] = lambda x, r, w: nf.fused_add_rms_norm(x, r, w, EPS, backend=backend)
+        ours = lambda x, r, w: nf.fused_add_rms_norm(x, r, w, EPS, backend=backend)  # noqa: E731
         ns_label = f"normscope ({backend})"
         nbytes = (4 * m * n * e, 8 * m * n * e)
+    impls["normscope"] = _ns(ours, kernels, "rows")  # today's rows kernel, whatever a measured table says
+    for name in variants if kernels else ():
+        if _variant_differs(name, n, device):
+            impls[name] = _ns(ours, kernels, name)
     _add_peers(impls, eager, case, peers)
     return inputs, impls, nbytes, (m, n), ns_label, eager, n
 

@@ -14,14 +14,20 @@ from pathlib import Path
 
 import torch
 
-from .cases import DTYPES, GROUPS, MODERN_CASES, ROW_CASES
+from .cases import DTYPES, GROUPS, MODERN_CASES, ROW_CASES, VARIANTS
 
 #: the one ratio convention of the log, the JSON (each peer's ``ratio``) and benchmarks/README.md. A time
 #: ratio rather than a speedup so that it reads like the CPU overhead tables: smaller is better for normscope.
 RATIO_RULE = "normscope time / peer time (below 1: normscope is faster)"
 
 #: colours per implementation, the same in every panel of the plot
-COLORS = {"normscope": "tab:green", "torch": "tab:red", "compile": "tab:blue", "liger": "tab:orange"}
+COLORS = {
+    "normscope": "tab:green",
+    "torch": "tab:red",
+    "compile": "tab:blue",
+    "liger": "tab:orange",
+    "rows_once": "tab:olive",
+}
 
 
 def problems(report: dict) -> list[str]:
@@ -36,6 +42,8 @@ def problems(report: dict) -> list[str]:
         for name, e in r["impls"].items():
             if name == "normscope" and (e.get("error") or e.get("check_error")):
                 out.append(f"{where}: normscope failed: {e.get('error') or e.get('check_error')}")
+            if name in VARIANTS and (e.get("error") or e.get("check_error")):  # a candidate of ours
+                out.append(f"{where}: normscope's {name} kernels failed: {e.get('error') or e.get('check_error')}")
             if e.get("ok") is False:
                 if report.get("interpret") and name == "liger" and r["dtype"] != "fp32":
                     continue  # known: the interpreter's half-precision arithmetic (see _interpreter_shims)
@@ -174,14 +182,15 @@ def _scope_n(row: dict) -> int | None:
     return None
 
 
-def _speedups(rows: list[dict]) -> tuple[float, float] | None:
+def _speedups(rows: list[dict], impl: str = "normscope") -> tuple[float, float] | None:
     """(torch ms / triton ms) for fwd and fwd+bwd when every row of one (op, dtype, n) qualifies, else None.
 
-    A row qualifies when normscope ran its Triton kernels, its forward output passed the check, and both
-    it and torch eager have a time; the speedup must be > 1 in both modes."""
+    A row qualifies when normscope ran its Triton kernels, ``impl``'s forward output (normscope's, or a
+    candidate kernel's: :data:`VARIANTS`) passed the check, and both it and torch eager have a time; the
+    speedup must be > 1 in both modes."""
     best: dict[str, float] = {}
     for row in rows:
-        ns, eager = row["impls"].get("normscope", {}), row["impls"].get("torch", {})
+        ns, eager = row["impls"].get(impl, {}), row["impls"].get("torch", {})
         if row.get("normscope_impl") != "normscope (triton)" or ns.get("ok") is not True:
             return None
         if not ns.get("ms") or not eager.get("ms") or ns.get("error") or eager.get("error"):
@@ -195,6 +204,26 @@ def _speedups(rows: list[dict]) -> tuple[float, float] | None:
     return best["fwd"], best["fwd+bwd"]
 
 
+def _pick(rows: list[dict]) -> tuple[str | None, tuple[float, float] | None]:
+    """(kernel, speedups) of one (op, dtype, n): today's kernel (kernel None) where it qualifies
+    (:func:`_speedups`), unless a candidate (:data:`VARIANTS`, timed in the same rows) qualifies too and is
+    faster than it in both forward and forward+backward -- or qualifies where today's does not. (None,
+    None) where neither qualifies."""
+    today = _speedups(rows)
+    for name in VARIANTS:
+        if not all(name in row["impls"] for row in rows):
+            continue
+        sp = _speedups(rows, name)
+        if sp is not None and (today is None or all(_faster(row, name) for row in rows)):
+            return name, sp
+    return (None, today) if today is not None else (None, None)
+
+
+def _faster(row: dict, name: str) -> bool:
+    ours, candidate = row["impls"]["normscope"].get("ms"), row["impls"][name].get("ms")
+    return bool(ours and candidate and candidate < ours)
+
+
 def choice_table(report: dict, *, device_class: str | None = None, command: str = "", date: str | None = None) -> dict:
     """The measured-choice table of a CUDA bench report: per (op, dtype), the size ranges where
     normscope's Triton kernels are correct and faster than torch eager in both forward and forward+backward.
@@ -204,7 +233,10 @@ def choice_table(report: dict, *, device_class: str | None = None, command: str 
     output check and beat torch eager's median. Each maximal run of consecutive qualifying measured ``n``
     becomes one entry, ``n_min``/``n_max`` its measured end points (nothing is extrapolated), its speedups
     (torch ms / triton ms) the minimum over the run. A configuration listed under ``failed`` counts as a
-    measured ``n`` that does not qualify (it splits a run).
+    measured ``n`` that does not qualify (it splits a run). Where a row case also timed a candidate kernel
+    (:data:`VARIANTS`, e.g. ``rows_once``), the candidate takes an ``n`` if it qualifies and beats today's
+    kernel in both modes (or qualifies where today's does not): its entries carry ``"kernel": name``, which
+    the engine then runs there (:mod:`normscope.kernels.variants`), and a change of kernel splits a run.
 
     Args:
         report: what :func:`normscope.tools.bench.run` returns (or its JSON).
@@ -238,23 +270,26 @@ def choice_table(report: dict, *, device_class: str | None = None, command: str 
     choices = []
     for (op, dname), sizes in sorted(by_key.items()):
         run: list[tuple[int, tuple[float, float]]] = []
+        run_kernel = None
         for n in [*sorted(sizes), None]:  # None: the end, closes the last run
-            sp = _speedups(sizes[n]) if n is not None and sizes[n] is not None else None
-            if sp is not None:
+            kernel, sp = _pick(sizes[n]) if n is not None and sizes[n] is not None else (None, None)
+            if sp is not None and (not run or kernel == run_kernel):
                 run.append((n, sp))
+                run_kernel = kernel
                 continue
             if run:
-                choices.append(
-                    {
-                        "op": op,
-                        "dtype": str(DTYPES[dname]).removeprefix("torch."),
-                        "n_min": run[0][0],
-                        "n_max": run[-1][0],
-                        "speedup_fwd": round(min(s[0] for _, s in run), 3),
-                        "speedup_fwdbwd": round(min(s[1] for _, s in run), 3),
-                    }
-                )
-            run = []
+                entry = {
+                    "op": op,
+                    "dtype": str(DTYPES[dname]).removeprefix("torch."),
+                    "n_min": run[0][0],
+                    "n_max": run[-1][0],
+                    "speedup_fwd": round(min(s[0] for _, s in run), 3),
+                    "speedup_fwdbwd": round(min(s[1] for _, s in run), 3),
+                }
+                if run_kernel is not None:
+                    entry["kernel"] = run_kernel
+                choices.append(entry)
+            run, run_kernel = ([(n, sp)], kernel) if sp is not None else ([], None)
     return {
         "schema": CHOICE_SCHEMA,
         "device_class": device_class,

@@ -14,7 +14,18 @@ import torch
 
 import normscope
 
-from .cases import DTYPES, MODERN_CASES, ROW_CASES, _check, _error, _modern_case, _rows_case, _spatial_case, plan
+from .cases import (
+    DTYPES,
+    MODERN_CASES,
+    ROW_CASES,
+    VARIANTS,
+    _check,
+    _error,
+    _modern_case,
+    _rows_case,
+    _spatial_case,
+    plan,
+)
 from .peers import DECLINED, NOTES, PEERS, _interpreter_shims, _liger_peers
 from .report import RATIO_RULE, _device_name, _format_row, _triton_version, device_class
 
@@ -116,6 +127,7 @@ def run(
     previous: dict | None = None,
     budget_s: float | None = None,
     on_config: Callable[[dict], None] | None = None,
+    variants=VARIANTS,
 ) -> dict:
     """Measure every (case, dtype, shape) of :func:`plan` not already in ``previous["results"]``.
 
@@ -123,6 +135,9 @@ def run(
     normscope is forced onto them). ``peers``: a subset of :data:`PEERS`. ``budget_s``: start no
     new configuration after that many seconds (the report then lists the rest under
     ``remaining`` and has ``complete: false``). ``on_config(report)`` runs after every configuration.
+    ``variants``: the candidate kernels (:data:`VARIANTS`) timed beside today's where the kernels run
+    and the candidate differs from today's kernel -- each a column of its own, whose ``ratio`` is today's
+    time over its time.
     """
     interpret = level == "interpret"
     kernels = (device.type == "cuda" and normscope.kernels.AVAILABLE) or interpret
@@ -157,6 +172,7 @@ def run(
         "normscope": normscope.__version__,
         "python": platform.python_version(),
         "peers": list(peers),
+        "variants": list(variants) if kernels else [],
         "bytes_formula": {
             "layer_norm/rms_norm": "fwd 2*numel*e, fwd+bwd 5*numel*e",
             "add_rms_norm": "fwd 4*numel*e, fwd+bwd 8*numel*e",
@@ -186,13 +202,16 @@ def run(
     absent = {"liger": liger_absent} if "liger" in peers and liger is None else {}
     with _interpreter_shims() if interpret else contextlib.nullcontext():
         _measure_all(
-            report, plan(cases, dtypes, level), device, level, peer_fns, kernels, budget_s, on_config, log, absent
-        )
+            report, plan(cases, dtypes, level), device, level, peer_fns, kernels, budget_s, on_config, log, absent,
+            variants=tuple(variants),
+        )  # fmt: skip
     report["complete"] = "remaining" not in report and "failed" not in report
     return report
 
 
-def _measure_all(report, configs, device, level, peer_fns, kernels, budget_s, on_config, log, absent=None) -> None:
+def _measure_all(
+    report, configs, device, level, peer_fns, kernels, budget_s, on_config, log, absent=None, variants=()
+) -> None:
     """The loop of :func:`run`: appends to ``report["results"]`` (and ``remaining``, ``failed``)."""
     done = {(r["case"], r["dtype"], tuple(r["shape"]), r["mode"]) for r in report["results"]}
     todo = [c for c in configs if any((*c, m) not in done for m in ("fwd", "fwd+bwd"))]
@@ -207,8 +226,9 @@ def _measure_all(report, configs, device, level, peer_fns, kernels, budget_s, on
         t1 = time.monotonic()
         try:
             rows = _one_config(
-                case, dname, shape, device, level, peer_fns, kernels, done, report["copy_gbs"], log, absent or {}
-            )
+                case, dname, shape, device, level, peer_fns, kernels, done, report["copy_gbs"], log, absent or {},
+                variants,
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory building the inputs: the others still run
             err = _error(exc)
             report.setdefault("failed", []).append({"case": case, "dtype": dname, "shape": list(shape), "error": err})
@@ -226,12 +246,14 @@ def _measure_all(report, configs, device, level, peer_fns, kernels, budget_s, on
             on_config(report)
 
 
-def _one_config(case, dname, shape, device, level, peer_fns, kernels, done, copy_gbs, log, absent=None) -> list[dict]:
+def _one_config(
+    case, dname, shape, device, level, peer_fns, kernels, done, copy_gbs, log, absent=None, variants=()
+) -> list[dict]:
     """The rows (fwd, fwd+bwd) of one (case, dtype, shape), but those already ``done``. Each row
     names the requested peers it has no entry for, and why (``declined``)."""
     dtype = DTYPES[dname]
     if case in ROW_CASES:
-        made = _rows_case(case, shape[0], shape[1], dtype, device, peer_fns, kernels)
+        made = _rows_case(case, shape[0], shape[1], dtype, device, peer_fns, kernels, variants)
     elif case in MODERN_CASES:
         made = _modern_case(case, tuple(shape), dtype, device, peer_fns, kernels)
     else:
