@@ -17,6 +17,12 @@ Schema (version 1)::
 ``op`` is one of :data:`OPS`; ``n`` counts the elements of one normalized scope (the row length
 for LayerNorm/RMSNorm, C/G * H * W for GroupNorm, N * H * W for BatchNorm); the range is closed and
 holds only measured end points (no extrapolation).
+
+A choice may name a kernel variant (:mod:`normscope.kernels.variants`), ``"variant": "split"``: in its
+range the Triton backend runs that candidate instead of today's kernel (:func:`variant`), whether it
+was chosen automatically or forced. A choice without one is today's kernel. A candidate no committed
+row names never runs on its own (``normscope bench --write-choice`` names one only where it measured
+faster than both torch and today's kernel); :data:`VARIANTS` lists what a row may name.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["OPS", "Choice", "device_class", "table", "load", "why_not"]
+__all__ = ["OPS", "VARIANTS", "Choice", "device_class", "table", "load", "why_not", "variant"]
 
 OPS = ("layer_norm", "rms_norm", "group_norm", "batch_norm", "masked_batch_norm", "fused_add_rms_norm")
+#: the kernel variants (normscope.kernels.variants) a choice may name, per op
+VARIANTS = {"batch_norm": ("split",), "masked_batch_norm": ("split",), "group_norm": ("onchip",)}
 
 
 class Choice(NamedTuple):
@@ -37,6 +45,7 @@ class Choice(NamedTuple):
     dtype: str
     n_min: int
     n_max: int
+    variant: str | None = None  # None: today's kernel
 
 
 # per device index / per class; filled on first use (a plain dict, not lru_cache: torch.compile
@@ -90,6 +99,13 @@ def load(path) -> tuple[Choice, ...]:
             raise ValueError(f"normscope: measured-choice table {path}: bad entry {c!r} ({e!r})") from e
         if choice.n_min > choice.n_max:
             raise ValueError(f"normscope: measured-choice table {path}: n_min > n_max in {c!r}")
+        if c.get("variant") is not None:
+            if c["variant"] not in VARIANTS.get(choice.op, ()):
+                raise ValueError(
+                    f"normscope: measured-choice table {path}: unknown variant {c['variant']!r} for {choice.op} in "
+                    f"{c!r}; expected one of {VARIANTS.get(choice.op, ())} or none"
+                )
+            choice = choice._replace(variant=c["variant"])
         out.append(choice)
     return tuple(out)
 
@@ -106,3 +122,15 @@ def why_not(op: str, dtype: torch.dtype, n: int, device: torch.device) -> str | 
         f"no committed measurement shows the {op} kernel faster than ATen for {name}, n={n} on {cls} "
         "(normscope.backends.measured; force it with use_backend('triton'))"
     )
+
+
+def variant(op: str, dtype: torch.dtype, n: int, device: torch.device) -> str | None:
+    """The kernel variant a committed choice names for this op, dtype and scope size on ``device``'s
+    class; None -- today's kernel -- where the choice names none and where no choice covers the call
+    (every call of a device class without a table: no table is measured off CUDA)."""
+    cls = device_class(device)
+    name = str(dtype).removeprefix("torch.")
+    for c in table(cls):
+        if c.op == op and c.dtype == name and c.n_min <= n <= c.n_max:
+            return c.variant
+    return None

@@ -166,25 +166,48 @@ def prepare(call: Call, automatic: bool) -> Runner:
     return run_auto
 
 
+def _table_variant(call: Call) -> str | None:
+    """The kernel variant (normscope.kernels.variants) the committed measured-choice table names for
+    this call: None -- today's kernels -- unless a GPU measurement put a candidate there (CUDA only).
+    A pin in kernels/config.py (``CHANNELS_VARIANT``, ``GROUPS_VARIANT``) overrides it at run time."""
+    x = call.x
+    if x.device.type != "cuda":
+        return None
+    n = call.scope.count
+    if engine.symbolic((n,)):
+        return None
+    return _measured_variant(op_name(call), x.dtype, int(n), x.device)
+
+
+@engine.constant_when_compiled
+def _measured_variant(op: str, dtype: torch.dtype, n: int, device: torch.device) -> str | None:
+    # a constant under torch.compile: the table is read once, eagerly, not traced (its first read loads a file)
+    return measured.variant(op, dtype, n, device)
+
+
 def _kernel_runner(call: Call) -> Runner:
     kind, arg = _kind(call.scope)
     centered = call.scope.centered
+    variant = _table_variant(call)
+    # the kernel families' entry points, each on the variant the table or a pin names (today's kernels unless
+    # one does); the kernel modules -- and with them Triton, which reads TRITON_INTERPRET -- load on first use
+    from ..kernels import variants as kv
+
     if kind == "channels":
-        from ..kernels import channels as chn  # imports Triton (reads TRITON_INTERPRET) on first use
 
         d = arg
 
         def run_channels(c: Call) -> Tensor:
             r, w, b = c.running, c.weight, c.bias
             if r is not None and not r.use_input_stats:
-                return chn.batch_norm_channels(c.x, d, w, b, c.eps, r.mean, r.var)[0]
+                return kv.batch_norm(c.x, d, w, b, c.eps, r.mean, r.var, variant=variant)[0]
             pos_mask = None
             if c.mask is not None:
                 pos_mask = engine.position_mask(c.mask, c.x, d)
                 if pos_mask is None:  # the mask varies along the channel axis: no kernel for that
                     return engine.recompute(c)  # runs the reference and says so in last_backend()
                 pos_mask = pos_mask.contiguous()  # the kernel reads one flag per position from memory
-            y, mean, var, count = chn.batch_norm_channels(c.x, d, w, b, c.eps, mask=pos_mask)
+            y, mean, var, count = kv.batch_norm(c.x, d, w, b, c.eps, mask=pos_mask, variant=variant)
             if r is not None:  # the engine's own update rule (unbiased variance, momentum)
                 shape = c.scope.stat_shape
                 n = count if pos_mask is not None else c.scope.count
@@ -193,10 +216,9 @@ def _kernel_runner(call: Call) -> Runner:
 
         return run_channels
     if kind == "groups":
-        from ..kernels import groups as grp
 
         def run_groups(c: Call) -> Tensor:
-            return grp.group_norm(c.x, arg, c.weight, c.bias, c.eps, centered)
+            return kv.group_norm(c.x, arg, c.weight, c.bias, c.eps, centered, variant=variant)
 
         return run_groups
     from ..kernels import rows
