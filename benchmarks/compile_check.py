@@ -24,17 +24,48 @@ TARGET = GPUTarget("cuda", 90, 32)
 #: the BatchNorm kernels' tile as launched (kernels/config.py) for C >= CHANNELS_MAX_BLOCK_C channels
 BP, BC = KC.CHANNELS_BLOCK_P, KC.CHANNELS_MAX_BLOCK_C
 failures = 0
+#: ``--only WORD[,WORD...]``: compile only the specialisations whose label holds one of the words
+#: (e.g. ``--only split,onchip``: the issue-57 candidates)
+ONLY = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
 
 
-def check(fn, sig, consts, label):
+def check(fn, sig, consts, label, warps=4, registers=False):
+    """Compile one specialisation; ``registers``: also print ptxas's registers and spills for it."""
     global failures
+    if ONLY is not None and not any(w in label for w in ONLY):
+        return
     t = time.time()
     try:
-        triton.compile(ASTSource(fn, sig, consts), target=TARGET, options={"num_warps": 4})
-        print(f"ok   {label} ({time.time() - t:.1f}s)")
+        compiled = triton.compile(ASTSource(fn, sig, consts), target=TARGET, options={"num_warps": warps})
+        usage = f" {_ptxas_usage(compiled.asm['ptx'])}" if registers else ""
+        print(f"ok   {label} ({time.time() - t:.1f}s){usage}")
     except Exception as exc:  # noqa: BLE001
         failures += 1
         print(f"FAIL {label}: {type(exc).__name__}: {str(exc)[:2000]}")
+
+
+def _ptxas_usage(ptx: str) -> str:
+    """``ptxas -v``'s registers and spill bytes of a kernel (Triton's own ptxas), or why not."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        try:
+            out = subprocess.run(
+                [ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                capture_output=True, text=True, timeout=120,
+            ).stderr  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"[ptxas: {type(exc).__name__}]"
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    return f"[{regs.group(1) if regs else '?'} registers, spills {spill.group(1) if spill else '?'} B stored]"
 
 
 def const(names, values):
@@ -160,6 +191,91 @@ for dt in ("fp32", "bf16"):
                "stride_dy": "i32", "stride_x": "i32", "stride_dx": "i32", "M": "i32", "N": "i32",
                "rows_per_prog": "i32", **csig}
         check(MK._derf_bwd_kernel, sig, cval, f"derf bwd {dt} {cval}")
+# fmt: on
+
+# the issue-57 candidates (kernels/variants.py): the split BatchNorm (kernels/channels_split.py) at the tiles
+# its defaults launch -- channels innermost: (TILE / BLOCK_C positions, BLOCK_C channels); NCHW: (TILE /
+# BLOCK_I rows, BLOCK_I columns) -- with its warps, registers and spills printed; and the tiny tiles of
+# tests/kernels/test_kernels_variants.py, which NORMSCOPE_TEST_DEVICE=cuda runs compiled
+from normscope.kernels import channels_split as CS  # noqa: E402
+
+SW = KC.CHANNELS_SPLIT_WARPS
+split_tiles = {
+    "cols": [(KC.CHANNELS_SPLIT_TILE // KC.CHANNELS_SPLIT_BLOCK_C, KC.CHANNELS_SPLIT_BLOCK_C), (2, 4)],
+    "rows": [(KC.CHANNELS_SPLIT_TILE // KC.CHANNELS_SPLIT_BLOCK_I, KC.CHANNELS_SPLIT_BLOCK_I), (4, 2)],
+}
+# fmt: off
+for dt in ("fp32", "bf16"):
+    p = "*" + dt
+    for view, tiles in split_tiles.items():
+        kern = [getattr(CS, f"_{view}_{k}_kernel") for k in ("stats", "apply", "bwd_sums", "bwd_dx")]
+        blocks = ("BLOCK_P", "BLOCK_C") if view == "cols" else ("BLOCK_O", "BLOCK_I")
+        dims = ({"C": "i32", "P": "i32", "chunk": "i32"} if view == "cols" else
+                {"C": "i32", "outer": "i32", "inner": "i32", "tiles_i": "i32", "tiles": "i32", "per": "i32"})
+        for tile in tiles:
+            real = tile == tiles[0]  # the default launch: every flag, registers printed
+            bs = KC.CHANNELS_SPLIT_MAX if real else 16
+            for has_m in (False, True):
+                csig, cval = const((*blocks, "HAS_MASK"), (*tile, has_m))
+                sig = {"X": p, "MASK": "*u8", "PK": "*fp32", "PMEAN": "*fp32", "PM2": "*fp32", "PCNT": "*fp32",
+                       **dims, **csig}
+                check(kern[0], sig, cval, f"split {view} stats {dt} {cval}", SW, real)
+                sig = {"DY": p, "X": p, "MASK": "*u8", "MEAN": "*fp32", "RSTD": "*fp32", "PSDY": "*fp32",
+                       "PSDYX": "*fp32", **dims, **csig}
+                check(kern[2], sig, cval, f"split {view} bwd sums {dt} {cval}", SW, real)
+            for has_w, has_b, stats in itertools.product([False, True], repeat=3):
+                if not real and not (has_w and has_b):
+                    continue
+                names = (*blocks, "BLOCK_S", "HAS_WEIGHT", "HAS_BIAS", "STATS")
+                csig, cval = const(names, (*tile, bs, has_w, has_b, stats))
+                sig = {"X": p, "Y": p, "PK": "*fp32", "PMEAN": "*fp32", "PM2": "*fp32", "PCNT": "*fp32", "W": p, "B": p,
+                       "MEAN": "*fp32", "VAR": "*fp32", "RSTD": "*fp32", "COUNT": "*fp32", **dims, "splits": "i32",
+                       "eps": "fp32", **csig}
+                check(kern[1], sig, cval, f"split {view} apply {dt} {cval}", SW, real and has_w and has_b)
+            for has_w, training, has_m in itertools.product([False, True], repeat=3):
+                if not real and not (has_w and training):
+                    continue
+                names = (*blocks, "BLOCK_S", "HAS_WEIGHT", "TRAINING", "HAS_MASK")
+                csig, cval = const(names, (*tile, bs, has_w, training, has_m))
+                sig = {"DY": p, "X": p, "MASK": "*u8", "MEAN": "*fp32", "RSTD": "*fp32", "W": p, "PSDY": "*fp32",
+                       "PSDYX": "*fp32", "DX": p, "DW": "*fp32", "DB": "*fp32", "COUNT": "*fp32", **dims,
+                       "splits": "i32", **csig}
+                check(kern[3], sig, cval, f"split {view} bwd dx {dt} {cval}", SW, real and has_w and training)
+# fmt: on
+
+# the on-chip GroupNorm / InstanceNorm (kernels/groups_onchip.py) at the tiles of the bench's shapes
+# (GroupNorm(32) and InstanceNorm on 256 x 56 x 56, both layouts), registers and spills printed, and at
+# tiny tiles (the tests'); the tile and warps as groups_onchip.tiles gives them
+from normscope.kernels import groups_onchip as GO  # noqa: E402
+
+onchip_cases = {False: [(32, 8, 784), (256, 1, 3136), (2, 2, 3)], True: [(32, 8, 784), (256, 1, 3136), (3, 2, 5)]}
+# fmt: off
+for dt in ("fp32", "bf16"):
+    p = "*" + dt
+    for cl, cases in onchip_cases.items():
+        for groups, cg, hw in cases:
+            bs, bg, bc, warps = GO.tiles(groups, cg, hw, cl)
+            real = hw > 8
+            for centered, has_w, has_b in itertools.product([False, True], repeat=3):
+                if not real and not (has_w and has_b):
+                    continue
+                show = real and centered and has_w and has_b
+                label = f"onchip {'cl' if cl else 'nchw'} G={groups} Cg={cg} HW={hw} {dt} warps={warps}"
+                if cl:
+                    names = ("BLOCK_S", "BLOCK_G", "BLOCK_C", "CENTERED", "HAS_WEIGHT", "HAS_BIAS")
+                    csig, cval = const(names, (bs, bg, bc, centered, has_w, has_b))
+                    dims = {"G": "i32", "C": "i32", "Cg": "i32", "HW": "i32"}
+                    fwd, bwd = GO._cl_fwd_kernel, GO._cl_bwd_kernel
+                else:
+                    names = ("BLOCK_C", "BLOCK_S", "CENTERED", "HAS_WEIGHT", "HAS_BIAS")
+                    csig, cval = const(names, (bc, bs, centered, has_w, has_b))
+                    dims = {"G": "i32", "Cg": "i32", "HW": "i32"}
+                    fwd, bwd = GO._nchw_fwd_kernel, GO._nchw_bwd_kernel
+                sig = {"X": p, "W": p, "B": p, "Y": p, "MEAN": "*fp32", "RSTD": "*fp32", **dims, "eps": "fp32", **csig}
+                check(fwd, sig, cval, f"{label} fwd {cval}", warps, show)
+                sig = {"DY": p, "X": p, "W": p, "MEAN": "*fp32", "RSTD": "*fp32", "DX": p, "DWP": "*fp32",
+                       "DBP": "*fp32", **dims, **csig}
+                check(bwd, sig, cval, f"{label} bwd {cval}", warps, show)
 # fmt: on
 
 print(f"triton {triton.__version__}: {failures} failures")
