@@ -243,9 +243,9 @@ for dt in ("fp32", "bf16"):
                 check(kern[3], sig, cval, f"split {view} bwd dx {dt} {cval}", SW, real and has_w and training)
 # fmt: on
 
-# the on-chip GroupNorm / InstanceNorm (kernels/groups_onchip.py) at the tiles of the bench's shapes
-# (GroupNorm(32) and InstanceNorm on 256 x 56 x 56, both layouts), registers and spills printed, and at
-# tiny tiles (the tests'); the tile and warps as groups_onchip.tiles gives them
+# the on-chip GroupNorm / InstanceNorm (kernels/groups_onchip.py) at the tiles of the bench's candidate cases
+# (GroupNorm(32) on 256 x 28 x 28, InstanceNorm on 256 x 56 x 56, both layouts), registers and spills printed,
+# and at tiny tiles (the tests'); the tile and warps as groups_onchip.tiles gives them
 from normscope.kernels import groups_onchip as GO  # noqa: E402
 
 onchip_cases = {False: [(32, 8, 784), (256, 1, 3136), (2, 2, 3)], True: [(32, 8, 784), (256, 1, 3136), (3, 2, 5)]}

@@ -88,11 +88,13 @@ import torch
 import normscope.kernels
 
 from .cases import (
+    CANDIDATE_CASES,
     CASE_GROUPS,
     CASES,
     DTYPES,
     EPS,
     GROUPS,
+    KNOWN_CASES,
     MODERN_CASES,
     ROW_CASES,
     plan,
@@ -102,6 +104,7 @@ from .report import choice_table, device_class, plot, problems, write_choice, wr
 from .timing import copy_bandwidth, run, time_ms
 
 __all__ = [
+    "CANDIDATE_CASES",
     "CASE_GROUPS",
     "CASES",
     "DTYPES",
@@ -308,7 +311,7 @@ def _main(argv: list[str]) -> int:
                 cases.append(case)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     peers = [q.strip() for q in (a.peers or ",".join(PEERS)).split(",") if q.strip()]
-    known = CASE_GROUPS["all"]
+    known = KNOWN_CASES
     bad = [c for c in cases if c not in known] + [d for d in dtypes if d not in DTYPES]
     if not cases or not dtypes:
         what = "case" if not cases else "dtype"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .cases import DTYPES, GROUPS, MODERN_CASES, ROW_CASES
+from .cases import DTYPES, GROUPS, MODERN_CASES, ROW_CASES, split_case
 
 #: the one ratio convention of the log, the JSON (each peer's ``ratio``) and benchmarks/README.md. A time
 #: ratio rather than a speedup so that it reads like the CPU overhead tables: smaller is better for normscope.
@@ -44,6 +44,8 @@ def problems(report: dict) -> list[str]:
         wants_kernel = report["device_type"] == "cuda" or report.get("interpret")
         if wants_kernel and r.get("normscope_impl") != "normscope (triton)":
             out.append(f"{where}: normscope ran {r.get('normscope_impl')!r}, not its Triton kernels")
+        if wants_kernel and r.get("variant_ran") is False:
+            out.append(f"{where}: the {r['variant']!r} kernel variant does not take this input: today's kernel ran")
     return out
 
 
@@ -149,6 +151,12 @@ CHOICE_OPS = {
     "group_norm_cl": "group_norm",
     "batch_norm": "batch_norm",
     "masked_batch_norm": "masked_batch_norm",
+    # the candidates' cases (bench.cases.CANDIDATE_CASES): InstanceNorm is the groups kernel, as in the engine
+    "group_norm_small": "group_norm",
+    "group_norm_small_cl": "group_norm",
+    "instance_norm": "group_norm",
+    "instance_norm_cl": "group_norm",
+    "batch_norm_cl": "batch_norm",
 }
 CHOICE_SCHEMA = 1
 
@@ -164,14 +172,22 @@ def _scope_n(row: dict) -> int | None:
     written before rows carried it, except masked BatchNorm, whose valid count only the run knew)."""
     if "n" in row:
         return int(row["n"])
-    shape, case = row["shape"], row["case"]
+    shape, case = row["shape"], split_case(row["case"])[0]
     if case in ROW_CASES:
         return shape[-1]
     if case.startswith("group_norm"):
         return shape[1] // GROUPS * math.prod(shape[2:])
-    if case == "batch_norm":
+    if case.startswith("instance_norm"):
+        return math.prod(shape[2:])
+    if case.startswith("batch_norm"):
         return shape[0] * math.prod(shape[2:])
     return None
+
+
+def _row_variant(row: dict) -> str | None:
+    """The kernel variant a row measured (None: today's kernel)."""
+    v = row.get("variant") or split_case(row["case"])[1]
+    return None if v in (None, "tiled") else v
 
 
 def _speedups(rows: list[dict]) -> tuple[float, float] | None:
@@ -183,6 +199,8 @@ def _speedups(rows: list[dict]) -> tuple[float, float] | None:
     for row in rows:
         ns, eager = row["impls"].get("normscope", {}), row["impls"].get("torch", {})
         if row.get("normscope_impl") != "normscope (triton)" or ns.get("ok") is not True:
+            return None
+        if row.get("variant_ran") is False:  # the candidate did not take the input: today's kernel ran
             return None
         if not ns.get("ms") or not eager.get("ms") or ns.get("error") or eager.get("error"):
             return None
@@ -206,6 +224,12 @@ def choice_table(report: dict, *, device_class: str | None = None, command: str 
     (torch ms / triton ms) the minimum over the run. A configuration listed under ``failed`` counts as a
     measured ``n`` that does not qualify (it splits a run).
 
+    Kernel variants (rows of ``case@variant``, :mod:`normscope.kernels.variants`): at each ``n`` every
+    kernel measured there -- today's and each candidate, each with all of its rows -- qualifies or not by
+    the rule above, and the qualifying one with the largest forward+backward speedup is chosen (today's
+    on a tie); a run is consecutive ``n`` with the same choice, and an entry of a candidate names it
+    (``"variant"``). A candidate that did not take the input (``variant_ran`` false) never qualifies.
+
     Args:
         report: what :func:`normscope.tools.bench.run` returns (or its JSON).
         device_class: e.g. ``"cuda-sm90"``. Default: ``report["device_class"]``.
@@ -223,38 +247,49 @@ def choice_table(report: dict, *, device_class: str | None = None, command: str 
     device_class = device_class or report.get("device_class")
     if not device_class:
         raise ValueError("choice_table: expected `device_class` such as 'cuda-sm90' (the report has none), got None")
-    by_key: dict[tuple[str, str], dict[int, list[dict] | None]] = defaultdict(dict)
+    # (op, dtype) -> n -> kernel variant (None: today's) -> its rows, or None when a configuration failed
+    by_key: dict[tuple[str, str], dict[int, dict[str | None, list[dict] | None]]] = defaultdict(dict)
     for row in report["results"]:
         n = _scope_n(row)
-        if row["case"] not in CHOICE_OPS or n is None:
+        base = split_case(row["case"])[0]
+        if base not in CHOICE_OPS or n is None:
             continue
-        slot = by_key[(CHOICE_OPS[row["case"]], row["dtype"])]
-        if slot.get(n, []) is not None:
-            slot.setdefault(n, []).append(row)
+        slot = by_key[(CHOICE_OPS[base], row["dtype"])].setdefault(n, {})
+        variant = _row_variant(row)
+        if slot.get(variant, []) is not None:
+            slot.setdefault(variant, []).append(row)
     for f in report.get("failed", []):
         n = _scope_n({"case": f["case"], "shape": f["shape"]})
-        if f["case"] in CHOICE_OPS and n is not None:
-            by_key[(CHOICE_OPS[f["case"]], f["dtype"])][n] = None  # measured, failed: never qualifies
+        base = split_case(f["case"])[0]
+        if base in CHOICE_OPS and n is not None:  # measured, failed: that kernel never qualifies there
+            by_key[(CHOICE_OPS[base], f["dtype"])].setdefault(n, {})[_row_variant(f)] = None
     choices = []
     for (op, dname), sizes in sorted(by_key.items()):
         run: list[tuple[int, tuple[float, float]]] = []
+        run_variant: str | None = None
         for n in [*sorted(sizes), None]:  # None: the end, closes the last run
-            sp = _speedups(sizes[n]) if n is not None and sizes[n] is not None else None
-            if sp is not None:
-                run.append((n, sp))
+            best: tuple[str | None, tuple[float, float]] | None = None
+            for variant, rows in sorted((sizes[n] if n is not None else {}).items(), key=lambda kv: kv[0] or ""):
+                sp = _speedups(rows) if rows is not None else None
+                if sp is not None and (best is None or sp[1] > best[1][1]):  # today's ("") first: it wins ties
+                    best = (variant, sp)
+            if best is not None and (not run or best[0] == run_variant):
+                run.append((n, best[1]))
+                run_variant = best[0]
                 continue
             if run:
-                choices.append(
-                    {
-                        "op": op,
-                        "dtype": str(DTYPES[dname]).removeprefix("torch."),
-                        "n_min": run[0][0],
-                        "n_max": run[-1][0],
-                        "speedup_fwd": round(min(s[0] for _, s in run), 3),
-                        "speedup_fwdbwd": round(min(s[1] for _, s in run), 3),
-                    }
-                )
-            run = []
+                entry = {
+                    "op": op,
+                    "dtype": str(DTYPES[dname]).removeprefix("torch."),
+                    "n_min": run[0][0],
+                    "n_max": run[-1][0],
+                    "speedup_fwd": round(min(s[0] for _, s in run), 3),
+                    "speedup_fwdbwd": round(min(s[1] for _, s in run), 3),
+                }
+                if run_variant is not None:
+                    entry["variant"] = run_variant
+                choices.append(entry)
+            run, run_variant = ([(n, best[1])], best[0]) if best is not None else ([], None)
     return {
         "schema": CHOICE_SCHEMA,
         "device_class": device_class,

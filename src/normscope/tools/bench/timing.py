@@ -14,7 +14,19 @@ import torch
 
 import normscope
 
-from .cases import DTYPES, MODERN_CASES, ROW_CASES, _check, _error, _modern_case, _rows_case, _spatial_case, plan
+from .cases import (
+    DTYPES,
+    MODERN_CASES,
+    ROW_CASES,
+    _check,
+    _error,
+    _modern_case,
+    _rows_case,
+    _spatial_case,
+    plan,
+    split_case,
+    variant_runs,
+)
 from .peers import DECLINED, NOTES, PEERS, _interpreter_shims, _liger_peers
 from .report import RATIO_RULE, _device_name, _format_row, _triton_version, device_class
 
@@ -242,9 +254,10 @@ def _one_config(case, dname, shape, device, level, peer_fns, kernels, done, copy
         ns_label = "normscope (failed)" if checks["normscope"].get("check_error") else None
         ns_label = ns_label or f"normscope ({normscope.last_backend()})"
     declined = dict(absent or {})
+    base, variant = split_case(case)
     for peer in peer_fns:
         if peer not in impls:
-            declined[peer] = DECLINED.get(peer, {}).get(case, f"no {peer} counterpart of {case} adapted")
+            declined[peer] = DECLINED.get(peer, {}).get(base, f"no {peer} counterpart of {case} adapted")
     rows = []
     for mode, nb in zip(("fwd", "fwd+bwd"), nbytes):
         if (case, dname, tuple(shape), mode) in done:
@@ -261,6 +274,9 @@ def _one_config(case, dname, shape, device, level, peer_fns, kernels, done, copy
         }
         if declined:
             row["declined"] = declined
+        if variant is not None:  # a candidate kernel (normscope.kernels.variants) pinned for this case
+            row["variant"] = variant
+            row["variant_ran"] = variant_runs(case, inputs)
         for name, fn in impls.items():
             ms, peak, err = _measure(functools.partial(_closure, fn, inputs, mode, device), device, level)
             entry = {"ms": ms, "peak_mib": peak, "error": err, **checks.get(name, {})}
