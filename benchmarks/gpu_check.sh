@@ -29,6 +29,9 @@
 #   GPU_CHECK_CASES   the bench's cases (default: the core cases, then the group "modern")
 #   GPU_CHECK_TESTS_S, GPU_CHECK_SANITIZE_S  time limits of the tests and of the sanitizer run
 #                     (default 420 and 240)
+#   GPU_CHECK_TESTS_K a pytest -k expression narrowing tests/kernels/ (default: every test), e.g. the
+#                     group/channel kernels' tests: "group or batch_norm or channels or instance or variant"
+#   GPU_CHECK_SANITIZE_ONLY  words: sanitize only the cases whose label holds one (default: every case)
 #   GPU_CHECK_WORKERS pytest-xdist processes of the CUDA tests (default 8; 0: one process)
 #   GPU_CHECK_PEERS   the bench's peers (default torch,compile,liger; e.g. torch,liger when device
 #                     time is short: torch.compile's compiling is most of the bench's time)
@@ -140,11 +143,13 @@ if [[ "$mode" == tests || "$mode" == all ]]; then
   fi
   # the > 2**31-element tests (4-17 GB each) after the others, one at a time: side by side in several
   # workers they ran the GPU out of memory
+  only="${GPU_CHECK_TESTS_K:-}"
+  only="${only:+($only) and }"
   timeout "${GPU_CHECK_TESTS_S:-420}" "${test_env[@]}" python3 -m pytest tests/kernels/ \
-    -q -rfEs --durations=15 -p no:cacheprovider -k "not 2_31 and not 2_pow_31" ${workers[@]+"${workers[@]}"} 2>&1 | tee "$outdir/tests.log"
+    -q -rfEs --durations=15 -p no:cacheprovider -k "${only}not 2_31 and not 2_pow_31" ${workers[@]+"${workers[@]}"} 2>&1 | tee "$outdir/tests.log"
   rc=$?
   timeout "${GPU_CHECK_TESTS_S:-420}" "${test_env[@]}" python3 -m pytest tests/kernels/ \
-    -q -rfEs -p no:cacheprovider -k "2_31 or 2_pow_31" 2>&1 | tee -a "$outdir/tests.log"
+    -q -rfEs -p no:cacheprovider -k "${only}(2_31 or 2_pow_31)" 2>&1 | tee -a "$outdir/tests.log"
   rc=$((rc | $?))
   if ((rc)); then status=1; fi
   say "tests: $( ((rc)) && echo "FAILED (rc=$rc)" || echo ok): $(tail -n 1 "$outdir/tests.log")"
@@ -156,7 +161,7 @@ if [[ "$mode" == tests || "$mode" == all ]]; then
   else
     sanitize=(env -u TRITON_INTERPRET PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9)
   fi
-  timeout "${GPU_CHECK_SANITIZE_S:-240}" "${sanitize[@]}" python3 benchmarks/sanitize_kernels.py 2>&1 | tee "$outdir/sanitize.log"
+  SANITIZE_ONLY="${GPU_CHECK_SANITIZE_ONLY:-}" timeout "${GPU_CHECK_SANITIZE_S:-240}" "${sanitize[@]}" python3 benchmarks/sanitize_kernels.py 2>&1 | tee "$outdir/sanitize.log"
   rc=$?
   if ((rc)); then status=1; fi
   say "sanitize: $( ((rc)) && echo "FAILED (rc=$rc)" || echo ok): $(grep -m1 'ERROR SUMMARY' "$outdir/sanitize.log" || tail -n 1 "$outdir/sanitize.log")"
@@ -214,12 +219,13 @@ if [[ "$mode" == bench || "$mode" == all ]]; then
   fi
   json=("$outdir"/bench-*.json)
   if ((${#json[@]})); then
-    python3 - "${json[0]}" <<'EOF' 2>&1 | tee -a "$summary"
+    python3 - "${json[0]}" "$cases" <<'EOF' 2>&1 | tee -a "$summary"
 import json, sys
 from normscope.tools import bench
 r = json.load(open(sys.argv[1]))
 found = bench.problems(r)
-want = bench.plan(bench.CASES, ["bf16", "fp32"], r["level"])  # what gpu_check's bench runs, all of it
+asked = [c for name in sys.argv[2].split(",") for c in bench.CASE_GROUPS.get(name, (name,))]  # GPU_CHECK_CASES
+want = bench.plan(list(dict.fromkeys(asked)), ["bf16", "fp32"], r["level"])  # what gpu_check's bench runs, all of it
 have = {(x["case"], x["dtype"], tuple(x["shape"])) for x in r["results"] if x["mode"] == "fwd+bwd"}
 left = [c for c in want if c not in have]
 print(f"bench: {len(want) - len(left)} of {len(want)} configurations in {sys.argv[1]}, "

@@ -30,7 +30,14 @@ def rand(*shape, dtype=torch.float32, grad=True):
     return torch.randn(shape, generator=g).to(DEV, dtype).requires_grad_(grad)
 
 
+#: ``SANITIZE_ONLY=split,onchip``: run only the cases whose label holds one of the words (a device call's
+#: time is short: benchmarks/gpu_check.sh passes GPU_CHECK_SANITIZE_ONLY)
+ONLY = [w for w in os.environ.get("SANITIZE_ONLY", "").split(",") if w]
+
+
 def case(label, fn, *inputs):
+    if ONLY and not any(w in label for w in ONLY):
+        return
     t = time.time()
     with normscope.use_backend("triton"):
         out = fn(*inputs)
@@ -157,4 +164,69 @@ for dt in (torch.float32, torch.bfloat16):
         rand(300, dtype=dt),
         rand(300, dtype=dt),
     )
+
+# the issue-57 candidates (normscope.kernels.variants), pinned: the split BatchNorm on NCHW (several splits of
+# partial tiles), on channels_last read in place (channels fewer than a tile row), masked and in evaluation;
+# the on-chip GroupNorm / InstanceNorm in both layouts
+from normscope.kernels import variants  # noqa: E402
+
+
+def _cl(*shape, dtype):
+    return rand(*shape, dtype=dtype, grad=False).contiguous(memory_format=torch.channels_last).requires_grad_()
+
+
+for dt in (torch.float32, torch.bfloat16):
+    d = str(dt).split(".")[-1]
+    with variants.pinned("channels", "split"):
+        rm, rv = torch.zeros(24, device=DEV), torch.ones(24, device=DEV)
+        shape = (3, 24, 9, 13) if INTERPRETED else (8, 24, 33, 65)
+        name = "x".join(map(str, shape))
+        for training in (True, False):
+            case(
+                f"split batch_norm {'train' if training else 'eval'} {d} NCHW {name}",
+                lambda x, w, b, rm=rm, rv=rv, t=training: nf.batch_norm(x, rm, rv, w, b, t),
+                rand(*shape, dtype=dt),
+                rand(24),
+                rand(24),
+            )
+        shape = (2, 24, 5, 7) if INTERPRETED else (4, 24, 17, 19)
+        case(
+            f"split batch_norm train {d} channels_last {'x'.join(map(str, shape))}",
+            lambda x, w, b: nf.batch_norm(x, None, None, w, b, True),
+            _cl(*shape, dtype=dt),
+            rand(24),
+            rand(24),
+        )
+        s_ = 33 if INTERPRETED else 300
+        mask = (torch.arange(s_)[None, :] < torch.tensor([[s_], [s_ // 2], [1]]))[..., None].to(DEV)
+        case(
+            f"split masked batch_norm {d} 3x{s_}x40",
+            lambda x, w, b, m=mask: nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=m),
+            rand(3, s_, 40, dtype=dt),
+            rand(40, dtype=dt),
+            rand(40, dtype=dt),
+        )
+    with variants.pinned("groups", "onchip"):
+        case(
+            f"onchip group_norm {d} NCHW 3x24x9x7 G=6",
+            lambda x, w, b: nf.group_norm(x, 6, w, b),
+            rand(3, 24, 9, 7, dtype=dt),
+            rand(24, dtype=dt),
+            rand(24, dtype=dt),
+        )
+        hw = 11 if not INTERPRETED else 5
+        case(
+            f"onchip group_norm {d} channels_last 2x64x{hw}x{hw + 3} G=32",
+            lambda x, w, b: nf.group_norm(x, 32, w, b),
+            _cl(2, 64, hw, hw + 3, dtype=dt),
+            rand(64, dtype=dt),
+            rand(64, dtype=dt),
+        )
+        case(
+            f"onchip instance_norm {d} channels_last 3x24x9x7",
+            lambda x, w, b: nf.instance_norm(x, weight=w, bias=b),
+            _cl(3, 24, 9, 7, dtype=dt),
+            rand(24, dtype=dt),
+            rand(24, dtype=dt),
+        )
 print("sanitize_kernels: every case ran")
