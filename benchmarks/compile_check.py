@@ -25,7 +25,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 BP, BC = KC.CHANNELS_BLOCK_P, KC.CHANNELS_MAX_BLOCK_C
 failures = 0
 #: ``--only WORD[,WORD...]``: compile only the specialisations whose label holds one of the words
-#: (e.g. ``--only split,onchip``: the issue-57 candidates)
+#: (e.g. ``--only split,onchip``: the candidate kernels)
 ONLY = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
 
 
@@ -193,7 +193,7 @@ for dt in ("fp32", "bf16"):
         check(MK._derf_bwd_kernel, sig, cval, f"derf bwd {dt} {cval}")
 # fmt: on
 
-# the issue-57 candidates (kernels/variants.py): the split BatchNorm (kernels/channels_split.py) at the tiles
+# the candidate kernels (kernels/variants.py): the split BatchNorm (kernels/channels_split.py) at the tiles
 # its defaults launch -- channels innermost: (TILE / BLOCK_C positions, BLOCK_C channels); NCHW: (TILE /
 # BLOCK_I rows, BLOCK_I columns) -- with its warps, registers and spills printed; and the tiny tiles of
 # tests/kernels/test_kernels_variants.py, which NORMSCOPE_TEST_DEVICE=cuda runs compiled

@@ -165,7 +165,7 @@ for dt in (torch.float32, torch.bfloat16):
         rand(300, dtype=dt),
     )
 
-# the issue-57 candidates (normscope.kernels.variants), pinned: the split BatchNorm on NCHW (several splits of
+# the candidate kernels (normscope.kernels.variants), pinned: the split BatchNorm on NCHW (several splits of
 # partial tiles), on channels_last read in place (channels fewer than a tile row), masked and in evaluation;
 # the on-chip GroupNorm / InstanceNorm in both layouts
 from normscope.kernels import variants  # noqa: E402

@@ -1,4 +1,4 @@
-"""The issue-57 candidate kernels -- the split BatchNorm (kernels/channels_split.py) and the on-chip
+"""The candidate kernels -- the split BatchNorm (kernels/channels_split.py) and the on-chip
 GroupNorm / InstanceNorm (kernels/groups_onchip.py) -- against independent float64 oracles, and the
 rules that keep them off until a measurement picks them (kernels/variants.py, backends/measured.py).
 
@@ -7,8 +7,8 @@ the shapes take many tiles and splits; ``NORMSCOPE_TEST_DEVICE=cuda`` runs the s
 realistic sizes, more than 2^31 elements and batch invariance at the bench's sizes. Oracles: torch in
 float64 (``F.batch_norm``, ``F.group_norm``, the formula for the RMS and masked variants); low precision
 follows the kernels' rule: error against float64 at most twice torch's in the same dtype, plus a small
-atol. Spies on the kernel modules check that the candidate ran -- and today's kernels did not.
-(``NORMSCOPE_TEST_KERNEL_VARIANTS=channels:split,groups:onchip`` also runs today's kernel tests on them.)
+atol. Spies on the kernel modules check that the candidate ran -- and the default kernels did not.
+(``NORMSCOPE_TEST_KERNEL_VARIANTS=channels:split,groups:onchip`` also runs the default kernel tests on them.)
 """
 
 import json
@@ -75,14 +75,14 @@ def _ran(spies) -> set[str]:
 
 @pytest.fixture
 def split(monkeypatch):
-    """The split BatchNorm pinned, spies on it and on today's channels kernels: ``(split spies, today's)``."""
+    """The split BatchNorm pinned, spies on it and on the default channels kernels: ``(split spies, the default)``."""
     monkeypatch.setattr(KC, "CHANNELS_VARIANT", "split")
     return _spy(monkeypatch, CS, SPLIT_KERNELS), _spy(monkeypatch, CH, TILED_CHANNELS)
 
 
 @pytest.fixture
 def onchip(monkeypatch):
-    """The on-chip groups kernels pinned, spies on them and on today's: ``(on-chip spies, today's)``."""
+    """The on-chip groups kernels pinned, spies on them and on the default: ``(on-chip spies, the default)``."""
     monkeypatch.setattr(KC, "GROUPS_VARIANT", "onchip")
     return _spy(monkeypatch, GO, ONCHIP_KERNELS), _spy(monkeypatch, G, TILED_GROUPS)
 
@@ -160,7 +160,7 @@ def test_split_batch_norm_training_eval_and_running_stats_match_float64(split, s
         torch.testing.assert_close(a.double(), e.double(), atol=1e-4, rtol=1e-5)
     view = "cols" if len(shape) == 2 or layout == "cl" else "rows"
     assert _ran(spies) == {n for n in SPLIT_KERNELS if n.startswith(f"_{view}_")}
-    assert not _ran(tiled), "today's channels kernels ran"
+    assert not _ran(tiled), "the default channels kernels ran"
 
 
 def test_split_tiny_tiles_really_split(monkeypatch):
@@ -198,7 +198,7 @@ def test_split_large_offset_small_spread_normalizes_to_unit_variance(split, spli
 @pytest.mark.parametrize("masked", [False, True])
 def test_split_outlier_first_value_keeps_torchs_accuracy(split, split_tiles, masked):
     """A channel whose first valid value is an outlier (1e4 among values ~1): the shift is a tile's mean,
-    not that value (which once cost today's kernel ~40x torch's error). Padding holds NaN."""
+    not that value (which once cost the default kernel ~40x torch's error). Padding holds NaN."""
     g = torch.Generator().manual_seed(14)
     x = torch.randn(8, 3, 5, generator=g)
     mask = torch.ones(8, 5, dtype=torch.bool)
@@ -435,7 +435,7 @@ def test_onchip_forward_and_gradients_match_float64(onchip, onchip_width, shape,
         torch.testing.assert_close(a.double(), e.double(), atol=5e-5, rtol=1e-4)
     kind = "cl" if layout == "cl" else "nchw"
     assert _ran(spies) == {f"_{kind}_fwd_kernel", f"_{kind}_bwd_kernel"}
-    assert not _ran(tiled), "today's groups kernels ran"
+    assert not _ran(tiled), "the default groups kernels ran"
 
 
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
@@ -503,7 +503,7 @@ def test_onchip_weight_gradients_are_deterministic(onchip):
         assert all(torch.equal(a, e) for a, e in zip(first, second))
 
 
-def test_onchip_group_too_large_for_the_tile_runs_todays_kernels(onchip, monkeypatch):
+def test_onchip_group_too_large_for_the_tile_runs_the_default_kernels(onchip, monkeypatch):
     spies, tiled = onchip
     monkeypatch.setattr(KC, "GROUPS_ONCHIP_MAX", 16)  # a group of 2 x 12 positions: 2 x 16 = 32 > 16
     g = torch.Generator().manual_seed(9)
@@ -549,7 +549,7 @@ def test_onchip_op_registrations_compile_and_double_backward(onchip):
 
 def test_candidates_are_off_without_a_pin_or_a_table_row(monkeypatch):
     """No pin, no measured row (none is committed for any variant): the automatic choice and a forced
-    use_backend("triton") both run today's kernels."""
+    use_backend("triton") both run the default kernels."""
     split_spies, onchip_spies = _spy(monkeypatch, CS, SPLIT_KERNELS), _spy(monkeypatch, GO, ONCHIP_KERNELS)
     assert KC.CHANNELS_VARIANT is None and KC.GROUPS_VARIANT is None
     x = torch.randn(2, 4, 3, 3, device=DEV, requires_grad=True)
@@ -571,7 +571,7 @@ def test_a_table_row_names_a_variant_and_a_pin_overrides_it(monkeypatch):
         measured.Choice("group_norm", "bfloat16", 1, 100, "onchip"),
     ))  # fmt: skip
     assert measured.variant("batch_norm", torch.float32, 64, cpu) == "split"
-    assert measured.variant("batch_norm", torch.float32, 8192, cpu) is None  # today's kernel, chosen by measurement
+    assert measured.variant("batch_norm", torch.float32, 8192, cpu) is None  # the default kernel, chosen by measurement
     assert measured.variant("batch_norm", torch.float32, 5000, cpu) is None  # no row: nothing extrapolated
     assert measured.variant("batch_norm", torch.bfloat16, 64, cpu) is None
     assert measured.variant("group_norm", torch.bfloat16, 100, cpu) == "onchip"

@@ -1,6 +1,6 @@
-"""`normscope bench` and issue 57's candidate kernels: the ``candidates`` cases (``case@variant`` beside
-the case that pins today's kernel), the measured-choice table naming a variant only where it measured
-faster than torch and than today's kernel, and -- in Triton's interpreter -- that each case runs the
+"""`normscope bench` and the candidate kernels: the ``candidates`` cases (``case@variant`` beside
+the case that pins the default kernel), the measured-choice table naming a variant only where it measured
+faster than torch and than the default kernel, and -- in Triton's interpreter -- that each case runs the
 kernel its name says."""
 
 import json
@@ -19,7 +19,7 @@ def test_candidate_cases_are_a_group_of_their_own():
         base, variant = bench.cases.split_case(case)
         assert base in bench.cases.VARIANT_FAMILY and base in bench.report.CHOICE_OPS
         if variant is not None:
-            assert base in bench.CANDIDATE_CASES, f"{case}: no case measures today's kernel beside it"
+            assert base in bench.CANDIDATE_CASES, f"{case}: no case measures the default kernel beside it"
     plan = dict(((c, d), s) for c, d, s in bench.plan(bench.CANDIDATE_CASES, ["bf16"], "full"))
     assert plan[("group_norm_small@onchip", "bf16")] == (32, 256, 28, 28)  # a group the on-chip tile holds
     assert plan[("instance_norm_cl@onchip", "bf16")] == plan[("batch_norm@split", "bf16")] == (32, 256, 56, 56)
@@ -62,13 +62,13 @@ def _report(results, failed=()):
     }
 
 
-def test_choice_table_names_a_variant_only_where_it_beats_torch_and_todays_kernel():
+def test_choice_table_names_a_variant_only_where_it_beats_torch_and_the_default_kernel():
     slow, fast, faster = ((1.0, 0.5), (1.0, 0.5)), ((1.0, 1.2), (1.0, 1.2)), ((1.0, 1.5), (1.0, 1.5))
     results = (
         _timed("batch_norm", "bf16", 100, *slow) + _timed("batch_norm@split", "bf16", 100, *fast)  # only split wins
         + _timed("batch_norm", "bf16", 200, *slow) + _timed("batch_norm@split", "bf16", 200, *faster)
-        + _timed("batch_norm", "bf16", 300, *faster) + _timed("batch_norm@split", "bf16", 300, *fast)  # today's wins
-        + _timed("batch_norm", "bf16", 400, *fast) + _timed("batch_norm@split", "bf16", 400, *fast)  # a tie: today's
+        + _timed("batch_norm", "bf16", 300, *faster) + _timed("batch_norm@split", "bf16", 300, *fast)  # tiled wins
+        + _timed("batch_norm", "bf16", 400, *fast) + _timed("batch_norm@split", "bf16", 400, *fast)  # a tie: tiled
         + _timed("batch_norm", "bf16", 500, *slow) + _timed("batch_norm@split", "bf16", 500, *slow)  # neither
         # GroupNorm: a variant must win in every memory format measured at n, and must have run
         + _timed("instance_norm", "fp32", 3136, *slow) + _timed("instance_norm_cl", "fp32", 3136, *slow)
@@ -83,7 +83,7 @@ def test_choice_table_names_a_variant_only_where_it_beats_torch_and_todays_kerne
         ("batch_norm", "bfloat16", 100, 200, "split"),
         ("batch_norm", "bfloat16", 300, 400, None),
     ]
-    assert "variant" not in table["choices"][1]  # today's kernel: the key left out, as older tables have it
+    assert "variant" not in table["choices"][1]  # the default kernel: the key left out, as older tables have it
     # what the table writes, the engine reads: the variant is known to the loader
     from normscope.backends import measured
 
@@ -91,7 +91,7 @@ def test_choice_table_names_a_variant_only_where_it_beats_torch_and_todays_kerne
 
 
 def test_choice_table_a_failed_variant_configuration_does_not_qualify():
-    """A candidate that failed at n (out of memory, say: no rows) leaves today's kernel the choice there."""
+    """A candidate that failed at n (out of memory, say: no rows) leaves the default kernel the choice there."""
     fast, faster, slow = ((1.0, 1.2), (1.0, 1.2)), ((1.0, 2.0), (1.0, 2.0)), ((1.0, 0.5), (1.0, 0.5))
     results = _timed("batch_norm", "bf16", 100, *fast, shape=[100, 1, 1, 1])
     results += _timed("batch_norm", "bf16", 200, *slow, shape=[200, 1, 1, 1])
@@ -104,7 +104,7 @@ def test_choice_table_a_failed_variant_configuration_does_not_qualify():
     ]
 
 
-def test_problems_flags_a_variant_row_that_ran_todays_kernel():
+def test_problems_flags_a_variant_row_that_ran_the_default_kernel():
     rows = _timed("group_norm@onchip", "bf16", 25088, (1.0, 1.2), (1.0, 1.2), variant_ran=False)
     assert any("'onchip' kernel variant does not take this input" in p for p in bench.problems(_report(rows)))
 
@@ -113,7 +113,7 @@ def test_problems_flags_a_variant_row_that_ran_todays_kernel():
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_dry_run_of_the_candidate_cases_runs_the_kernel_each_case_names(tmp_path, monkeypatch):
     """In the interpreter, tiny: every case runs on the Triton backend, passes the output check, and its
-    launches are those of the kernel its name pins (today's for a plain case, the candidate for @variant)."""
+    launches are those of the kernel its name pins (the default for a plain case, the candidate for @variant)."""
     pytest.importorskip("triton")
     from normscope.kernels import channels, channels_split, config, groups, groups_onchip
 

@@ -19,10 +19,10 @@ for LayerNorm/RMSNorm, C/G * H * W for GroupNorm, N * H * W for BatchNorm); the 
 holds only measured end points (no extrapolation).
 
 A choice may name a kernel variant (:mod:`normscope.kernels.variants`), ``"variant": "split"``: in its
-range the Triton backend runs that candidate instead of today's kernel (:func:`variant`), whether it
-was chosen automatically or forced. A choice without one is today's kernel. A candidate no committed
+range the Triton backend runs that candidate instead of the default kernel (:func:`variant`), whether it
+was chosen automatically or forced. A choice without one is the default kernel. A candidate no committed
 row names never runs on its own (``normscope bench --write-choice`` names one only where it measured
-faster than both torch and today's kernel); :data:`VARIANTS` lists what a row may name.
+faster than both torch and the default kernel); :data:`VARIANTS` lists what a row may name.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Choice(NamedTuple):
     dtype: str
     n_min: int
     n_max: int
-    variant: str | None = None  # None: today's kernel
+    variant: str | None = None  # None: the default kernel
 
 
 # per device index / per class; filled on first use (a plain dict, not lru_cache: torch.compile
@@ -126,7 +126,7 @@ def why_not(op: str, dtype: torch.dtype, n: int, device: torch.device) -> str | 
 
 def variant(op: str, dtype: torch.dtype, n: int, device: torch.device) -> str | None:
     """The kernel variant a committed choice names for this op, dtype and scope size on ``device``'s
-    class; None -- today's kernel -- where the choice names none and where no choice covers the call
+    class; None -- the default kernel -- where the choice names none and where no choice covers the call
     (every call of a device class without a table: no table is measured off CUDA)."""
     cls = device_class(device)
     name = str(dtype).removeprefix("torch.")

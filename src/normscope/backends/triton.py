@@ -168,7 +168,7 @@ def prepare(call: Call, automatic: bool) -> Runner:
 
 def _table_variant(call: Call) -> str | None:
     """The kernel variant (normscope.kernels.variants) the committed measured-choice table names for
-    this call: None -- today's kernels -- unless a GPU measurement put a candidate there (CUDA only).
+    this call: None -- the default kernels -- unless a GPU measurement put a candidate there (CUDA only).
     A pin in kernels/config.py (``CHANNELS_VARIANT``, ``GROUPS_VARIANT``) overrides it at run time."""
     x = call.x
     if x.device.type != "cuda":
@@ -189,7 +189,7 @@ def _kernel_runner(call: Call) -> Runner:
     kind, arg = _kind(call.scope)
     centered = call.scope.centered
     variant = _table_variant(call)
-    # the kernel families' entry points, each on the variant the table or a pin names (today's kernels unless
+    # the kernel families' entry points, each on the variant the table or a pin names (the default kernels unless
     # one does); the kernel modules -- and with them Triton, which reads TRITON_INTERPRET -- load on first use
     from ..kernels import variants as kv
 

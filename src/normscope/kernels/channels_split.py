@@ -1,7 +1,7 @@
 # ruff: noqa: UP007, UP045  -- torch.library reads custom-op schemas from typing.Optional annotations
-"""BatchNorm as a per-channel split reduction: the ``"split"`` variant of the channels family (issue 57).
+"""BatchNorm as a per-channel split reduction: the ``"split"`` variant of the channels family.
 
-A candidate beside today's kernels (:mod:`.channels`), with the same contract and outputs: **not
+A candidate beside the default kernels (:mod:`.channels`), with the same contract and outputs: **not
 measured on a GPU yet, and off by default** -- it runs only where ``kernels.config.CHANNELS_VARIANT =
 "split"`` pins it (the bench, the tests) or a committed measured-choice row names it
 (:mod:`normscope.kernels.variants`).
@@ -28,7 +28,7 @@ sums them in a fixed order (its split-0 programs store them: dB and dW) and writ
 runs give the same bits. Two memory views, chosen by layout (and so by the scope's layout, not by C):
 
 * **channels innermost** (``(B, S, D)`` over the last axis, ``(N, C)``, and channels_last /
-  channels_last_3d input, read and written in place -- today's kernels copy these to NCHW and back):
+  channels_last_3d input, read and written in place -- the default kernels copy these to NCHW and back):
   tiles of ``CHANNELS_SPLIT_TILE / CHANNELS_SPLIT_BLOCK_C`` positions x ``CHANNELS_SPLIT_BLOCK_C``
   adjacent channels, one contiguous run per tile row; the block width is a constant, so a channel's
   reduction order does not depend on how many channels there are. A mask (one flag per position) is
@@ -40,22 +40,22 @@ runs give the same bits. Two memory views, chosen by layout (and so by the scope
 Masks: a bool mask is read from its own memory (a ``uint8`` view, no conversion pass), with no
 ``argmax`` pre-pass (each split takes its own shift) and no separate count (the statistics kernel
 counts). Padding is never read by the statistics; the padded outputs are the formula's, and a padded
-value that is not finite, or has no gradient, enters no backward sum (today's kernels' semantics,
+value that is not finite, or has no gradient, enters no backward sum (the default kernels' semantics,
 which the tests hold both to).
 
 Limits
 ------
-* Masks must be constant along the channel axis (as today's); on NCHW memory the mask tile is re-read
+* Masks must be constant along the channel axis (as the default); on NCHW memory the mask tile is re-read
   per channel (from L2: uint8 beside fp32/bf16 values).
 * Another layout than contiguous, channels_last or channels_last_3d is copied to contiguous first.
 * At most ``CHANNELS_SPLIT_MAX`` splits per channel (a longer scope takes longer chunks). The count of
   valid positions is an fp32 sum (exact to 2^24 per split).
 * Every launch setting (``CHANNELS_SPLIT_*`` in :mod:`normscope.kernels.config`) is a guess: no GPU has
-  run this file. ``benchmarks/gpu_check.sh bench`` times it beside today's kernels (bench cases
+  run this file. ``benchmarks/gpu_check.sh bench`` times it beside the default kernels (bench cases
   ``batch_norm@split``, ``batch_norm_cl@split``, ``masked_batch_norm@split``).
 
 The reference (CPU tensors without ``TRITON_INTERPRET=1``, empty input, the double backward) is
-:func:`._ref.channels_fwd_ref`, as for today's kernels.
+:func:`._ref.channels_fwd_ref`, as for the default kernels.
 """
 
 from typing import Optional

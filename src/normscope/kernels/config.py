@@ -109,19 +109,19 @@ CHANNELS_PROGRAMS_PER_SM = 2
 #: after the other: a few, so that tests still exercise the multi-program (partial-sum) paths.
 INTERPRETER_PROGRAMS = 4
 
-# ---- kernel variants (issue 57): candidates beside today's kernels, unmeasured, off by default
+# ---- kernel variants: candidates beside the default kernels, unmeasured, off by default
 
 # Which kernel a family runs. None (the default): the measured-choice table decides
 # (normscope.backends.measured: a committed row may name a variant for an op, dtype and scope size; with no
-# such row today's kernel runs, a forced use_backend("triton") included). A name pins one kernel for every
+# such row the default kernel runs, a forced use_backend("triton") included). A name pins one kernel for every
 # call of the process: ``normscope bench`` pins each case's kernel so that a row measures what its name says,
 # and the tests pin the candidates. Read at every call, process-wide like every setting here: a knob for
 # measurements and tests, not a user API (normscope.kernels.variants.pinned sets one for a block).
 
-#: BatchNorm: "tiled" (kernels/channels.py, today's) or "split" (kernels/channels_split.py).
+#: BatchNorm: "tiled" (kernels/channels.py, the default) or "split" (kernels/channels_split.py).
 CHANNELS_VARIANT: str | None = None
-#: GroupNorm / InstanceNorm: "tiled" (kernels/groups.py, today's) or "onchip" (kernels/groups_onchip.py,
-#: for groups that fit GROUPS_ONCHIP_MAX; larger ones run today's kernels).
+#: GroupNorm / InstanceNorm: "tiled" (kernels/groups.py, the default) or "onchip" (kernels/groups_onchip.py,
+#: for groups that fit GROUPS_ONCHIP_MAX; larger ones run the default kernels).
 GROUPS_VARIANT: str | None = None
 
 # ---- split BatchNorm (kernels/channels_split.py): unmeasured
@@ -149,9 +149,9 @@ CHANNELS_SPLIT_WARPS = 8
 
 #: Most elements of one program's register tile (``next_pow2(C/G) x next_pow2(H*W)``, times the groups a
 #: channels_last program holds side by side): a group that fits is read once forward (x) and once backward
-#: (x and dy); a larger one runs today's kernels. The backward holds x and dy: ptxas (sm_90, Triton 3.6,
+#: (x and dy); a larger one runs the default kernels. The backward holds x and dy: ptxas (sm_90, Triton 3.6,
 #: ``benchmarks/compile_check.py --only onchip``) spills nothing at 8192, ~100 B a thread at 16384 and
-#: 1.6-3.2 KB at 32768 (the bench's GroupNorm(32) on 256 x 56 x 56, which therefore stays on today's
+#: 1.6-3.2 KB at 32768 (the bench's GroupNorm(32) on 256 x 56 x 56, which therefore stays on the default
 #: kernels). Unmeasured on a GPU.
 GROUPS_ONCHIP_MAX = 16384
 #: channels_last: most channels side by side in a tile row (whole groups), one contiguous run. Unmeasured.

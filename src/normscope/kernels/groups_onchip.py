@@ -1,7 +1,7 @@
 # ruff: noqa: UP007, UP045  -- torch.library reads custom-op schemas from typing.Optional annotations
-"""GroupNorm / InstanceNorm with the whole group on chip: the ``"onchip"`` variant of the groups family (issue 57).
+"""GroupNorm / InstanceNorm with the whole group on chip: the ``"onchip"`` variant of the groups family.
 
-A candidate beside today's kernels (:mod:`.groups`), with the same contract and outputs: **not
+A candidate beside the default kernels (:mod:`.groups`), with the same contract and outputs: **not
 measured on a GPU yet, and off by default** -- it runs only where ``kernels.config.GROUPS_VARIANT =
 "onchip"`` pins it (the bench, the tests) or a committed measured-choice row names it
 (:mod:`normscope.kernels.variants`).
@@ -17,10 +17,10 @@ GROUPS_ONCHIP_MAX``). There one program holds its whole group and so reads it on
 * forward: x is loaded once; the mean is the mean of values scaled by ``1/L`` before the sum (no
   overflow near fp32's max), corrected by the mean of the deviations from it, and the variance is the
   mean square of the deviations from the corrected mean -- three reductions over registers, no
-  ``E[x^2] - E[x]^2``; then y is written from the same registers (2 passes over memory where today's
+  ``E[x^2] - E[x]^2``; then y is written from the same registers (2 passes over memory where the default
   kernels make 3);
 * backward: x and dy are loaded once; the two row sums (``sum(g * xhat)``, ``sum(g)``, ``g = dy * w``)
-  and dx come from registers (3 passes where today's make 5); per channel, ``sum(dy * xhat)`` and
+  and dx come from registers (3 passes where the default kernels make 5); per channel, ``sum(dy * xhat)`` and
   ``sum(dy)`` go to per-sample partial rows summed once over the batch (dW, dB: deterministic, no atomics).
 
 **NCHW**: one program per (sample, group), a ``(next_pow2(C/G), next_pow2(H*W))`` tile of the
@@ -32,18 +32,22 @@ setting reads the batch size): batch-invariant by construction, in both layouts.
 
 Limits
 ------
-* A group larger than the tile (the bench's GroupNorm(32) on 256 x 56 x 56: 8 x 3136 elements, tile
-  8 x 4096 = 32768 <= the default limit) is at the edge of what registers hold: x and dy in fp32 are
-  64K values for 16 warps; ptxas may spill (``benchmarks/compile_check.py --only onchip`` prints
-  registers and spills). A group past ``GROUPS_ONCHIP_MAX`` runs today's kernels.
+* Only groups that fit: ``GROUPS_ONCHIP_MAX = 16384`` elements by default. The backward holds x and dy
+  in fp32 registers; ptxas (sm_90, Triton 3.6 and 3.9; ``benchmarks/compile_check.py --only onchip``)
+  spills nothing at 8192-element tiles, ~100 B a thread at 16384 (channels_last) and 1.6-3.2 KB at 32768.
+  The bench's GroupNorm(32) on 256 x 56 x 56 (8 x 3136, a tile of 32768) therefore runs the default kernels:
+  a group that size would need several programs, and so a second read, or a cross-program exchange that
+  Triton does not offer portably. The bench measures the candidate on GroupNorm(32) at 28 x 28 and on
+  InstanceNorm at 56 x 56 instead.
 * ``H*W`` and ``C/G`` that are not powers of two leave masked lanes (3136 in 4096: 23 %).
-* Other strides than contiguous / channels_last(_3d) are copied to contiguous NCHW first, as today's.
+* Other strides than contiguous / channels_last(_3d) are copied to contiguous NCHW first, as the default.
 * Every launch setting (``GROUPS_ONCHIP_*`` in :mod:`normscope.kernels.config`) is a guess: no GPU has
-  run this file. ``benchmarks/gpu_check.sh bench`` times it beside today's kernels (bench cases
-  ``group_norm@onchip``, ``group_norm_cl@onchip``, ``instance_norm@onchip``, ``instance_norm_cl@onchip``).
+  run this file. ``benchmarks/gpu_check.sh bench`` times it beside the default kernels (bench cases
+  ``group_norm_small@onchip``, ``group_norm_small_cl@onchip``, ``instance_norm@onchip``,
+  ``instance_norm_cl@onchip``).
 
 The reference (CPU tensors without ``TRITON_INTERPRET=1``, empty input, the double backward) is
-:func:`._ref.groups_fwd_ref`, as for today's kernels.
+:func:`._ref.groups_fwd_ref`, as for the default kernels.
 """
 
 from typing import Optional
@@ -370,7 +374,7 @@ def group_norm_onchip(
     centered: bool = True,
 ) -> Tensor:
     """:func:`.groups.group_norm` on the on-chip kernels, for an ``x`` whose groups :func:`fits`
-    (:func:`.groups.group_norm` asks, and runs today's kernels otherwise). Same layouts and output."""
+    (:func:`.variants.group_norm` asks, and runs the default kernels otherwise). Same layouts and output."""
     y, _, _ = _eager.call(
         onchip_fwd, _OnchipEager, _onchip_fwd_impl,
         _laid_out(x), dense(weight), dense(bias), int(groups), float(eps), bool(centered),

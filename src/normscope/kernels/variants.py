@@ -1,17 +1,17 @@
-"""Kernel variants: candidate kernels beside today's, run only where a measurement or a pin says so.
+"""Kernel variants: candidate kernels beside the default, run only where a measurement or a pin says so.
 
 A kernel family may have several implementations of the same op with the same contract (the same
-custom-op outputs, the same numbers to the tests' tolerances): today's, ``"tiled"``, and candidates
-written to be measured against it (issue 57):
+custom-op outputs, the same numbers to the tests' tolerances): the default, ``"tiled"``, and candidates
+written to be measured against it:
 
 ============  ==========  =========================================================================
 family        variant     kernels
 ============  ==========  =========================================================================
-``channels``  ``tiled``   :mod:`.channels` (today's BatchNorm kernels)
+``channels``  ``tiled``   :mod:`.channels` (the default BatchNorm kernels)
 ``channels``  ``split``   :mod:`.channels_split`: a per-channel split reduction over N x HW,
                           partials combined in a fixed order inside the apply; channels_last read in
                           place; a mask read straight from its bool memory
-``groups``    ``tiled``   :mod:`.groups` (today's GroupNorm / InstanceNorm kernels)
+``groups``    ``tiled``   :mod:`.groups` (the default GroupNorm / InstanceNorm kernels)
 ``groups``    ``onchip``  :mod:`.groups_onchip`: the whole group in one program's registers, x read once
                           forward, x and dy once backward, both layouts (where the group fits)
 ============  ==========  =========================================================================
@@ -20,7 +20,7 @@ Which one runs (:func:`resolve`): the family's pin in :mod:`.config` (``CHANNELS
 ``GROUPS_VARIANT``) when set, else the variant the measured-choice table names for the call
 (:func:`normscope.backends.measured.variant`: on CUDA, from a committed ``normscope bench`` run), else
 ``"tiled"``. No table row names a candidate until a GPU has measured it, so they are off by default:
-the automatic choice and a forced ``use_backend("triton")`` both run today's kernels.
+the automatic choice and a forced ``use_backend("triton")`` both run the default kernels.
 
 :func:`batch_norm` and :func:`group_norm` are the families' entry points that choose (the Triton backend
 calls them); each kernel module's own entry point runs its kernels only. This module sits above the
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FAMILIES", "KNOBS", "DEFAULT", "resolve", "pinned", "batch_norm", "group_norm"]
 
-#: each family's variants; the first is today's kernel
+#: each family's variants; the first is the default kernel
 FAMILIES: dict[str, tuple[str, ...]] = {"channels": ("tiled", "split"), "groups": ("tiled", "onchip")}
 #: the setting of :mod:`.config` that pins each family
 KNOBS: dict[str, str] = {"channels": "CHANNELS_VARIANT", "groups": "GROUPS_VARIANT"}
@@ -111,7 +111,7 @@ def group_norm(
 ) -> Tensor:
     """:func:`normscope.kernels.groups.group_norm` (same arguments and output) on the variant
     :func:`resolve` picks (``variant``: the table's, None: none); ``"onchip"`` only where a group fits
-    its tile (:func:`normscope.kernels.groups_onchip.fits`), today's kernels elsewhere."""
+    its tile (:func:`normscope.kernels.groups_onchip.fits`), the default kernels elsewhere."""
     from . import groups as tiled
 
     if resolve("groups", variant) == "onchip":

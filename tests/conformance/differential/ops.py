@@ -1508,7 +1508,7 @@ SIZES_MET_ELSEWHERE = {
     # crossed in tests/kernels/test_kernels.py, not here
     "kernels.config.CHANNELS_BLOCK_P": "BatchNorm's channels kernel: tests/kernels/test_kernels.py (not this suite)",
     "kernels.config.CHANNELS_MAX_BLOCK_C": "as CHANNELS_BLOCK_P",
-    # the issue-57 candidates (kernels/variants.py): off unless pinned or named by a measured row, so no path
+    # the candidate kernels (kernels/variants.py): off unless pinned or named by a measured row, so no path
     # of this suite reaches them; tests/kernels/test_kernels_variants.py crosses their tiles and splits
     **{
         f"kernels.config.{n}": "a candidate kernel's setting: tests/kernels/test_kernels_variants.py (off by default)"

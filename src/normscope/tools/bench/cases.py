@@ -28,8 +28,8 @@ CASES = (*ROW_CASES, "group_norm", "group_norm_cl", "batch_norm", "masked_batch_
 #: the modern norms (normscope.functional_modern), a group of their own (``--cases modern``): not in the
 #: default selection, which measures the ops the engine chooses automatically (and feeds the choice table)
 MODERN_CASES = ("modulated_rms_norm", "modulated_layer_norm", "qk_norm", "gemma_rms_norm", "poly_norm", "derf")
-#: the issue-57 candidates (normscope.kernels.variants), each beside the case that measures today's kernel on
-#: the same input: ``case@variant`` pins that kernel variant, a plain case pins today's ("tiled"), so that a
+#: the candidate kernels (normscope.kernels.variants), each beside the case that measures the default kernel on
+#: the same input: ``case@variant`` pins that kernel variant, a plain case pins the default ("tiled"), so that a
 #: row measures the kernel its name says whatever the measured-choice table names. InstanceNorm, channels_last
 #: BatchNorm and GroupNorm at 28 x 28 (``group_norm_small``: a group of 8 x 784 fits the on-chip tile, the
 #: bench's 8 x 3136 does not) are measured here. A group of their own, ``--cases candidates`` (gpu_check.sh's
@@ -109,7 +109,7 @@ def split_case(case: str) -> tuple[str, str | None]:
 
 def variant_runs(case: str, inputs: list) -> bool:
     """Whether the kernel variant a case names runs on its input: the on-chip groups kernels only where a
-    group fits their tile (elsewhere today's kernels run, and the row must not count for the variant)."""
+    group fits their tile (elsewhere the default kernels run, and the row must not count for the variant)."""
     base, variant = split_case(case)
     if variant != "onchip":
         return True
@@ -141,7 +141,7 @@ def _ns(fn: Callable, kernels: bool, pin: tuple[str, str] | None = None) -> Call
     """normscope as called in the run: forced onto the Triton backend where its kernels can run (CUDA, or
     ``--interpret``): the run measures the kernels against ATen, so it must not depend on the automatic
     choice that its own measurements decide. Elsewhere (plain CPU) the automatic choice. ``pin``: a kernel
-    family and the variant it runs (:func:`normscope.kernels.variants.pinned`) -- today's or a candidate,
+    family and the variant it runs (:func:`normscope.kernels.variants.pinned`) -- the default or a candidate,
     never the table's choice, for the same reason."""
     if not kernels:
         return fn

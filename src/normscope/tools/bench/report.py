@@ -45,7 +45,7 @@ def problems(report: dict) -> list[str]:
         if wants_kernel and r.get("normscope_impl") != "normscope (triton)":
             out.append(f"{where}: normscope ran {r.get('normscope_impl')!r}, not its Triton kernels")
         if wants_kernel and r.get("variant_ran") is False:
-            out.append(f"{where}: the {r['variant']!r} kernel variant does not take this input: today's kernel ran")
+            out.append(f"{where}: the {r['variant']!r} kernel variant does not take this input: the default kernel ran")
     return out
 
 
@@ -185,7 +185,7 @@ def _scope_n(row: dict) -> int | None:
 
 
 def _row_variant(row: dict) -> str | None:
-    """The kernel variant a row measured (None: today's kernel)."""
+    """The kernel variant a row measured (None: the default kernel)."""
     v = row.get("variant") or split_case(row["case"])[1]
     return None if v in (None, "tiled") else v
 
@@ -200,7 +200,7 @@ def _speedups(rows: list[dict]) -> tuple[float, float] | None:
         ns, eager = row["impls"].get("normscope", {}), row["impls"].get("torch", {})
         if row.get("normscope_impl") != "normscope (triton)" or ns.get("ok") is not True:
             return None
-        if row.get("variant_ran") is False:  # the candidate did not take the input: today's kernel ran
+        if row.get("variant_ran") is False:  # the candidate did not take the input: the default kernel ran
             return None
         if not ns.get("ms") or not eager.get("ms") or ns.get("error") or eager.get("error"):
             return None
@@ -225,8 +225,8 @@ def choice_table(report: dict, *, device_class: str | None = None, command: str 
     measured ``n`` that does not qualify (it splits a run).
 
     Kernel variants (rows of ``case@variant``, :mod:`normscope.kernels.variants`): at each ``n`` every
-    kernel measured there -- today's and each candidate, each with all of its rows -- qualifies or not by
-    the rule above, and the qualifying one with the largest forward+backward speedup is chosen (today's
+    kernel measured there -- the default and each candidate, each with all of its rows -- qualifies or not by
+    the rule above, and the qualifying one with the largest forward+backward speedup is chosen (the default
     on a tie); a run is consecutive ``n`` with the same choice, and an entry of a candidate names it
     (``"variant"``). A candidate that did not take the input (``variant_ran`` false) never qualifies.
 
@@ -247,7 +247,7 @@ def choice_table(report: dict, *, device_class: str | None = None, command: str 
     device_class = device_class or report.get("device_class")
     if not device_class:
         raise ValueError("choice_table: expected `device_class` such as 'cuda-sm90' (the report has none), got None")
-    # (op, dtype) -> n -> kernel variant (None: today's) -> its rows, or None when a configuration failed
+    # (op, dtype) -> n -> kernel variant (None: the default) -> its rows, or None when a configuration failed
     by_key: dict[tuple[str, str], dict[int, dict[str | None, list[dict] | None]]] = defaultdict(dict)
     for row in report["results"]:
         n = _scope_n(row)
@@ -271,7 +271,7 @@ def choice_table(report: dict, *, device_class: str | None = None, command: str 
             best: tuple[str | None, tuple[float, float]] | None = None
             for variant, rows in sorted((sizes[n] if n is not None else {}).items(), key=lambda kv: kv[0] or ""):
                 sp = _speedups(rows) if rows is not None else None
-                if sp is not None and (best is None or sp[1] > best[1][1]):  # today's ("") first: it wins ties
+                if sp is not None and (best is None or sp[1] > best[1][1]):  # the default ("") first: it wins ties
                     best = (variant, sp)
             if best is not None and (not run or best[0] == run_variant):
                 run.append((n, best[1]))
