@@ -57,10 +57,10 @@ from normscope import engine  # noqa: E402
 
 BACKENDS = ("aten", "reference")
 
-#: ``NORMSCOPE_TEST_KERNEL_VARIANTS=channels:split,groups:onchip`` runs the kernel tests (tests/kernels/)
-#: with those kernel variants pinned (normscope.kernels.variants): the tests that reach the kernels through
-#: the engine (the Triton backend) held to the candidates; tests that call a kernel module directly or spy
-#: on the default kernels by name still run (or expect) the default ones
+#: ``NORMSCOPE_TEST_KERNEL_VARIANTS=channels:split,groups:onchip`` runs the kernel tests (tests/kernels/) and
+#: the differential suite (tests/conformance/) with those kernel variants pinned (normscope.kernels.variants):
+#: the tests that reach the kernels through the engine (the Triton backend) held to the candidates; tests
+#: that call a kernel module directly or spy on the default kernels by name still run (or expect) the default
 KERNEL_VARIANTS = dict(
     item.split(":", 1) for item in os.environ.get("NORMSCOPE_TEST_KERNEL_VARIANTS", "").split(",") if ":" in item
 )
@@ -68,8 +68,10 @@ KERNEL_VARIANTS = dict(
 
 @pytest.fixture(autouse=True)
 def _kernel_variants(request, monkeypatch):
-    """The pins of ``NORMSCOPE_TEST_KERNEL_VARIANTS`` for every test of tests/kernels/ (none by default)."""
-    if KERNEL_VARIANTS and request.node.path.parent.name == "kernels" and request.node.path.parent.parent == _TESTS:
+    """The pins of ``NORMSCOPE_TEST_KERNEL_VARIANTS`` for every test of tests/kernels/ and tests/conformance/
+    (none by default)."""
+    where = request.node.path.parents
+    if KERNEL_VARIANTS and (_TESTS / "kernels" in where or _TESTS / "conformance" in where):
         from normscope.kernels import config, variants
 
         for family, name in KERNEL_VARIANTS.items():
