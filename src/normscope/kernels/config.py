@@ -140,7 +140,9 @@ CHANNELS_SPLIT_BLOCK_I = 512
 #: combine, fewer splits mean fewer programs. Unmeasured.
 CHANNELS_SPLIT_MIN_TILES = 4
 #: Most splits of one channel's positions: every apply program combines all of its channel's splits, so
-#: this bounds that work (and the BLOCK_S of the combine). Unmeasured.
+#: this bounds that work (and the BLOCK_S of the combine). With channels innermost the programs are splits x
+#: cdiv(C, CHANNELS_SPLIT_BLOCK_C): 256 for the bench's channels_last BatchNorm (C = 256), few for 132 SMs --
+#: with this and CHANNELS_SPLIT_BLOCK_C the first settings to sweep there. Unmeasured.
 CHANNELS_SPLIT_MAX = 64
 #: Warps of every split BatchNorm program. Unmeasured.
 CHANNELS_SPLIT_WARPS = 8
