@@ -5,10 +5,15 @@ The CPU tests run the kernels in Triton's interpreter, which is more lenient tha
 
     PYTHONPATH=src python benchmarks/compile_check.py          # about a minute or two
 
-The read-once rows candidates (kernels/rows_once.py) are lowered at the settings they launch with
-(block, warps and launch options from kernels/config.py, cooperative launch included), and for each
-the registers and spill bytes ptxas reports for sm_90 are printed (``regs=64 spill=0``): what their
-settings were chosen by, and a check that a changed setting or kernel does not start spilling.
+    PYTHONPATH=src python benchmarks/compile_check.py --only rows_once,split,onchip   # the candidates only
+
+The candidate kernels (kernels/variants.py) -- the read-once rows kernels (kernels/rows_once.py), the
+split BatchNorm (kernels/channels_split.py), the on-chip GroupNorm / InstanceNorm
+(kernels/groups_onchip.py) -- are lowered at the settings they launch with (block, tile, warps and launch
+options from kernels/config.py, the rows kernels' cooperative launch included), and for each the registers
+and spill bytes ptxas reports for sm_90 are printed (``regs=64 spill=0``), with one summary line a family
+before the total: what their settings were chosen by, and a check that a changed setting or kernel does
+not start spilling. ``--only WORD[,WORD...]`` lowers only the specialisations whose label holds a word.
 """
 
 import itertools
@@ -34,6 +39,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 #: the BatchNorm kernels' tile as launched (kernels/config.py) for C >= CHANNELS_MAX_BLOCK_C channels
 BP, BC = KC.CHANNELS_BLOCK_P, KC.CHANNELS_MAX_BLOCK_C
 failures = 0
+#: ``--only WORD[,WORD...]``: compile only the specialisations whose label holds one of the words
+#: (e.g. ``--only rows_once,split,onchip``: the candidate kernels)
+ONLY = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
 #: (label, registers, spill bytes) of every kernel lowered with stats=True
 resources = []
 
@@ -65,7 +73,11 @@ def ptxas_stats(compiled) -> tuple[int, int] | None:
 
 
 def check(fn, sig, consts, label, options=None, stats=False):
+    """Compile one specialisation (``options``: Triton's, default 4 warps); ``stats``: also print and
+    keep the registers and spills ptxas reports for it."""
     global failures
+    if ONLY is not None and not any(w in label for w in ONLY):
+        return
     t = time.time()
     try:
         compiled = triton.compile(ASTSource(fn, sig, consts), target=TARGET, options=options or {"num_warps": 4})
@@ -250,13 +262,103 @@ for dt in ("fp32", "bf16"):
                   RO._launch_options(warps, split), stats=True)  # fmt: skip
 # fmt: on
 
-if resources:
-    worst = max(resources, key=lambda r: (r[2], r[1]))
-    spilling = sum(1 for r in resources if r[2])
-    print(
-        f"rows_once at its launch settings: {len(resources)} specialisations, registers "
-        f"{min(r[1] for r in resources)}-{max(r[1] for r in resources)}, {spilling} spill "
-        f"(most: {worst[2]} bytes, {worst[0]})"
-    )
+# the candidate kernels (kernels/variants.py): the split BatchNorm (kernels/channels_split.py) at the tiles
+# its defaults launch -- channels innermost: (TILE / BLOCK_C positions, BLOCK_C channels); NCHW: (TILE /
+# BLOCK_I rows, BLOCK_I columns) -- with its warps, registers and spills printed; and the tiny tiles of
+# tests/kernels/test_kernels_variants.py, which NORMSCOPE_TEST_DEVICE=cuda runs compiled
+from normscope.kernels import channels_split as CS  # noqa: E402
+
+SW = KC.CHANNELS_SPLIT_WARPS
+split_tiles = {
+    "cols": [(KC.CHANNELS_SPLIT_TILE // KC.CHANNELS_SPLIT_BLOCK_C, KC.CHANNELS_SPLIT_BLOCK_C), (2, 4)],
+    "rows": [(KC.CHANNELS_SPLIT_TILE // KC.CHANNELS_SPLIT_BLOCK_I, KC.CHANNELS_SPLIT_BLOCK_I), (4, 2)],
+}
+# fmt: off
+for dt in ("fp32", "bf16"):
+    p = "*" + dt
+    for view, tiles in split_tiles.items():
+        kern = [getattr(CS, f"_{view}_{k}_kernel") for k in ("stats", "apply", "bwd_sums", "bwd_dx")]
+        blocks = ("BLOCK_P", "BLOCK_C") if view == "cols" else ("BLOCK_O", "BLOCK_I")
+        dims = ({"C": "i32", "P": "i32", "chunk": "i32"} if view == "cols" else
+                {"C": "i32", "outer": "i32", "inner": "i32", "tiles_i": "i32", "tiles": "i32", "per": "i32"})
+        for tile in tiles:
+            real = tile == tiles[0]  # the default launch: every flag, registers printed
+            bs = KC.CHANNELS_SPLIT_MAX if real else 16
+            for has_m in (False, True):
+                csig, cval = const((*blocks, "HAS_MASK"), (*tile, has_m))
+                sig = {"X": p, "MASK": "*u8", "PK": "*fp32", "PMEAN": "*fp32", "PM2": "*fp32", "PCNT": "*fp32",
+                       **dims, **csig}
+                check(kern[0], sig, cval, f"split {view} stats {dt} {cval}", {"num_warps": SW}, real)
+                sig = {"DY": p, "X": p, "MASK": "*u8", "MEAN": "*fp32", "RSTD": "*fp32", "PSDY": "*fp32",
+                       "PSDYX": "*fp32", **dims, **csig}
+                check(kern[2], sig, cval, f"split {view} bwd sums {dt} {cval}", {"num_warps": SW}, real)
+            for has_w, has_b, stats in itertools.product([False, True], repeat=3):
+                if not real and not (has_w and has_b):
+                    continue
+                names = (*blocks, "BLOCK_S", "HAS_WEIGHT", "HAS_BIAS", "STATS")
+                csig, cval = const(names, (*tile, bs, has_w, has_b, stats))
+                sig = {"X": p, "Y": p, "PK": "*fp32", "PMEAN": "*fp32", "PM2": "*fp32", "PCNT": "*fp32", "W": p, "B": p,
+                       "MEAN": "*fp32", "VAR": "*fp32", "RSTD": "*fp32", "COUNT": "*fp32", **dims, "splits": "i32",
+                       "eps": "fp32", **csig}
+                check(kern[1], sig, cval, f"split {view} apply {dt} {cval}", {"num_warps": SW},
+                      real and has_w and has_b)
+            for has_w, training, has_m in itertools.product([False, True], repeat=3):
+                if not real and not (has_w and training):
+                    continue
+                names = (*blocks, "BLOCK_S", "HAS_WEIGHT", "TRAINING", "HAS_MASK")
+                csig, cval = const(names, (*tile, bs, has_w, training, has_m))
+                sig = {"DY": p, "X": p, "MASK": "*u8", "MEAN": "*fp32", "RSTD": "*fp32", "W": p, "PSDY": "*fp32",
+                       "PSDYX": "*fp32", "DX": p, "DW": "*fp32", "DB": "*fp32", "COUNT": "*fp32", **dims,
+                       "splits": "i32", **csig}
+                check(kern[3], sig, cval, f"split {view} bwd dx {dt} {cval}", {"num_warps": SW},
+                      real and has_w and training)
+# fmt: on
+
+# the on-chip GroupNorm / InstanceNorm (kernels/groups_onchip.py) at the tiles of the bench's candidate cases
+# (GroupNorm(32) on 256 x 28 x 28, InstanceNorm on 256 x 56 x 56, both layouts), registers and spills printed,
+# and at tiny tiles (the tests'); the tile and warps as groups_onchip.tiles gives them
+from normscope.kernels import groups_onchip as GO  # noqa: E402
+
+onchip_cases = {False: [(32, 8, 784), (256, 1, 3136), (2, 2, 3)], True: [(32, 8, 784), (256, 1, 3136), (3, 2, 5)]}
+# fmt: off
+for dt in ("fp32", "bf16"):
+    p = "*" + dt
+    for cl, cases in onchip_cases.items():
+        for groups, cg, hw in cases:
+            bs, bg, bc, warps = GO.tiles(groups, cg, hw, cl)
+            real = hw > 8
+            for centered, has_w, has_b in itertools.product([False, True], repeat=3):
+                if not real and not (has_w and has_b):
+                    continue
+                show = real and centered and has_w and has_b
+                label = f"onchip {'cl' if cl else 'nchw'} G={groups} Cg={cg} HW={hw} {dt} warps={warps}"
+                if cl:
+                    names = ("BLOCK_S", "BLOCK_G", "BLOCK_C", "CENTERED", "HAS_WEIGHT", "HAS_BIAS")
+                    csig, cval = const(names, (bs, bg, bc, centered, has_w, has_b))
+                    dims = {"G": "i32", "C": "i32", "Cg": "i32", "HW": "i32"}
+                    fwd, bwd = GO._cl_fwd_kernel, GO._cl_bwd_kernel
+                else:
+                    names = ("BLOCK_C", "BLOCK_S", "CENTERED", "HAS_WEIGHT", "HAS_BIAS")
+                    csig, cval = const(names, (bc, bs, centered, has_w, has_b))
+                    dims = {"G": "i32", "Cg": "i32", "HW": "i32"}
+                    fwd, bwd = GO._nchw_fwd_kernel, GO._nchw_bwd_kernel
+                sig = {"X": p, "W": p, "B": p, "Y": p, "MEAN": "*fp32", "RSTD": "*fp32", **dims, "eps": "fp32", **csig}
+                check(fwd, sig, cval, f"{label} fwd {cval}", {"num_warps": warps}, show)
+                sig = {"DY": p, "X": p, "W": p, "MEAN": "*fp32", "RSTD": "*fp32", "DX": p, "DWP": "*fp32",
+                       "DBP": "*fp32", **dims, **csig}
+                check(bwd, sig, cval, f"{label} bwd {cval}", {"num_warps": warps}, show)
+# fmt: on
+
+# one line a candidate family: the specialisations lowered at its launch settings, their registers and spills
+for family in ("rows_once", "split", "onchip"):
+    found = [r for r in resources if r[0].startswith(family)]
+    if found:
+        worst = max(found, key=lambda r: (r[2], r[1]))
+        spilling = sum(1 for r in found if r[2])
+        print(
+            f"{family} at its launch settings: {len(found)} specialisations, registers "
+            f"{min(r[1] for r in found)}-{max(r[1] for r in found)}, {spilling} spill "
+            f"(most: {worst[2]} bytes, {worst[0]})"
+        )
 print(f"triton {triton.__version__}: {failures} failures")
 sys.exit(1 if failures else 0)

@@ -31,8 +31,11 @@
 #                     (default 420 and 240)
 #   GPU_CHECK_TESTS   the test files or folders the tests step runs (default tests/kernels/), e.g.
 #                     "tests/kernels/test_kernels_rows_once.py tests/kernels/test_kernels.py"
-#   GPU_CHECK_K       a pytest -k expression that narrows them further (default: none), e.g. "rows"
-#   GPU_CHECK_SANITIZE_ONLY  run only the sanitizer cases whose label contains this (e.g. rows_once)
+#   GPU_CHECK_K       a pytest -k expression ANDed to that selection (default: none), e.g. the
+#                     group/channel kernels' tests: "group or batch_norm or channels or instance or variant"
+#   GPU_CHECK_SANITIZE_ONLY  comma-separated words: sanitize only the cases whose label holds one
+#                     (default: every case); the candidates' labels start with their variant's name,
+#                     e.g. rows_once, or split,onchip
 #   GPU_CHECK_WORKERS pytest-xdist processes of the CUDA tests (default 8; 0: one process)
 #   GPU_CHECK_PEERS   the bench's peers (default torch,compile,liger; e.g. torch,liger when device
 #                     time is short: torch.compile's compiling is most of the bench's time)
@@ -239,16 +242,25 @@ print(f"bench: {len(want) - len(left)} of {len(want)} configurations in {sys.arg
 if left:
     print(f"bench: not yet measured: {', '.join(f'{c} {d} {chr(120).join(map(str, s))}' for c, d, s in left)}")
     print("bench: run `benchmarks/gpu_check.sh bench OUTDIR PREVIOUS` with this bench-*.json in PREVIOUS")
-# the candidate kernels (bench.VARIANTS) against today's: today's time / the candidate's, fwd and fwd+bwd
-for v in bench.VARIANTS:
-    pairs = {}
-    for x in r["results"]:
-        e, ours = x["impls"].get(v), x["impls"].get("normscope", {})
-        if e and e.get("ms") and ours.get("ms"):
-            pairs.setdefault((x["case"], x["dtype"], x.get("n")), {})[x["mode"]] = ours["ms"] / e["ms"]
-    if pairs:
-        cells = [f"{c} {d} {n}: {m.get('fwd', 0):.2f}/{m.get('fwd+bwd', 0):.2f}" for (c, d, n), m in sorted(pairs.items())]
-        print(f"bench: {v} speedup over today's kernel (fwd/fwd+bwd, above 1 faster): " + "; ".join(cells))
+# the candidate kernels against the default kernel, the default's time over the candidate's (above 1: the
+# candidate is faster), fwd and fwd+bwd: the row cases' columns (bench.VARIANTS, e.g. rows_once) and the
+# spatial cases' case@variant rows beside their plain case (same dtype and shape)
+def ms(x, impl="normscope"):
+    return (x["impls"].get(impl) or {}).get("ms")
+plain = {(x["case"], x["dtype"], tuple(x["shape"]), x["mode"]): ms(x) for x in r["results"]}
+speedups = {}
+for x in r["results"]:
+    base, _, variant = x["case"].partition("@")
+    if variant:  # (candidate, default ms, candidate ms)
+        timed = [(variant, plain.get((base, x["dtype"], tuple(x["shape"]), x["mode"])), ms(x))]
+    else:
+        timed = [(v, ms(x), ms(x, v)) for v in bench.VARIANTS]
+    for v, default, candidate in timed:
+        if default and candidate:
+            speedups.setdefault(v, {}).setdefault((base, x["dtype"], x.get("n")), {})[x["mode"]] = default / candidate
+for v, pairs in speedups.items():
+    cells = [f"{c} {d} {n}: {m.get('fwd', 0):.2f}/{m.get('fwd+bwd', 0):.2f}" for (c, d, n), m in sorted(pairs.items())]
+    print(f"bench: {v} speedup over the default kernel (fwd/fwd+bwd, above 1 faster): " + "; ".join(cells))
 for line in found:
     print("PROBLEM", line)
 EOF

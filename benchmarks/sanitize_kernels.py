@@ -10,9 +10,11 @@ every access a hundredfold) and still take each kernel's multi-program paths: th
 (rows longer than ``kernels.config.ROWS_MAX_FUSED_N``), the channels_last GroupNorm split, BatchNorm's
 two-stage reduction. ``TRITON_INTERPRET=1`` (no GPU) runs the same cases in the interpreter, a rehearsal.
 
-The read-once rows candidates (kernels/rows_once.py, off by default) are forced here (``rows_once``
-cases): one row a program, and rows split over programs that synchronise. ``SANITIZE_ONLY=rows_once``
-(any substring of the labels) runs only the matching cases.
+The candidate kernels (kernels/variants.py, off by default) are forced here, each case's label starting
+with the variant's name: ``rows_once`` (one row a program, and rows split over programs that synchronise),
+``split`` (the split BatchNorm: NCHW, channels_last, masked, evaluation), ``onchip`` (GroupNorm /
+InstanceNorm with the group on chip, both layouts). ``SANITIZE_ONLY=rows_once`` or
+``SANITIZE_ONLY=split,onchip`` (comma-separated substrings of the labels) runs only the matching cases.
 """
 
 import os
@@ -34,11 +36,13 @@ def rand(*shape, dtype=torch.float32, grad=True):
     return torch.randn(shape, generator=g).to(DEV, dtype).requires_grad_(grad)
 
 
-ONLY = os.environ.get("SANITIZE_ONLY", "")
+#: ``SANITIZE_ONLY=rows_once`` or ``SANITIZE_ONLY=split,onchip``: run only the cases whose label holds one of
+#: the words (a device call's time is short: benchmarks/gpu_check.sh passes GPU_CHECK_SANITIZE_ONLY)
+ONLY = [w for w in os.environ.get("SANITIZE_ONLY", "").split(",") if w]
 
 
 def case(label, fn, *inputs):
-    if ONLY and ONLY not in label:
+    if ONLY and not any(w in label for w in ONLY):
         return
     t = time.time()
     with normscope.use_backend("triton"):
@@ -167,8 +171,10 @@ for dt in (torch.float32, torch.bfloat16):
         rand(300, dtype=dt),
     )
 
-# the read-once rows candidates, forced: a row read whole by one program (20000: past ROWS_MAX_FUSED_N),
-# and rows split over programs that meet on their partial sums (40000: 5 forward chunks, 10 backward)
+# the candidate kernels (normscope.kernels.variants), forced with use_variant; their labels start with the
+# variant's name (rows_once, split, onchip: GPU_CHECK_SANITIZE_ONLY selects them). The read-once rows kernels:
+# a row read whole by one program (20000: past ROWS_MAX_FUSED_N), and rows split over programs that meet on
+# their partial sums (40000: 5 forward chunks, 10 backward)
 from normscope.kernels import variants  # noqa: E402
 
 if INTERPRETED:  # shrink the settings so that tiny rows take the same paths
@@ -176,7 +182,7 @@ if INTERPRETED:  # shrink the settings so that tiny rows take the same paths
 for dt in (torch.float32, torch.bfloat16):
     d = str(dt).split(".")[-1]
     for n in (20000, 40000) if not INTERPRETED else (13, 40):
-        with variants.use_rows_kernel("rows_once"):
+        with variants.use_variant("rows", "rows_once"):
             case(
                 f"rows_once layer_norm {d} 37x{n}",
                 lambda x, w, b, n=n: nf.layer_norm(x, (n,), w, b),
@@ -191,9 +197,73 @@ for dt in (torch.float32, torch.bfloat16):
                 rand(37, n, dtype=dt),
                 rand(n, dtype=dt),
             )
+if INTERPRETED:
+    KC.ROWS_MAX_FUSED_N = fused_n
+
+
+# the split BatchNorm on NCHW (several splits of partial tiles), on channels_last read in place (channels
+# fewer than a tile row), masked and in evaluation; the on-chip GroupNorm / InstanceNorm in both layouts
+def _cl(*shape, dtype):
+    return rand(*shape, dtype=dtype, grad=False).contiguous(memory_format=torch.channels_last).requires_grad_()
+
+
+for dt in (torch.float32, torch.bfloat16):
+    d = str(dt).split(".")[-1]
+    with variants.use_variant("channels", "split"):
+        rm, rv = torch.zeros(24, device=DEV), torch.ones(24, device=DEV)
+        shape = (3, 24, 9, 13) if INTERPRETED else (8, 24, 33, 65)
+        name = "x".join(map(str, shape))
+        for training in (True, False):
+            case(
+                f"split batch_norm {'train' if training else 'eval'} {d} NCHW {name}",
+                lambda x, w, b, rm=rm, rv=rv, t=training: nf.batch_norm(x, rm, rv, w, b, t),
+                rand(*shape, dtype=dt),
+                rand(24),
+                rand(24),
+            )
+        shape = (2, 24, 5, 7) if INTERPRETED else (4, 24, 17, 19)
+        case(
+            f"split batch_norm train {d} channels_last {'x'.join(map(str, shape))}",
+            lambda x, w, b: nf.batch_norm(x, None, None, w, b, True),
+            _cl(*shape, dtype=dt),
+            rand(24),
+            rand(24),
+        )
+        s_ = 33 if INTERPRETED else 300
+        mask = (torch.arange(s_)[None, :] < torch.tensor([[s_], [s_ // 2], [1]]))[..., None].to(DEV)
+        case(
+            f"split masked batch_norm {d} 3x{s_}x40",
+            lambda x, w, b, m=mask: nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, mask=m),
+            rand(3, s_, 40, dtype=dt),
+            rand(40, dtype=dt),
+            rand(40, dtype=dt),
+        )
+    with variants.use_variant("groups", "onchip"):
+        case(
+            f"onchip group_norm {d} NCHW 3x24x9x7 G=6",
+            lambda x, w, b: nf.group_norm(x, 6, w, b),
+            rand(3, 24, 9, 7, dtype=dt),
+            rand(24, dtype=dt),
+            rand(24, dtype=dt),
+        )
+        hw = 11 if not INTERPRETED else 5
+        case(
+            f"onchip group_norm {d} channels_last 2x64x{hw}x{hw + 3} G=32",
+            lambda x, w, b: nf.group_norm(x, 32, w, b),
+            _cl(2, 64, hw, hw + 3, dtype=dt),
+            rand(64, dtype=dt),
+            rand(64, dtype=dt),
+        )
+        case(
+            f"onchip instance_norm {d} channels_last 3x24x9x7",
+            lambda x, w, b: nf.instance_norm(x, weight=w, bias=b),
+            _cl(3, 24, 9, 7, dtype=dt),
+            rand(24, dtype=dt),
+            rand(24, dtype=dt),
+        )
 if DEV.type == "cuda":
     from normscope.kernels import rows_once  # noqa: E402
 
     if rows_once.timeouts(DEV):
         sys.exit(f"rows_once: {rows_once.timeouts(DEV)} programs gave up waiting for the others of their row")
-print("sanitize_kernels: every case ran" + (f" (matching {ONLY!r})" if ONLY else ""))
+print("sanitize_kernels: every case ran" + (f" (matching {','.join(ONLY)!r})" if ONLY else ""))

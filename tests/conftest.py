@@ -57,6 +57,28 @@ from normscope import engine  # noqa: E402
 
 BACKENDS = ("aten", "reference")
 
+#: ``NORMSCOPE_TEST_KERNEL_VARIANTS=channels:split,groups:onchip`` (or ``rows:rows_once``) runs the kernel tests
+#: (tests/kernels/) and the differential suite (tests/conformance/) with those kernel variants pinned
+#: (kernels/config.py's ``<FAMILY>_VARIANT``, normscope.kernels.variants):
+#: the tests that reach the kernels through the engine (the Triton backend) held to the candidates; tests
+#: that call a kernel module directly or spy on the default kernels by name still run (or expect) the default
+KERNEL_VARIANTS = dict(
+    item.split(":", 1) for item in os.environ.get("NORMSCOPE_TEST_KERNEL_VARIANTS", "").split(",") if ":" in item
+)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_variants(request, monkeypatch):
+    """The pins of ``NORMSCOPE_TEST_KERNEL_VARIANTS`` for every test of tests/kernels/ and tests/conformance/
+    (none by default)."""
+    where = request.node.path.parents
+    if KERNEL_VARIANTS and (_TESTS / "kernels" in where or _TESTS / "conformance" in where):
+        from normscope.kernels import config, variants
+
+        for family, name in KERNEL_VARIANTS.items():
+            monkeypatch.setattr(config, variants.KNOBS[family], name)
+    yield
+
 
 @pytest.fixture(autouse=True)
 def _clean_backend_state(monkeypatch):

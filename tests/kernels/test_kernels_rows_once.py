@@ -234,7 +234,7 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch(path, op, monkeypatch):
                 return nf.layer_norm(xb, (n,), w, b, backend="triton")
             return nf.rms_norm(xb, (n,), w, backend="triton")
 
-    with variants.use_rows_kernel("rows_once"):
+    with variants.use_variant("rows", "rows_once"):
         sample_alone_and_in_batches(fn, sample, ((2, 0), (5, 3), (9, 8)))
 
 
@@ -330,22 +330,22 @@ def _ran(launches) -> tuple[bool, bool]:
     return ran
 
 
-def test_forced_triton_runs_todays_kernel_unless_overridden(small, launches):
+def test_forced_triton_runs_the_default_kernel_unless_overridden(small, launches):
     _registry.clear_plans()
     with normscope.use_backend("triton"):
         _layer_norm_call(40)
         assert normscope.last_backend() == "triton"
         assert _ran(launches) == (False, False), "the candidates ran without an override or a measurement"
-        with variants.use_rows_kernel("rows_once"):  # read per call: the plan made above obeys it too
+        with variants.use_variant("rows", "rows_once"):  # read per call: the plan made above obeys it too
             _layer_norm_call(40)
         assert normscope.last_backend() == "triton"
         assert _ran(launches) == (True, True)
-        with variants.use_rows_kernel("rows_once"), variants.use_rows_kernel(None):  # None: the table again
+        with variants.use_variant("rows", "rows_once"), variants.use_variant("rows", None):  # None: pin, else table
             _layer_norm_call(40)
         assert _ran(launches) == (False, False)
-    assert variants.forced_rows_kernel() is None
-    with pytest.raises(ValueError, match=r"expected one of \('rows', 'rows_once'\) or None, got 'fast'"):
-        with variants.use_rows_kernel("fast"):
+    assert variants.forced("rows") is None
+    with pytest.raises(ValueError, match=r"expected one of \('rows', 'rows_once'\) or None for 'rows', got 'fast'"):
+        with variants.use_variant("rows", "fast"):
             pass
 
 
@@ -353,18 +353,18 @@ def test_automatic_choice_never_takes_the_candidates_without_a_measurement(small
     """Automatic: the kernels only on CUDA and only inside a measured range (on the CPU: never); an
     override chooses among the Triton kernels, not the backend."""
     _registry.clear_plans()
-    with variants.use_rows_kernel("rows_once"):
+    with variants.use_variant("rows", "rows_once"):
         _layer_norm_call(40)  # fp32 rows of 40: in no measured range of any committed table
     assert normscope.last_backend() == "aten"
     assert _ran(launches) == (False, False)
     committed = measured._load("cuda-sm90")
-    assert committed and all(c.kernel is None for c in committed), "a committed table names the candidates"
+    assert committed and all(c.variant is None for c in committed), "a committed table names the candidates"
 
 
 def test_a_measured_row_naming_the_kernel_is_what_forced_triton_runs(small, launches, monkeypatch):
-    """A row of the device class's table with ``"kernel": "rows_once"`` makes the triton backend run the
+    """A row of the device class's table with ``"variant": "rows_once"`` makes the triton backend run the
     candidate inside its range (here on the interpreter's device class, ``cpu``, so that the forced
-    backend reaches it), and today's kernel outside it and for other ops and dtypes."""
+    backend reaches it), and the default kernel outside it and for other ops and dtypes."""
     cls = measured.device_class(DEV)
     rows = (
         measured.Choice("layer_norm", "float32", 33, 48, "rows_once"),
@@ -378,26 +378,26 @@ def test_a_measured_row_naming_the_kernel_is_what_forced_triton_runs(small, laun
             assert _ran(launches) == (True, True)
             _layer_norm_call(56)  # outside the range
             x = torch.randn(3, 40, device=DEV)
-            nf.rms_norm(x, (40,))  # a row without a kernel: today's
+            nf.rms_norm(x, (40,))  # a row without a variant: the default kernel
             assert _ran(launches) == (False, False)
-            with variants.use_rows_kernel("rows"):  # the override beats the table
+            with variants.use_variant("rows", "rows"):  # the override beats the table
                 _layer_norm_call(40)
             assert _ran(launches) == (False, False)
-        assert measured.kernel("layer_norm", torch.float32, 40, DEV) == "rows_once"
-        assert measured.kernel("layer_norm", torch.float32, 49, DEV) is None
+        assert measured.variant("layer_norm", torch.float32, 40, DEV) == "rows_once"
+        assert measured.variant("layer_norm", torch.float32, 49, DEV) is None
     finally:
         _registry.clear_plans()
 
 
 def test_the_table_names_only_known_kernels(tmp_path):
-    entry = '{"op": "rms_norm", "dtype": "bfloat16", "n_min": 1, "n_max": 2, "kernel": "rows_once"}'
+    entry = '{"op": "rms_norm", "dtype": "bfloat16", "n_min": 1, "n_max": 2, "variant": "rows_once"}'
     ok = f'{{"schema": 1, "choices": [{entry}]}}'
     (tmp_path / "a.json").write_text(ok)
-    assert measured.load(tmp_path / "a.json")[0].kernel == "rows_once"
+    assert measured.load(tmp_path / "a.json")[0].variant == "rows_once"
     for op, kernel in (("rms_norm", "fast"), ("group_norm", "rows_once")):
         bad = ok.replace('"rms_norm"', f'"{op}"').replace('"rows_once"', f'"{kernel}"')
         (tmp_path / "b.json").write_text(bad)
-        with pytest.raises(ValueError, match=f"unknown kernel '{kernel}' for {op}"):
+        with pytest.raises(ValueError, match=f"unknown variant '{kernel}' for {op}"):
             measured.load(tmp_path / "b.json")
 
 
@@ -467,7 +467,7 @@ def test_compiles_without_graph_breaks(small, launches):
         return nf.layer_norm(x, (40,), w, None, 1e-5, backend="triton")
 
     for fn, args in ((direct, (x, w, r)), (engine, (x, w))):
-        with variants.use_rows_kernel("rows_once"):
+        with variants.use_variant("rows", "rows_once"):
             eager = fn(*args)
             before = dict(launches)
             compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
@@ -558,7 +558,7 @@ def test_rows_once_is_batch_invariant_at_bench_sizes(op, n, dtype):
             return nf.rms_norm(xb, (n,), w, backend="triton")
 
     before = RO.timeouts(DEV)
-    with variants.use_rows_kernel("rows_once"):
+    with variants.use_variant("rows", "rows_once"):
         sample_alone_and_in_batches(fn, sample, ((7, 3), (255, 254), (256, 0), (257, 128), (300, 299)))
     assert RO.timeouts(DEV) == before
 

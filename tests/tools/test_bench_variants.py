@@ -46,7 +46,7 @@ def test_choice_table_names_the_candidate_only_where_it_beats_today_and_torch_in
         + _timed(1048576, (3.0, 5.0), torch_ms, candidate=(2.5, 4.5))  # neither beats torch: no entry
     )
     choices = bench.choice_table(_report(results))["choices"]
-    got = [(c["n_min"], c["n_max"], c.get("kernel"), c["speedup_fwd"], c["speedup_fwdbwd"]) for c in choices]
+    got = [(c["n_min"], c["n_max"], c.get("variant"), c["speedup_fwd"], c["speedup_fwdbwd"]) for c in choices]
     assert got == [
         (256, 256, None, 2.0, 2.0),
         (32768, 65536, "rows_once", 2.5, 2.5),  # a change of kernel splits a run

@@ -12,14 +12,18 @@ Schema (version 1)::
     {"schema": 1, "device_class": "cuda-sm90", "device_name": "...", "torch": "...", "triton": "...",
      "command": "...", "date": "YYYY-MM-DD",
      "choices": [{"op": "layer_norm", "dtype": "bfloat16", "n_min": 4096, "n_max": 262144,
-                  "speedup_fwd": 1.31, "speedup_fwdbwd": 1.2, "kernel": "rows_once"}]}
+                  "speedup_fwd": 1.31, "speedup_fwdbwd": 1.2, "variant": "rows_once"}]}
 
 ``op`` is one of :data:`OPS`; ``n`` counts the elements of one normalized scope (the row length
 for LayerNorm/RMSNorm, C/G * H * W for GroupNorm, N * H * W for BatchNorm); the range is closed and
-holds only measured end points (no extrapolation). ``kernel`` (optional) names which of the op's
-Triton kernels the range was measured on (:data:`KERNELS`; absent: the op's first, today's kernel):
-the ``"triton"`` backend runs that kernel there -- automatically or forced -- so a candidate such as
-``rows_once`` runs only inside a range a measurement gave it (:mod:`normscope.kernels.variants`).
+holds only measured end points (no extrapolation).
+
+``variant`` (optional) names the kernel variant of the op's family (:mod:`normscope.kernels.variants`) the
+range was measured on -- ``"rows_once"`` for the row ops, ``"split"`` for BatchNorm, ``"onchip"`` for
+GroupNorm/InstanceNorm (:data:`VARIANTS`); absent, the family's default kernel. In its range the
+``"triton"`` backend runs that variant (:func:`variant`), whether the backend was chosen automatically or
+forced. ``normscope bench --write-choice`` names a candidate only where it measured correct and faster than
+both torch eager and the default kernel; no committed table names one, so a candidate never runs on its own.
 """
 
 from __future__ import annotations
@@ -30,14 +34,14 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels.variants import ROWS_KERNELS
+from ..kernels import variants as _variants  # names only: imports no Triton
 
-__all__ = ["KERNELS", "OPS", "Choice", "device_class", "kernel", "table", "load", "why_not"]
+__all__ = ["OPS", "VARIANTS", "Choice", "device_class", "table", "load", "why_not", "variant"]
 
 OPS = ("layer_norm", "rms_norm", "group_norm", "batch_norm", "masked_batch_norm", "fused_add_rms_norm")
-#: the ops whose Triton backend has more than one kernel, and their names (the first: what runs
-#: where no entry names one)
-KERNELS = {op: ROWS_KERNELS for op in ("layer_norm", "rms_norm", "fused_add_rms_norm")}
+#: the kernel variants a choice may name, per op: its family's (normscope.kernels.variants.FAMILIES; the
+#: first, the default, is what runs where a choice names none)
+VARIANTS = {op: _variants.FAMILIES[_variants.OPS[op]] for op in OPS}
 
 
 class Choice(NamedTuple):
@@ -45,8 +49,8 @@ class Choice(NamedTuple):
     dtype: str
     n_min: int
     n_max: int
-    #: the kernel the range was measured on; None: the op's only (or first) kernel
-    kernel: str | None = None
+    #: the kernel variant the range was measured on; None: the family's default kernel
+    variant: str | None = None
 
 
 # per device index / per class; filled on first use (a plain dict, not lru_cache: torch.compile
@@ -95,13 +99,13 @@ def load(path) -> tuple[Choice, ...]:
                 f"normscope: measured-choice table {path}: unknown op {c.get('op')!r}; expected one of {OPS}"
             )
         try:
-            choice = Choice(c["op"], str(c["dtype"]), int(c["n_min"]), int(c["n_max"]), c.get("kernel"))
+            choice = Choice(c["op"], str(c["dtype"]), int(c["n_min"]), int(c["n_max"]), c.get("variant"))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"normscope: measured-choice table {path}: bad entry {c!r} ({e!r})") from e
-        if choice.kernel is not None and choice.kernel not in KERNELS.get(choice.op, ()):
+        if choice.variant is not None and choice.variant not in VARIANTS[choice.op]:
             raise ValueError(
-                f"normscope: measured-choice table {path}: unknown kernel {choice.kernel!r} for {choice.op} in "
-                f"{c!r}; expected one of {KERNELS.get(choice.op, ())} (or no 'kernel')"
+                f"normscope: measured-choice table {path}: unknown variant {choice.variant!r} for {choice.op} in "
+                f"{c!r}; expected one of {VARIANTS[choice.op]} (or no 'variant')"
             )
         if choice.n_min > choice.n_max:
             raise ValueError(f"normscope: measured-choice table {path}: n_min > n_max in {c!r}")
@@ -117,11 +121,13 @@ def _entry(op: str, dtype: torch.dtype, n: int, device: torch.device) -> Choice 
     return None
 
 
-def kernel(op: str, dtype: torch.dtype, n: int, device: torch.device) -> str | None:
-    """The Triton kernel a committed measurement names for this op, dtype and scope size on
-    ``device``'s class (``"rows_once"``, say), or None where no entry names one: the op's first kernel runs."""
+def variant(op: str, dtype: torch.dtype, n: int, device: torch.device) -> str | None:
+    """The kernel variant a committed choice names for this op, dtype and scope size on ``device``'s
+    class (``"rows_once"``, ``"split"``, ...); None -- the default kernel -- where the choice names none
+    and where no choice covers the call (every call of a device class without a table: no table is
+    measured off CUDA)."""
     c = _entry(op, dtype, n, device)
-    return None if c is None else c.kernel
+    return None if c is None else c.variant
 
 
 def why_not(op: str, dtype: torch.dtype, n: int, device: torch.device) -> str | None:

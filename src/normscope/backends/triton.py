@@ -27,6 +27,9 @@ contract so that a call either gives torch's numbers or is declined with its rea
 Automatic choice (:mod:`.measured`): only on CUDA, and only for an op, dtype and scope size that a
 committed ``normscope bench`` table for this device class shows faster than ATen. With no table the
 kernels are opt-in: ``use_backend("triton")``, ``backend="triton"`` or ``NORMSCOPE_BACKEND=triton``.
+Which kernel of a family runs -- the default or a candidate (``rows_once``, ``split``, ``onchip``) -- is
+:mod:`normscope.kernels.variants`'s choice, made per call: a ``use_variant`` block, a pin, the variant a
+row of the same table names (none does), else the default.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from .. import engine
 from .. import reference as ref
 from .._strides import like_input
 from ..engine import Backend, Call, Runner
-from ..kernels import variants  # which rows kernel runs: imports no Triton (the kernels load lazily)
+from ..kernels import variants  # which kernel variant runs: imports no Triton (the kernels load lazily)
 from . import aten, measured
 from ._layout import channels_last
 
@@ -167,25 +170,45 @@ def prepare(call: Call, automatic: bool) -> Runner:
     return run_auto
 
 
+def _table_variant(call: Call) -> str | None:
+    """The kernel variant (:mod:`normscope.kernels.variants`) the committed measured-choice table of the
+    call's device class names for its op, dtype and scope size: None -- the family's default kernel --
+    unless a GPU measurement put a candidate there (no table is committed off CUDA, and none names a
+    candidate yet). A ``use_variant`` block or a pin in kernels/config.py overrides it when the call runs."""
+    x = call.x
+    n = call.scope.count
+    if engine.symbolic((n,)):
+        return None
+    return _measured_variant(op_name(call), x.dtype, int(n), x.device)
+
+
+@engine.constant_when_compiled
+def _measured_variant(op: str, dtype: torch.dtype, n: int, device: torch.device) -> str | None:
+    # a constant under torch.compile: the table is read once, eagerly, not traced (its first read loads a file)
+    return measured.variant(op, dtype, n, device)
+
+
 def _kernel_runner(call: Call) -> Runner:
     kind, arg = _kind(call.scope)
     centered = call.scope.centered
+    # the kernel families' entry points (kernels/variants.py), each on the variant that a use_variant block, a pin
+    # or the table names -- the default kernels unless one does; asked per call, so an override reaches plans made
+    # before it. The kernel modules -- and with them Triton, which reads TRITON_INTERPRET -- load on first use
+    variant = _table_variant(call)
     if kind == "channels":
-        from ..kernels import channels as chn  # imports Triton (reads TRITON_INTERPRET) on first use
-
         d = arg
 
         def run_channels(c: Call) -> Tensor:
             r, w, b = c.running, c.weight, c.bias
             if r is not None and not r.use_input_stats:
-                return chn.batch_norm_channels(c.x, d, w, b, c.eps, r.mean, r.var)[0]
+                return variants.batch_norm(c.x, d, w, b, c.eps, r.mean, r.var, variant=variant)[0]
             pos_mask = None
             if c.mask is not None:
                 pos_mask = engine.position_mask(c.mask, c.x, d)
                 if pos_mask is None:  # the mask varies along the channel axis: no kernel for that
                     return engine.recompute(c)  # runs the reference and says so in last_backend()
                 pos_mask = pos_mask.contiguous()  # the kernel reads one flag per position from memory
-            y, mean, var, count = chn.batch_norm_channels(c.x, d, w, b, c.eps, mask=pos_mask)
+            y, mean, var, count = variants.batch_norm(c.x, d, w, b, c.eps, mask=pos_mask, variant=variant)
             if r is not None:  # the engine's own update rule (unbiased variance, momentum)
                 shape = c.scope.stat_shape
                 n = count if pos_mask is not None else c.scope.count
@@ -194,21 +217,16 @@ def _kernel_runner(call: Call) -> Runner:
 
         return run_channels
     if kind == "groups":
-        from ..kernels import groups as grp
 
         def run_groups(c: Call) -> Tensor:
-            return grp.group_norm(c.x, arg, c.weight, c.bias, c.eps, centered)
+            return variants.group_norm(c.x, arg, c.weight, c.bias, c.eps, centered, variant=variant)
 
         return run_groups
     n = call.scope.count
-    # which rows kernel: the one a committed measurement names for this op, dtype and row length on this
-    # device class (kernels/variants.py; today's "rows" where none does), unless use_rows_kernel
-    # overrides it -- asked per call, so the override reaches plans made before it
-    measured_kernel = measured.kernel(op_name(call), call.x.dtype, n, call.x.device)
     if call.residual is not None:
 
         def run_fused(c: Call) -> tuple[Tensor, Tensor]:
-            y, s = _rows_kernel(measured_kernel).rows_norm(
+            y, s = variants.rows_norm(
                 c.x,
                 c.weight,
                 None,
@@ -218,6 +236,7 @@ def _kernel_runner(call: Call) -> Runner:
                 weight_offset=c.weight_offset,
                 residual_fp32=c.residual_fp32,
                 n=n,
+                variant=variant,
             )
             return _in_layout(c.x, y), _in_layout(c.x, s)
 
@@ -225,22 +244,9 @@ def _kernel_runner(call: Call) -> Runner:
 
     def run_rows(c: Call) -> Tensor:
         # contiguous: the engine lays it out as torch's namesake (normscope._strides.output_layout)
-        return _rows_kernel(measured_kernel).rows_norm(c.x, c.weight, c.bias, c.eps, centered, n=n)[0]
+        return variants.rows_norm(c.x, c.weight, c.bias, c.eps, centered, n=n, variant=variant)[0]
 
     return run_rows
-
-
-def _rows_kernel(measured_kernel: str | None):
-    """The module of the rows kernel to run: :func:`normscope.kernels.variants.use_rows_kernel`'s
-    override, else the measured choice, else today's ``rows`` (its import reads TRITON_INTERPRET)."""
-    name = variants.forced_rows_kernel() or measured_kernel or variants.DEFAULT_ROWS_KERNEL
-    if name == "rows_once":
-        from ..kernels import rows_once
-
-        return rows_once
-    from ..kernels import rows
-
-    return rows
 
 
 BACKEND = Backend(NAME, why_not, prepare, why_not_auto, fuses_residual=True)

@@ -19,9 +19,11 @@ What exists (see ``docs/kernels.md``):
   launch, PolyNorm, Derf.
 * :mod:`.fused` -- the reference of the fused residual add + RMSNorm
   (:func:`normscope.functional.fused_add_rms_norm` is the op).
-* :mod:`.rows_once` -- candidates for rows past the single block (read once: one program per row, or
-  split over programs that meet on their partial sums); unmeasured, off unless a measured-choice row or
-  :func:`.variants.use_rows_kernel` names them (:mod:`.variants` says which rows kernel runs).
+* Candidates beside the default kernels, unmeasured and off unless a measured-choice row, a pin in
+  :mod:`.config` or :func:`.variants.use_variant` names them (:mod:`.variants` says which variant of a
+  family runs): :mod:`.rows_once` -- rows past the single block read once (one program per row, or split
+  over programs that meet on their partial sums); :mod:`.channels_split` -- BatchNorm as a per-channel
+  split reduction; :mod:`.groups_onchip` -- GroupNorm / InstanceNorm with the whole group on chip.
 
 Private to the package: :mod:`._common` (what every family shares: launch arithmetic, Chan's
 combination), :mod:`._rowbody` (the body of a block of rows, the rows and modern kernels' one

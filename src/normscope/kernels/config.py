@@ -66,7 +66,7 @@ ROWS_LOOP_LAUNCH: dict[int, tuple[int, int, int, int, int]] = {
 }
 
 # ---- rows read once (kernels/rows_once.py): candidates, off until a measurement picks them
-# (kernels/variants.py). They take over only rows longer than ROWS_MAX_FUSED_N, which today's kernels
+# (kernels/variants.py). They take over only rows longer than ROWS_MAX_FUSED_N, which the default kernels
 # walk twice. None is measured: each was chosen by lowering the kernels for sm_90 with Triton 3.6 and
 # reading ptxas's register and spill counts (benchmarks/compile_check.py prints them), 2026-11-28.
 
@@ -141,3 +141,62 @@ CHANNELS_PROGRAMS_PER_SM = 2
 #: Programs the backward and BatchNorm reductions use in the interpreter, which runs programs one
 #: after the other: a few, so that tests still exercise the multi-program (partial-sum) paths.
 INTERPRETER_PROGRAMS = 4
+
+# ---- kernel variants: candidates beside the default kernels, unmeasured, off by default
+
+# Which kernel a family runs (normscope.kernels.variants). None (the default): the measured-choice table
+# decides (normscope.backends.measured: a committed row may name a variant for an op, dtype and scope size;
+# with no such row the default kernel runs, a forced use_backend("triton") included). A name pins one kernel
+# for every call of the process -- read at every call, process-wide like every setting here: a knob for
+# tests (NORMSCOPE_TEST_KERNEL_VARIANTS sets them for a whole test session, monkeypatch for one test) and
+# experiments, not a user API. A block's own choice, per thread, is variants.use_variant, which comes before
+# these (``normscope bench`` names each column's kernel with it, whatever a pin or the table says).
+
+#: LayerNorm / RMSNorm / fused residual add: "rows" (kernels/rows.py, the default) or "rows_once"
+#: (kernels/rows_once.py, for rows past ROWS_MAX_FUSED_N; shorter rows run the single-block kernel either way).
+ROWS_VARIANT: str | None = None
+#: BatchNorm: "tiled" (kernels/channels.py, the default) or "split" (kernels/channels_split.py).
+CHANNELS_VARIANT: str | None = None
+#: GroupNorm / InstanceNorm: "tiled" (kernels/groups.py, the default) or "onchip" (kernels/groups_onchip.py,
+#: for groups that fit GROUPS_ONCHIP_MAX; larger ones run the default kernels).
+GROUPS_VARIANT: str | None = None
+
+# ---- split BatchNorm (kernels/channels_split.py): unmeasured
+
+#: Elements per tile of the split BatchNorm kernels (positions x channels, or rows x columns of NCHW); with
+#: CHANNELS_SPLIT_WARPS this sets the registers a program holds (three fp32 accumulators a tile). Unmeasured.
+CHANNELS_SPLIT_TILE = 2048
+#: Channels per tile when channels are innermost in memory ((B, S, D), (N, C), channels_last): a tile row is
+#: this many adjacent channels, one contiguous run. A constant, never the channel count: a channel's
+#: reduction order must not depend on how many channels the call holds. Unmeasured.
+CHANNELS_SPLIT_BLOCK_C = 64
+#: Longest run of one channel's positions per tile row on NCHW memory (``inner = H * W`` contiguous
+#: values); shorter runs leave fewer masked lanes at the end of a row. Unmeasured.
+CHANNELS_SPLIT_BLOCK_I = 512
+#: Fewest tiles one split (program) of a channel reduces: more tiles per split mean fewer partials to
+#: combine, fewer splits mean fewer programs. Unmeasured.
+CHANNELS_SPLIT_MIN_TILES = 4
+#: Most splits of one channel's positions: every apply program combines all of its channel's splits, so
+#: this bounds that work (and the BLOCK_S of the combine). With channels innermost the programs are splits x
+#: cdiv(C, CHANNELS_SPLIT_BLOCK_C): 256 for the bench's channels_last BatchNorm (C = 256), few for 132 SMs --
+#: with this and CHANNELS_SPLIT_BLOCK_C the first settings to sweep there. Unmeasured.
+CHANNELS_SPLIT_MAX = 64
+#: Warps of every split BatchNorm program. Unmeasured.
+CHANNELS_SPLIT_WARPS = 8
+
+# ---- GroupNorm / InstanceNorm with the group on chip (kernels/groups_onchip.py): unmeasured
+
+#: Most elements of one program's register tile (``next_pow2(C/G) x next_pow2(H*W)``, times the groups a
+#: channels_last program holds side by side): a group that fits is read once forward (x) and once backward
+#: (x and dy); a larger one runs the default kernels. The backward holds x and dy: ptxas (sm_90, Triton 3.6,
+#: ``benchmarks/compile_check.py --only onchip``) spills nothing at 8192, ~100 B a thread at 16384 and
+#: 1.6-3.2 KB at 32768 (the bench's GroupNorm(32) on 256 x 56 x 56, which therefore stays on the default
+#: kernels). Unmeasured on a GPU.
+GROUPS_ONCHIP_MAX = 16384
+#: channels_last: most channels side by side in a tile row (whole groups), one contiguous run. Unmeasured.
+GROUPS_ONCHIP_WIDTH = 16
+#: Elements per warp of the on-chip programs (``num_warps = tile / this``, at most GROUPS_ONCHIP_MAX_WARPS).
+#: Unmeasured.
+GROUPS_ONCHIP_WARP_ELEMS = 512
+#: Most warps of an on-chip program. Unmeasured.
+GROUPS_ONCHIP_MAX_WARPS = 16

@@ -1,7 +1,8 @@
 # ruff: noqa: UP007, UP045  -- torch.library reads custom-op schemas from typing.Optional annotations
 """Read-once Triton kernels for long rows: LayerNorm and RMSNorm (and the fused residual add) over
 rows longer than today's single-block limit, forward and backward. Candidates: **unmeasured, and off
-by default** (:mod:`.variants`: only a row of a measured-choice table, or ``use_rows_kernel``, runs them).
+by default** (:mod:`.variants`: only a row of a measured-choice table, a pin, or ``use_variant("rows", "rows_once")``
+runs them).
 
 What this covers
 ----------------

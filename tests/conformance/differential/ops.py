@@ -1508,11 +1508,27 @@ SIZES_MET_ELSEWHERE = {
     # crossed in tests/kernels/test_kernels.py, not here
     "kernels.config.CHANNELS_BLOCK_P": "BatchNorm's channels kernel: tests/kernels/test_kernels.py (not this suite)",
     "kernels.config.CHANNELS_MAX_BLOCK_C": "as CHANNELS_BLOCK_P",
-    # the read-once rows kernels: candidates the "triton" path runs only where forced or measured
-    # (kernels/variants.py), crossed with every flag, dtype, stride and batch in their own file
+    # the candidate kernels (kernels/variants.py): off unless forced (use_variant), pinned or named by a
+    # measured row, so no path of this suite reaches them (NORMSCOPE_TEST_KERNEL_VARIANTS runs its Triton paths
+    # on them); their own files cross their tiles, chunks and splits with every flag, dtype, stride and batch
     **{
         f"kernels.config.{n}": "the read-once rows candidates: tests/kernels/test_kernels_rows_once.py (off here)"
         for n in ("ROWS_ONCE_MAX_N", "ROWS_ONCE_FWD_CHUNK", "ROWS_ONCE_BWD_CHUNK")
+    },
+    **{
+        f"kernels.config.{n}": "a candidate kernel's setting: tests/kernels/test_kernels_variants.py (off by default)"
+        for n in (
+            "CHANNELS_SPLIT_TILE",
+            "CHANNELS_SPLIT_BLOCK_C",
+            "CHANNELS_SPLIT_BLOCK_I",
+            "CHANNELS_SPLIT_MIN_TILES",
+            "CHANNELS_SPLIT_MAX",
+            "CHANNELS_SPLIT_WARPS",
+            "GROUPS_ONCHIP_MAX",
+            "GROUPS_ONCHIP_WIDTH",
+            "GROUPS_ONCHIP_WARP_ELEMS",
+            "GROUPS_ONCHIP_MAX_WARPS",
+        )
     },
     # launch parameters that the interpreter never reads (warps, programs per SM of a GPU)
     **{

@@ -39,6 +39,15 @@ per op and dtype, the size ranges where the Triton kernels passed the check and 
 in both forward and forward+backward. The engine chooses Triton automatically only there
 (``benchmarks/gpu_check.sh bench`` writes ``src/normscope/backends/measured/<device class>.json``).
 
+Candidate kernels (:mod:`normscope.kernels.variants`), unmeasured and off by default, are timed beside the
+default kernel on the same input in one of two ways. The row cases sweep the row length in one case, so the
+read-once rows candidates (``--variants``, default ``rows_once``; ``none`` for none) are a column of their own
+in each row where they run other kernels than the default; the ``normscope`` column is the default kernel,
+forced so. The spatial cases have one shape each, so their candidates are cases of their own, a group
+``--cases candidates``: ``case@variant`` (``batch_norm@split``, ``instance_norm@onchip``, ...) runs that
+variant, the plain case beside it the default kernel. ``--write-choice`` names a candidate (``"variant"``)
+only where it beat both torch eager and the default kernel.
+
 The modern norms (:mod:`normscope.functional_modern`) are a group of their own, ``--cases modern``
 (or each by name): ``modulated_rms_norm`` / ``modulated_layer_norm`` (AdaLN, scale and shift per
 sample), ``qk_norm`` (q and k, (B, S, H, D), RMSNorm over head_dim, one launch; k has a quarter of
@@ -63,6 +72,7 @@ Usage::
     python -m normscope.tools.bench --quick             # small sizes on the GPU too
     python -m normscope.tools.bench --cases layer_norm,rms_norm --dtypes bf16 --out /tmp/b
     python -m normscope.tools.bench --cases modern      # the modern norms (AdaLN, QK-norm, Gemma, PolyNorm, Derf)
+    python -m normscope.tools.bench --cases candidates  # batch_norm@split beside batch_norm, instance_norm@onchip, ...
     python -m normscope.tools.bench --resume --budget-s 480 --out DIR   # continue DIR's JSON for 8 minutes
     python -m normscope.tools.bench --plot-only --out DIR               # redraw DIR's PNG from its JSON
     TRITON_INTERPRET=1 python -m normscope.tools.bench --interpret --out /tmp/dry
@@ -88,11 +98,13 @@ import torch
 import normscope.kernels
 
 from .cases import (
+    CANDIDATE_CASES,
     CASE_GROUPS,
     CASES,
     DTYPES,
     EPS,
     GROUPS,
+    KNOWN_CASES,
     MODERN_CASES,
     ROW_CASES,
     VARIANTS,
@@ -103,6 +115,7 @@ from .report import choice_table, device_class, plot, problems, write_choice, wr
 from .timing import copy_bandwidth, run, time_ms
 
 __all__ = [
+    "CANDIDATE_CASES",
     "CASE_GROUPS",
     "CASES",
     "DTYPES",
@@ -150,6 +163,10 @@ _EPILOG = """examples:
   normscope bench --quick                small sizes on the GPU too
   normscope bench --cases layer_norm,rms_norm --dtypes bf16 --out /tmp/b
   normscope bench --cases modern         the modern norms: AdaLN, QK-norm, Gemma RMSNorm, PolyNorm, Derf
+  normscope bench --cases layer_norm --variants rows_once
+                                         the read-once rows candidates in a column beside the default kernel
+  normscope bench --cases candidates     the split BatchNorm and on-chip GroupNorm candidates: batch_norm
+                                         beside batch_norm@split, instance_norm beside instance_norm@onchip, ...
   normscope bench --resume --budget-s 480 --out DIR     continue DIR's JSON for 8 minutes
   normscope bench --plot-only --out DIR                 redraw DIR's PNG from its JSON
   normscope bench --write-choice src/normscope/backends/measured/
@@ -267,7 +284,9 @@ def _main(argv: list[str]) -> int:
         "--cases",
         default="default",
         help=f"comma-separated cases or groups. default: {', '.join(CASES)}; modern: {', '.join(MODERN_CASES)} "
-        "(the modern norms' fused kernels: not in the default selection); all: both (default: default)",
+        "(the modern norms' fused kernels: not in the default selection); all: both; candidates: the spatial "
+        "cases' candidate kernels, each case beside case@variant (e.g. batch_norm@split), which runs that "
+        "kernel variant (default: default)",
     )
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma-separated subset of: {', '.join(DTYPES)}")
     p.add_argument(
@@ -279,9 +298,10 @@ def _main(argv: list[str]) -> int:
     p.add_argument(
         "--variants",
         default=",".join(VARIANTS),
-        help=f"normscope's candidate kernels to time beside today's where they differ from it, comma-separated "
-        f"subset of: {', '.join(VARIANTS)}; 'none' for none (default: all). Each is a column of its own; the "
-        "measured-choice table names one where it beats today's kernel and torch eager in both modes",
+        help=f"the row cases' candidate kernels to time beside the default kernel where they differ from it, "
+        f"comma-separated subset of: {', '.join(VARIANTS)}; 'none' for none (default: all). Each is a column of "
+        "its own; the measured-choice table names one where it beats the default kernel and torch eager in both "
+        "modes. The spatial cases' candidates are cases of their own (--cases candidates, case@variant)",
     )
     p.add_argument("--quick", action="store_true", help="small sizes (the default on CPU)")
     p.add_argument(
@@ -317,7 +337,7 @@ def _main(argv: list[str]) -> int:
                 cases.append(case)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
     peers = [q.strip() for q in (a.peers or ",".join(PEERS)).split(",") if q.strip()]
-    known = CASE_GROUPS["all"]
+    known = KNOWN_CASES
     bad = [c for c in cases if c not in known] + [d for d in dtypes if d not in DTYPES]
     if not cases or not dtypes:
         what = "case" if not cases else "dtype"
@@ -331,7 +351,10 @@ def _main(argv: list[str]) -> int:
         p.error(f"unknown peer {[q for q in peers if q not in PEERS]}; expected a subset of: {', '.join(PEERS)}")
     variants = [v.strip() for v in a.variants.split(",") if v.strip() and v.strip() != "none"]
     if unknown := [v for v in variants if v not in VARIANTS]:
-        p.error(f"unknown variant {unknown}; expected a subset of: {', '.join(VARIANTS)}, or none")
+        p.error(
+            f"unknown variant {unknown}; expected a subset of: {', '.join(VARIANTS)}, or none (the spatial cases' "
+            "candidates are cases: --cases candidates, or case@variant such as batch_norm@split)"
+        )
     if a.interpret and a.device not in (None, "cpu"):
         p.error(f"--interpret runs on the CPU; got --device {a.device}")
     if a.interpret:

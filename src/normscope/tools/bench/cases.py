@@ -12,6 +12,7 @@ for qk_norm (k has ``QK_KV_HEADS`` heads), (M, N) for the others.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -21,19 +22,46 @@ import torch.nn.functional as F
 import normscope
 from normscope import functional as nf
 from normscope import functional_modern as fm
-from normscope.kernels.variants import use_rows_kernel
+from normscope.kernels.variants import FAMILIES, default, use_variant
 
 ROW_CASES = ("layer_norm", "rms_norm", "add_rms_norm")
-#: normscope's candidate kernels, timed beside today's where they differ from it (a column of their own in
-#: every row case: the read-once rows kernels, kernels/rows_once.py, for rows past today's single block).
-#: ``normscope`` itself is today's kernel, forced so, whatever a measured-choice table says.
-VARIANTS = ("rows_once",)
+#: the row cases' candidate kernels (``--variants``): each timed in a column of its own beside the default
+#: kernel (the ``normscope`` column, the rows kernels forced so whatever a pin or a measured-choice table says)
+#: wherever it runs other kernels than the default -- the read-once rows kernels, kernels/rows_once.py, for
+#: rows past the single block. The row cases sweep the row length in one case, so a candidate is a column;
+#: the spatial cases' candidates are cases of their own (``case@variant``, CANDIDATE_CASES)
+VARIANTS = FAMILIES["rows"][1:]
 CASES = (*ROW_CASES, "group_norm", "group_norm_cl", "batch_norm", "masked_batch_norm")
 #: the modern norms (normscope.functional_modern), a group of their own (``--cases modern``): not in the
 #: default selection, which measures the ops the engine chooses automatically (and feeds the choice table)
 MODERN_CASES = ("modulated_rms_norm", "modulated_layer_norm", "qk_norm", "gemma_rms_norm", "poly_norm", "derf")
+#: the spatial cases' candidate kernels (normscope.kernels.variants), each beside the case that measures the
+#: default kernel on the same input: ``case@variant`` runs that kernel variant, a plain case the default
+#: ("tiled"), so that a row measures the kernel its name says whatever a pin or the measured-choice table
+#: names. InstanceNorm, channels_last BatchNorm and GroupNorm at 28 x 28 (``group_norm_small``: a group of
+#: 8 x 784 fits the on-chip tile, the bench's 8 x 3136 does not) are measured here. A group of their own,
+#: ``--cases candidates`` (gpu_check.sh's GPU_CHECK_CASES): not in the default selection
+CANDIDATE_CASES = (
+    "instance_norm", "instance_norm@onchip", "instance_norm_cl", "instance_norm_cl@onchip",
+    "group_norm_small", "group_norm_small@onchip", "group_norm_small_cl", "group_norm_small_cl@onchip",
+    "batch_norm", "batch_norm@split", "batch_norm_cl", "batch_norm_cl@split",
+    "masked_batch_norm", "masked_batch_norm@split",
+)  # fmt: skip
 #: the names ``--cases`` accepts besides single cases
-CASE_GROUPS = {"default": CASES, "modern": MODERN_CASES, "all": (*CASES, *MODERN_CASES)}
+CASE_GROUPS = {
+    "default": CASES,
+    "modern": MODERN_CASES,
+    "all": (*CASES, *MODERN_CASES),
+    "candidates": CANDIDATE_CASES,
+}
+#: every case a run may name (the groups' union, in order)
+KNOWN_CASES = tuple(dict.fromkeys(c for group in CASE_GROUPS.values() for c in group))
+#: the kernel family of each spatial case, whose variant the case names (normscope.kernels.variants)
+VARIANT_FAMILY = {
+    "group_norm": "groups", "group_norm_cl": "groups", "group_norm_small": "groups", "group_norm_small_cl": "groups",
+    "instance_norm": "groups", "instance_norm_cl": "groups",
+    "batch_norm": "channels", "batch_norm_cl": "channels", "masked_batch_norm": "channels",
+}  # fmt: skip
 NS_FULL = (256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 NS_QUICK = (256, 4096)
 #: --interpret: 20000 > normscope's ROWS_MAX_FUSED_N (its looped path), 70000 > Liger's 65536 limit (its error path)
@@ -53,6 +81,8 @@ GROUPS = 32
 FULL_BYTES, QUICK_BYTES, INTERPRET_BYTES = 256 << 20, 1 << 20, 16 << 10
 #: (N, C, H, W) of the GroupNorm / BatchNorm cases and (B, S, D) of masked BatchNorm, per level
 SPATIAL = {"full": (32, 256, 56, 56), "quick": (2, 64, 16, 16), "interpret": (2, 64, 4, 4)}
+#: (N, C, H, W) of ``group_norm_small``: a GroupNorm(32) group the on-chip kernels hold (8 x 784 at "full")
+SPATIAL_SMALL = {"full": (32, 256, 28, 28), "quick": (2, 64, 8, 8), "interpret": (2, 64, 2, 2)}
 MASKED = {"full": (64, 1024, 1024), "quick": (4, 64, 128), "interpret": (2, 8, 16)}
 #: forward output vs torch in fp32: allowed error is 2 x torch's own (same dtype) + ATOL x (1 + max |y|)
 CHECK_ATOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -72,8 +102,29 @@ def plan(cases, dtypes, level: str) -> list[tuple[str, str, tuple[int, ...]]]:
                 e = torch.empty((), dtype=DTYPES[dname]).element_size()
                 out += [(case, dname, _modern_shape(case, n, target // e)) for n in _modern_ns(case, level)]
             else:
-                out.append((case, dname, MASKED[level] if case == "masked_batch_norm" else SPATIAL[level]))
+                base = split_case(case)[0]
+                shape = SPATIAL_SMALL if base.startswith("group_norm_small") else SPATIAL
+                out.append((case, dname, MASKED[level] if base == "masked_batch_norm" else shape[level]))
     return out
+
+
+def split_case(case: str) -> tuple[str, str | None]:
+    """``("batch_norm", "split")`` for ``"batch_norm@split"``; ``(case, None)`` for a case without a variant."""
+    base, _, variant = case.partition("@")
+    return base, variant or None
+
+
+def variant_runs(case: str, inputs: list) -> bool:
+    """Whether the kernel variant a case names runs on its input: the on-chip groups kernels only where a
+    group fits their tile (elsewhere the default kernels run, and the row must not count for the variant)."""
+    base, variant = split_case(case)
+    if variant != "onchip":
+        return True
+    from normscope.kernels import groups_onchip
+    from normscope.kernels.groups import _laid_out
+
+    x = inputs[0]
+    return groups_onchip.fits(_laid_out(x), x.shape[1] if base.startswith("instance_norm") else GROUPS)
 
 
 def _modern_ns(case: str, level: str) -> tuple[int, ...]:
@@ -93,24 +144,25 @@ def _randn(shape, g: torch.Generator, device, dtype) -> torch.Tensor:
     return torch.randn(shape, generator=g, device=device).to(dtype)
 
 
-def _ns(fn: Callable, kernels: bool, rows_kernel: str | None = None) -> Callable:
+def _ns(fn: Callable, kernels: bool, variant: tuple[str, str] | None = None) -> Callable:
     """normscope as called in the run: forced onto the Triton backend where its kernels can run (CUDA, or
     ``--interpret``): the run measures the kernels against ATen, so it must not depend on the automatic
-    choice that its own measurements decide. Elsewhere (plain CPU) the automatic choice. ``rows_kernel``:
-    which rows kernel (:func:`normscope.kernels.variants.use_rows_kernel`), for the same reason."""
+    choice that its own measurements decide. Elsewhere (plain CPU) the automatic choice. ``variant``: a kernel
+    family and the variant it runs (:func:`normscope.kernels.variants.use_variant`) -- the default or a
+    candidate, never a pin's or the measured-choice table's, for the same reason."""
     if not kernels:
         return fn
 
     def forced(*args):
-        with normscope.use_backend("triton"), use_rows_kernel(rows_kernel):
+        with normscope.use_backend("triton"), use_variant(*variant) if variant else contextlib.nullcontext():
             return fn(*args)
 
     return forced
 
 
 def _variant_differs(name: str, n: int, device) -> bool:
-    """Whether candidate ``name`` runs other kernels than today's for rows of ``n`` on ``device`` (where it
-    does not, it would time today's kernel twice)."""
+    """Whether candidate ``name`` runs other kernels than the default for rows of ``n`` on ``device`` (where
+    it does not, it would time the default kernel twice)."""
     if name == "rows_once":
         from normscope.kernels import rows_once
 
@@ -150,32 +202,44 @@ def _rows_case(case: str, m: int, n: int, dtype, device, peers: dict, kernels: b
         ours = lambda x, r, w: nf.fused_add_rms_norm(x, r, w, EPS, backend=backend)  # noqa: E731
         ns_label = f"normscope ({backend})"
         nbytes = (4 * m * n * e, 8 * m * n * e)
-    impls["normscope"] = _ns(ours, kernels, "rows")  # today's rows kernel, whatever a measured table says
+    impls["normscope"] = _ns(ours, kernels, ("rows", "rows"))  # the default, whatever a pin or a table says
     for name in variants if kernels else ():
         if _variant_differs(name, n, device):
-            impls[name] = _ns(ours, kernels, name)
+            impls[name] = _ns(ours, kernels, ("rows", name))
     _add_peers(impls, eager, case, peers)
     return inputs, impls, nbytes, (m, n), ns_label, eager, n
 
 
 def _spatial_case(case: str, shape, dtype, device, peers: dict, kernels: bool):
     g = torch.Generator(device=device).manual_seed(0)
+    case, variant = split_case(case)  # the plain case's inputs, eager peer and byte count; the kernel it names
+    family = VARIANT_FAMILY[case]
+    kernel = (family, variant or default(family))
     c = shape[1] if case != "masked_batch_norm" else shape[-1]
     w = (torch.rand(c, generator=g, device=device) + 0.5).to(dtype)
     b = _randn(c, g, device, dtype)
     impls: dict[str, Callable] = {}
     if case.startswith("group_norm"):
         x = _randn(shape, g, device, dtype)
-        if case == "group_norm_cl":
+        if case.endswith("_cl"):
             x = x.contiguous(memory_format=torch.channels_last)
         inputs = [x, w, b]
         eager = lambda x, w, b: F.group_norm(x, GROUPS, w, b, EPS)  # noqa: E731
-        impls["normscope"] = _ns(lambda x, w, b: nf.group_norm(x, GROUPS, w, b, EPS), kernels)
-    elif case == "batch_norm":
+        impls["normscope"] = _ns(lambda x, w, b: nf.group_norm(x, GROUPS, w, b, EPS), kernels, kernel)
+    elif case.startswith("instance_norm"):  # InstanceNorm2d(affine=True): GroupNorm(C, C), one channel a group
         x = _randn(shape, g, device, dtype)
+        if case.endswith("_cl"):
+            x = x.contiguous(memory_format=torch.channels_last)
+        inputs = [x, w, b]
+        eager = lambda x, w, b: F.instance_norm(x, weight=w, bias=b, eps=EPS)  # noqa: E731
+        impls["normscope"] = _ns(lambda x, w, b: nf.instance_norm(x, weight=w, bias=b, eps=EPS), kernels, kernel)
+    elif case.startswith("batch_norm"):
+        x = _randn(shape, g, device, dtype)
+        if case.endswith("_cl"):
+            x = x.contiguous(memory_format=torch.channels_last)
         inputs = [x, w.float(), b.float()]  # cuDNN batch norm wants fp32 parameters with half input
         eager = lambda x, w, b: F.batch_norm(x, None, None, w, b, True, 0.1, EPS)  # noqa: E731
-        impls["normscope"] = _ns(lambda x, w, b: nf.batch_norm(x, None, None, w, b, True, 0.1, EPS), kernels)
+        impls["normscope"] = _ns(lambda x, w, b: nf.batch_norm(x, None, None, w, b, True, 0.1, EPS), kernels, kernel)
     else:  # masked BatchNorm1d on (B, S, D): statistics per feature over the valid tokens
         bsz, s, _ = shape
         x = _randn(shape, g, device, dtype)
@@ -192,13 +256,18 @@ def _spatial_case(case: str, shape, dtype, device, peers: dict, kernels: bool):
             return ((xf - mean) * torch.rsqrt(var + EPS) * w.float() + b.float()).to(x.dtype)
 
         impls["normscope"] = _ns(
-            lambda x, w, b: nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, eps=EPS, mask=mask), kernels
+            lambda x, w, b: nf.normalize(x, keep=-1, weight=w, bias=b, affine_dims=-1, eps=EPS, mask=mask),
+            kernels,
+            kernel,
         )
-    _add_peers(impls, eager, case, peers)
+    # Liger's GroupNorm runs every GroupNorm(32) case (group_norm_small too); it has no InstanceNorm or BatchNorm
+    _add_peers(impls, eager, "group_norm" if case.startswith("group_norm") else case, peers)
     numel, e = math.prod(shape), inputs[0].element_size()
     if case.startswith("group_norm"):
         n = shape[1] // GROUPS * math.prod(shape[2:])
-    elif case == "batch_norm":
+    elif case.startswith("instance_norm"):
+        n = math.prod(shape[2:])
+    elif case.startswith("batch_norm"):
         n = shape[0] * math.prod(shape[2:])
     else:
         n = int(lengths.sum())  # the valid tokens: the masked positions are not in any scope

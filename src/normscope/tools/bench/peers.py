@@ -16,7 +16,10 @@ PEER_NAMES = {"torch": "PyTorch eager", "compile": "torch.compile", "liger": "Li
 DECLINED = {
     "liger": {
         "batch_norm": "Liger-Kernel has no BatchNorm op",
+        "batch_norm_cl": "Liger-Kernel has no BatchNorm op",
         "masked_batch_norm": "Liger-Kernel has no BatchNorm op",
+        "instance_norm": "Liger-Kernel has no InstanceNorm op",
+        "instance_norm_cl": "Liger-Kernel has no InstanceNorm op",
         "modulated_layer_norm": "Liger-Kernel's modulated op (LigerModulatedRMSNorm) is RMSNorm only",
         "qk_norm": "Liger-Kernel has no QK-norm op (its Gemma 3 RMSNorm subclass is applied per tensor, "
         "not q and k in one launch)",

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .cases import DTYPES, GROUPS, MODERN_CASES, ROW_CASES, VARIANTS
+from normscope.kernels.variants import FAMILIES
+
+from .cases import DTYPES, GROUPS, MODERN_CASES, ROW_CASES, VARIANTS, split_case
 
 #: the one ratio convention of the log, the JSON (each peer's ``ratio``) and benchmarks/README.md. A time
 #: ratio rather than a speedup so that it reads like the CPU overhead tables: smaller is better for normscope.
@@ -52,6 +54,8 @@ def problems(report: dict) -> list[str]:
         wants_kernel = report["device_type"] == "cuda" or report.get("interpret")
         if wants_kernel and r.get("normscope_impl") != "normscope (triton)":
             out.append(f"{where}: normscope ran {r.get('normscope_impl')!r}, not its Triton kernels")
+        if wants_kernel and r.get("variant_ran") is False:
+            out.append(f"{where}: the {r['variant']!r} kernel variant does not take this input: the default kernel ran")
     return out
 
 
@@ -157,6 +161,12 @@ CHOICE_OPS = {
     "group_norm_cl": "group_norm",
     "batch_norm": "batch_norm",
     "masked_batch_norm": "masked_batch_norm",
+    # the candidates' cases (bench.cases.CANDIDATE_CASES): InstanceNorm is the groups kernel, as in the engine
+    "group_norm_small": "group_norm",
+    "group_norm_small_cl": "group_norm",
+    "instance_norm": "group_norm",
+    "instance_norm_cl": "group_norm",
+    "batch_norm_cl": "batch_norm",
 }
 CHOICE_SCHEMA = 1
 
@@ -172,14 +182,27 @@ def _scope_n(row: dict) -> int | None:
     written before rows carried it, except masked BatchNorm, whose valid count only the run knew)."""
     if "n" in row:
         return int(row["n"])
-    shape, case = row["shape"], row["case"]
+    shape, case = row["shape"], split_case(row["case"])[0]
     if case in ROW_CASES:
         return shape[-1]
     if case.startswith("group_norm"):
         return shape[1] // GROUPS * math.prod(shape[2:])
-    if case == "batch_norm":
+    if case.startswith("instance_norm"):
+        return math.prod(shape[2:])
+    if case.startswith("batch_norm"):
         return shape[0] * math.prod(shape[2:])
     return None
+
+
+#: the families' default kernels ("rows", "tiled"): a row that names one measured the default
+_DEFAULTS = {names[0] for names in FAMILIES.values()}
+
+
+def _row_variant(row: dict) -> str | None:
+    """The kernel variant a row's ``normscope`` column measured: the case's (``case@variant``), None for the
+    default kernel."""
+    v = row.get("variant") or split_case(row["case"])[1]
+    return None if v is None or v in _DEFAULTS else v
 
 
 def _speedups(rows: list[dict], impl: str = "normscope") -> tuple[float, float] | None:
@@ -193,6 +216,8 @@ def _speedups(rows: list[dict], impl: str = "normscope") -> tuple[float, float] 
         ns, eager = row["impls"].get(impl, {}), row["impls"].get("torch", {})
         if row.get("normscope_impl") != "normscope (triton)" or ns.get("ok") is not True:
             return None
+        if row.get("variant_ran") is False:  # the candidate did not take the input: the default kernel ran
+            return None
         if not ns.get("ms") or not eager.get("ms") or ns.get("error") or eager.get("error"):
             return None
         speedup = eager["ms"] / ns["ms"]
@@ -204,24 +229,33 @@ def _speedups(rows: list[dict], impl: str = "normscope") -> tuple[float, float] 
     return best["fwd"], best["fwd+bwd"]
 
 
-def _pick(rows: list[dict]) -> tuple[str | None, tuple[float, float] | None]:
-    """(kernel, speedups) of one (op, dtype, n): today's kernel (kernel None) where it qualifies
-    (:func:`_speedups`), unless a candidate (:data:`VARIANTS`, timed in the same rows) qualifies too and is
-    faster than it in both forward and forward+backward -- or qualifies where today's does not. (None,
-    None) where neither qualifies."""
-    today = _speedups(rows)
-    for name in VARIANTS:
-        if not all(name in row["impls"] for row in rows):
+def _options(slot: dict[str | None, list[dict] | None]) -> dict[str | None, tuple[float, float] | None]:
+    """The kernels measured at one (op, dtype, n) and their speedups (:func:`_speedups`; None where they do
+    not qualify): the default kernel (key None) and each candidate -- a ``case@variant``'s rows, or a column
+    of the default's rows (the row cases' :data:`VARIANTS`)."""
+    out: dict[str | None, tuple[float, float] | None] = {}
+    for variant, rows in slot.items():
+        out[variant] = _speedups(rows) if rows is not None else None
+        if variant is None and rows is not None:
+            for name in VARIANTS:
+                if all(name in row["impls"] for row in rows):
+                    out[name] = _speedups(rows, name)
+    return out
+
+
+def _pick(options: dict[str | None, tuple[float, float] | None]) -> tuple[str | None, tuple[float, float]] | None:
+    """(variant, speedups) chosen at one (op, dtype, n): the default kernel (variant None) where it qualifies,
+    unless a candidate qualifies and beats it in both forward and forward+backward (or qualifies where the
+    default does not); among such candidates the largest forward+backward speedup. None where none qualifies."""
+    default = options.get(None)
+    best = (None, default) if default is not None else None
+    for variant in sorted(v for v in options if v is not None):
+        sp = options[variant]
+        if sp is None or default is not None and not (sp[0] > default[0] and sp[1] > default[1]):
             continue
-        sp = _speedups(rows, name)
-        if sp is not None and (today is None or all(_faster(row, name) for row in rows)):
-            return name, sp
-    return (None, today) if today is not None else (None, None)
-
-
-def _faster(row: dict, name: str) -> bool:
-    ours, candidate = row["impls"]["normscope"].get("ms"), row["impls"][name].get("ms")
-    return bool(ours and candidate and candidate < ours)
+        if best is None or best[0] is None or sp[1] > best[1][1]:
+            best = (variant, sp)
+    return best
 
 
 def choice_table(report: dict, *, device_class: str | None = None, command: str = "", date: str | None = None) -> dict:
@@ -233,10 +267,16 @@ def choice_table(report: dict, *, device_class: str | None = None, command: str 
     output check and beat torch eager's median. Each maximal run of consecutive qualifying measured ``n``
     becomes one entry, ``n_min``/``n_max`` its measured end points (nothing is extrapolated), its speedups
     (torch ms / triton ms) the minimum over the run. A configuration listed under ``failed`` counts as a
-    measured ``n`` that does not qualify (it splits a run). Where a row case also timed a candidate kernel
-    (:data:`VARIANTS`, e.g. ``rows_once``), the candidate takes an ``n`` if it qualifies and beats today's
-    kernel in both modes (or qualifies where today's does not): its entries carry ``"kernel": name``, which
-    the engine then runs there (:mod:`normscope.kernels.variants`), and a change of kernel splits a run.
+    measured ``n`` that does not qualify (it splits a run).
+
+    Kernel variants (:mod:`normscope.kernels.variants`): a candidate is measured either in a column of the
+    row cases (:data:`VARIANTS`, e.g. ``rows_once``) or as a case of its own (``batch_norm@split``). At each
+    ``n`` every kernel measured there -- the default and each candidate, each with all of its rows --
+    qualifies or not by the rule above; a candidate takes the ``n`` if it qualifies and beats the default
+    kernel's speedups in both modes (or qualifies where the default does not), the one with the largest
+    forward+backward speedup among several. A run is consecutive ``n`` with the same choice (a change of
+    kernel splits it), and an entry of a candidate names it (``"variant"``), which the engine then runs
+    there. A candidate that did not take the input (``variant_ran`` false) never qualifies.
 
     Args:
         report: what :func:`normscope.tools.bench.run` returns (or its JSON).
@@ -255,27 +295,31 @@ def choice_table(report: dict, *, device_class: str | None = None, command: str 
     device_class = device_class or report.get("device_class")
     if not device_class:
         raise ValueError("choice_table: expected `device_class` such as 'cuda-sm90' (the report has none), got None")
-    by_key: dict[tuple[str, str], dict[int, list[dict] | None]] = defaultdict(dict)
+    # (op, dtype) -> n -> kernel variant (None: the default) -> its rows, or None when a configuration failed
+    by_key: dict[tuple[str, str], dict[int, dict[str | None, list[dict] | None]]] = defaultdict(dict)
     for row in report["results"]:
         n = _scope_n(row)
-        if row["case"] not in CHOICE_OPS or n is None:
+        base = split_case(row["case"])[0]
+        if base not in CHOICE_OPS or n is None:
             continue
-        slot = by_key[(CHOICE_OPS[row["case"]], row["dtype"])]
-        if slot.get(n, []) is not None:
-            slot.setdefault(n, []).append(row)
+        slot = by_key[(CHOICE_OPS[base], row["dtype"])].setdefault(n, {})
+        variant = _row_variant(row)
+        if slot.get(variant, []) is not None:
+            slot.setdefault(variant, []).append(row)
     for f in report.get("failed", []):
         n = _scope_n({"case": f["case"], "shape": f["shape"]})
-        if f["case"] in CHOICE_OPS and n is not None:
-            by_key[(CHOICE_OPS[f["case"]], f["dtype"])][n] = None  # measured, failed: never qualifies
+        base = split_case(f["case"])[0]
+        if base in CHOICE_OPS and n is not None:  # measured, failed: that kernel never qualifies there
+            by_key[(CHOICE_OPS[base], f["dtype"])].setdefault(n, {})[_row_variant(f)] = None
     choices = []
     for (op, dname), sizes in sorted(by_key.items()):
         run: list[tuple[int, tuple[float, float]]] = []
-        run_kernel = None
+        run_variant: str | None = None
         for n in [*sorted(sizes), None]:  # None: the end, closes the last run
-            kernel, sp = _pick(sizes[n]) if n is not None and sizes[n] is not None else (None, None)
-            if sp is not None and (not run or kernel == run_kernel):
-                run.append((n, sp))
-                run_kernel = kernel
+            best = _pick(_options(sizes[n])) if n is not None else None
+            if best is not None and (not run or best[0] == run_variant):
+                run.append((n, best[1]))
+                run_variant = best[0]
                 continue
             if run:
                 entry = {
@@ -286,10 +330,10 @@ def choice_table(report: dict, *, device_class: str | None = None, command: str 
                     "speedup_fwd": round(min(s[0] for _, s in run), 3),
                     "speedup_fwdbwd": round(min(s[1] for _, s in run), 3),
                 }
-                if run_kernel is not None:
-                    entry["kernel"] = run_kernel
+                if run_variant is not None:
+                    entry["variant"] = run_variant
                 choices.append(entry)
-            run, run_kernel = ([(n, sp)], kernel) if sp is not None else ([], None)
+            run, run_variant = ([(n, best[1])], best[0]) if best is not None else ([], None)
     return {
         "schema": CHOICE_SCHEMA,
         "device_class": device_class,

@@ -25,6 +25,8 @@ from .cases import (
     _rows_case,
     _spatial_case,
     plan,
+    split_case,
+    variant_runs,
 )
 from .peers import DECLINED, NOTES, PEERS, _interpreter_shims, _liger_peers
 from .report import RATIO_RULE, _device_name, _format_row, _triton_version, device_class
@@ -135,9 +137,9 @@ def run(
     normscope is forced onto them). ``peers``: a subset of :data:`PEERS`. ``budget_s``: start no
     new configuration after that many seconds (the report then lists the rest under
     ``remaining`` and has ``complete: false``). ``on_config(report)`` runs after every configuration.
-    ``variants``: the candidate kernels (:data:`VARIANTS`) timed beside today's where the kernels run
-    and the candidate differs from today's kernel -- each a column of its own, whose ``ratio`` is today's
-    time over its time.
+    ``variants``: the row cases' candidate kernels (:data:`VARIANTS`) timed beside the default where the
+    kernels run and the candidate differs from the default kernel -- each a column of its own, whose
+    ``ratio`` is the default's time over its time.
     """
     interpret = level == "interpret"
     kernels = (device.type == "cuda" and normscope.kernels.AVAILABLE) or interpret
@@ -264,9 +266,10 @@ def _one_config(
         ns_label = "normscope (failed)" if checks["normscope"].get("check_error") else None
         ns_label = ns_label or f"normscope ({normscope.last_backend()})"
     declined = dict(absent or {})
+    base, variant = split_case(case)
     for peer in peer_fns:
         if peer not in impls:
-            declined[peer] = DECLINED.get(peer, {}).get(case, f"no {peer} counterpart of {case} adapted")
+            declined[peer] = DECLINED.get(peer, {}).get(base, f"no {peer} counterpart of {case} adapted")
     rows = []
     for mode, nb in zip(("fwd", "fwd+bwd"), nbytes):
         if (case, dname, tuple(shape), mode) in done:
@@ -283,6 +286,9 @@ def _one_config(
         }
         if declined:
             row["declined"] = declined
+        if variant is not None:  # a candidate kernel (normscope.kernels.variants) named by this case
+            row["variant"] = variant
+            row["variant_ran"] = variant_runs(case, inputs)
         for name, fn in impls.items():
             ms, peak, err = _measure(functools.partial(_closure, fn, inputs, mode, device), device, level)
             entry = {"ms": ms, "peak_mib": peak, "error": err, **checks.get(name, {})}
