@@ -129,7 +129,7 @@ def probe(cls: type, cache: dict) -> Any:
     """``normscope.integrations.transformers.probe_class(cls)``'s configuration (or None), once per
     class per diagnosis (``cache``)."""
     if cls not in cache:
-        from ..integrations.transformers import probe_class
+        from ..integrations._exact import probe_class
 
         cache[cls] = probe_class(cls)[0]
     return cache[cls]
