@@ -67,6 +67,7 @@ __all__ = [
     "rows_norm",
     "batch_norm",
     "group_norm",
+    "onchip_takes",
 ]
 
 #: each family's variants; the first is the default kernel, the others are candidates
@@ -205,3 +206,11 @@ def group_norm(
             return groups_onchip.group_norm_onchip(laid, groups, weight, bias, eps, centered)
     return tiled.group_norm(x, groups, weight, bias, eps, centered)
 
+
+def onchip_takes(x: Tensor, groups: int) -> bool:
+    """Whether the ``"onchip"`` variant runs a GroupNorm of ``x`` in ``groups`` groups (its group fits the
+    tile, in the layout the kernels read ``x`` in); where not, :func:`group_norm` runs the default kernels."""
+    from . import groups as tiled
+    from . import groups_onchip
+
+    return groups_onchip.fits(tiled._laid_out(x), int(groups))

@@ -120,11 +120,10 @@ def variant_runs(case: str, inputs: list) -> bool:
     base, variant = split_case(case)
     if variant != "onchip":
         return True
-    from normscope.kernels import groups_onchip
-    from normscope.kernels.groups import _laid_out
+    from normscope.kernels.variants import onchip_takes
 
     x = inputs[0]
-    return groups_onchip.fits(_laid_out(x), x.shape[1] if base.startswith("instance_norm") else GROUPS)
+    return onchip_takes(x, x.shape[1] if base.startswith("instance_norm") else GROUPS)
 
 
 def _modern_ns(case: str, level: str) -> tuple[int, ...]:
