@@ -48,7 +48,7 @@ PATHS = {
 def small(monkeypatch):
     """Launch settings that make tiny rows take the read-once kernels and their splits."""
     for name, value in {
-        "ROWS_MAX_FUSED_N": 8,  # today's single block: rows of 8 at most; longer ones come here
+        "ROWS_MAX_FUSED_N": 8,  # the default single block: rows of 8 at most; longer ones come here
         "ROWS_ONCE_MAX_N": 16,
         "ROWS_ONCE_FWD_CHUNK": 16,
         "ROWS_ONCE_BWD_CHUNK": 8,
@@ -127,7 +127,7 @@ def test_forward_and_gradients_match_float64(path, centered, has_w, has_b, has_r
         want = _grads(y64, (x, w, b), dy.double())
     for a, e in zip(got, want):
         torch.testing.assert_close(a.double(), e.double(), atol=5e-5, rtol=1e-4)
-    assert launches["fwd"] >= 1 and launches["bwd"] >= 1  # the read-once kernels ran, not today's
+    assert launches["fwd"] >= 1 and launches["bwd"] >= 1  # the read-once kernels ran, not the default
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -301,9 +301,9 @@ def test_a_wait_that_cannot_end_gives_up_and_is_counted(small, monkeypatch):
     torch.testing.assert_close(dx[:, 32:].double(), dx64[:, 32:], atol=5e-5, rtol=1e-4)
 
 
-def test_rows_today_kernel_covers_when_the_plan_declines(small, launches):
-    """Rows within today's single block (the read-once kernels would read them once the same way) run
-    today's kernel: no read-once launch, today's bits."""
+def test_rows_default_kernel_covers_when_the_plan_declines(small, launches):
+    """Rows within the default single block (the read-once kernels would read them once the same way) run
+    the default kernel: no read-once launch, its bits."""
     x = torch.randn(3, 7, device=DEV)
     assert RO.fwd_plan(7, x) is None and RO.bwd_plan(7, x) is None
     y, _ = RO.rows_norm(x, None, None, 1e-5, True)

@@ -1,6 +1,6 @@
 """`normscope bench` and normscope's candidate kernels (``bench.VARIANTS``: the read-once rows kernels):
-timed in a column of their own beside today's kernel where they differ from it, flagged when they fail,
-and named in the measured-choice table only where they beat both today's kernel and torch eager."""
+timed in a column of their own beside the default kernel where they differ from it, flagged when they fail,
+and named in the measured-choice table only where they beat both the default kernel and torch eager."""
 
 import json
 import os
@@ -34,15 +34,15 @@ def _report(results):
     }
 
 
-def test_choice_table_names_the_candidate_only_where_it_beats_today_and_torch_in_both_modes():
+def test_choice_table_names_the_candidate_only_where_it_beats_the_default_and_torch_in_both_modes():
     torch_ms = (2.0, 4.0)
     results = (
-        _timed(256, (1.0, 2.0), torch_ms)  # no candidate measured (it does not differ there): today's
+        _timed(256, (1.0, 2.0), torch_ms)  # no candidate measured (it does not differ there): the default
         + _timed(32768, (1.0, 2.0), torch_ms, candidate=(0.8, 1.6))  # faster in both: the candidate
         + _timed(65536, (1.0, 2.0), torch_ms, candidate=(0.8, 1.6))
-        + _timed(131072, (1.0, 2.0), torch_ms, candidate=(1.1, 1.5))  # slower forward: today's
-        + _timed(262144, (3.0, 2.0), torch_ms, candidate=(0.9, 1.9))  # today's slower than torch: the candidate
-        + _timed(524288, (1.0, 2.0), torch_ms, candidate=(0.5, 1.0), ok=False)  # wrong output: today's
+        + _timed(131072, (1.0, 2.0), torch_ms, candidate=(1.1, 1.5))  # slower forward: the default
+        + _timed(262144, (3.0, 2.0), torch_ms, candidate=(0.9, 1.9))  # the default slower than torch: the candidate
+        + _timed(524288, (1.0, 2.0), torch_ms, candidate=(0.5, 1.0), ok=False)  # wrong output: the default
         + _timed(1048576, (3.0, 5.0), torch_ms, candidate=(2.5, 4.5))  # neither beats torch: no entry
     )
     choices = bench.choice_table(_report(results))["choices"]
@@ -94,9 +94,9 @@ def test_variants_option(tmp_path, capsys):
     os.environ.get("TRITON_INTERPRET") != "1", reason="the dry run needs TRITON_INTERPRET=1 from the start"
 )
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_dry_run_times_the_candidate_beside_todays_kernel(tmp_path, monkeypatch):
-    """The GPU run's code path on the CPU: at 64 columns the candidate runs today's kernel, so it is not
-    timed; at 20000 and 40000 it is, checked against torch, with its ratio (today's time over its time)."""
+def test_dry_run_times_the_candidate_beside_the_default_kernel(tmp_path, monkeypatch):
+    """The GPU run's code path on the CPU: at 64 columns the candidate runs the default kernel, so it
+    is not timed; at 20000 and 40000 it is, checked against torch, with its ratio (the default's time over its)."""
     pytest.importorskip("triton")
     monkeypatch.setattr(bench.cases, "NS_INTERPRET", (64, 20000, 40000))
     argv = ["--interpret", "--cases", "rms_norm", "--dtypes", "fp32", "--peers", "torch", "--strict"]

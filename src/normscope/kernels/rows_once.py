@@ -1,17 +1,17 @@
 # ruff: noqa: UP007, UP045  -- torch.library reads custom-op schemas from typing.Optional annotations
 """Read-once Triton kernels for long rows: LayerNorm and RMSNorm (and the fused residual add) over
-rows longer than today's single-block limit, forward and backward. Candidates: **unmeasured, and off
-by default** (:mod:`.variants`: only a row of a measured-choice table, a pin, or ``use_variant("rows", "rows_once")``
-runs them).
+rows longer than the default kernels' single-block limit, forward and backward. Candidates:
+**unmeasured, and off by default** (:mod:`.variants`: only a row of a measured-choice table, a pin, or
+``use_variant("rows", "rows_once")`` runs them).
 
 What this covers
 ----------------
 The rows view and contract of :mod:`.rows` -- ``M`` rows of ``N`` unit-stride columns, any row stride,
 the flags ``CENTERED``, ``HAS_WEIGHT`` (with ``weight_offset``), ``HAS_BIAS``, ``HAS_RESIDUAL`` (with
 ``residual_fp32``), fp32 statistics saved as (mean, rstd), the same custom-op schema and backward -- for
-the rows today's kernels walk twice: ``next_pow2(N) > config.ROWS_MAX_FUSED_N`` (16K). Shorter rows are
-read once by today's single-block kernel already, and :func:`rows_norm` hands them to it (same launch,
-same bits). Where these kernels differ:
+the rows the default kernels walk twice: ``next_pow2(N) > config.ROWS_MAX_FUSED_N`` (16K). Shorter rows
+are read once by the default single-block kernel already, and :func:`rows_norm` hands them to it (same
+launch, same bits). Where these kernels differ:
 
 * **one program, one read** (forward, ``next_pow2(N) <= ROWS_ONCE_MAX_N``, 32K): a row is loaded into
   registers once (32 warps), its statistics are computed there (two passes over registers, as the
@@ -33,7 +33,7 @@ same bits). Where these kernels differ:
 * **the backward's weight gradient**: programs are persistent -- group ``g`` of ``G`` takes rows ``g, g
   + G, ...`` -- and a program keeps its columns' ``w`` and dW/dB partials in registers over all of them,
   writes them once to a ``(G, N)`` fp32 buffer, and one ``.sum(0)`` finishes: a fixed order, no atomics
-  on values, ``G x N x 4`` bytes of partials (today's looped backward: ``2 x SMs x N x 4``, read and
+  on values, ``G x N x 4`` bytes of partials (the default looped backward: ``2 x SMs x N x 4``, read and
   written once per row).
 
 Limits and trade-offs
@@ -50,14 +50,14 @@ Limits and trade-offs
   (L1); the split chunks (8K forward, 4K backward, 32 warps) spill nothing. 64K bf16 in one program, as
   the issue hoped, spills 0.9 KB a thread: longer rows are split instead.
 * A row needs ``S <= SMs``: N up to ``SMs x chunk`` (132 x 4096 = 540K elements backward on an H100);
-  longer rows run today's looped kernels (a choice on N alone, so still batch-invariant).
+  longer rows run the default looped kernels (a choice on N alone, so still batch-invariant).
 * The CPU interpreter runs programs one after another, so no program can wait for another: there the
   split kernels run as two launches (partials, then the rest, reading the row again) built from the
   same jit helpers in the same order, hence the same bits; ``config.ROWS_ONCE_TWO_PHASE`` does the same
   on a GPU, where the tests hold the two bitwise equal. The synchronisation itself runs only on a GPU
   (``NORMSCOPE_TEST_DEVICE=cuda``) and is lowered for sm_90 by ``benchmarks/compile_check.py``.
 * Launch settings (``ROWS_ONCE_*`` in :mod:`.config`) were chosen from ptxas's register and spill
-  counts, not measured; ``normscope bench`` times these kernels beside today's (its ``rows_once``
+  counts, not measured; ``normscope bench`` times these kernels beside the default ones (its ``rows_once``
   column) so that a measurement can choose, and ``--write-choice`` names them in the table where they win.
 * fp64 is declined by the backend, as for :mod:`.rows`.
 """
@@ -408,7 +408,7 @@ def _fits(S: int, x: Tensor) -> bool:
 
 
 def fwd_plan(N: int, x: Tensor) -> tuple[int, int, int] | None:
-    """``(BLOCK_N, S, num_warps)`` of the read-once forward for rows of ``N``, or None where today's
+    """``(BLOCK_N, S, num_warps)`` of the read-once forward for rows of ``N``, or None where the default
     kernels run them: rows that fit their single block, and rows too long for ``S`` resident programs."""
     block = next_pow2(N)
     if block <= config.ROWS_MAX_FUSED_N:
@@ -511,7 +511,7 @@ def _two_phase(x: Tensor) -> bool:
 def _fwd_impl(x, weight, bias, residual, eps, centered, weight_offset, residual_fp32):
     M, N = x.shape
     plan = fwd_plan(N, x) if M and use_kernel(x) else None
-    if plan is None:  # today's kernel (or its reference): rows it reads once already, or none to launch
+    if plan is None:  # the default kernel (or its reference): rows it reads once already, or none to launch
         return _rows._rows_fwd_impl(x, weight, bias, residual, eps, centered, weight_offset, residual_fp32)
     block, S, warps = plan
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -653,5 +653,5 @@ def rows_norm(
     n: Optional[int] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """:func:`normscope.kernels.rows.rows_norm` on the read-once kernels: the same arguments, results
-    and contract. Rows of ``next_pow2(n) <= config.ROWS_MAX_FUSED_N`` run today's single-block kernel."""
+    and contract. Rows of ``next_pow2(n) <= config.ROWS_MAX_FUSED_N`` run the default single-block kernel."""
     return _rows.rows_norm(x, weight, bias, eps, centered, residual, weight_offset, residual_fp32, n, ops=_OPS)
