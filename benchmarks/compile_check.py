@@ -161,10 +161,11 @@ for dt in ("fp32", "bf16"):
         sig = {"X": p, "MASK": "*u8", "FIRST": "*i64", "PMEAN": "*fp32", "PM2": "*fp32", "PCNT": "*fp32",
                "C": "i32", "inner": "i32", "P": "i32", "chunk": "i32", **csig}
         check(CH._stats_kernel, sig, cval, f"channels stats {dt} {cval}")
-    csig, cval = const(("BLOCK_P", "BLOCK_C"), (BP, BC))
-    sig = {"DY": p, "X": p, "MEAN": "*fp32", "RSTD": "*fp32", "PSDY": "*fp32", "PSDYX": "*fp32",
-           "C": "i32", "inner": "i32", "P": "i32", "chunk": "i32", **csig}
-    check(CH._bwd_sums_kernel, sig, cval, f"channels bwd sums {dt}")
+    for has_m in (False, True):  # MASK and HAS_MASK: Triton 3.9 refuses a signature without them
+        csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_MASK"), (BP, BC, has_m))
+        sig = {"DY": p, "X": p, "MASK": "*u8", "MEAN": "*fp32", "RSTD": "*fp32", "PSDY": "*fp32", "PSDYX": "*fp32",
+               "C": "i32", "inner": "i32", "P": "i32", "chunk": "i32", **csig}
+        check(CH._bwd_sums_kernel, sig, cval, f"channels bwd sums {dt} {cval}")
     for has_w, has_b in itertools.product([False, True], repeat=2):
         csig, cval = const(("BLOCK_P", "BLOCK_C", "HAS_WEIGHT", "HAS_BIAS"), (BP, BC, has_w, has_b))
         sig = {"X": p, "Y": p, "MEAN": "*fp32", "RSTD": "*fp32", "W": "*fp32", "B": "*fp32",
