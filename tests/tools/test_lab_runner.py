@@ -165,7 +165,11 @@ def test_list_into_a_closed_pipe_has_no_traceback():
 
 _SCRIPT = textwrap.dedent(
     """
-    import json, os, sys, time
+    import json, os, signal, sys, time
+    # Ctrl-C as in a terminal, whoever started the test run: a process that starts with SIGINT ignored
+    # (a background job of a non-interactive shell is started so, and its children inherit it) gets no
+    # KeyboardInterrupt from the test's SIGINT
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from pathlib import Path
     from normscope.tools.lab import exp_sync
     from normscope.tools.lab.core import Context, Progress
