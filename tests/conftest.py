@@ -8,16 +8,36 @@ is checked against something independent.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-import pytest
-import torch
+# OpenMP threads that wait at a barrier sleep rather than spin (libgomp reads this when torch loads it). The
+# suite runs one worker per core (pytest-xdist) and each keeps torch's intra-op threads, so a spinning waiter
+# takes a core from a thread of the other worker, or of anything else the machine runs: on 2 shared cores the
+# most threaded test files took 2-3x the wall time and CPU time, and single tests up to 50x. It changes no
+# thread count and no result. The tests' subprocesses inherit it.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton picks interpreter or compiler when a kernel is *decorated*, i.e. when normscope (and with it
 # normscope.kernels) is first imported -- which this file does, before any test module can choose.
 # Without a GPU the interpreter is the only way the kernels run; with one, the environment decides.
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+# ---------------------------------------------------------------------------------------------
+# how the suite runs (README "Set up", tests/README.md "Running")
+#
+# * On every core: pyproject's addopts give ``-n auto --dist loadgroup`` (pytest-xdist). Each worker is a
+#   process of its own, so what a test sets process-wide (the environment, torch's global settings, the
+#   forced backend) stays in its worker, as in a run in one process; tests that must share one process --
+#   a page's documentation blocks, the readers of one expensive module fixture -- carry
+#   ``pytest.mark.xdist_group`` and run on one worker, in order. torch keeps its own intra-op thread count
+#   in every worker: normscope decides per call from it (a lone sample is paired with two threads and
+#   more: normscope._registry), so fewer threads would change which paths the suite runs.
 
 #: Device of the kernel tests' tensors (tests/kernels/test_kernels.py): "cpu" runs the kernels in Triton's
 #: interpreter; ``NORMSCOPE_TEST_DEVICE=cuda`` runs them compiled on the GPU (same assertions, plus

@@ -78,7 +78,9 @@ def _params():
         for b in blocks(page):
             if b.lang not in RUN:
                 continue
-            marks = [pytest.mark.skip(reason=NOT_RUN[page])] if page in NOT_RUN else []
+            # a page's blocks share a namespace and a directory (page_state): one worker runs them, in order
+            marks = [pytest.mark.xdist_group(f"docs:{page}")]
+            marks += [pytest.mark.skip(reason=NOT_RUN[page])] if page in NOT_RUN else []
             params.append(pytest.param(b, id=b.id, marks=marks))
     return params
 
