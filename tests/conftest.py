@@ -38,6 +38,8 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 #   ``pytest.mark.xdist_group`` and run on one worker, in order. torch keeps its own intra-op thread count
 #   in every worker: normscope decides per call from it (a lone sample is paired with two threads and
 #   more: normscope._registry), so fewer threads would change which paths the suite runs.
+# * ``smoke`` (marker): a run of a whole tool on tiny sizes; left out of the README's command, run by CI
+#   (.ci/run: ``python3 -m pytest -m smoke``). See pytest_collection_modifyitems below.
 
 #: Device of the kernel tests' tensors (tests/kernels/test_kernels.py): "cpu" runs the kernels in Triton's
 #: interpreter; ``NORMSCOPE_TEST_DEVICE=cuda`` runs them compiled on the GPU (same assertions, plus
@@ -188,6 +190,22 @@ def pytest_configure(config):
             "kernels: unset TRITON_INTERPRET"
         )
     config.addinivalue_line("markers", "slow: takes tens of seconds (torch.compile); deselect with -m 'not slow'")
+    config.addinivalue_line(
+        "markers",
+        "smoke: a run of a whole tool (the bench, the lab, a benchmark script) on tiny sizes; left out unless -m "
+        "names it (python3 -m pytest -m smoke); CI runs them",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """The smoke tests are left out unless ``-m`` names them (``-m smoke``, ``-m "smoke or not smoke"``) or
+    the command line names tests one by one (``file::test``)."""
+    if "smoke" in (config.getoption("markexpr") or "") or any("::" in str(a) for a in config.args):
+        return
+    smoke = [item for item in items if item.get_closest_marker("smoke")]
+    if smoke:
+        config.hook.pytest_deselected(items=smoke)
+        items[:] = [item for item in items if not item.get_closest_marker("smoke")]
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
