@@ -40,6 +40,33 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 #   more: normscope._registry), so fewer threads would change which paths the suite runs.
 # * ``smoke`` (marker): a run of a whole tool on tiny sizes; left out of the README's command, run by CI
 #   (.ci/run: ``python3 -m pytest -m smoke``). See pytest_collection_modifyitems below.
+# * Property tests (hypothesis) draw as many examples as the profile ``NORMSCOPE_HYPOTHESIS`` names:
+#   ``quick`` (the default, the README's command) or ``ci`` (.ci/run sets it): hypothesis_examples().
+
+#: examples per property test: a test written ``hypothesis_examples(n)`` draws n in CI, n // 5 (at least
+#: 10) in the README's command; a test that sets no number draws the profile's ``max_examples``
+HYPOTHESIS_PROFILES = {"quick": 20, "ci": 100}
+HYPOTHESIS_PROFILE = os.environ.get("NORMSCOPE_HYPOTHESIS", "quick")
+
+
+def hypothesis_examples(ci: int) -> int:
+    """The examples a property test draws: ``ci`` under the ``ci`` profile, a fifth (at least 10) under
+    ``quick``."""
+    return ci if HYPOTHESIS_PROFILE == "ci" else min(ci, max(10, ci // 5))
+
+
+def _load_hypothesis_profile() -> None:
+    try:
+        from hypothesis import settings
+    except ImportError:  # the property tests import hypothesis themselves and fail with its name
+        return
+    for name, n in HYPOTHESIS_PROFILES.items():
+        settings.register_profile(name, max_examples=n)
+    if HYPOTHESIS_PROFILE in HYPOTHESIS_PROFILES:  # else pytest_configure refuses the run
+        settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+_load_hypothesis_profile()
 
 #: Device of the kernel tests' tensors (tests/kernels/test_kernels.py): "cpu" runs the kernels in Triton's
 #: interpreter; ``NORMSCOPE_TEST_DEVICE=cuda`` runs them compiled on the GPU (same assertions, plus
@@ -195,6 +222,10 @@ def pytest_configure(config):
         "smoke: a run of a whole tool (the bench, the lab, a benchmark script) on tiny sizes; left out unless -m "
         "names it (python3 -m pytest -m smoke); CI runs them",
     )
+    if HYPOTHESIS_PROFILE not in HYPOTHESIS_PROFILES:
+        raise pytest.UsageError(
+            f"NORMSCOPE_HYPOTHESIS: expected one of {sorted(HYPOTHESIS_PROFILES)}, got {HYPOTHESIS_PROFILE!r}"
+        )
 
 
 def pytest_collection_modifyitems(config, items):
