@@ -31,7 +31,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 # ---------------------------------------------------------------------------------------------
 # how the suite runs (README "Set up", tests/README.md "Running")
 #
-# * On every core: pyproject's addopts give ``-n auto --dist loadgroup`` (pytest-xdist). Each worker is a
+# * On every core: ``-n auto --dist loadgroup`` (pytest-xdist; pytest_cmdline_main below). Each worker is a
 #   process of its own, so what a test sets process-wide (the environment, torch's global settings, the
 #   forced backend) stays in its worker, as in a run in one process; tests that must share one process --
 #   a page's documentation blocks, the readers of one expensive module fixture -- carry
@@ -201,6 +201,31 @@ def pytest_report_header(config):
         f"torch {torch.__version__}, NORMSCOPE_BACKEND={os.environ.get(engine.ENV_VAR)!r}, "
         f"kernel tests on {TEST_DEVICE} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})"
     )
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns "auto" into a number
+def pytest_cmdline_main(config):
+    """One worker process per core, tests with an ``xdist_group`` mark on one worker: ``-n auto --dist
+    loadgroup`` unless the command line gives ``-n`` (``-n 0``: one process) or ``--dist``. Here rather than
+    in pyproject's addopts so that pytest still runs, in one process, where pytest-xdist is not installed
+    (``-p no:xdist`` too)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # a worker parses the command line again, without what was chosen here
+        if workerinput.get("normscope_dist") == "loadgroup":
+            config.option.loadgroup = True  # pytest-xdist's worker then names each test's group
+        return
+    if config.option.numprocesses is None and not config.option.tx:
+        config.option.numprocesses = "auto"
+    if config.option.numprocesses and config.option.dist == "no":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin it is never called
+def pytest_configure_node(node):
+    """Hands the distribution mode chosen in pytest_cmdline_main to each worker."""
+    node.workerinput["normscope_dist"] = node.config.option.dist
 
 
 def pytest_configure(config):
