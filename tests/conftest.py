@@ -8,16 +8,15 @@ is checked against something independent.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-# OpenMP threads that wait at a barrier sleep rather than spin (libgomp reads this when torch loads it). The
-# suite runs one worker per core (pytest-xdist) and each keeps torch's intra-op threads, so a spinning waiter
-# takes a core from a thread of the other worker, or of anything else the machine runs: on 2 shared cores the
-# most threaded test files took 2-3x the wall time and CPU time, and single tests up to 50x. It changes no
-# thread count and no result. The tests' subprocesses inherit it.
-if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads that wait at a barrier sleep rather than spin. libgomp reads this when torch loads it: in
+# this process when nothing imported torch before this file, and in the pytest-xdist workers and the tests'
+# subprocesses, which inherit it. The suite runs one worker per core and each keeps torch's intra-op threads,
+# so a spinning waiter takes a core from a thread of the other worker, or of anything else the machine runs:
+# on 2 shared cores the most threaded test files took 2-3x the wall time and CPU time, and single tests up to
+# 50x. It changes no thread count and no result.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
