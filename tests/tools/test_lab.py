@@ -191,8 +191,12 @@ def test_cluttered_digits_places_each_digit_on_the_canvas():
 def test_smoke_records_one_thread_and_judges_nothing(tmp_path):
     from normscope.tools import lab
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the runner must record the 1 thread its runs used, not the caller's setting
-    r = lab.run_one("contrast-style", "smoke", tmp_path)
+    try:
+        r = lab.run_one("contrast-style", "smoke", tmp_path)
+    finally:  # the tests after this one in the process (a pytest-xdist worker) keep its thread count
+        torch.set_num_threads(threads)
     assert r["versions"]["torch_threads"] == "1"
     assert r["verdicts"] and all(v["outcome"] == V.NOT_JUDGED for v in r["verdicts"])
 
