@@ -19,6 +19,7 @@ if [ ! -f "$dir/triton/__init__.py" ]; then  # kept between runs of one machine;
 fi
 export PYTHONPATH="$PWD/$dir" TRITON_INTERPRET=1
 python3 -c "import sys, triton; v = triton.__version__; print('triton', v, triton.__file__); sys.exit(v != '$version')"
-python3 -m pytest -q tests/kernels/test_kernels.py tests/kernels/test_kernels_groups_cl.py tests/kernels/test_kernels_edges.py tests/kernels/test_kernels_batch_invariance.py tests/kernels/test_modern_kernels.py tests/kernels/test_modern_kernels_compile.py tests/kernels/test_kernels_torch_edges.py tests/backends/test_backends.py tests/tools/test_bench_interpret.py
+# -m "smoke or not smoke": the bench's dry runs on the kernels too, which the README command leaves out
+python3 -m pytest -q -m "smoke or not smoke" tests/kernels/test_kernels.py tests/kernels/test_kernels_groups_cl.py tests/kernels/test_kernels_edges.py tests/kernels/test_kernels_batch_invariance.py tests/kernels/test_modern_kernels.py tests/kernels/test_modern_kernels_compile.py tests/kernels/test_kernels_torch_edges.py tests/backends/test_backends.py tests/tools/test_bench_interpret.py
 # the candidate kernels (kernels/variants.py: rows_once, split, onchip) and the bench cases that time them
-python3 -m pytest -q tests/kernels/test_kernels_rows_once.py tests/kernels/test_kernels_variants.py tests/tools/test_bench_variants.py tests/tools/test_bench_candidates.py
+python3 -m pytest -q -m "smoke or not smoke" tests/kernels/test_kernels_rows_once.py tests/kernels/test_kernels_variants.py tests/tools/test_bench_variants.py tests/tools/test_bench_candidates.py

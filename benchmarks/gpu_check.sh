@@ -141,7 +141,8 @@ if [[ "$mode" == tests || "$mode" == all ]]; then
   fi
   # tests/kernels/: every kernel test file; on the GPU host in
   # GPU_CHECK_WORKERS processes (pytest-xdist: most of the time is Triton compiling, one CPU core each)
-  workers=()
+  # (-p no:xdist: one process, where tests/conftest.py would otherwise start one worker per core)
+  workers=(-p no:xdist)
   if [[ "$dry" != 1 && "${GPU_CHECK_WORKERS:-8}" != 0 ]] && python3 -c "import xdist" 2>/dev/null; then
     workers=(-n "${GPU_CHECK_WORKERS:-8}")
   fi
@@ -153,7 +154,7 @@ if [[ "$mode" == tests || "$mode" == all ]]; then
     -q -rfEs --durations=15 -p no:cacheprovider -k "not 2_31 and not 2_pow_31${narrow}" ${workers[@]+"${workers[@]}"} 2>&1 | tee "$outdir/tests.log"
   rc=$?
   timeout "${GPU_CHECK_TESTS_S:-420}" "${test_env[@]}" python3 -m pytest "${test_paths[@]}" \
-    -q -rfEs -p no:cacheprovider -k "(2_31 or 2_pow_31)${narrow}" 2>&1 | tee -a "$outdir/tests.log"
+    -q -rfEs -p no:cacheprovider -p no:xdist -k "(2_31 or 2_pow_31)${narrow}" 2>&1 | tee -a "$outdir/tests.log"
   rc2=${PIPESTATUS[0]}
   if ((rc2 == 5)); then rc2=0; fi # pytest's "no tests collected": the selection has none of these
   rc=$((rc | rc2))

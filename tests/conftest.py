@@ -10,14 +10,62 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# OpenMP threads that wait at a barrier sleep rather than spin. libgomp reads this when torch loads it: in
+# this process when nothing imported torch before this file, and in the pytest-xdist workers and the tests'
+# subprocesses, which inherit it. The suite runs one worker per core and each keeps torch's intra-op threads,
+# so a spinning waiter takes a core from a thread of the other worker, or of anything else the machine runs:
+# on 2 shared cores the most threaded test files took 2-3x the wall time and CPU time, and single tests up to
+# 50x. It changes no thread count and no result.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton picks interpreter or compiler when a kernel is *decorated*, i.e. when normscope (and with it
 # normscope.kernels) is first imported -- which this file does, before any test module can choose.
 # Without a GPU the interpreter is the only way the kernels run; with one, the environment decides.
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+# ---------------------------------------------------------------------------------------------
+# how the suite runs (README "Set up", tests/README.md "Running")
+#
+# * On every core: ``-n auto --dist loadgroup`` (pytest-xdist; pytest_cmdline_main below). Each worker is a
+#   process of its own, so what a test sets process-wide (the environment, torch's global settings, the
+#   forced backend) stays in its worker, as in a run in one process; tests that must share one process --
+#   a page's documentation blocks, the readers of one expensive module fixture -- carry
+#   ``pytest.mark.xdist_group`` and run on one worker, in order. torch keeps its own intra-op thread count
+#   in every worker: normscope decides per call from it (a lone sample is paired with two threads and
+#   more: normscope._registry), so fewer threads would change which paths the suite runs.
+# * ``smoke`` (marker): a run of a whole tool on tiny sizes; left out of the README's command, run by CI
+#   (.ci/run: ``python3 -m pytest -m smoke``). See pytest_collection_modifyitems below.
+# * Property tests (hypothesis) draw as many examples as the profile ``NORMSCOPE_HYPOTHESIS`` names:
+#   ``quick`` (the default, the README's command) or ``ci`` (.ci/run sets it): hypothesis_examples().
+
+#: examples per property test: a test written ``hypothesis_examples(n)`` draws n in CI, n // 5 (at least
+#: 10) in the README's command; a test that sets no number draws the profile's ``max_examples``
+HYPOTHESIS_PROFILES = {"quick": 20, "ci": 100}
+HYPOTHESIS_PROFILE = os.environ.get("NORMSCOPE_HYPOTHESIS", "quick")
+
+
+def hypothesis_examples(ci: int) -> int:
+    """The examples a property test draws: ``ci`` under the ``ci`` profile, a fifth (at least 10) under
+    ``quick``."""
+    return ci if HYPOTHESIS_PROFILE == "ci" else min(ci, max(10, ci // 5))
+
+
+def _load_hypothesis_profile() -> None:
+    try:
+        from hypothesis import settings
+    except ImportError:  # the property tests import hypothesis themselves and fail with its name
+        return
+    for name, n in HYPOTHESIS_PROFILES.items():
+        settings.register_profile(name, max_examples=n)
+    if HYPOTHESIS_PROFILE in HYPOTHESIS_PROFILES:  # else pytest_configure refuses the run
+        settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+_load_hypothesis_profile()
 
 #: Device of the kernel tests' tensors (tests/kernels/test_kernels.py): "cpu" runs the kernels in Triton's
 #: interpreter; ``NORMSCOPE_TEST_DEVICE=cuda`` runs them compiled on the GPU (same assertions, plus
@@ -176,6 +224,31 @@ def pytest_report_header(config):
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns "auto" into a number
+def pytest_cmdline_main(config):
+    """One worker process per core, tests with an ``xdist_group`` mark on one worker: ``-n auto --dist
+    loadgroup`` unless the command line gives ``-n`` (``-n 0``: one process) or ``--dist``. Here rather than
+    in pyproject's addopts so that pytest still runs, in one process, where pytest-xdist is not installed
+    (``-p no:xdist`` too)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # a worker parses the command line again, without what was chosen here
+        if workerinput.get("normscope_dist") == "loadgroup":
+            config.option.loadgroup = True  # pytest-xdist's worker then names each test's group
+        return
+    if config.option.numprocesses is None and not config.option.tx:
+        config.option.numprocesses = "auto"
+    if config.option.numprocesses and config.option.dist == "no":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin it is never called
+def pytest_configure_node(node):
+    """Hands the distribution mode chosen in pytest_cmdline_main to each worker."""
+    node.workerinput["normscope_dist"] = node.config.option.dist
+
+
 def pytest_configure(config):
     if TEST_DEVICE not in ("cpu", "cuda"):
         raise pytest.UsageError(f"NORMSCOPE_TEST_DEVICE: expected 'cpu' or 'cuda', got {TEST_DEVICE!r}")
@@ -190,6 +263,26 @@ def pytest_configure(config):
             "kernels: unset TRITON_INTERPRET"
         )
     config.addinivalue_line("markers", "slow: takes tens of seconds (torch.compile); deselect with -m 'not slow'")
+    config.addinivalue_line(
+        "markers",
+        "smoke: a run of a whole tool (the bench, the lab, a benchmark script) on tiny sizes; left out unless -m "
+        "names it (python3 -m pytest -m smoke); CI runs them",
+    )
+    if HYPOTHESIS_PROFILE not in HYPOTHESIS_PROFILES:
+        raise pytest.UsageError(
+            f"NORMSCOPE_HYPOTHESIS: expected one of {sorted(HYPOTHESIS_PROFILES)}, got {HYPOTHESIS_PROFILE!r}"
+        )
+
+
+def pytest_collection_modifyitems(config, items):
+    """The smoke tests are left out unless ``-m`` names them (``-m smoke``, ``-m "smoke or not smoke"``) or
+    the command line names tests one by one (``file::test``)."""
+    if "smoke" in (config.getoption("markexpr") or "") or any("::" in str(a) for a in config.args):
+        return
+    smoke = [item for item in items if item.get_closest_marker("smoke")]
+    if smoke:
+        config.hook.pytest_deselected(items=smoke)
+        items[:] = [item for item in items if not item.get_closest_marker("smoke")]
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

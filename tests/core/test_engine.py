@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import normscope
-from conftest import direct
+from conftest import direct, hypothesis_examples
 from normscope import engine
 from normscope import reference as ref
 from normscope.engine import Running, norm
@@ -102,7 +102,8 @@ def scope_cases(draw):
     )
 
 
-HYP = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 120 examples in CI, fewer in the README's command (conftest.hypothesis_examples)
+HYP = settings(max_examples=hypothesis_examples(120), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @HYP
@@ -553,7 +554,7 @@ def _form_by_definition(shape, reduce, groups, group_dim, affine):
     return (rows, trailing, channel, sample_groups, instance)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=hypothesis_examples(300), deadline=None)
 @given(data=st.data())
 def test_the_form_of_a_resolved_scope_is_its_definition(data):
     ndim = data.draw(st.integers(1, 5))

@@ -7,6 +7,10 @@ benchmarks/README.md.
 * Output samples (``text``, ``json``, ...) are not code and are not run.
 * A block that cannot run here is marked on the line before its fence, with the reason:
   ``<!-- docs-test: skip needs a CUDA GPU -->``. It is reported as a skip with that reason.
+* A block that runs a whole tool (the lab's pipeline, every picture) is marked the same way as a smoke
+  test: ``<!-- docs-test: smoke runs the lab's whole pipeline -->``. The README's test command leaves it
+  out; CI runs it (``python3 -m pytest -m smoke``). A page's blocks share one namespace, so a block
+  that is not smoke must not need a smoke block's names.
 
 Every page runs in a temporary directory of its own (blocks write pictures and ONNX files). The
 pages and the rules of the site build are checked here too.
@@ -31,7 +35,7 @@ PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").
 NOT_RUN: dict[str, str] = {}
 
 RUN = {"python", "py", "bash", "sh", "shell", "console"}
-MARKER = re.compile(r"<!--\s*docs-test:\s*skip\s+(?P<reason>.+?)\s*-->")
+MARKER = re.compile(r"<!--\s*docs-test:\s*(?P<kind>skip|smoke)\s+(?P<reason>.+?)\s*-->")
 FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 
 
@@ -41,7 +45,8 @@ class Block:
     line: int  # of the opening fence, 1-based
     lang: str
     code: str
-    skip: str | None  # the marker's reason
+    skip: str | None  # the skip marker's reason
+    smoke: str | None = None  # the smoke marker's reason
 
     @property
     def id(self) -> str:
@@ -67,7 +72,10 @@ def blocks(page: str, text: str | None = None) -> list[Block]:
             raise ValueError(f"{page}:{start + 1}: code block never closed")
         before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         marker = MARKER.search(before)
-        found.append(Block(page, start + 1, lang, "\n".join(body) + "\n", marker["reason"] if marker else None))
+        kind, reason = (marker["kind"], marker["reason"]) if marker else (None, None)
+        code = "\n".join(body) + "\n"
+        skip, smoke = (reason if kind == "skip" else None), (reason if kind == "smoke" else None)
+        found.append(Block(page, start + 1, lang, code, skip, smoke))
         i += 1
     return found
 
@@ -78,7 +86,9 @@ def _params():
         for b in blocks(page):
             if b.lang not in RUN:
                 continue
-            marks = [pytest.mark.skip(reason=NOT_RUN[page])] if page in NOT_RUN else []
+            # a page's blocks share a namespace and a directory (page_state): one worker runs them, in order
+            marks = [pytest.mark.xdist_group(f"docs:{page}")] + ([pytest.mark.smoke] if b.smoke else [])
+            marks += [pytest.mark.skip(reason=NOT_RUN[page])] if page in NOT_RUN else []
             params.append(pytest.param(b, id=b.id, marks=marks))
     return params
 
@@ -145,6 +155,9 @@ def test_runner_finds_blocks_and_markers():
         ("python", 4, "needs a GPU", "x = 1\n"),
         ("bash", 8, None, "echo hi\n"),
     ]
+    assert [b.smoke for b in found] == [None, None]
+    (smoke,) = blocks("README.md", "<!-- docs-test: smoke runs a whole tool -->\n```bash\necho hi\n```\n")
+    assert (smoke.skip, smoke.smoke) == (None, "runs a whole tool")
     with pytest.raises(ValueError, match="never closed"):
         blocks("README.md", "```python\nx = 1\n")
 
@@ -161,6 +174,8 @@ def test_every_skip_says_why():
         for b in blocks(page):
             if b.skip is not None:
                 assert len(b.skip.split()) >= 2, f"{b.id}: say why it cannot run here, got {b.skip!r}"
+            if b.smoke is not None:
+                assert len(b.smoke.split()) >= 2, f"{b.id}: say which whole tool it runs, got {b.smoke!r}"
 
 
 # ------------------------------------------------------------------------------------- what pages say

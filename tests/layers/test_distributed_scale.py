@@ -40,6 +40,10 @@ from test_syncbn import _spawn  # noqa: E402 - the project's gloo spawning helpe
 WORLD = 2
 STEPS = 3
 
+# every test reads the one 2-rank run of the module's `ranks` fixture: one worker runs them all (pytest-xdist),
+# so that the ranks are spawned once
+pytestmark = pytest.mark.xdist_group("distributed_scale")
+
 
 class _Net(nn.Module):
     """Linear -> LayerNorm -> GELU -> Linear -> RMSNorm (+ residual) -> BatchNorm1d -> Linear."""

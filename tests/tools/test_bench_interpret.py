@@ -44,6 +44,7 @@ def _dry_run(tmp_path, cases, dtypes, peers):
     return json.loads((tmp_path / "bench-interpret-cpu.json").read_text())
 
 
+@pytest.mark.smoke  # a dry run of the whole bench: CI runs it (-m smoke), the README command does not
 def test_dry_run_of_every_case_on_the_kernels(tmp_path, tiny):
     report = _dry_run(tmp_path, bench.CASES, ["fp32", "bf16"], ["torch", "liger"])
     assert report["interpret"] is True and report["complete"] is True and report["level"] == "interpret"
@@ -71,6 +72,7 @@ def test_dry_run_of_every_case_on_the_kernels(tmp_path, tiny):
         assert report["liger"] is None and report["liger_absent"]
 
 
+@pytest.mark.smoke  # a dry run of the whole bench: CI runs it (-m smoke), the README command does not
 @pytest.mark.slow
 def test_dry_run_with_the_compile_peer(tmp_path, tiny, monkeypatch):
     monkeypatch.setattr(bench.cases, "NS_INTERPRET", (64,))

@@ -146,6 +146,7 @@ def _assert_rows(report, dtypes, peers):
         assert row["n"] == row["shape"][-1]
 
 
+@pytest.mark.smoke  # a dry run of the whole bench: CI runs it (-m smoke), the README command does not
 @interpreted
 def test_modern_rows_on_the_kernels_against_torch_and_liger(tmp_path):
     """fp32: Liger's kernels compute correctly in the interpreter only there (its half-precision
@@ -166,6 +167,7 @@ def test_modern_rows_on_the_kernels_against_torch_and_liger(tmp_path):
         assert "no Derf" in by_case["derf"]["declined"]["liger"]
 
 
+@pytest.mark.smoke  # a dry run of the whole bench: CI runs it (-m smoke), the README command does not
 @interpreted
 def test_modern_rows_in_bf16_on_the_kernels(tmp_path):
     report = _dry_run(tmp_path, ["bf16"], ["torch"])
@@ -173,6 +175,7 @@ def test_modern_rows_in_bf16_on_the_kernels(tmp_path):
     assert max(r["impls"]["normscope"]["max_err"] for r in report["results"]) > 0  # bf16 output, checked as such
 
 
+@pytest.mark.smoke  # a dry run of the whole bench: CI runs it (-m smoke), the README command does not
 @interpreted
 @pytest.mark.slow  # inductor's CPU compiles: ~30 s with a cold cache
 def test_modern_rows_with_the_compile_peer(tmp_path, monkeypatch):

@@ -417,6 +417,7 @@ def test_readme_has_exactly_two_setup_commands():
     assert any(line.endswith("normscope tour") for line in setup)
 
 
+@pytest.mark.smoke  # the whole benchmark script: CI runs it (-m smoke), the README command does not
 def test_cpu_overhead_benchmark_smoke(tmp_path, capsys, monkeypatch):
     """The benchmark script runs and writes its JSON (timings themselves are not asserted)."""
     import importlib.util

@@ -27,11 +27,15 @@ try:
 except ImportError:
     selenium = None
 
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None or DRIVER is None or selenium is None,
-    reason="needs Chromium and chromedriver (apt-get install chromium chromium-driver, or .ci/setup-browser.sh) "
-    "and selenium (pip install 'normscope[browser-test]')",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        CHROMIUM is None or DRIVER is None or selenium is None,
+        reason="needs Chromium and chromedriver (apt-get install chromium chromium-driver, or .ci/setup-browser.sh) "
+        "and selenium (pip install 'normscope[browser-test]')",
+    ),
+    # one browser and one server (module fixtures) for every test: one worker runs them (pytest-xdist)
+    pytest.mark.xdist_group("explorer_browser"),
+]
 
 
 @pytest.fixture(scope="module")

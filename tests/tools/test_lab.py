@@ -27,6 +27,12 @@ RESULT_KEYS = {"experiment", "title", "mode", "config", "seeds", "metrics", "ver
 VERDICT_KEYS = {"claim", "published", "measured", "outcome", "rule"}
 
 
+def reads_the_lab_run(test):
+    """The tests reading the module's one lab run (`smoke`: every experiment, the whole pipeline): smoke tests
+    (CI runs them, -m smoke; the README's command does not), on one worker (pytest-xdist) so the lab runs once."""
+    return pytest.mark.smoke(pytest.mark.xdist_group("lab_smoke_run")(test))
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("lab")
@@ -34,6 +40,7 @@ def smoke(tmp_path_factory):
     return out, results
 
 
+@reads_the_lab_run
 def test_every_experiment_writes_result_plots_and_verdicts(smoke):
     out, results = smoke
     assert set(results) == set(lab.EXPERIMENTS)
@@ -52,6 +59,7 @@ def test_every_experiment_writes_result_plots_and_verdicts(smoke):
             assert len(data) > 1000 and data.startswith(PNG), p
 
 
+@reads_the_lab_run
 def test_report_embeds_images_and_every_verdict(smoke):
     out, results = smoke
     html = (out / "report.html").read_text()
@@ -65,6 +73,7 @@ def test_report_embeds_images_and_every_verdict(smoke):
             assert html_escape(v["outcome"]) in html
 
 
+@reads_the_lab_run
 def test_missing_norms_are_skipped_not_substituted(smoke):
     _, results = smoke
     pad = results["padding"]
@@ -89,6 +98,7 @@ def test_cache_skips_finished_runs_and_force_recomputes(tmp_path):
     assert forced["runs_computed"] == first["runs_computed"] and forced["runs_cached"] == 0
 
 
+@reads_the_lab_run
 def test_same_seed_same_numbers(smoke, tmp_path):
     out, results = smoke
     fresh = lab.run_one("batch-size", "smoke", tmp_path)  # a new directory: nothing cached
@@ -181,8 +191,12 @@ def test_cluttered_digits_places_each_digit_on_the_canvas():
 def test_smoke_records_one_thread_and_judges_nothing(tmp_path):
     from normscope.tools import lab
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the runner must record the 1 thread its runs used, not the caller's setting
-    r = lab.run_one("contrast-style", "smoke", tmp_path)
+    try:
+        r = lab.run_one("contrast-style", "smoke", tmp_path)
+    finally:  # the tests after this one in the process (a pytest-xdist worker) keep its thread count
+        torch.set_num_threads(threads)
     assert r["versions"]["torch_threads"] == "1"
     assert r["verdicts"] and all(v["outcome"] == V.NOT_JUDGED for v in r["verdicts"])
 
