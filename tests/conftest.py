@@ -7,7 +7,10 @@ is checked against something independent.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # OpenMP threads that wait at a barrier sleep rather than spin. libgomp reads this when torch loads it: in
@@ -283,6 +286,60 @@ def pytest_collection_modifyitems(config, items):
     if smoke:
         config.hook.pytest_deselected(items=smoke)
         items[:] = [item for item in items if not item.get_closest_marker("smoke")]
+
+
+# ---------------------------------------------------------------------------------------------
+# a headless Chromium for the end-to-end pages (tests/tools/test_explorer_browser.py,
+# tests/doctor/test_doctor_browser.py): Debian's chromium + chromium-driver and the browser-test extra
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+#: where the browser tests leave their screenshots
+ARTIFACTS = _TESTS.parent / "test-artifacts"
+
+#: every browser test: a skip that says what to install, and one worker (pytest-xdist) for each file, whose
+#: tests share one browser
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None or importlib.util.find_spec("selenium") is None,
+    reason="needs Chromium and chromedriver (apt-get install chromium chromium-driver, or .ci/setup-browser.sh) "
+    "and selenium (pip install 'normscope[browser-test]')",
+)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """A headless Chromium driven by selenium, one per test module, with a profile of its own (removed
+    after) and the browser's console log kept (tests fail on script errors). Nothing is downloaded: Selenium
+    Manager is kept offline and the system's browser and driver are named."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager download a browser or driver
+    profile = tempfile.mkdtemp(prefix="normscope-chromium-")
+    opts = Options()
+    opts.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-extensions",
+        "--window-size=1280,1100",
+        f"--user-data-dir={profile}",
+    ):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # to fail on script errors and CSP violations
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(20)
+    driver.set_script_timeout(20)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

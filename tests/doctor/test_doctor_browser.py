@@ -11,32 +11,16 @@ CI installs them (.ci/setup-browser.sh, the `browser-test` extra).
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 import normscope
+from conftest import ARTIFACTS, needs_chromium
 from normscope.doctor import doctor
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver")
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-
-try:
-    import selenium  # noqa: F401
-except ImportError:
-    selenium = None
-
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None or DRIVER is None or selenium is None,
-    reason="needs Chromium and chromedriver (apt-get install chromium chromium-driver, or .ci/setup-browser.sh) "
-    "and selenium (pip install 'normscope[browser-test]')",
-)
+# one browser (conftest's browser, a module fixture) for every test here: one worker runs them (pytest-xdist)
+pytestmark = [needs_chromium, pytest.mark.xdist_group("doctor_browser")]
 
 
 class MixBatch(nn.Module):
@@ -79,38 +63,6 @@ def page(tmp_path_factory):
     path = tmp_path_factory.mktemp("doctor") / "report.html"
     path.write_text(report.to_html())
     return report, path
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager download a browser or driver
-    profile = tempfile.mkdtemp(prefix="normscope-chromium-")
-    opts = Options()
-    opts.binary_location = CHROMIUM
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--disable-extensions",
-        "--window-size=1280,1100",
-        f"--user-data-dir={profile}",
-    ):
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=opts)
-    driver.set_page_load_timeout(20)
-    yield driver
-    driver.quit()
-    shutil.rmtree(profile, ignore_errors=True)
 
 
 def test_the_report_loads_and_shows_every_checks_picture(page, browser):

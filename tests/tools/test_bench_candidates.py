@@ -109,6 +109,7 @@ def test_problems_flags_a_variant_row_that_ran_the_default_kernel():
     assert any("'onchip' kernel variant does not take this input" in p for p in bench.problems(_report(rows)))
 
 
+@pytest.mark.smoke  # a dry run of the bench over every candidate case (30 s): CI runs it (-m smoke)
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter from the start")
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_dry_run_of_the_candidate_cases_runs_the_kernel_each_case_names(tmp_path, monkeypatch):

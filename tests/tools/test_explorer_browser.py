@@ -8,34 +8,16 @@ selenium is missing; CI installs them with .ci/setup-browser.sh and the `browser
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver")
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+from conftest import ARTIFACTS, needs_chromium
 
-try:
-    import selenium  # noqa: F401
-except ImportError:
-    selenium = None
-
-pytestmark = [
-    pytest.mark.skipif(
-        CHROMIUM is None or DRIVER is None or selenium is None,
-        reason="needs Chromium and chromedriver (apt-get install chromium chromium-driver, or .ci/setup-browser.sh) "
-        "and selenium (pip install 'normscope[browser-test]')",
-    ),
-    # one browser and one server (module fixtures) for every test: one worker runs them (pytest-xdist)
-    pytest.mark.xdist_group("explorer_browser"),
-]
+# one browser (conftest's browser, a module fixture) for every test here: one worker runs them (pytest-xdist)
+pytestmark = [needs_chromium, pytest.mark.xdist_group("explorer_browser")]
 
 
 @pytest.fixture(scope="module")
@@ -47,39 +29,6 @@ def server():
     srv.shutdown()
     srv.server_close()
     thread.join(5)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager download a browser or driver
-    profile = tempfile.mkdtemp(prefix="normscope-chromium-")
-    opts = Options()
-    opts.binary_location = CHROMIUM
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--disable-extensions",
-        "--window-size=1280,1100",
-        f"--user-data-dir={profile}",
-    ):
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # to fail on script errors and CSP violations
-    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=opts)
-    driver.set_page_load_timeout(20)
-    driver.set_script_timeout(20)
-    yield driver
-    driver.quit()
-    shutil.rmtree(profile, ignore_errors=True)
 
 
 def _wait(driver, predicate, what: str, timeout: float = 10.0):
