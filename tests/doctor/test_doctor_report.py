@@ -133,7 +133,9 @@ def test_json_keeps_its_schema_and_adds_the_groups_and_pictures(deep):
     assert [g["fix"] for g in doc["groups"]] == [g.fix for g in report.groups()]
     assert [entry["path"] for entry in doc["layers"]] == [p for p, _ in report.layers]
     assert {s["check"] for s in doc["series"]} >= {"bn-elements", "train-eval-drift"}
-    assert str(Report([])).splitlines()[0].startswith("normscope doctor:")
+    assert doc["source"] == "doctor" and str(Report([])).splitlines()[0].startswith("normscope doctor:")
+    with pytest.raises(ValueError, match=r"`source`.*'doctor', 'watch'.*'lab'"):
+        Report([], source="lab")
 
 
 def test_apply_fixes_still_runs_each_finding_once(deep):

@@ -440,6 +440,12 @@ def test_the_report_is_the_doctors_with_every_check_listed():
     assert "bn-elements" in report.checks and all(f.measured.get("step") == 0 for f in report.by_check("bn-elements"))
     doc = json.loads(report.to_json())
     assert doc["schema"] == "normscope.doctor/1" and doc["inputs"] == ["float32[16, 3, 8, 8]"]
+    # it names the watch, not the doctor: in the JSON, the text's first line, the page's title and heading
+    assert doc["source"] == "watch"
+    assert str(report).splitlines()[0] == "normscope watch: ConvNet"
+    page = report.to_html()
+    assert "<title>normscope watch: ConvNet</title>" in page and "<h1>normscope watch: ConvNet</h1>" in page
+    assert "normscope doctor" not in page
 
 
 def test_a_run_without_training_forwards_says_so():

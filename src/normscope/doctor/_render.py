@@ -72,7 +72,7 @@ def text_lines(report, all: bool = False, title: str | None = None) -> list[tupl
     one fix) and the checks that found nothing; ``all`` adds every finding with its own fix."""
     out: list[tuple[str, str | None]] = []
     counts = ", ".join(f"{report.count(s)} {s}" for s in SEVERITIES)
-    head = f"normscope doctor: {report.model}" + (f" ({title})" if title else "")
+    head = f"normscope {report.source}: {report.model}" + (f" ({title})" if title else "")
     groups = report.groups()
     out.append((head, "heading"))
     out.append(
@@ -96,7 +96,7 @@ def text_lines(report, all: bool = False, title: str | None = None) -> list[tupl
     if quiet:
         out.append((f"nothing found: {', '.join(quiet)}", None))
     if skipped:
-        out.append((f"did not apply: {', '.join(skipped)} (--json or --html say why)", None))
+        out.append((f"did not apply: {', '.join(skipped)} (report.checks, --json and --html say why)", None))
     if all:
         out.append(("", None))
         out.append(("every finding:", "heading"))
@@ -190,9 +190,9 @@ def to_html(report, fixed: tuple | None = None) -> str:
         )
     return (
         "<!doctype html><html lang='en'><head><meta charset='utf-8'><meta name='viewport' "
-        "content='width=device-width, initial-scale=1'><title>normscope doctor: "
-        f"{e(report.model)}</title><style>{_CSS}</style></head><body>"
-        f"<h1>normscope doctor: {e(report.model)}</h1>"
+        "content='width=device-width, initial-scale=1'><title>normscope "
+        f"{e(report.source)}: {e(report.model)}</title><style>{_CSS}</style></head><body>"
+        f"<h1>normscope {e(report.source)}: {e(report.model)}</h1>"
         f"<p>inputs {e(', '.join(report.inputs))}; {report.seconds:.1f} s; "
         f"{len(report.layers)} norm layers measured</p>"
         f"<p class='counts'>{counts}</p>{summary}{''.join(sections)}"

@@ -15,7 +15,8 @@ __all__ = ["Finding", "Group", "Report", "Series", "SCHEMA", "SEVERITIES"]
 #: the identifier and version of :meth:`Report.to_json`'s layout; the number changes whenever a key
 #: is renamed or removed (adding a key keeps it)
 SCHEMA = "normscope.doctor/1"
-
+#: what can make a report (Report.source)
+SOURCES = ("doctor", "watch")
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Report:
             :class:`Series` each.
         layers: the model's norm layers the diagnosis measured, ``(path, class name)`` in forward
             order: the order of the groups' layers and of the pictures.
+        source: what made the report: ``"doctor"`` (one batch, :func:`normscope.doctor`) or ``"watch"``
+            (a training run, :func:`normscope.watch`); the headings of the text and the page name it.
     """
 
     findings: list[Finding]
@@ -44,8 +47,11 @@ class Report:
     seconds: float = 0.0
     series: list[Series] = field(default_factory=list)
     layers: list[tuple[str, str]] = field(default_factory=list)
+    source: str = "doctor"
 
     def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"Report: expected `source` to be one of {SOURCES}, got {self.source!r}")
         rank = {s: i for i, s in enumerate(SEVERITIES)}
         self.findings = sorted(self.findings, key=lambda f: (rank[f.severity], f.check, f.module))
 
@@ -83,6 +89,7 @@ class Report:
             "schema": SCHEMA,
             "normscope": __version__,
             "torch": torch.__version__,
+            "source": self.source,
             "model": self.model,
             "inputs": list(self.inputs),
             "world_size": self.world_size,

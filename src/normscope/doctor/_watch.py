@@ -695,6 +695,7 @@ class Watch:
             seconds=seconds,
             series=series,
             layers=[(p, type(layer.module).__name__) for p, layer in self._layers.items()],
+            source="watch",
         )
 
     def _check_non_finite(self, rows):
