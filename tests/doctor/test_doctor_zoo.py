@@ -206,6 +206,50 @@ def test_timm_vit_is_pre_ln(timm):
         assert problems(report) == [] and report.by_check("post-ln") == []
 
 
+def test_timm_levit_batchnorm_over_folded_tokens(timm):
+    # LeViT's linear layers normalize with BatchNorm1d on x.flatten(0, 1): each image's 196 tokens are rows of
+    # the norm's batch axis, correlated within an image. The batch's sampling noise is that of 16 images, not
+    # of 3,136 independent rows: calibrated on 64 other images, a healthy LeViT warned on 21 layers
+    torch.manual_seed(0)
+    model = timm.create_model("levit_128s", num_classes=10)
+    folded = values_per_statistic(model.eval(), _images(16, 224, seed=2))
+    assert folded["stages.0.blocks.0.attn.qkv.bn"] == 16 * 196  # the fact: tokens as rows, no positions
+    calibrate(model, _images(64, 224))
+    assert problems(diagnose(model, _images(16, 224, seed=2))) == []
+    # statistics the inputs no longer fit: found, on the stem's first BatchNorm among others
+    stale = diagnose(model.eval(), _images(16, 224, seed=3) * 2 + 1)
+    assert "stem.conv1.bn" in {f.module for f in stale.by_check("train-eval-drift") if f.severity == "warning"}
+
+
+def test_timm_repvgg_sparse_channels_are_not_dead(timm):
+    # RepVGG's identity branch is a BatchNorm of the block's input, a ReLU's output: at random weights some of
+    # its channels fire on few images. Calibrated on 64 images, evaluated on 16 others, a channel this batch
+    # barely excites is one its running statistics saw vary -- neither dead nor a warning
+    torch.manual_seed(0)
+    model = calibrate(timm.create_model("repvgg_a0", num_classes=10), _images(64, 64))
+    report = diagnose(model, _images(16, 64, seed=2))
+    assert problems(report) == []
+    for f in report.by_check("dead-channels"):  # what is still said: dead in the running statistics too
+        m = model.get_submodule(f.module)
+        if f.measured.get("indices"):
+            assert bool((m.running_var[f.measured["indices"]] < m.eps).all()), f
+
+
+def test_timm_resnest_split_attention_bias_is_information(timm):
+    # ResNeSt's split attention: fc1 (a 1x1 convolution with a bias) straight into bn1, a BatchNorm2d -- the
+    # bias is removed again by bn1's mean (true: the output without it is the same), a redundancy its authors
+    # kept, so information only
+    torch.manual_seed(0)
+    model = calibrate(timm.create_model("resnest14d", num_classes=10), _images(64, 64))
+    attn = model.layer1[0].conv2
+    assert isinstance(attn.fc1, nn.Conv2d) and attn.fc1.bias is not None and isinstance(attn.bn1, nn.BatchNorm2d)
+    report = diagnose(model, _images(16, 64, seed=2))
+    assert problems(report) == []
+    found = {f.module: f for f in report.by_check("bias-before-norm")}
+    assert found["layer1.0.conv2.bn1"].measured["producer"] == "layer1.0.conv2.fc1"
+    assert {f.severity for f in found.values()} == {"info"}
+
+
 # ------------------------------------------------------------------------------------------ torchvision
 
 
@@ -234,6 +278,16 @@ def test_torchvision_mobilenet_in_place_hardswish(torchvision):
     model = calibrate(torchvision.models.mobilenet_v3_small(num_classes=10), _images(128, 64))
     assert problems(diagnose(model, _images(16, 64, seed=2))) == []
     _small_batch_findings(model, 64)
+
+
+def test_torchvision_efficientnet_v2_eps_and_quiet_channels(torchvision):
+    # torchvision's EfficientNetV2 keeps TensorFlow's eps 1e-3; at random weights the depthwise BatchNorms of
+    # its last stage have channels far quieter than their peers (below eps) -- a matter of scale at these
+    # weights, said as information, not a healthy model's warning
+    torch.manual_seed(0)
+    model = calibrate(torchvision.models.efficientnet_v2_s(num_classes=10), _images(64, 64))
+    assert model.features[6][0].block[1][1].eps == 1e-3
+    assert problems(diagnose(model, _images(16, 64, seed=2))) == []
 
 
 def test_torchvision_swin(torchvision):

@@ -209,15 +209,25 @@ def _c4(n: int) -> float:
     return math.sqrt(2 / (n - 1)) * math.exp(math.lgamma(n / 2) - math.lgamma((n - 1) / 2))
 
 
-def sampling_noise(call: Call, rv: Tensor, eps: float) -> tuple[float, float]:
+def sampling_noise(call: Call, rv: Tensor, eps: float, batch: int | None = None) -> tuple[float, float]:
     """The two distance terms that this batch's size alone gives, for running statistics that are exactly
     the data's: per channel, the standard errors of the batch mean and variance, estimated from the spread
     of per-sample statistics (one sample: of 8 contiguous blocks of its positions) -- so that neighbouring
     positions that move together count as what they are -- times E|Z| = sqrt(2/pi), plus the variance's
-    small-batch bias; averaged over channels like the distance itself."""
+    small-batch bias; averaged over channels like the distance itself.
+
+    ``batch`` is the model's batch size: a norm whose rows are a multiple of it received the samples with
+    other axes folded into its batch axis (timm's LeViT runs BatchNorm1d on ``x.flatten(0, 1)``: 196 tokens
+    per image as rows), and rows of one sample are not independent draws -- taken as 1,568 samples, eight
+    images' noise read as a twentieth of itself and healthy layers warned. Such rows are grouped into
+    ``batch`` contiguous blocks (a flatten keeps a sample's rows together), the batch-means estimate of a
+    correlated series' standard error."""
     x = call.args[0].detach().double()
     s = call.extra["scope"]
     units = x.movedim(s.channel, 0).reshape(x.shape[s.channel], x.shape[0 if s.channel else 1], -1)
+    rows = units.shape[1]
+    if batch is not None and 1 < batch < rows and rows % batch == 0:
+        units = units.reshape(units.shape[0], batch, -1)
     if units.shape[1] < 2:  # one sample: blocks of its positions stand in for samples
         length = units.shape[2]
         k = min(8, length)
@@ -253,7 +263,7 @@ def train_eval_drift(ctx: Context) -> list[Finding]:
         mean_z, var_z = _distance(call, rm, rv, s.eps)
         dm, dv = float(mean_z.mean()), float(var_z.mean())
         total = dm + dv
-        nm, nv = sampling_noise(call, rv, s.eps)
+        nm, nv = sampling_noise(call, rv, s.eps, ctx.batch)
         bound = nm + nv + max(DRIFT_WARNING, NOISE_MARGIN * (nm + nv))
         distances.append((call.path, total))
         bounds.append((call.path, bound))
@@ -795,9 +805,16 @@ def eps_underflow(ctx: Context) -> list[Finding]:
 # Chan, Golub & LeVeque 1983 ("Algorithms for computing the sample variance"): the textbook one-pass
 # formula E[x^2] - E[x]^2 has a relative error of about u * kappa^2, kappa^2 = 1 + (mean/std)^2,
 # u the unit roundoff of the accumulation; two-pass and Welford are about u * kappa.
+# The layer divides by sqrt(var + eps), so the error that matters is the one-pass error's absolute size,
+# u (mean^2 + var), against var + eps: the same u kappa^2 where var >> eps, and nothing where eps dominates
+# (a channel nearly constant over a batch of two -- ResNeSt's split attention on pooled features at batch 2 --
+# has |mean|/std ~ 1.6e3 but a variance a thousandth of eps; against the variance alone it warned, 15% "off").
 CANCEL_WARNING = 1e-3
 CANCEL_ERROR = 1.0
-_CANCEL_SOURCE = "Chan, Golub & LeVeque 1983: one-pass variance relative error ~ u (1 + (mean/std)^2)"
+_CANCEL_SOURCE = (
+    "Chan, Golub & LeVeque 1983: one-pass variance relative error ~ u (1 + (mean/std)^2), i.e. an absolute error "
+    "~ u (mean^2 + var), here against the var + eps the layer divides by"
+)
 _PROBE_OFFSET = 1e4
 
 
@@ -840,7 +857,7 @@ def cancellation(ctx: Context) -> list[Finding]:
         ratio = float((mean.abs()[ok] / var[ok].sqrt()).max())
         acc = torch.float64 if call.args[0].dtype == torch.float64 else torch.float32
         u = torch.finfo(acc).eps / 2
-        err = u * (1 + ratio * ratio)
+        err = float((u * (mean.square() + var) / (var + (s.eps or 0.0)))[ok].max())
         errors.append((call.path, err))
         if err < CANCEL_WARNING:
             continue
@@ -851,21 +868,23 @@ def cancellation(ctx: Context) -> list[Finding]:
         if one_pass:
             sev = "error" if err >= CANCEL_ERROR else "warning"
             reason = (
-                f"|mean|/std reaches {_fmt(ratio)} and this layer computes E[x^2] - E[x]^2 (probed): its variance "
-                f"is off by about {_fmt(err)} relative" + (" -- negative variances, NaN" if sev == "error" else "")
+                f"|mean|/std reaches {_fmt(ratio)} and this layer computes E[x^2] - E[x]^2 (probed): the variance "
+                f"plus eps it divides by is off by about {_fmt(err)} relative"
+                + (" -- negative variances, NaN" if sev == "error" else "")
             )
         else:
             sev = "info"
             what = "two-pass (probed)" if one_pass is False else "not probed"
             reason = (
                 f"|mean|/std reaches {_fmt(ratio)}; this implementation is {what}, but a one-pass "
-                f"kernel (an exporter's or a runtime's) would lose about {_fmt(err)} of the variance"
+                f"kernel (an exporter's or a runtime's) would be off by about {_fmt(err)} of the variance plus eps"
             )
             fix = f"# keep a two-pass implementation for {call.path!r} when exporting or swapping kernels"
         out.append(Finding("cancellation", call.path, sev, measured, threshold, reason, fix))
     ctx.plot(
         "cancellation",
-        "relative error a one-pass variance (E[x^2] - E[x]^2) would have on each norm's input: u (1 + (mean/std)^2)",
+        "relative error a one-pass variance (E[x^2] - E[x]^2) would give what each norm divides by: "
+        "u (mean^2 + var) / (var + eps)",
         "one-pass relative error",
         {"one-pass relative error": errors},
         {"warning above": CANCEL_WARNING, "error above": CANCEL_ERROR},
@@ -884,6 +903,17 @@ _DEAD_SOURCE = (
 # below eps (torchvision's MobileNetV3 depthwise BatchNorms: eps 1e-3, variances ~1e-4 at random weights) are a
 # matter of scale, said as information about the layer
 DEAD_AMONG_PEERS = 0.01
+# Dead channels are information, never a warning, in a one-batch diagnosis: one batch cannot tell a dead channel
+# from a sparse one it did not excite, and the cause sits before the norm (a ReLU that never fires), which the norm
+# neither makes nor can mend. On zoo models the doctor was not written for (timm's repvgg_a0, fastvit_t8;
+# torchvision's efficientnet_v2_s, random weights, calibrated statistics, eval) it warned on 4-15 layers a run, on
+# channels the statistics had seen vary. In eval a channel counts only where the running statistics say it is dead
+# too. Channels that die during training are normscope.watch's warning: the first watched step is the baseline.
+
+
+def _dead(var: Tensor, typical: float, eps: float) -> Tensor:
+    """Which channels (scopes) of these variances are dead: below eps and far below their peers', or exactly 0."""
+    return (var < eps) & ((var <= DEAD_AMONG_PEERS * typical) | (var == 0))
 
 
 def _padded_rows(ctx: Context, call: Call, x: Tensor, s: NormScope) -> Tensor | None:
@@ -935,8 +965,9 @@ def dead_channels(ctx: Context) -> list[Finding]:
         typical = float(var[keep].median()) if bool(keep.any()) else 0.0
         if typical < s.eps and bool(keep.any()):
             scale.append((call, typical, unit, var))
-        low = (var < s.eps) & ((var <= DEAD_AMONG_PEERS * typical) | (var == 0))
-        low = low & keep
+        low = _dead(var, typical, s.eps) & keep
+        if running is not None:  # in eval: dead in the data its statistics came from too, not only in this batch
+            low = low & _dead(running, float(running.median()), s.eps)
         considered = int(keep.sum())
         dead = low.nonzero().flatten()
         fractions.append((call.path, dead.numel() / max(considered, 1)))
@@ -944,7 +975,6 @@ def dead_channels(ctx: Context) -> list[Finding]:
             continue
         denom = (running[dead] if running is not None else var[dead]) + s.eps
         gain = float(denom.rsqrt().max())
-        sev = "warning" if unit == "channels" else "info"
         idx = [int(i) for i in dead[:16]]
         if running is None:
             why = (
@@ -952,15 +982,12 @@ def dead_channels(ctx: Context) -> list[Finding]:
                 "instead of normalized"
             )
         else:
-            why = (
-                "nearly constant over this batch while the layer divides by its running std: they carry no "
-                "information to the layers after"
-            )
+            why = "nearly constant over this batch and in the running statistics: the layer before gives them no signal"
         out.append(
             Finding(
                 "dead-channels",
                 call.path,
-                sev,
+                "info",
                 {
                     unit: int(dead.numel()),
                     "of": considered,
@@ -1003,7 +1030,7 @@ def dead_channels(ctx: Context) -> list[Finding]:
         "fraction of each norm's channels (per-sample norms: scopes) with variance below eps on this batch",
         "fraction below eps",
         {"fraction below eps": fractions},
-        {"warning above": 0.0},
+        {"info above": 0.0},
     )
     return out
 
@@ -1011,6 +1038,9 @@ def dead_channels(ctx: Context) -> list[Finding]:
 # -------------------------------------------------------------------------------------- bias-before-norm
 
 _BIAS_SOURCE = "AllenNLP NormalizationBiasVerification: a bias directly before a norm that subtracts its mean"
+# Information, not a warning: the bias changes nothing the model computes (checked below), it only costs its
+# parameters -- and published architectures keep it (timm's resnest14d split attention, hrnet_w18_small's
+# downsampling, efficientformer_l1's MLP), where a warning on a healthy model would be a false alarm.
 
 
 def bias_before_norm(ctx: Context) -> list[Finding]:
@@ -1049,13 +1079,13 @@ def bias_before_norm(ctx: Context) -> list[Finding]:
             Finding(
                 "bias-before-norm",
                 call.path,
-                "warning",
+                "info",
                 {
                     "producer": call.producer,
                     "bias_max_abs": float(bias.detach().abs().max()),
                     "bias_numel": bias.numel(),
                 },
-                {"warning": "any bias directly before a mean-subtracting per-channel norm", "source": _BIAS_SOURCE},
+                {"info": "any bias directly before a mean-subtracting per-channel norm", "source": _BIAS_SOURCE},
                 f"{call.producer}'s bias is subtracted again by this norm's per-channel mean: {bias.numel()} "
                 "parameters that cannot change the output (and take weight decay)",
                 fix,
@@ -1066,7 +1096,7 @@ def bias_before_norm(ctx: Context) -> list[Finding]:
         "largest |bias| of the Linear/Conv before each norm that subtracts it again",
         "max |bias|",
         {"max |bias|": [(call.path, float(bias.detach().abs().max())) for call, bias in found]},
-        {"warning above": 0.0},
+        {"info above": 0.0},
     )
     return out
 
