@@ -375,10 +375,42 @@ def test_dead_channels_appearing_are_found_at_the_first_watched_step_after():
     with normscope.watch(model, every=2) as w:
         _train(model, _images, 3, lr=0.0)
         with torch.no_grad():
-            model.conv.weight[[1, 5]] = 0.0  # two channels die after step 2
-        _train(model, _images, 4, lr=0.0)
+            model.conv.weight[[1, 5]] = 0.0  # two channels die after step 2: dead at watched steps 4, 6, 8
+        _train(model, _images, 6, lr=0.0)
     (f,) = [g for g in w.report().by_check("dead-channels") if g.module == "bn"]
     assert f.measured["step"] == 4 and f.measured["at_first_step"] == 0 and f.measured["new_indices"] == [1, 5]
+
+
+class Silenced(ConvNet):
+    """ConvNet whose convolution's channels are zeroed on the forwards ``silent`` names, per channel."""
+
+    def __init__(self, silent: dict[int, set[int]]) -> None:
+        super().__init__(dropout=0.0)
+        self.silent, self.i = silent, 0
+
+    def forward(self, x):
+        h = self.conv(x)
+        off = [c for c, steps in self.silent.items() if self.i in steps]
+        self.i += 1
+        if off:
+            keep = torch.ones(h.shape[1])
+            keep[off] = 0.0
+            h = h * keep[:, None, None]
+        return self.head(self.ln(self.fc(torch.relu(self.bn(h)).flatten(1))))
+
+
+def test_a_sparse_channel_is_not_dead_a_channel_dead_three_watched_steps_in_a_row_is():
+    # watched steps 0, 2, 4, 6, 8: channel 1 is silent at 2, 6 and 8 (a channel a batch does not excite: it
+    # fires again at 4), channel 5 from 4 on. The old rule (any watched step with more dead than the first)
+    # named both; one batch cannot tell them apart, three in a row up to the last can
+    _seed()
+    model = Silenced({1: {2, 6, 8}, 5: {4, 5, 6, 7, 8}})
+    with normscope.watch(model, every=2) as w:
+        _train(model, _images, 9, lr=0.0)
+    rows = {r["step"]: r["dead"] for r in w.history if r["layer"] == "bn"}
+    assert rows == {0: 0, 2: 1, 4: 1, 6: 2, 8: 2}  # the per-step counts the watch keeps
+    (f,) = [g for g in w.report().by_check("dead-channels") if g.module == "bn"]
+    assert f.measured["new_indices"] == [5] and f.measured["step"] == 4 and f.severity == "warning"
 
 
 def test_a_residual_stream_growing_past_xiongs_bound_is_found_and_a_healthy_one_is_not():
