@@ -660,6 +660,56 @@ def test_pre_ln_silent():
     assert doctor(_encoder(norm_first=True), torch.randn(2, 5, 16)).by_check("post-ln") == []
 
 
+class Residual(nn.Module):
+    """Two residual blocks after an embedding norm, wired as ``kind`` says:
+
+    * ``post``: ``x = norm(x + f(x))`` -- Post-LN, the stream passes through each norm;
+    * ``sandwich``: ``x = x + post(f(pre(x)))`` -- a norm at the end of each branch (Gemma 2, OLMo 2);
+    * ``pre_after_embedding_norm``: ``x = x + f(pre(x))`` after ``x = emb_norm(x)`` (BLOOM's first layer);
+    * ``identity_first_pre``: as ``pre``, the first block's own norm left out because the embedding norm
+      already normalized its input (ModernBERT's first layer), so the first sum is read by the next norm
+      *and* the next add.
+    """
+
+    def __init__(self, kind: str, d: int = 16) -> None:
+        super().__init__()
+        self.kind = kind
+        self.emb_norm = nn.LayerNorm(d)
+        self.f = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.pre = nn.ModuleList(nn.LayerNorm(d) for _ in range(2))
+        self.post = nn.ModuleList(nn.LayerNorm(d) for _ in range(2))
+
+    def forward(self, x):
+        x = self.emb_norm(x)
+        for i in range(2):
+            if self.kind == "post":
+                x = self.post[i](x + self.f[i](x))
+            elif self.kind == "sandwich":
+                x = x + self.post[i](self.f[i](self.pre[i](x)))
+            elif self.kind == "pre_after_embedding_norm":
+                x = x + self.f[i](self.pre[i](x))
+            else:
+                x = x + self.f[i](x if i == 0 else self.pre[i](x))
+        return self.post[0](x) if self.kind != "post" else x
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("post", {"post.0": "emb_norm", "post.1": "post.0"}),
+        ("sandwich", {}),
+        ("pre_after_embedding_norm", {}),
+        ("identity_first_pre", {}),
+    ],
+)
+def test_post_ln_only_where_the_stream_passes_through_the_norm(kind, expected):
+    # a norm's output as an operand of the add is not enough: it must be the skip (the branch computed from
+    # it, no norm in between) and the sum must go nowhere but into the norm. Every wiring but the first read as
+    # Post-LN when any operand of the add was a norm's output
+    report = doctor(Residual(kind), torch.randn(2, 5, 16))
+    assert {f.module: f.measured["residual_from"] for f in report.by_check("post-ln")} == expected
+
+
 # ------------------------------------------------------------------------------------------ casting-order
 
 

@@ -325,6 +325,51 @@ def test_transformers_padded_bert_is_post_ln_and_per_token():
     assert {"encoder.layer.0.attention.output.LayerNorm", "encoder.layer.1.output.LayerNorm"} <= post
 
 
+def _tiny(transformers, family: str):
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=100)
+    return {
+        "gemma2": lambda: transformers.Gemma2Model(
+            transformers.Gemma2Config(**small, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+        ),
+        "bloom": lambda: transformers.BloomModel(
+            transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=100)
+        ),
+        "modernbert": lambda: transformers.ModernBertModel(
+            transformers.ModernBertConfig(**small, max_position_embeddings=64, pad_token_id=0)
+        ),
+        "distilbert": lambda: transformers.DistilBertModel(
+            transformers.DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=64, vocab_size=100)
+        ),
+    }[family]()
+
+
+@pytest.mark.parametrize(
+    ("family", "post_ln"),
+    [
+        # x + post_attention_layernorm(attn(input_layernorm(x))): a norm at each branch's end, the stream never
+        # passes through one (Gemma2DecoderLayer.forward)
+        ("gemma2", set()),
+        # the embeddings' LayerNorm, then layernorm_output = input_layernorm(h), attention_output = attn(...) + h,
+        # post_attention_layernorm(attention_output) feeds the MLP, whose residual is attention_output: Pre-LN
+        # (BloomBlock.forward)
+        ("bloom", set()),
+        # the embeddings' norm, then layer 0's attn_norm is nn.Identity (the embeddings were just normalized):
+        # x + attn(x), then mlp_norm on that sum, which the MLP's add takes as its residual too (ModernBertEncoderLayer)
+        ("modernbert", set()),
+        # sa_layer_norm(attention(x) + x), output_layer_norm(ffn(h) + h): Post-LN (TransformerBlock.forward)
+        ("distilbert", {f"transformer.layer.{i}.{n}" for i in (0, 1) for n in ("sa_layer_norm", "output_layer_norm")}),
+    ],
+)
+def test_transformers_post_ln_only_where_the_stream_passes_through_the_norm(family, post_ln):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = _tiny(transformers, family).eval()
+    ids, mask = _padded_ids(100, [16, 11, 5, 13], 16, left=family in ("gemma2", "bloom"))
+    report = diagnose(model, ids, attention_mask=mask)
+    assert problems(report) == []
+    assert {f.module for f in report.by_check("post-ln")} == post_ln
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_transformers_padded_decoders_are_healthy(family, dtype):

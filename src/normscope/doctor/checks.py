@@ -1127,6 +1127,79 @@ _POST_LN_SOURCE = (
 )
 
 
+# the most autograd nodes post-ln walks (a large model's forward has a few hundred per layer)
+_GRAPH_NODES = 500_000
+
+
+def _post_ln_from_graph(token: list[Call]) -> dict[str, str]:
+    """{norm: the norm before it on the stream} for the Post-LN norms among ``token``, from autograd's graph.
+
+    A norm N is Post-LN where its input is an addition ``a + b`` whose skip ``a`` is another norm M's output,
+    the branch ``b`` is computed from M's output with no norm in between (``b = f(M(...))``: BERT's
+    ``LayerNorm(M + sublayer(M))``), and the sum goes nowhere but into N -- the stream passes through N. Not
+    Post-LN, though a norm's output is an operand of the add: a norm at the end of a branch (Gemma 2's
+    ``x + post_attention_layernorm(attn(x))``: the skip is the stream), a branch that starts with its own norm
+    (BLOOM's first layer, ``h + attn(input_layernorm(h))`` after the embeddings' norm), and a sum that the next
+    add also takes (ModernBERT's first layer, whose attention takes the embeddings' norm directly: the stream
+    continues past ``mlp_norm``). Each of these read as Post-LN when any operand of the add was a norm's output.
+    """
+    # the grad_fns as the hooks saw them: an in-place write after the norm (x += ...) gives the tensor another one
+    produced = {id(c.extra["output_fn"]): c.path for c in token if c.extra.get("output_fn") is not None}
+    # every node behind the norms, and who takes each (a node's consumers are the nodes listing it as an input)
+    takers: dict[int, set[int]] = {}
+    stack = [f for c in token for f in (c.extra.get("input_fn"), c.extra.get("output_fn")) if f is not None]
+    seen: set[int] = set()
+    while stack and len(seen) < _GRAPH_NODES:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                takers.setdefault(id(nxt), set()).add(id(fn))
+                stack.append(nxt)
+
+    def inside(out_fn, stop) -> set[int]:
+        """The nodes of a norm's own computation: from its output back to its input ``stop``."""
+        own, todo = set(), [out_fn]
+        while todo and len(own) < _GRAPH_NODES:
+            fn = todo.pop()
+            if fn is stop or id(fn) in own:
+                continue
+            own.add(id(fn))
+            todo.extend(n for n, _ in fn.next_functions if n is not None)
+        return own
+
+    def branch_from(fn, target: int) -> bool:
+        """Whether ``fn`` is computed from the node ``target`` along a path that meets no other norm's output."""
+        todo, visited = [fn], set()
+        while todo and len(visited) < _GRAPH_NODES:
+            f = todo.pop()
+            if id(f) == target:
+                return True
+            if id(f) in visited or (id(f) in produced and f is not fn):
+                continue
+            visited.add(id(f))
+            todo.extend(n for n, _ in f.next_functions if n is not None)
+        return False
+
+    found = {}
+    for c in token:
+        fn, out_fn = c.extra.get("input_fn"), c.extra.get("output_fn")
+        if fn is None or out_fn is None or not type(fn).__name__.startswith("AddBackward"):
+            continue
+        if takers.get(id(fn), set()) - inside(out_fn, fn):
+            continue  # the sum goes on past this norm too: the stream does not pass through it
+        operands = [n for n, _ in fn.next_functions if n is not None]
+        for skip in operands:
+            source = produced.get(id(skip))
+            if source is None or source == c.path:
+                continue
+            if any(branch_from(other, id(skip)) for other in operands if other is not skip):
+                found[c.path] = source
+    return found
+
+
 def post_ln(ctx: Context) -> list[Finding]:
     """A norm after a residual add whose other branch starts from a norm's output -- the residual
     stream passes through the norm (Post-LN) -- read from autograd's graph of the forward; torch's
@@ -1138,16 +1211,7 @@ def post_ln(ctx: Context) -> list[Finding]:
         return []
     found: dict[str, str] = {}
     if ctx.grad_graph:
-        # the grad_fns as the hooks saw them: an in-place write after the norm (x += ...) gives the
-        # tensor another one
-        produced = {id(c.extra["output_fn"]): c.path for c in token if c.extra.get("output_fn") is not None}
-        for c in token:
-            fn = c.extra.get("input_fn")
-            if fn is None or not type(fn).__name__.startswith("AddBackward"):
-                continue
-            for nxt, _ in fn.next_functions:
-                if nxt is not None and id(nxt) in produced and produced[id(nxt)] != c.path:
-                    found[c.path] = produced[id(nxt)]
+        found = _post_ln_from_graph(token)
     else:
         ctx.note("post-ln", "no autograd graph (no parameter requires grad): read from torch's transformer layers")
         for path, m in ctx.model.named_modules():
