@@ -413,6 +413,33 @@ def test_a_sparse_channel_is_not_dead_a_channel_dead_three_watched_steps_in_a_ro
     assert f.measured["new_indices"] == [5] and f.measured["step"] == 4 and f.severity == "warning"
 
 
+def test_residual_growth_does_not_apply_to_a_post_ln_model():
+    # ALBERT (transformers): LayerNorm(x + attention(x)), its layers shared. Xiong et al.'s bound is for a stream
+    # no norm rescales; with Post-LN norms on it, the norms left (the embeddings', the first) compared nothing --
+    # it warned at step 0. The check says why it does not apply
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.AlbertConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=100,
+        embedding_size=16,
+    )
+    model = transformers.AlbertModel(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with normscope.watch(model, every=2) as w:
+        for step in range(4):
+            ids, _ = _tokens(step)
+            model(ids).last_hidden_state.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    report = w.report()
+    assert report.by_check("post-ln") and report.by_check("residual-growth") == []
+    assert report.checks["residual-growth"]["ran"] is False and "Post-LN" in report.checks["residual-growth"]["note"]
+
+
 def test_a_residual_stream_growing_past_xiongs_bound_is_found_and_a_healthy_one_is_not():
     for gain, found in ((1.0, False), (30.0, True)):
         _seed()

@@ -1085,6 +1085,11 @@ def _stream_norms(ctx: Context) -> tuple[list[str] | None, str]:
     notes = dict(ctx.notes)
     post = {f.module for f in CHECKS["post-ln"](ctx)}
     ctx.notes = notes
+    if post:
+        # Xiong et al.'s bound is for a stream that no norm rescales: in a Post-LN model (BERT, RoBERTa, ALBERT)
+        # the norms left between its Post-LN ones are the embeddings' and first layer's, whose ratio measured
+        # nothing (ALBERT's shared layers warned at step 0)
+        return [], f"Post-LN: the residual stream passes through {len(post)} norm(s) (post-ln)"
     stream = []
     for i, c in enumerate(token):
         if c.path in post:
