@@ -459,6 +459,49 @@ def test_a_residual_stream_growing_past_xiongs_bound_is_found_and_a_healthy_one_
         assert any(s.check == "residual-growth" for s in report.series)
 
 
+class TwoStages(nn.Module):
+    """Two Pre-LN stages of widths 16 and 64 joined by a projection that is no residual (as a hierarchical
+    model's downsampling), which multiplies the stream's scale by ``jump``; ``gain`` scales stage 2's branches."""
+
+    def __init__(self, jump=10.0, gain=1.0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.stages = nn.ModuleList(PreLN(d, blocks=3, dropout=0.0) for d in (16, 64))
+        self.down = nn.Linear(16, 64)
+        self.head = nn.Linear(64, 32)
+        self.jump, self.gain = jump, gain
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for i, stage in enumerate(self.stages):
+            if i:
+                x = self.jump * self.down(x)
+            for norm, ff in zip(stage.norms, stage.ff):
+                x = x + (self.gain if i else 1.0) * ff(norm(x))
+        return self.head(self.stages[1].final(x))
+
+
+def test_residual_growth_follows_one_stage_of_a_hierarchical_model():
+    # the stages' streams are of two widths and joined by no residual: from stage 1's first norm to stage 2's
+    # final norm the ratio is the projection's jump (x10), beyond the bound for 7 norms later -- torchvision's
+    # maxvit_t warned so. Along the longest stream of one width (stage 2), a healthy one is silent and growth
+    # planted inside it is found there
+    for gain, found in ((1.0, False), (30.0, True)):
+        _seed()
+        model = TwoStages(gain=gain)
+        with normscope.watch(model, every=2) as w:
+            _train(model, _tokens, 3, lr=0.0)
+        rows = {(r["step"], r["layer"]): r["rms"] for r in w.history}
+        assert rows[(0, "stages.1.final")] / rows[(0, "stages.0.norms.0")] > math.sqrt(1 + 0.75 * 7)
+        growth = [f for f in w.report().by_check("residual-growth") if "rms_ratio" in f.measured]
+        assert bool(growth) is found
+        if found:
+            (f,) = growth
+            assert (f.measured["from"], f.module) == ("stages.1.norms.0", "stages.1.final")
+            ratio = rows[(0, "stages.1.final")] / rows[(0, "stages.1.norms.0")]
+            assert math.isclose(f.measured["rms_ratio"], ratio, rel_tol=1e-9)
+
+
 def test_massive_activations_in_the_stream_are_found():
     for planted in (None, 5000.0):
         _seed()

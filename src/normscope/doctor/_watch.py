@@ -1096,7 +1096,32 @@ def _stream_norms(ctx: Context) -> tuple[list[str] | None, str]:
             continue
         fn = c.extra.get("input_fn")
         if i == 0 or (fn is not None and type(fn).__name__.startswith("AddBackward")):
-            stream.append(c.path)
-    if len(stream) < 2:
+            stream.append(c)
+    # a hierarchical model (Swin, MaxViT) has one stream per stage, each of its own width, joined by downsampling
+    # that is no residual: the bound holds along one of them. The longest run of norms of one width is kept
+    # (torchvision's maxvit_t warned from its first stage's 64 channels to its last stage's 512)
+    runs: list[list[Call]] = []
+    for c in stream:
+        s = c.extra["scope"]
+        width = math.prod(c.args[0].shape[d] for d in s.reduce)
+        if runs and runs[-1][0].extra.get("_width") == width:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+        c.extra["_width"] = width
+    # a stage's first norm receives the downsampling's output, no sum: it starts its stage's stream as the first
+    # norm starts the model's (the token norm just before a run, of the run's width)
+    order = {c.path: i for i, c in enumerate(token)}
+    on_stream = {c.path for c in stream}
+    for run in runs:
+        i = order[run[0].path]
+        if i > 0 and token[i - 1].path not in on_stream:
+            before = token[i - 1]
+            s = before.extra["scope"]
+            if math.prod(before.args[0].shape[d] for d in s.reduce) == run[0].extra["_width"]:
+                run.insert(0, before)
+    longest = max(runs, key=len, default=[])
+    longest = next((r for r in reversed(runs) if len(r) == len(longest)), longest)
+    if len(longest) < 2:
         return [], "fewer than two norms on a residual stream"
-    return stream, ""
+    return [c.path for c in longest], ""
