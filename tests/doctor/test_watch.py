@@ -502,6 +502,35 @@ def test_residual_growth_follows_one_stage_of_a_hierarchical_model():
             assert math.isclose(f.measured["rms_ratio"], ratio, rel_tol=1e-9)
 
 
+class ExtraBranches(PreLN):
+    """PreLN whose every block adds a second branch with no token norm before it, ``x + g(x)`` (as MaxViT's
+    MBConv, whose pre-norm is a BatchNorm)."""
+
+    def __init__(self, blocks=4, gain=1.0) -> None:
+        super().__init__(blocks=blocks, gain=gain, dropout=0.0)
+        self.g = nn.ModuleList(nn.Linear(16, 16) for _ in range(blocks))
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for norm, ff, g in zip(self.norms, self.ff, self.g):
+            x = x + self.gain * ff(norm(x))
+            x = x + 0.5 * g(x)
+        return self.head(self.final(x))
+
+
+def test_residual_growth_counts_every_branch_on_the_stream():
+    # Xiong et al.'s bound grows with the residual branches added, not with the token norms: here 8 branches
+    # (two per block) reach the final norm, 4 of them behind a token norm. Counted by norms, the bound was
+    # that of 4 (torchvision's maxvit_t at initialization: 3.6x against 2.9x for 10 norms)
+    _seed()
+    model = ExtraBranches(gain=30.0)
+    with normscope.watch(model, every=2) as w:
+        _train(model, _tokens, 3, lr=0.0)
+    (f,) = [g for g in w.report().by_check("residual-growth") if "rms_ratio" in g.measured]
+    assert (f.measured["residual_branches"], f.measured["norms_between"]) == (8, 4)
+    assert f.measured["bound"] == pytest.approx(math.sqrt(1 + 0.75 * 8))
+
+
 def test_massive_activations_in_the_stream_are_found():
     for planted in (None, 5000.0):
         _seed()

@@ -250,6 +250,7 @@ class Watch:
         self._first_ran: list[str] = []
         self._stream: list[str] | None = None  # Pre-LN norms on the residual stream, in forward order
         self._stream_note = "no watched step yet"
+        self._stream_adds: int | None = None  # residual additions along it (None: counted by its norms)
         self._inputs: list[str] = []
 
     # ------------------------------------------------------------------------------ lifetime
@@ -650,7 +651,8 @@ class Watch:
             # (last_backend, ...) they set kept away from the loop's
             with _no_autocast():
                 found = contextvars.copy_context().run(_run_checks, ctx, names)
-                stream, note = contextvars.copy_context().run(_stream_norms, ctx)
+                stream, note, adds = contextvars.copy_context().run(_stream_norms, ctx)
+                self._stream_adds = adds
             self._first_findings = [_at(f, step) for f in found]
             self._first_notes = dict(ctx.notes)
             self._first_ran = names
@@ -954,7 +956,7 @@ class Watch:
             if r["layer"] in pos:
                 by_step.setdefault(r["step"], {})[r["layer"]] = r
         first_path, last_path = stream[0], stream[-1]
-        n = len(stream) - 1
+        n = self._stream_adds if self._stream_adds else len(stream) - 1
         bound = math.sqrt(1 + 0.75 * n)
         ratios = [
             (s, got[last_path]["rms"] / got[first_path]["rms"])
@@ -976,12 +978,13 @@ class Watch:
                         "rms_ratio_last": ratios[-1][1],
                         "rms_ratio_first_step": ratios[0][1],
                         "from": first_path,
-                        "norms_between": n,
+                        "norms_between": len(stream) - 1,
+                        "residual_branches": n,
                         "bound": bound,
                     },
                     {"info_above": bound, "source": _GROWTH_SOURCE},
-                    f"the residual stream's RMS grows {_fmt(ratio)}x from {first_path} to {last_path} ({n} Pre-LN "
-                    f"norms later) at step {step}, beyond the {_fmt(bound)}x a Pre-LN transformer has at initialization"
+                    f"the residual stream's RMS grows {_fmt(ratio)}x from {first_path} to {last_path} ({n} residual "
+                    f"branches later) at step {step}, beyond the {_fmt(bound)}x a Pre-LN transformer has at initialization"
                     + (f"; {_fmt(ratios[-1][1])}x at step {ratios[-1][0]}, growing" if growing else ""),
                     "# scale each block's output projection at init by 1/sqrt(2 * layers) (GPT-2), or use "
                     "LayerNorm Scaling / sandwich norms (normscope.SandwichNorm) on the deep layers",
@@ -1072,16 +1075,41 @@ def _run_checks(ctx: Context, names: list[str]) -> list[Finding]:
     return found
 
 
-def _stream_norms(ctx: Context) -> tuple[list[str] | None, str]:
+def _residual_adds(start, end) -> int | None:
+    """The residual additions on the stream from autograd node ``end`` back to node ``start``: at each addition
+    the walk takes the skip (the operand the other is computed from), through single-input nodes (views, a layer
+    scale, stochastic depth); None where the path is not such a chain. A stream may add branches whose pre-norm
+    is no token norm (MaxViT's MBConv, a BatchNorm), which Xiong et al.'s count includes."""
+    from .checks import _computed_from
+
+    node, adds = end, 0
+    for _ in range(100_000):
+        if node is start:
+            return adds
+        nxt = [n for n, _ in node.next_functions if n is not None and type(n).__name__ != "AccumulateGrad"]
+        if type(node).__name__.startswith("AddBackward") and len(nxt) == 2:
+            a, b = nxt
+            skip = a if _computed_from(b, id(a)) else b if _computed_from(a, id(b)) else None
+            if skip is None:
+                return None
+            adds, node = adds + 1, skip
+        elif len(nxt) == 1:
+            node = nxt[0]
+        else:
+            return None
+    return None
+
+
+def _stream_norms(ctx: Context) -> tuple[list[str] | None, str, int | None]:
     """The LayerNorm/RMSNorm layers that receive the residual stream of a Pre-LN model, in forward order: the
     first token norm, and every later one whose input is made by an addition (``x + f(norm(x))``), without
     the Post-LN ones (whose residual passes through a norm) -- read from autograd's graph of the first watched
     step. QK-norms and norms inside a branch receive a projection's output and are left out."""
     token = [c for c in ctx.norms if c.extra["scope"].kind in ("layer", "rms")]
     if not token:
-        return [], "no LayerNorm or RMSNorm"
+        return [], "no LayerNorm or RMSNorm", None
     if not ctx.grad_graph:
-        return None, "no autograd graph on the first watched step (no gradient): the residual stream is not known"
+        return None, "no autograd graph on the first watched step (no gradient): the residual stream is not known", None
     notes = dict(ctx.notes)
     post = {f.module for f in CHECKS["post-ln"](ctx)}
     ctx.notes = notes
@@ -1089,7 +1117,7 @@ def _stream_norms(ctx: Context) -> tuple[list[str] | None, str]:
         # Xiong et al.'s bound is for a stream that no norm rescales: in a Post-LN model (BERT, RoBERTa, ALBERT)
         # the norms left between its Post-LN ones are the embeddings' and first layer's, whose ratio measured
         # nothing (ALBERT's shared layers warned at step 0)
-        return [], f"Post-LN: the residual stream passes through {len(post)} norm(s) (post-ln)"
+        return [], f"Post-LN: the residual stream passes through {len(post)} norm(s) (post-ln)", None
     stream = []
     for i, c in enumerate(token):
         if c.path in post:
@@ -1123,5 +1151,7 @@ def _stream_norms(ctx: Context) -> tuple[list[str] | None, str]:
     longest = max(runs, key=len, default=[])
     longest = next((r for r in reversed(runs) if len(r) == len(longest)), longest)
     if len(longest) < 2:
-        return [], "fewer than two norms on a residual stream"
-    return [c.path for c in longest], ""
+        return [], "fewer than two norms on a residual stream", None
+    first, last = longest[0].extra.get("input_fn"), longest[-1].extra.get("input_fn")
+    adds = _residual_adds(first, last) if first is not None and last is not None else None
+    return [c.path for c in longest], "", adds

@@ -1170,18 +1170,11 @@ def _post_ln_from_graph(token: list[Call]) -> dict[str, str]:
             todo.extend(n for n, _ in fn.next_functions if n is not None)
         return own
 
+    outputs = frozenset(produced)
+
     def branch_from(fn, target: int) -> bool:
         """Whether ``fn`` is computed from the node ``target`` along a path that meets no other norm's output."""
-        todo, visited = [fn], set()
-        while todo and len(visited) < _GRAPH_NODES:
-            f = todo.pop()
-            if id(f) == target:
-                return True
-            if id(f) in visited or (id(f) in produced and f is not fn):
-                continue
-            visited.add(id(f))
-            todo.extend(n for n, _ in f.next_functions if n is not None)
-        return False
+        return _computed_from(fn, target, outputs)
 
     found = {}
     for c in token:
@@ -1198,6 +1191,21 @@ def _post_ln_from_graph(token: list[Call]) -> dict[str, str]:
             if any(branch_from(other, id(skip)) for other in operands if other is not skip):
                 found[c.path] = source
     return found
+
+
+def _computed_from(fn, target: int, stop: frozenset[int] = frozenset()) -> bool:
+    """Whether autograd node ``fn`` is computed from the node whose id is ``target`` (along a path through no
+    node in ``stop`` but ``fn`` itself)."""
+    todo, visited = [fn], set()
+    while todo and len(visited) < _GRAPH_NODES:
+        f = todo.pop()
+        if id(f) == target:
+            return True
+        if id(f) in visited or (id(f) in stop and f is not fn):
+            continue
+        visited.add(id(f))
+        todo.extend(n for n, _ in f.next_functions if n is not None)
+    return False
 
 
 def post_ln(ctx: Context) -> list[Finding]:
