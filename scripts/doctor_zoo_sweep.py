@@ -8,8 +8,11 @@ statistics are fitted to 64 images (as a trained model's fit its data, tests/doc
   error is a false alarm to explain;
 * ``train@2``: the doctor in training mode at batch 2 -- bn-elements should name the small-batch BatchNorms,
   and nothing but BatchNorm-type layers may mix the batch (a batch-invariance warning is a false alarm);
-* ``watch`` (with ``--watch``): ``normscope.watch(every=2)`` over 6 SGD steps at batch 8 -- a short, healthy
-  run: any warning or error but bn-elements (true at 8 images of 64 pixels) is a false alarm to explain.
+* ``watch`` (with ``--watch``): ``normscope.watch(every=2)`` over 6 SGD steps at batch 8 (``--lr``, 1e-3: a
+  calibrated, slowly trained model) -- a healthy run: any warning or error but bn-elements (true at 8 images of
+  64 pixels) is a false alarm to explain. At lr 1e-2 the runs are no longer healthy everywhere: MNASNet's first
+  BatchNorm input's variance grows some 270x in 6 steps while its running statistics (torchvision's momentum
+  3e-4) stay where they were -- the watch's train-eval-drift warning is then the truth.
 
 Usage (from the repository root; timm and torchvision in build/zoo as .ci/run installs them)::
 
@@ -68,11 +71,11 @@ def _size(model) -> int:
         return int(cfg.get("input_size", (3, 299 if type(model).__name__ == "Inception3" else 224))[-1])
 
 
-def _watch(model, size: int) -> list[str]:
+def _watch(model, size: int, lr: float) -> list[str]:
     """What the watch reports beyond bn-elements (8 images of 64 pixels leave a few values per statistic in
     the last stages: true, and the one-batch test's business)."""
     torch.manual_seed(0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     with normscope.watch(model.train(), every=2) as w:
         for step in range(6):
             out = model(_images(8, size, seed=10 + step))
@@ -84,7 +87,7 @@ def _watch(model, size: int) -> list[str]:
     return [x for x in _lines(w.report()) if " bn-elements " not in x]
 
 
-def sweep(zoo: str, names: list[str], watch: bool) -> list[dict]:
+def sweep(zoo: str, names: list[str], watch: bool, lr: float = 1e-3) -> list[dict]:
     lib = zoo_import(zoo)
     rows = []
     for name in names:
@@ -103,7 +106,7 @@ def sweep(zoo: str, names: list[str], watch: bool) -> list[dict]:
             row["train@2"] = _lines(train)
             row["train@2 batch-invariance"] = [x for x in row["train@2"] if " batch-invariance " in x]
             if watch:
-                row["watch"] = _watch(model, size)
+                row["watch"] = _watch(model, size, lr)
         except Exception as e:  # noqa: BLE001 -- a model the sweep cannot build or run is reported, not fatal
             row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
         row["seconds"] = round(time.perf_counter() - t, 1)
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timm", default=TIMM, help="comma-separated timm model names ('' for none)")
     p.add_argument("--torchvision", default=TORCHVISION, help="comma-separated torchvision model names")
     p.add_argument("--watch", action="store_true", help="also 6 watched training steps per model")
+    p.add_argument("--lr", type=float, default=1e-3, help="the watched runs' SGD learning rate (momentum 0.9)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, help="write the results as JSON")
     a = p.parse_args(argv)
@@ -137,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for zoo, names in (("timm", a.timm), ("torchvision", a.torchvision)):
         if names:
-            rows += sweep(zoo, [n for n in names.split(",") if n], a.watch)
+            rows += sweep(zoo, [n for n in names.split(",") if n], a.watch, a.lr)
     alarms = sum(
         len(r.get("eval", [])) + len(r.get("train@2 batch-invariance", [])) + len(r.get("watch", [])) for r in rows
     )
@@ -150,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                     "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
                     "torch": torch.__version__,
                     "normscope": normscope.__version__,
+                    "watch_lr": a.lr if a.watch else None,
                     "models": rows,
                 },
                 indent=1,

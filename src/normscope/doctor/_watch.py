@@ -46,9 +46,11 @@ from .checks import (
     CHECKS,
     DEAD_AMONG_PEERS,
     DRIFT_WARNING,
+    NOISE_MARGIN,
     Context,
     _computes_in_fp32,
     _distance,
+    _noise_terms,
 )
 
 __all__ = ["watch", "Watch", "WATCH_CHECKS"]
@@ -250,6 +252,7 @@ class Watch:
         self._first_ran: list[str] = []
         self._stream: list[str] | None = None  # Pre-LN norms on the residual stream, in forward order
         self._stream_note = "no watched step yet"
+        self._batch: int | None = None  # the samples in this step's forward (dim 0 of its first tensor input)
         self._stream_adds: int | None = None  # residual additions along it (None: counted by its norms)
         self._inputs: list[str] = []
 
@@ -364,6 +367,8 @@ class Watch:
         self._trained = m.training
         if not m.training:
             return
+        x0 = _first_tensor(args, kwargs)
+        self._batch = int(x0.shape[0]) if x0 is not None and x0.dim() else None  # the drift's noise reads it
         self._in_forward = True
         if not self._manual:
             self._end_step()
@@ -491,6 +496,9 @@ class Watch:
                 mean_z, var_z = _distance(call, before[0], before[1], s.eps or 0.0)
                 got["drift_mean_term"] = mean_z.mean()
                 got["drift_var_term"] = var_z.mean()
+                # what this batch's size alone gives, as the doctor estimates it (its margin below)
+                nm, nv = _noise_terms(xf, s, before[1], s.eps or 0.0, self._batch)
+                got["drift_noise"] = nm + nv
         else:
             got["rms"] = xf.square().mean().sqrt()
         if kind in ("layer", "rms"):
@@ -754,17 +762,21 @@ class Watch:
         return [Finding("non-finite", path, "error", measured, threshold, reason, fix)], "", []
 
     def _check_drift(self, rows):
-        by: dict[str, list[tuple[int, float]]] = {}
+        by: dict[str, list[tuple[int, float, float]]] = {}
         for r in rows:
             if r.get("drift") is not None and math.isfinite(r["drift"]):  # inf/NaN: the non-finite check's
-                by.setdefault(r["layer"], []).append((r["step"], r["drift"]))
+                # beyond the batch's own sampling noise, as the doctor: by the threshold and by twice the noise
+                # (torchvision's MNASNet at 8 images of 64 pixels: 32 values per statistic in its last stages)
+                noise = r.get("drift_noise") or 0.0
+                bound = noise + max(DRIFT_WARNING, NOISE_MARGIN * noise)
+                by.setdefault(r["layer"], []).append((r["step"], r["drift"], bound))
         if not by:
             return [], "no BatchNorm with running statistics", []
         out = []
         for path, pts in by.items():
             run = []
-            for step, d in reversed(pts):
-                if not d > DRIFT_WARNING:
+            for step, d, bound in reversed(pts):
+                if not d > bound:
                     break
                 run.append((step, d))
             if not run:
@@ -833,10 +845,11 @@ class Watch:
         drawn = [
             Series(
                 "train-eval-drift",
-                "train-eval distance of each BatchNorm's running statistics from the training batch",
+                "train-eval distance of each BatchNorm's running statistics from the training batch (a warning "
+                "beyond the batch's sampling noise plus max(0.133, twice the noise))",
                 "distance",
                 x="step",
-                lines=by,
+                lines={path: [(step, d) for step, d, _ in pts] for path, pts in by.items()},
                 thresholds={"warning": DRIFT_WARNING},
             )
         ]
@@ -984,7 +997,8 @@ class Watch:
                     },
                     {"info_above": bound, "source": _GROWTH_SOURCE},
                     f"the residual stream's RMS grows {_fmt(ratio)}x from {first_path} to {last_path} ({n} residual "
-                    f"branches later) at step {step}, beyond the {_fmt(bound)}x a Pre-LN transformer has at initialization"
+                    f"branches later) at step {step}, beyond the {_fmt(bound)}x a Pre-LN transformer has at "
+                    "initialization"
                     + (f"; {_fmt(ratios[-1][1])}x at step {ratios[-1][0]}, growing" if growing else ""),
                     "# scale each block's output projection at init by 1/sqrt(2 * layers) (GPT-2), or use "
                     "LayerNorm Scaling / sandwich norms (normscope.SandwichNorm) on the deep layers",

@@ -222,8 +222,14 @@ def sampling_noise(call: Call, rv: Tensor, eps: float, batch: int | None = None)
     images' noise read as a twentieth of itself and healthy layers warned. Such rows are grouped into
     ``batch`` contiguous blocks (a flatten keeps a sample's rows together), the batch-means estimate of a
     correlated series' standard error."""
-    x = call.args[0].detach().double()
-    s = call.extra["scope"]
+    nm, nv = _noise_terms(call.args[0], call.extra["scope"], rv, eps, batch)
+    return float(nm), float(nv)
+
+
+def _noise_terms(x: Tensor, s: NormScope, rv: Tensor, eps: float, batch: int | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`sampling_noise`'s two terms as 0-d tensors on ``x``'s device (no synchronization: the training
+    watch reads them with the step's other figures)."""
+    x = x.detach().double()
     units = x.movedim(s.channel, 0).reshape(x.shape[s.channel], x.shape[0 if s.channel else 1], -1)
     rows = units.shape[1]
     if batch is not None and 1 < batch < rows and rows % batch == 0:
@@ -232,7 +238,8 @@ def sampling_noise(call: Call, rv: Tensor, eps: float, batch: int | None = None)
         length = units.shape[2]
         k = min(8, length)
         if k < 2:
-            return 0.0, 0.0
+            zero = x.new_zeros(())
+            return zero, zero
         units = units[:, 0, : length // k * k].reshape(units.shape[0], k, length // k)
     n = units.shape[1]
     m = units.mean(2)
@@ -242,7 +249,7 @@ def sampling_noise(call: Call, rv: Tensor, eps: float, batch: int | None = None)
     se_var = sq.std(1) / (_c4(n) * math.sqrt(n))
     k = math.sqrt(2 / math.pi)
     var = rv.double() + eps
-    return float((k * se_mean / var.sqrt()).mean()), float(((k * se_var + se_mean.square()) / var).mean())
+    return (k * se_mean / var.sqrt()).mean(), ((k * se_var + se_mean.square()) / var).mean()
 
 
 def _compact(t: Tensor) -> list[float]:
