@@ -50,6 +50,7 @@ from .checks import (
     Context,
     _computes_in_fp32,
     _distance,
+    _noise_from_units,
     _noise_terms,
 )
 
@@ -469,10 +470,18 @@ class Watch:
         got: dict[str, Tensor] = {}
         kind = s.kind if s is not None else "unknown"
         if s is not None and (s.reduce or s.groups is not None) and s.kind != "frozen":
-            xr, dims = (xf.reshape(xf.shape[0], s.groups, -1), (2,)) if s.groups is not None else (xf, s.reduce)
-            mean = xr.mean(dims, keepdim=True)
-            var = (xr - mean).square().mean(dims)
-            mean = mean.reshape(var.shape)
+            units = _bn_units(xf, s, self._batch) if s.kind == "batch" else None
+            if units is not None:  # per unit (sample) first: the same two passes, and the drift's noise from them
+                um = units.mean((1, 3))
+                mean = um.mean(0)
+                usq = (units - mean[None, None, :, None]).square().mean((1, 3))
+                var = usq.mean(0)
+                xr = xf
+            else:
+                xr, dims = (xf.reshape(xf.shape[0], s.groups, -1), (2,)) if s.groups is not None else (xf, s.reduce)
+                mean = xr.mean(dims, keepdim=True)
+                var = (xr - mean).square().mean(dims)
+                mean = mean.reshape(var.shape)
             got["rms"] = (var + mean.square()).mean().sqrt()
             if s.eps is not None:
                 if s.kind in ("batch", "layer", "rms"):
@@ -497,7 +506,10 @@ class Watch:
                 got["drift_mean_term"] = mean_z.mean()
                 got["drift_var_term"] = var_z.mean()
                 # what this batch's size alone gives, as the doctor estimates it (its margin below)
-                nm, nv = _noise_terms(xf, s, before[1], s.eps or 0.0, self._batch)
+                if units is not None and units.shape[0] > 1:
+                    nm, nv = _noise_from_units(um, usq, before[1], s.eps or 0.0)
+                else:
+                    nm, nv = _noise_terms(xf, s, before[1], s.eps or 0.0, self._batch)
                 got["drift_noise"] = nm + nv
         else:
             got["rms"] = xf.square().mean().sqrt()
@@ -1087,6 +1099,24 @@ def _run_checks(ctx: Context, names: list[str]) -> list[Finding]:
     for name in names:
         found.extend(CHECKS[name](ctx))
     return found
+
+
+def _bn_units(x: Tensor, s: NormScope, batch: int | None) -> Tensor | None:
+    """A BatchNorm's input as ``(units, rows per unit, channels, positions)``, a view where the layout allows:
+    a unit is a sample, or -- where the model folded other axes into the norm's batch axis -- one block of rows
+    per sample of the model's batch (:func:`normscope.doctor.checks.sampling_noise`). None for other scopes."""
+    c = s.channel
+    if c is None or set(s.reduce) != set(range(x.dim())) - {c} or x.dim() < 2:
+        return None
+    rows, channels = x.shape[0 if c else 1], x.shape[c]
+    if c == 1:
+        v = x.reshape(rows, channels, -1)
+    elif c == x.dim() - 1:
+        v = x.reshape(rows, -1, channels).transpose(1, 2)
+    else:
+        v = x.movedim(c, 1).reshape(rows, channels, -1)
+    units = batch if batch is not None and 1 < batch < rows and rows % batch == 0 else rows
+    return v.reshape(units, rows // units, channels, v.shape[-1])
 
 
 def _residual_adds(start, end) -> int | None:

@@ -241,14 +241,21 @@ def _noise_terms(x: Tensor, s: NormScope, rv: Tensor, eps: float, batch: int | N
             zero = x.new_zeros(())
             return zero, zero
         units = units[:, 0, : length // k * k].reshape(units.shape[0], k, length // k)
-    n = units.shape[1]
     m = units.mean(2)
     mu = m.mean(1, keepdim=True)
     sq = (units - mu[..., None]).square().mean(2)
-    se_mean = m.std(1) / (_c4(n) * math.sqrt(n))
-    se_var = sq.std(1) / (_c4(n) * math.sqrt(n))
+    return _noise_from_units(m.T, sq.T, rv, eps)
+
+
+def _noise_from_units(m: Tensor, sq: Tensor, rv: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The two noise terms from per-unit statistics, ``(units, channels)`` each: ``m`` a unit's mean, ``sq`` its
+    mean squared deviation from the channel's mean (over every unit). Standard errors from their spread."""
+    n = m.shape[0]
+    m, sq = m.double(), sq.double()
+    se_mean = m.std(0) / (_c4(n) * math.sqrt(n))
+    se_var = sq.std(0) / (_c4(n) * math.sqrt(n))
     k = math.sqrt(2 / math.pi)
-    var = rv.double() + eps
+    var = rv.double().to(m.device) + eps
     return (k * se_mean / var.sqrt()).mean(), ((k * se_var + se_mean.square()) / var).mean()
 
 
