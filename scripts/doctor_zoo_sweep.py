@@ -14,6 +14,10 @@ statistics are fitted to 64 images (as a trained model's fit its data, tests/doc
   BatchNorm input's variance grows some 270x in 6 steps while its running statistics (torchvision's momentum
   3e-4) stay where they were -- the watch's train-eval-drift warning is then the truth.
 
+For each transformers text model (a tiny random configuration, a padded batch, left-padded for decoders): the
+doctor in eval and in training, and the watch over 6 AdamW steps: any warning or error is a false alarm; the
+norms called Post-LN are listed for reading.
+
 Usage (from the repository root; timm and torchvision in build/zoo as .ci/run installs them)::
 
     PYTHONPATH=src python3 scripts/doctor_zoo_sweep.py --out benchmarks/results/doctor_zoo_sweep.json
@@ -128,10 +132,87 @@ def sweep(zoo: str, names: list[str], watch: bool, lr: float = 1e-3) -> list[dic
     return rows
 
 
+# transformers text models: random tiny configurations, (config class, model class, keyword arguments, left padding)
+_TINY = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    vocab_size=100,
+    max_position_embeddings=64,
+)
+TRANSFORMERS = {
+    "gpt2": ("GPT2Config", "GPT2Model", dict(n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=64), True),
+    "opt": ("OPTConfig", "OPTModel", {**_TINY, "intermediate_size": None, "ffn_dim": 64}, True),
+    "mistral": ("MistralConfig", "MistralModel", {**_TINY, "num_key_value_heads": 2}, True),
+    "phi": ("PhiConfig", "PhiModel", _TINY, True),
+    "phi3": ("Phi3Config", "Phi3Model", {**_TINY, "pad_token_id": 0}, True),
+    "gemma2": ("Gemma2Config", "Gemma2Model", {**_TINY, "num_key_value_heads": 2, "head_dim": 8}, True),
+    "qwen2": ("Qwen2Config", "Qwen2Model", {**_TINY, "num_key_value_heads": 2}, True),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXModel", _TINY, True),
+    "falcon": ("FalconConfig", "FalconModel", {**_TINY, "intermediate_size": None}, True),
+    "bloom": ("BloomConfig", "BloomModel", dict(hidden_size=32, n_layer=2, n_head=4, vocab_size=100), True),
+    "roberta": ("RobertaConfig", "RobertaModel", {**_TINY, "pad_token_id": 1, "max_position_embeddings": 80}, False),
+    "distilbert": (
+        "DistilBertConfig",
+        "DistilBertModel",
+        dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64, vocab_size=100),
+        False,
+    ),
+    "electra": ("ElectraConfig", "ElectraModel", {**_TINY, "embedding_size": 32}, False),
+    "deberta_v2": ("DebertaV2Config", "DebertaV2Model", _TINY, False),
+    "albert": ("AlbertConfig", "AlbertModel", {**_TINY, "embedding_size": 16}, False),
+    "mpnet": ("MPNetConfig", "MPNetModel", _TINY, False),
+    "modernbert": ("ModernBertConfig", "ModernBertModel", {**_TINY, "pad_token_id": 0}, False),
+}
+
+
+def sweep_transformers(names: list[str], watch: bool, lr: float) -> list[dict]:
+    """The text models: padded batches (left padding for decoders), the doctor in eval and in training, and
+    (``watch``) 6 AdamW steps on the mean square of the last hidden state."""
+    import transformers
+    from test_doctor_zoo import _padded_ids
+
+    rows = []
+    for name in names:
+        t = time.perf_counter()
+        row = {"zoo": "transformers", "model": name}
+        try:
+            cfg_name, model_name, kwargs, left = TRANSFORMERS[name]
+            torch.manual_seed(0)
+            config = getattr(transformers, cfg_name)(**{k: v for k, v in kwargs.items() if v is not None})
+            model = getattr(transformers, model_name)(config)
+            ids, mask = _padded_ids(100, [16, 11, 5, 13], 16, left=left)
+            evaluated = diagnose(model.eval(), ids, attention_mask=mask)
+            row["eval"] = _lines(evaluated)
+            row["train"] = _lines(diagnose(model.train(), ids, attention_mask=mask))
+            row["post-ln"] = sorted(f.module for f in evaluated.by_check("post-ln"))
+            if watch:
+                opt = torch.optim.AdamW(model.parameters(), lr=lr)
+                with normscope.watch(model.train(), every=2) as w:
+                    for step in range(6):
+                        ids, mask = _padded_ids(100, [16, 11, 5, 13], 16, left=left, seed=step)
+                        model(ids, attention_mask=mask).last_hidden_state.square().mean().backward()
+                        opt.step()
+                        opt.zero_grad()
+                row["watch"] = _lines(w.report())
+        except Exception as e:  # noqa: BLE001 -- a model the sweep cannot build or run is reported, not fatal
+            row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row["seconds"] = round(time.perf_counter() - t, 1)
+        alarms = sum(len(row.get(k, [])) for k in ("eval", "train", "watch"))
+        status = row["failed"] if "failed" in row else f"false alarms {alarms}  (post-ln: {len(row['post-ln'])} norms)"
+        print(f"transformers {name:27s} {status}  {row['seconds']} s", flush=True)
+        for line in (row.get("eval", []) + row.get("train", []) + row.get("watch", []))[:5]:
+            print("    " + line[:240], flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--timm", default=TIMM, help="comma-separated timm model names ('' for none)")
     p.add_argument("--torchvision", default=TORCHVISION, help="comma-separated torchvision model names")
+    p.add_argument("--transformers", default=",".join(TRANSFORMERS), help="comma-separated tiny text models")
     p.add_argument("--watch", action="store_true", help="also 6 watched training steps per model")
     p.add_argument("--lr", type=float, default=1e-3, help="the watched runs' SGD learning rate (momentum 0.9)")
     p.add_argument("--threads", type=int, default=2)
@@ -142,9 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     for zoo, names in (("timm", a.timm), ("torchvision", a.torchvision)):
         if names:
             rows += sweep(zoo, [n for n in names.split(",") if n], a.watch, a.lr)
-    alarms = sum(
-        len(r.get("eval", [])) + len(r.get("train@2 batch-invariance", [])) + len(r.get("watch", [])) for r in rows
-    )
+    if a.transformers:
+        rows += sweep_transformers([n for n in a.transformers.split(",") if n], a.watch, a.lr)
+    alarms = sum(sum(len(r.get(k, [])) for k in ("eval", "train@2 batch-invariance", "train", "watch")) for r in rows)
     print(f"{len(rows)} models, {sum('failed' in r for r in rows)} failed to run, {alarms} false alarms")
     if a.out:
         a.out.write_text(
