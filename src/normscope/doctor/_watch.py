@@ -44,14 +44,16 @@ from .checks import (
     _HALF,
     _OVERFLOW_SOURCE,
     CHECKS,
-    DEAD_AMONG_PEERS,
     DRIFT_WARNING,
     NOISE_MARGIN,
     Context,
     _computes_in_fp32,
+    _dead,
     _distance,
     _noise_from_units,
     _noise_terms,
+    _sample_units,
+    _unit_moments,
 )
 
 __all__ = ["watch", "Watch", "WATCH_CHECKS"]
@@ -470,11 +472,9 @@ class Watch:
         got: dict[str, Tensor] = {}
         kind = s.kind if s is not None else "unknown"
         if s is not None and (s.reduce or s.groups is not None) and s.kind != "frozen":
-            units = _bn_units(xf, s, self._batch) if s.kind == "batch" else None
+            units = _sample_units(xf, s.channel, self._batch) if s.kind == "batch" and s.channel is not None else None
             if units is not None:  # per unit (sample) first: the same two passes, and the drift's noise from them
-                um = units.mean((1, 3))
-                mean = um.mean(0)
-                usq = (units - mean[None, None, :, None]).square().mean((1, 3))
+                um, usq, mean = _unit_moments(units)
                 var = usq.mean(0)
                 xr = xf
             else:
@@ -491,8 +491,7 @@ class Watch:
                 else:  # instance, group: per channel over every other axis, as the doctor measures it
                     dead_var = _channel_dead_var(xf, s.channel if s.channel is not None else 1, s.centered)
                 # the doctor's rule: below eps, and far below the layer's other channels (or exactly constant)
-                peers = dead_var.flatten().median() * DEAD_AMONG_PEERS
-                dead = (dead_var < s.eps) & ((dead_var <= peers) | (dead_var == 0))
+                dead = _dead(dead_var, dead_var.flatten().median(), s.eps)
                 got["dead"] = dead.sum()
                 got["of"] = torch.tensor(dead.numel())
                 got["_mask"] = dead
@@ -1101,24 +1100,6 @@ def _run_checks(ctx: Context, names: list[str]) -> list[Finding]:
     return found
 
 
-def _bn_units(x: Tensor, s: NormScope, batch: int | None) -> Tensor | None:
-    """A BatchNorm's input as ``(units, rows per unit, channels, positions)``, a view where the layout allows:
-    a unit is a sample, or -- where the model folded other axes into the norm's batch axis -- one block of rows
-    per sample of the model's batch (:func:`normscope.doctor.checks.sampling_noise`). None for other scopes."""
-    c = s.channel
-    if c is None or set(s.reduce) != set(range(x.dim())) - {c} or x.dim() < 2:
-        return None
-    rows, channels = x.shape[0 if c else 1], x.shape[c]
-    if c == 1:
-        v = x.reshape(rows, channels, -1)
-    elif c == x.dim() - 1:
-        v = x.reshape(rows, -1, channels).transpose(1, 2)
-    else:
-        v = x.movedim(c, 1).reshape(rows, channels, -1)
-    units = batch if batch is not None and 1 < batch < rows and rows % batch == 0 else rows
-    return v.reshape(units, rows // units, channels, v.shape[-1])
-
-
 def _residual_adds(start, end) -> int | None:
     """The residual additions on the stream from autograd node ``end`` back to node ``start``: at each addition
     the walk takes the skip (the operand the other is computed from), through single-input nodes (views, a layer
@@ -1172,26 +1153,22 @@ def _stream_norms(ctx: Context) -> tuple[list[str] | None, str, int | None]:
     # a hierarchical model (Swin, MaxViT) has one stream per stage, each of its own width, joined by downsampling
     # that is no residual: the bound holds along one of them. The longest run of norms of one width is kept
     # (torchvision's maxvit_t warned from its first stage's 64 channels to its last stage's 512)
+    width = {c.path: math.prod(c.args[0].shape[d] for d in c.extra["scope"].reduce) for c in token}
     runs: list[list[Call]] = []
     for c in stream:
-        s = c.extra["scope"]
-        width = math.prod(c.args[0].shape[d] for d in s.reduce)
-        if runs and runs[-1][0].extra.get("_width") == width:
+        if runs and width[runs[-1][0].path] == width[c.path]:
             runs[-1].append(c)
         else:
             runs.append([c])
-        c.extra["_width"] = width
     # a stage's first norm receives the downsampling's output, no sum: it starts its stage's stream as the first
     # norm starts the model's (the token norm just before a run, of the run's width)
     order = {c.path: i for i, c in enumerate(token)}
     on_stream = {c.path for c in stream}
     for run in runs:
         i = order[run[0].path]
-        if i > 0 and token[i - 1].path not in on_stream:
-            before = token[i - 1]
-            s = before.extra["scope"]
-            if math.prod(before.args[0].shape[d] for d in s.reduce) == run[0].extra["_width"]:
-                run.insert(0, before)
+        before = token[i - 1] if i > 0 else None
+        if before is not None and before.path not in on_stream and width[before.path] == width[run[0].path]:
+            run.insert(0, before)
     longest = max(runs, key=len, default=[])
     longest = next((r for r in reversed(runs) if len(r) == len(longest)), longest)
     if len(longest) < 2:

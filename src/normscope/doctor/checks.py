@@ -229,22 +229,41 @@ def sampling_noise(call: Call, rv: Tensor, eps: float, batch: int | None = None)
 def _noise_terms(x: Tensor, s: NormScope, rv: Tensor, eps: float, batch: int | None = None) -> tuple[Tensor, Tensor]:
     """:func:`sampling_noise`'s two terms as 0-d tensors on ``x``'s device (no synchronization: the training
     watch reads them with the step's other figures)."""
-    x = x.detach().double()
-    units = x.movedim(s.channel, 0).reshape(x.shape[s.channel], x.shape[0 if s.channel else 1], -1)
-    rows = units.shape[1]
-    if batch is not None and 1 < batch < rows and rows % batch == 0:
-        units = units.reshape(units.shape[0], batch, -1)
-    if units.shape[1] < 2:  # one sample: blocks of its positions stand in for samples
-        length = units.shape[2]
+    units = _sample_units(x.detach().double(), s.channel, batch)
+    if units.shape[0] < 2:  # one sample: blocks of its positions stand in for samples
+        length = units.shape[3]
         k = min(8, length)
         if k < 2:
-            zero = x.new_zeros(())
+            zero = x.new_zeros((), dtype=torch.float64)
             return zero, zero
-        units = units[:, 0, : length // k * k].reshape(units.shape[0], k, length // k)
-    m = units.mean(2)
-    mu = m.mean(1, keepdim=True)
-    sq = (units - mu[..., None]).square().mean(2)
-    return _noise_from_units(m.T, sq.T, rv, eps)
+        blocks = units[0, :, :, : length // k * k].reshape(units.shape[1], units.shape[2], k, length // k)
+        units = blocks.permute(2, 0, 1, 3)
+    m, sq, _ = _unit_moments(units)
+    return _noise_from_units(m, sq, rv, eps)
+
+
+def _sample_units(x: Tensor, channel: int, batch: int | None) -> Tensor:
+    """A BatchNorm's input as ``(units, rows per unit, channels, positions)``, a view where the layout allows:
+    a unit is a sample -- or, where the model folded other axes into the norm's batch axis, one block of
+    contiguous rows per sample of the model's ``batch`` (see :func:`sampling_noise`)."""
+    rows, channels = x.shape[0 if channel else 1], x.shape[channel]
+    if channel == 1:
+        v = x.reshape(rows, channels, -1)
+    elif channel == x.dim() - 1:
+        v = x.reshape(rows, -1, channels).transpose(1, 2)
+    else:
+        v = x.movedim(channel, 1).reshape(rows, channels, -1)
+    units = batch if batch is not None and 1 < batch < rows and rows % batch == 0 else rows
+    return v.reshape(units, rows // units, channels, v.shape[-1])
+
+
+def _unit_moments(units: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Of :func:`_sample_units`'s view: each unit's mean per channel, its mean squared deviation from the
+    channel's mean, ``(units, channels)`` each, and the channel's mean -- the biased variance is the second's
+    mean over units."""
+    m = units.mean((1, 3))
+    mean = m.mean(0)
+    return m, (units - mean[None, None, :, None]).square().mean((1, 3)), mean
 
 
 def _noise_from_units(m: Tensor, sq: Tensor, rv: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -925,7 +944,7 @@ DEAD_AMONG_PEERS = 0.01
 # too. Channels that die during training are normscope.watch's warning: the first watched step is the baseline.
 
 
-def _dead(var: Tensor, typical: float, eps: float) -> Tensor:
+def _dead(var: Tensor, typical: float | Tensor, eps: float) -> Tensor:
     """Which channels (scopes) of these variances are dead: below eps and far below their peers', or exactly 0."""
     return (var < eps) & ((var <= DEAD_AMONG_PEERS * typical) | (var == 0))
 
@@ -1184,12 +1203,7 @@ def _post_ln_from_graph(token: list[Call]) -> dict[str, str]:
             todo.extend(n for n, _ in fn.next_functions if n is not None)
         return own
 
-    outputs = frozenset(produced)
-
-    def branch_from(fn, target: int) -> bool:
-        """Whether ``fn`` is computed from the node ``target`` along a path that meets no other norm's output."""
-        return _computed_from(fn, target, outputs)
-
+    outputs = frozenset(produced)  # a branch that meets another norm's output first starts at that norm
     found = {}
     for c in token:
         fn, out_fn = c.extra.get("input_fn"), c.extra.get("output_fn")
@@ -1202,7 +1216,7 @@ def _post_ln_from_graph(token: list[Call]) -> dict[str, str]:
             source = produced.get(id(skip))
             if source is None or source == c.path:
                 continue
-            if any(branch_from(other, id(skip)) for other in operands if other is not skip):
+            if any(_computed_from(other, id(skip), outputs) for other in operands if other is not skip):
                 found[c.path] = source
     return found
 
